@@ -1,0 +1,127 @@
+"""Argument checks for the public entry points (SPEC §3 "Inputs").
+
+Each check raises TypeError for a wrong type or dtype and ValueError otherwise, naming the
+argument, what was given and what is expected. Nothing invalid reaches a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .grid import SUPPORTED_GROUP_SIZES, SUPPORTED_WORLD_SIZES
+
+K_DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value) -> int:
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int (not bool), got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_k(k) -> tuple[int, int, int, int]:
+    """Validate the shard ``k`` [B, L, H, D]; return its shape."""
+    if not isinstance(k, torch.Tensor):
+        raise TypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
+    if k.dtype not in K_DTYPES:
+        raise TypeError(f"k must be bfloat16 or float16, got dtype {k.dtype}")
+    if k.dim() != 4:
+        raise ValueError(f"k must be 4-D [B, L, H, D], got shape {tuple(k.shape)}")
+    B, L, H, D = k.shape
+    if B < 1 or L < 1 or H < 1:
+        raise ValueError(f"k must have B, L, H >= 1, got shape {tuple(k.shape)}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"k head dim D must be one of {HEAD_DIMS}, got shape {tuple(k.shape)}")
+    if k.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"k must be on a CUDA or CPU device, got {k.device}")
+    if k.stride(-1) != 1:
+        raise ValueError(f"k must have unit stride in the last dim, got strides {k.stride()}")
+    elem = k.element_size()
+    if k.data_ptr() % 16 != 0:
+        raise ValueError(
+            f"k data pointer must be 16-byte aligned, got address {k.data_ptr()} "
+            f"(offset {k.data_ptr() % 16} bytes)"
+        )
+    step = 16 // elem
+    for dim in range(3):
+        if k.stride(dim) % step != 0:
+            raise ValueError(
+                f"k stride of dim {dim} must be a multiple of {step} elements (16 bytes), "
+                f"got strides {k.stride()}"
+            )
+    return B, L, H, D
+
+
+def check_mean(k_mean_global, k: torch.Tensor) -> None:
+    if not isinstance(k_mean_global, torch.Tensor):
+        raise TypeError(f"k_mean_global must be a torch.Tensor, got {type(k_mean_global).__name__}")
+    if k_mean_global.dtype != k.dtype:
+        raise TypeError(
+            f"k_mean_global must have k's dtype {k.dtype}, got {k_mean_global.dtype}"
+        )
+    B, _, H, D = k.shape
+    if tuple(k_mean_global.shape) != (B, H, D):
+        raise ValueError(
+            f"k_mean_global must have shape [B, H, D] = {[B, H, D]}, "
+            f"got {list(k_mean_global.shape)}"
+        )
+    if k_mean_global.device != k.device:
+        raise ValueError(
+            f"k_mean_global must be on k's device {k.device}, got {k_mean_global.device}"
+        )
+    if not k_mean_global.is_contiguous():
+        raise ValueError(
+            f"k_mean_global must be contiguous, got strides {k_mean_global.stride()}"
+        )
+
+
+def check_world(rank, world_size, *, world_name: str = "world_size") -> None:
+    check_int(world_name, world_size)
+    if world_size not in SUPPORTED_WORLD_SIZES:
+        raise ValueError(f"{world_name} must be one of {SUPPORTED_WORLD_SIZES}, got {world_size}")
+    check_int("rank", rank)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got {rank}")
+
+
+def check_used(used_sequence, global_sequence: int) -> None:
+    if used_sequence is None:
+        return
+    check_int("used_sequence", used_sequence)
+    if not 1 <= used_sequence <= global_sequence:
+        raise ValueError(
+            f"used_sequence must be None or satisfy 1 <= used_sequence <= S = {global_sequence}, "
+            f"got {used_sequence}"
+        )
+
+
+def check_group_size(group_size) -> None:
+    check_int("group_size", group_size)
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+
+
+def resolve_pdl(enable_pdl, device: torch.device) -> bool:
+    """None -> PDL where supported (CUDA, compute capability >= 9.0); True without it raises."""
+    if enable_pdl is not None and not isinstance(enable_pdl, bool):
+        raise TypeError(
+            f"enable_pdl must be None or a bool, got {type(enable_pdl).__name__} {enable_pdl!r}"
+        )
+    from .kernels._runtime import HAS_GDC
+
+    supported = (
+        HAS_GDC and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+    if enable_pdl is None:
+        return supported
+    if enable_pdl and not supported:
+        raise ValueError(
+            f"enable_pdl=True needs a CUDA device of compute capability >= 9.0 and a Triton "
+            f"with grid dependency control; got device {device}"
+        )
+    return enable_pdl

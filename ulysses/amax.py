@@ -1,0 +1,82 @@
+"""``k_grouped_amax``: this rank's partial smooth-K amax per global group (SPEC §3).
+
+Shape legend: B batch, L local rows, H heads, D head dim, P = world_size, S = L * P,
+G = group_size, NS = slots(L, G).
+    k             [B, L, H, D]  bf16/fp16, this rank's rows [rank*L, (rank+1)*L) of K
+    k_mean_global [B, H, D]     k.dtype, the per-channel mean over the whole sequence
+    returns       [B, H, NS]    fp32, slot s = global group group_first(rank) + s
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate as v
+from .grid import slots as _slots
+from .grid import tail_group as _tail_group
+from .grid import touched as _touched
+from .kernels.grouped_amax import grouped_amax as _launch_grouped_amax
+
+__all__ = ["k_grouped_amax"]
+
+
+@torch.no_grad()
+def k_grouped_amax(
+    k: torch.Tensor,
+    k_mean_global: torch.Tensor,
+    *,
+    rank: int,
+    world_size: int,
+    used_sequence: int | None = None,
+    enable_pdl: bool | None = None,
+    group_size: int = 64,
+) -> torch.Tensor:
+    """Per-touched-global-group partial max of ``|K - k_mean_global|``, fp32 [B, H, slots(L, G)].
+
+    For slot ``s < touched(rank, L, G)`` (global group ``g = group_first(rank) + s``) and this
+    rank's rows ``i`` of ``g``::
+
+        out[b, h, s] = max(1e-7, max_{i, d} |fp32(k[b, i, h, d]) - fp32(k_mean_global[b, h, d])|)
+
+    Surplus slots ``[touched, slots)`` are exactly 0. When ``used_sequence`` is given with
+    ``used < S`` and ``used % G != 0``, the one group mixing live and zero-padding rows,
+    ``t = (used - 1) // G``, is reduced over live rows only (a rank with no live row of ``t``
+    writes 1e-7); every other group uses all its rows. A NaN in a slot's rows makes the slot
+    NaN, an Inf makes it Inf. The result is bitwise deterministic (max is order-independent)
+    and, like every function here, a statistic without autograd history.
+
+    CUDA tensors run the compiled Triton kernel; CPU tensors run the same kernel through
+    Triton's interpreter.
+
+    Args:
+        k: bf16/fp16 [B, L, H, D], D in {16, 32, 64, 128, 256}, unit last stride, 16-byte
+            aligned data pointer and strides of dims 0..2 (fused-QKV views are fine).
+        k_mean_global: [B, H, D], k's dtype and device, contiguous.
+        rank, world_size: this rank and the Ulysses group size (2, 4, 6 or 8).
+        used_sequence: live global rows (``1 <= used <= S``) or None for all S rows.
+        enable_pdl: None uses programmatic dependent launch where supported (CUDA, compute
+            capability >= 9.0); True on a device without it raises; False turns it off.
+        group_size: rows per global group G, one of 16, 32, 64, 128, 256.
+
+    Raises:
+        TypeError: an argument of the wrong type, or a tensor of the wrong dtype.
+        ValueError: any other violation of the rules above.
+    """
+    B, L, H, D = v.check_k(k)
+    v.check_mean(k_mean_global, k)
+    v.check_world(rank, world_size)
+    v.check_group_size(group_size)
+    S = L * world_size
+    v.check_used(used_sequence, S)
+    use_pdl = v.resolve_pdl(enable_pdl, k.device)
+
+    n_slots = _slots(L, group_size)
+    out = torch.empty((B, H, n_slots), dtype=torch.float32, device=k.device)
+    _launch_grouped_amax(
+        k, k_mean_global, out,
+        rank=rank, group_size=group_size, n_touched=_touched(rank, L, group_size),
+        tail_group=_tail_group(used_sequence, S, group_size),
+        tail_end=S if used_sequence is None else used_sequence,
+        use_pdl=use_pdl,
+    )
+    return out

@@ -1,0 +1,145 @@
+"""Pure-torch fp32 references, written for clarity (shared by tests, the harness, benchmarks).
+
+Shape legend: B batch, L local rows, S = L * P global rows, H heads, D head dim, G group size.
+    k_full  [B, S, H, D]  the whole (gathered) sequence
+    k       [B, L, H, D]  one rank's shard, global rows [rank*L, (rank+1)*L)
+    k_mean  [B, H, D]     the global mean in k's dtype
+
+The global mean's fixed association (SPEC §4, docs/DESIGN.md): each rank sums its live rows
+in fp32 block by block, blocks being the 64-row blocks of the GLOBAL grid clipped to the
+shard, rows of a block in increasing order, then the blocks in increasing order, each sum
+starting from +0.0; the ranks' sums are then added in rank order, divided by n in fp32 and
+rounded to nearest-even into k's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .grid import group_first, slots, tail_group, touched
+
+__all__ = [
+    "SUM_BLOCK",
+    "FLOOR",
+    "shard",
+    "local_sum",
+    "global_k_mean",
+    "global_mean_fp64",
+    "grouped_amax_shard",
+    "grouped_amax_full",
+    "merged_amax_shard",
+]
+
+SUM_BLOCK = 64  # rows per block of the mean's fixed association (independent of G)
+FLOOR = 1e-7
+
+
+def shard(k_full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``k_full`` [B, S, H, D] (a view)."""
+    S = k_full.shape[1]
+    assert S % world_size == 0, (S, world_size)
+    L = S // world_size
+    return k_full[:, rank * L:(rank + 1) * L]
+
+
+def _live_rows(rank: int, L: int, used_sequence: int | None) -> int:
+    """How many of this shard's rows are live (global index < used)."""
+    if used_sequence is None:
+        return L
+    return max(0, min(L, used_sequence - rank * L))
+
+
+def local_sum(k: torch.Tensor, *, rank: int, used_sequence: int | None = None) -> torch.Tensor:
+    """fp32 [B, H, D] sum of the shard's live rows in the fixed block association."""
+    B, L, H, D = k.shape
+    row0 = rank * L
+    first_block = row0 // SUM_BLOCK
+    n_blocks = slots(L, SUM_BLOCK)
+    offset = row0 - first_block * SUM_BLOCK
+    live = _live_rows(rank, L, used_sequence)
+    padded = torch.zeros(B, n_blocks * SUM_BLOCK, H, D, dtype=torch.float32, device=k.device)
+    padded[:, offset:offset + live] = k[:, :live].float()
+    blocks = padded.view(B, n_blocks, SUM_BLOCK, H, D)
+    block_sums = torch.zeros(B, n_blocks, H, D, dtype=torch.float32, device=k.device)
+    for j in range(SUM_BLOCK):
+        block_sums += blocks[:, :, j]
+    total = torch.zeros(B, H, D, dtype=torch.float32, device=k.device)
+    for i in range(n_blocks):
+        total += block_sums[:, i]
+    return total
+
+
+def global_k_mean(k_full: torch.Tensor, *, world_size: int,
+                  used_sequence: int | None = None) -> torch.Tensor:
+    """The global K mean [B, H, D] in k's dtype, bit for bit as the library computes it."""
+    S = k_full.shape[1]
+    n = S if used_sequence is None else used_sequence
+    total = torch.zeros(k_full.shape[0], k_full.shape[2], k_full.shape[3],
+                        dtype=torch.float32, device=k_full.device)
+    for r in range(world_size):
+        total += local_sum(shard(k_full, r, world_size), rank=r, used_sequence=used_sequence)
+    return (total / n).to(k_full.dtype)
+
+
+def global_mean_fp64(k_full: torch.Tensor, used_sequence: int | None = None) -> torch.Tensor:
+    """The exact-ish mean of the live rows in float64 [B, H, D] (for ulp checks)."""
+    n = k_full.shape[1] if used_sequence is None else used_sequence
+    return k_full[:, :n].double().sum(dim=1) / n
+
+
+def _rows_amax(rows: torch.Tensor, k_mean: torch.Tensor) -> torch.Tensor:
+    """max over rows and d of |fp32(rows) - fp32(mean)|, floored; rows [B, n, H, D] -> [B, H]."""
+    if rows.shape[1] == 0:
+        return torch.full(k_mean.shape[:2], FLOOR, dtype=torch.float32, device=k_mean.device)
+    diff = (rows.float() - k_mean.float()[:, None]).abs()
+    amax = diff.amax(dim=(1, 3))  # NaN propagates through amax
+    return torch.clamp_min(amax, FLOOR)  # clamp keeps NaN
+
+
+def grouped_amax_shard(k: torch.Tensor, k_mean: torch.Tensor, *, rank: int, world_size: int,
+                       used_sequence: int | None = None, group_size: int = 64) -> torch.Tensor:
+    """Reference for ``k_grouped_amax``: fp32 [B, H, slots(L, G)] for one shard."""
+    B, L, H, D = k.shape
+    G = group_size
+    S = L * world_size
+    t = tail_group(used_sequence, S, G)
+    gf = group_first(rank, L, G)
+    out = torch.zeros(B, H, slots(L, G), dtype=torch.float32, device=k.device)
+    for s in range(touched(rank, L, G)):
+        g = gf + s
+        lo = max(g * G, rank * L)
+        hi = min((g + 1) * G, (rank + 1) * L)
+        if g == t:
+            hi = min(hi, used_sequence)
+        hi = max(hi, lo)
+        out[:, :, s] = _rows_amax(k[:, lo - rank * L:hi - rank * L], k_mean)
+    return out
+
+
+def grouped_amax_full(k_full: torch.Tensor, k_mean: torch.Tensor, *,
+                      used_sequence: int | None = None, group_size: int = 64) -> torch.Tensor:
+    """Grouped amax of the whole sequence on the global grid: fp32 [B, H, ceil(S / G)]."""
+    B, S, H, D = k_full.shape
+    G = group_size
+    t = tail_group(used_sequence, S, G)
+    n_groups = math.ceil(S / G)
+    out = torch.empty(B, H, n_groups, dtype=torch.float32, device=k_full.device)
+    for g in range(n_groups):
+        hi = min((g + 1) * G, S)
+        if g == t:
+            hi = used_sequence
+        out[:, :, g] = _rows_amax(k_full[:, g * G:hi], k_mean)
+    return out
+
+
+def merged_amax_shard(full_amax: torch.Tensor, *, rank: int, L: int,
+                      group_size: int = 64) -> torch.Tensor:
+    """What ``amax_final`` must hold on ``rank``: the full-sequence group amax in its slots."""
+    B, H, _ = full_amax.shape
+    gf = group_first(rank, L, group_size)
+    n = touched(rank, L, group_size)
+    out = torch.zeros(B, H, slots(L, group_size), dtype=torch.float32, device=full_amax.device)
+    out[:, :, :n] = full_amax[:, :, gf:gf + n]
+    return out
