@@ -3,9 +3,13 @@
 from . import reference
 from .amax import k_grouped_amax
 from .grid import group_first, group_last, slots, touched
+from .stats import SmoothKStats, global_k_mean, smooth_k_stats
 
 __all__ = [
     "k_grouped_amax",
+    "global_k_mean",
+    "smooth_k_stats",
+    "SmoothKStats",
     "slots",
     "group_first",
     "group_last",

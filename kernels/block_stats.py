@@ -1,0 +1,173 @@
+"""One read of K: fixed-association block sums and per-group channel min/max (SPEC §4).
+
+One program per (batch, span, head block); a span is max(G, 64) rows of the GLOBAL grid, so it
+holds whole 64-row sum blocks and whole G-row groups. The program walks its rows in order,
+ROWS at a time (unrolled so their loads are in flight together) and
+
+* adds each live row (global index < used) to an fp32 block sum, one row after another from
+  +0.0: the association of the global mean (docs/DESIGN.md), independent of G and of the
+  tile shape, so the mean has the same bits whichever method or launch configuration ran;
+* keeps per-channel min and max of the rows the grouped amax reduces (all rows of the group,
+  but only live rows of the tail group) plus a NaN flag, so that after the collective
+  ``max |rn(k - m)| = max(rn(max k - m), rn(m - min k))`` yields the amax without K.
+
+Min/max are stored in K's dtype (exact: they are values of K); an empty part stores
+min = +inf, max = -inf, which the consumers read as "no rows".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import gdc_launch_dependents, gdc_wait, launch, next_pow2
+
+__all__ = ["block_stats", "SUM_BLOCK", "MINMAX_NONE", "MINMAX_BOUNDARY", "MINMAX_ALL"]
+
+SUM_BLOCK = 64
+SUM_BLOCK_C = tl.constexpr(SUM_BLOCK)
+MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
+
+
+@triton.jit
+def _block_stats_kernel(
+    k_ptr, stride_kb, stride_kl, stride_kh,
+    sum_ptr,
+    mm_ptr,
+    L, H, n_spans, n_hblocks, row0, used, tail_group,
+    span_first, block_first, n_blocks, g_first, n_touched, n_mm,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    MINMAX: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
+    SPAN: tl.constexpr = G if G > 64 else 64
+    N_SUB: tl.constexpr = SPAN // SUB
+
+    i_pid = tl.program_id(0).to(tl.int64)
+    i_hb = i_pid % n_hblocks
+    i_sp = (i_pid // n_hblocks) % n_spans
+    i_b = i_pid // (n_hblocks * n_spans)
+
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    o_d = tl.arange(0, D)  # [D]
+    m_hd = (o_h < H)[:, None] & (o_d[None, :] < D)  # [BH, D]
+    o_hd = o_h[:, None] * D + o_d[None, :]  # [BH, D] offset in a contiguous [H, D] plane
+
+    if USE_PDL:
+        gdc_wait()
+
+    span0 = (span_first + i_sp) * SPAN  # first global row of this span
+    p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
+    live_end = used - row0  # local rows below this are live
+
+    b_sum = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    b_min = tl.full([BLOCK_H, D], float("inf"), tl.float32)
+    b_max = tl.full([BLOCK_H, D], float("-inf"), tl.float32)
+    b_nan = tl.zeros([BLOCK_H, D], dtype=tl.int1)
+    for i_sub in tl.static_range(N_SUB):
+        sub0 = span0 + i_sub * SUB
+        lo = tl.maximum(sub0 - row0, 0)
+        hi = tl.minimum(sub0 + SUB - row0, L)
+        group = sub0 // G
+        hi_mm = tl.where(group == tail_group, tl.minimum(hi, live_end), hi)
+        for i_r in range(lo, hi, ROWS):
+            for j in tl.static_range(ROWS):
+                i_row = i_r + j
+                m_row = tl.where(i_row < hi, m_hd, False)  # not `&`: the 3.9 interpreter widens it
+                b_k = tl.load(p_k + i_row * stride_kl, mask=m_row, other=0.0).to(tl.float32)
+                b_sum += tl.where(i_row < live_end, b_k, 0.0)
+                if MINMAX != 0:
+                    m_mm = tl.where(i_row < hi_mm, m_row, False)
+                    b_min = tl.where(m_mm, tl.minimum(b_min, b_k), b_min)
+                    b_max = tl.where(m_mm, tl.maximum(b_max, b_k), b_max)
+                    b_nan = b_nan | tl.where(m_mm, b_k != b_k, False)
+        if SUB == SUM_BLOCK_C:
+            i_blk = sub0 // SUB - block_first
+            if (i_blk >= 0) & (i_blk < n_blocks):
+                tl.store(sum_ptr + (i_b * n_blocks + i_blk) * H * D + o_hd, b_sum, mask=m_hd)
+            b_sum = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        if MINMAX != 0:
+            if SUB == G:
+                i_s = group - g_first
+                _store_minmax(mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D,
+                              o_hd, m_hd, MINMAX)
+                b_min = tl.full([BLOCK_H, D], float("inf"), tl.float32)
+                b_max = tl.full([BLOCK_H, D], float("-inf"), tl.float32)
+                b_nan = tl.zeros([BLOCK_H, D], dtype=tl.int1)
+
+    if USE_PDL:
+        gdc_launch_dependents()
+    if SUB != SUM_BLOCK_C:  # G < 64: the span is one sum block
+        i_blk = span0 // SUM_BLOCK_C - block_first
+        if (i_blk >= 0) & (i_blk < n_blocks):
+            tl.store(sum_ptr + (i_b * n_blocks + i_blk) * H * D + o_hd, b_sum, mask=m_hd)
+    if MINMAX != 0:
+        if SUB != G:  # G > 64: the span is one group
+            i_s = span0 // G - g_first
+            _store_minmax(mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D,
+                          o_hd, m_hd, MINMAX)
+
+
+@triton.jit
+def _store_minmax(mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D: tl.constexpr,
+                  o_hd, m_hd, MINMAX: tl.constexpr):
+    """Store one slot's min/max into mm [B, n_mm, 2, H, D]; NaN wins over both."""
+    b_min = tl.where(b_nan, float("nan"), b_min).to(mm_ptr.dtype.element_ty)
+    b_max = tl.where(b_nan, float("nan"), b_max).to(mm_ptr.dtype.element_ty)
+    if MINMAX == 2:
+        if (i_s >= 0) & (i_s < n_touched):
+            p = mm_ptr + ((i_b * n_mm + i_s) * 2) * H * D + o_hd
+            tl.store(p, b_min, mask=m_hd)
+            tl.store(p + H * D, b_max, mask=m_hd)
+    else:  # boundary only: index 0 is the first touched slot, index 1 the last
+        if i_s == 0:
+            p = mm_ptr + (i_b * 2 * 2) * H * D + o_hd
+            tl.store(p, b_min, mask=m_hd)
+            tl.store(p + H * D, b_max, mask=m_hd)
+        if i_s == n_touched - 1:
+            p = mm_ptr + ((i_b * 2 + 1) * 2) * H * D + o_hd
+            tl.store(p, b_min, mask=m_hd)
+            tl.store(p + H * D, b_max, mask=m_hd)
+
+
+def _tile(D: int, H: int) -> tuple[int, int]:
+    block_h = max(1, min(next_pow2(H), 1024 // D))
+    num_warps = max(1, min(8, block_h * D // 256))
+    return block_h, num_warps
+
+
+def block_stats(k: torch.Tensor, block_sums: torch.Tensor, minmax: torch.Tensor | None, *,
+                rank: int, used: int, tail_group: int, group_size: int, n_blocks: int,
+                n_touched: int, minmax_mode: int, use_pdl: bool, rows: int = 8) -> None:
+    """Fill ``block_sums`` fp32 [B, NB, H, D] (rank-local 64-row blocks 0..n_blocks-1) and,
+    unless ``minmax_mode`` is MINMAX_NONE, ``minmax`` [B, NM, 2, H, D] in k's dtype: NM = slots
+    for MINMAX_ALL, NM = 2 (first, last touched slot) for MINMAX_BOUNDARY."""
+    B, L, H, D = k.shape
+    G = group_size
+    span = max(G, SUM_BLOCK)
+    row0 = rank * L
+    span_first = row0 // span
+    n_spans = (row0 + L - 1) // span - span_first + 1
+    assert block_sums.dtype == torch.float32 and block_sums.is_contiguous()
+    assert block_sums.shape[:2] == (B, n_blocks) and block_sums.shape[2:] == (H, D)
+    if minmax_mode == MINMAX_NONE:
+        minmax = block_sums  # never written; a valid pointer keeps the signature fixed
+        n_mm = 0
+    else:
+        assert minmax is not None and minmax.is_contiguous() and minmax.dtype == k.dtype
+        n_mm = minmax.shape[1]
+        assert minmax.shape == (B, n_mm, 2, H, D)
+        assert minmax_mode == MINMAX_ALL or n_mm == 2
+    block_h, num_warps = _tile(D, H)
+    n_hblocks = triton.cdiv(H, block_h)
+    launch(
+        _block_stats_kernel, (B * n_spans * n_hblocks,), k.device,
+        num_warps=num_warps, use_pdl=use_pdl,
+        k_ptr=k, stride_kb=k.stride(0), stride_kl=k.stride(1), stride_kh=k.stride(2),
+        sum_ptr=block_sums, mm_ptr=minmax,
+        L=L, H=H, n_spans=n_spans, n_hblocks=n_hblocks, row0=row0, used=used,
+        tail_group=tail_group, span_first=span_first, block_first=row0 // SUM_BLOCK,
+        n_blocks=n_blocks, g_first=row0 // G, n_touched=n_touched, n_mm=n_mm,
+        G=G, D=D, BLOCK_H=block_h, ROWS=rows, MINMAX=minmax_mode, USE_PDL=use_pdl,
+    )

@@ -1,0 +1,85 @@
+"""Shared helpers for the single-process CPU tests (the kernel runs in Triton's interpreter).
+
+Shape legend: B batch, L local rows, P world size, S = L * P global rows, H heads, D head dim,
+G group size. ``k_full`` [B, S, H, D] is the whole sequence, a shard is [B, L, H, D].
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def _fmt(x: torch.Tensor) -> str:
+    v = x.item()
+    return f"{v!r} ({float(v).hex()})" if x.is_floating_point() else repr(v)
+
+
+def _assert_bitwise(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    """Bit-for-bit equality; a position where both sides are NaN counts as equal.
+
+    Stricter than ``torch.equal`` on floats: +0.0 and -0.0 differ here. On failure the
+    message shows the first mismatching index, both values, and how many positions differ.
+    """
+    prefix = f"{what}: " if what else ""
+    assert out.shape == ref.shape, f"{prefix}shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert out.dtype == ref.dtype, f"{prefix}dtype {out.dtype} != {ref.dtype}"
+    if out.is_floating_point():
+        both_nan = torch.isnan(out) & torch.isnan(ref)
+        int_dtype = _INT_VIEW[out.dtype]
+        same = (out.view(int_dtype) == ref.view(int_dtype)) | both_nan
+    else:
+        same = out == ref
+    if bool(same.all()):
+        return
+    bad = torch.nonzero(~same)
+    first = tuple(bad[0].tolist())
+    raise AssertionError(
+        f"{prefix}{bad.shape[0]} of {same.numel()} positions differ; first at index {first}: "
+        f"got {_fmt(out[first])}, expected {_fmt(ref[first])}"
+    )
+
+
+@pytest.fixture
+def assert_bitwise():
+    """``assert_bitwise(out, ref, what="")``: bitwise equality, NaN == NaN only if both NaN."""
+    return _assert_bitwise
+
+
+def _make_k_full(B: int, S: int, H: int, D: int, dtype: torch.dtype, data: str, *,
+                 used: int | None = None, seed: int | str = 0) -> torch.Tensor:
+    """A seeded global K [B, S, H, D]; rows [used, S) are zero padding.
+
+    ``data``: "randn" (plain normal) or "smooth" (``4*channel_mean + 1e-3*noise`` with one
+    channel mean per (h, d): large offsets, tiny spread, so a padding row that leaks into a
+    live group's max is plainly visible).
+    """
+    if isinstance(seed, str):
+        seed = zlib.crc32(seed.encode())
+    gen = torch.Generator().manual_seed(seed)
+    if data == "randn":
+        k = torch.randn(B, S, H, D, generator=gen)
+    elif data == "smooth":
+        channel_mean = torch.randn(H, D, generator=gen)
+        k = 4 * channel_mean + 1e-3 * torch.randn(B, S, H, D, generator=gen)
+    else:
+        raise ValueError(f"unknown data kind {data!r}")
+    k = k.to(dtype)
+    if used is not None:
+        k[:, used:] = 0
+    return k
+
+
+@pytest.fixture
+def make_k_full():
+    """``make_k_full(B, S, H, D, dtype, data, *, used=None, seed=0)`` -> k_full [B, S, H, D]."""
+    return _make_k_full
