@@ -71,9 +71,10 @@ def launch(kernel, grid: tuple, device: torch.device, *, num_warps: int = 4,
             _interpreted(kernel)[grid](**kwargs)
         return
     assert device.type == "cuda", device
-    with torch.cuda.device(device):
-        if use_pdl:
-            kernel[grid](num_warps=num_warps, launch_pdl=True, **kwargs)
-        else:
-            kernel[grid](num_warps=num_warps, **kwargs)
+    extra = {"launch_pdl": True} if use_pdl else {}
+    if device.index is None or device.index == torch.cuda.current_device():
+        kernel[grid](num_warps=num_warps, **extra, **kwargs)
+    else:
+        with torch.cuda.device(device):
+            kernel[grid](num_warps=num_warps, **extra, **kwargs)
 

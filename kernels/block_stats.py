@@ -30,7 +30,7 @@ SUM_BLOCK_C = tl.constexpr(SUM_BLOCK)
 MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "H", "n_spans", "n_hblocks", "row0", "used", "tail_group", "span_first", "block_first", "n_blocks", "g_first", "n_touched", "n_mm"])
 def _block_stats_kernel(
     k_ptr, stride_kb, stride_kl, stride_kh,
     sum_ptr,
@@ -139,7 +139,8 @@ def _tile(D: int, H: int) -> tuple[int, int]:
 
 def block_stats(k: torch.Tensor, block_sums: torch.Tensor, minmax: torch.Tensor | None, *,
                 rank: int, used: int, tail_group: int, group_size: int, n_blocks: int,
-                n_touched: int, minmax_mode: int, use_pdl: bool, rows: int = 8) -> None:
+                n_touched: int, minmax_mode: int, use_pdl: bool, rows: int = 8,
+                block_h: int | None = None, num_warps: int | None = None) -> None:
     """Fill ``block_sums`` fp32 [B, NB, H, D] (rank-local 64-row blocks 0..n_blocks-1) and,
     unless ``minmax_mode`` is MINMAX_NONE, ``minmax`` [B, NM, 2, H, D] in k's dtype: NM = slots
     for MINMAX_ALL, NM = 2 (first, last touched slot) for MINMAX_BOUNDARY."""
@@ -159,7 +160,9 @@ def block_stats(k: torch.Tensor, block_sums: torch.Tensor, minmax: torch.Tensor 
         n_mm = minmax.shape[1]
         assert minmax.shape == (B, n_mm, 2, H, D)
         assert minmax_mode == MINMAX_ALL or n_mm == 2
-    block_h, num_warps = _tile(D, H)
+    auto_h, auto_warps = _tile(D, H)
+    block_h = block_h or auto_h
+    num_warps = num_warps or auto_warps
     n_hblocks = triton.cdiv(H, block_h)
     launch(
         _block_stats_kernel, (B * n_spans * n_hblocks,), k.device,

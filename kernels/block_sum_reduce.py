@@ -15,7 +15,7 @@ from ._runtime import gdc_launch_dependents, gdc_wait, launch
 __all__ = ["block_sum_reduce"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks", "n_elem"])
 def _block_sum_reduce_kernel(
     sum_ptr, out_ptr, n_blocks, n_elem,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,

@@ -21,7 +21,7 @@ __all__ = ["grouped_amax"]
 FLOOR = tl.constexpr(1e-7)  # the scale floor of SPEC §3, as fp32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "H", "n_slots", "n_hblocks", "row0", "g_first", "n_touched", "tail_group", "tail_end"])
 def _grouped_amax_kernel(
     k_ptr, stride_kb, stride_kl, stride_kh,
     mean_ptr,
@@ -81,7 +81,8 @@ def _tile(D: int, H: int) -> tuple[int, int]:
 
 def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, rank: int,
                  group_size: int, n_touched: int, tail_group: int, tail_end: int,
-                 use_pdl: bool, rows: int = 8) -> torch.Tensor:
+                 use_pdl: bool, rows: int = 8,
+                 block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Write this rank's per-slot partial amax into ``out`` [B, H, slots] (fp32, contiguous).
 
     ``k`` [B, L, H, D] (last stride 1), ``k_mean`` [B, H, D] contiguous, both validated by the
@@ -91,7 +92,9 @@ def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, ra
     n_slots = out.shape[-1]
     assert k.stride(-1) == 1 and k_mean.is_contiguous() and out.is_contiguous()
     assert out.shape == (B, H, n_slots) and out.dtype == torch.float32
-    block_h, num_warps = _tile(D, H)
+    auto_h, auto_warps = _tile(D, H)
+    block_h = block_h or auto_h
+    num_warps = num_warps or auto_warps
     n_hblocks = triton.cdiv(H, block_h)
     launch(
         _grouped_amax_kernel, (B * n_slots * n_hblocks,), k.device,

@@ -6,6 +6,8 @@ argument, what was given and what is expected. Nothing invalid reaches a kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .grid import SUPPORTED_GROUP_SIZES, SUPPORTED_WORLD_SIZES
@@ -106,17 +108,20 @@ def check_group_size(group_size) -> None:
         raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int | None) -> bool:
+    from .kernels._runtime import HAS_GDC
+
+    return HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def resolve_pdl(enable_pdl, device: torch.device) -> bool:
     """None -> PDL where supported (CUDA, compute capability >= 9.0); True without it raises."""
     if enable_pdl is not None and not isinstance(enable_pdl, bool):
         raise TypeError(
             f"enable_pdl must be None or a bool, got {type(enable_pdl).__name__} {enable_pdl!r}"
         )
-    from .kernels._runtime import HAS_GDC
-
-    supported = (
-        HAS_GDC and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    )
+    supported = device.type == "cuda" and _pdl_capable(device.index)
     if enable_pdl is None:
         return supported
     if enable_pdl and not supported:
