@@ -30,19 +30,28 @@ SUM_BLOCK_C = tl.constexpr(SUM_BLOCK)
 MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 
 
-@triton.jit(do_not_specialize=["L", "H", "n_spans", "n_hblocks", "row0", "used", "tail_group", "span_first", "block_first", "n_blocks", "g_first", "n_touched", "n_mm"])
+@triton.jit(do_not_specialize=["L", "H", "row0", "used", "tail_group"])
 def _block_stats_kernel(
     k_ptr, stride_kb, stride_kl, stride_kh,
     sum_ptr,
     mm_ptr,
-    L, H, n_spans, n_hblocks, row0, used, tail_group,
-    span_first, block_first, n_blocks, g_first, n_touched, n_mm,
+    L, H, row0, used, tail_group,
     G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
     MINMAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
     SPAN: tl.constexpr = G if G > 64 else 64
     N_SUB: tl.constexpr = SPAN // SUB
+    span_first = row0 // SPAN
+    n_spans = (row0 + L - 1) // SPAN - span_first + 1
+    n_hblocks = tl.cdiv(H, BLOCK_H)
+    block_first = row0 // SUM_BLOCK_C
+    n_blocks = (row0 + L - 1) // SUM_BLOCK_C - block_first + 1
+    g_first = row0 // G
+    n_touched = (row0 + L - 1) // G - g_first + 1
+    n_mm = 2
+    if MINMAX == 2:
+        n_mm = (L + 2 * G - 2) // G
 
     i_pid = tl.program_id(0).to(tl.int64)
     i_hb = i_pid % n_hblocks
@@ -71,7 +80,19 @@ def _block_stats_kernel(
         hi = tl.minimum(sub0 + SUB - row0, L)
         group = sub0 // G
         hi_mm = tl.where(group == tail_group, tl.minimum(hi, live_end), hi)
-        for i_r in range(lo, hi, ROWS):
+        # Rows [lo, lo + n_full*ROWS) are live and reduced by min/max: only the head mask
+        # (heads past H are never stored). The rest, the tail included, is masked row by row.
+        n_full = tl.maximum(tl.minimum(hi_mm, live_end) - lo, 0) // ROWS
+        for i_c in range(0, n_full):
+            for j in tl.static_range(ROWS):
+                i_row = lo + i_c * ROWS + j
+                b_k = tl.load(p_k + i_row * stride_kl, mask=m_hd, other=0.0).to(tl.float32)
+                b_sum += b_k
+                if MINMAX != 0:
+                    b_min = tl.minimum(b_min, b_k)
+                    b_max = tl.maximum(b_max, b_k)
+                    b_nan = b_nan | (b_k != b_k)
+        for i_r in range(lo + n_full * ROWS, hi, ROWS):
             for j in tl.static_range(ROWS):
                 i_row = i_r + j
                 m_row = tl.where(i_row < hi, m_hd, False)  # not `&`: the 3.9 interpreter widens it
@@ -131,36 +152,38 @@ def _store_minmax(mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D: 
             tl.store(p + H * D, b_max, mask=m_hd)
 
 
-def _tile(D: int, H: int) -> tuple[int, int]:
-    block_h = max(1, min(next_pow2(H), 1024 // D))
-    num_warps = max(1, min(8, block_h * D // 256))
-    return block_h, num_warps
+def _tile(D: int, H: int, cuda: bool = True) -> tuple[int, int]:
+    """(BLOCK_H, num_warps); see kernels/grouped_amax.py and docs/BENCHMARKS.md."""
+    if not cuda:
+        return max(1, min(next_pow2(H), 4096 // D)), 1
+    block_h = max(1, min(next_pow2(H), 512 // D))
+    return block_h, max(1, min(8, block_h * D // 128))
 
 
 def block_stats(k: torch.Tensor, block_sums: torch.Tensor, minmax: torch.Tensor | None, *,
-                rank: int, used: int, tail_group: int, group_size: int, n_blocks: int,
-                n_touched: int, minmax_mode: int, use_pdl: bool, rows: int = 8,
-                block_h: int | None = None, num_warps: int | None = None) -> None:
-    """Fill ``block_sums`` fp32 [B, NB, H, D] (rank-local 64-row blocks 0..n_blocks-1) and,
-    unless ``minmax_mode`` is MINMAX_NONE, ``minmax`` [B, NM, 2, H, D] in k's dtype: NM = slots
-    for MINMAX_ALL, NM = 2 (first, last touched slot) for MINMAX_BOUNDARY."""
+                rank: int, used: int, tail_group: int, group_size: int, minmax_mode: int,
+                use_pdl: bool, rows: int | None = None, block_h: int | None = None,
+                num_warps: int | None = None) -> None:
+    """Fill ``block_sums`` fp32 [B, NB, H, D] (the NB = touched(rank, L, 64) sum blocks of the
+    shard) and, unless ``minmax_mode`` is MINMAX_NONE, ``minmax`` [B, NM, 2, H, D] in k's
+    dtype: NM = slots(L, G) for MINMAX_ALL, NM = 2 (first, last touched slot) for
+    MINMAX_BOUNDARY. Any ``rows`` gives the same bits (the sum is row-sequential)."""
     B, L, H, D = k.shape
     G = group_size
     span = max(G, SUM_BLOCK)
     row0 = rank * L
-    span_first = row0 // span
-    n_spans = (row0 + L - 1) // span - span_first + 1
+    n_spans = (row0 + L - 1) // span - row0 // span + 1
+    n_blocks = (row0 + L - 1) // SUM_BLOCK - row0 // SUM_BLOCK + 1
     assert block_sums.dtype == torch.float32 and block_sums.is_contiguous()
-    assert block_sums.shape[:2] == (B, n_blocks) and block_sums.shape[2:] == (H, D)
+    assert tuple(block_sums.shape) == (B, n_blocks, H, D)
     if minmax_mode == MINMAX_NONE:
         minmax = block_sums  # never written; a valid pointer keeps the signature fixed
-        n_mm = 0
     else:
         assert minmax is not None and minmax.is_contiguous() and minmax.dtype == k.dtype
-        n_mm = minmax.shape[1]
-        assert minmax.shape == (B, n_mm, 2, H, D)
-        assert minmax_mode == MINMAX_ALL or n_mm == 2
-    auto_h, auto_warps = _tile(D, H)
+        n_mm = (L + 2 * G - 2) // G if minmax_mode == MINMAX_ALL else 2
+        assert tuple(minmax.shape) == (B, n_mm, 2, H, D)
+    rows = rows or (16 if k.is_cuda else 4)
+    auto_h, auto_warps = _tile(D, H, k.is_cuda)
     block_h = block_h or auto_h
     num_warps = num_warps or auto_warps
     n_hblocks = triton.cdiv(H, block_h)
@@ -169,8 +192,6 @@ def block_stats(k: torch.Tensor, block_sums: torch.Tensor, minmax: torch.Tensor 
         num_warps=num_warps, use_pdl=use_pdl,
         k_ptr=k, stride_kb=k.stride(0), stride_kl=k.stride(1), stride_kh=k.stride(2),
         sum_ptr=block_sums, mm_ptr=minmax,
-        L=L, H=H, n_spans=n_spans, n_hblocks=n_hblocks, row0=row0, used=used,
-        tail_group=tail_group, span_first=span_first, block_first=row0 // SUM_BLOCK,
-        n_blocks=n_blocks, g_first=row0 // G, n_touched=n_touched, n_mm=n_mm,
+        L=L, H=H, row0=row0, used=used, tail_group=tail_group,
         G=G, D=D, BLOCK_H=block_h, ROWS=rows, MINMAX=minmax_mode, USE_PDL=use_pdl,
     )

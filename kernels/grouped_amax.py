@@ -21,15 +21,20 @@ __all__ = ["grouped_amax"]
 FLOOR = tl.constexpr(1e-7)  # the scale floor of SPEC §3, as fp32
 
 
-@triton.jit(do_not_specialize=["L", "H", "n_slots", "n_hblocks", "row0", "g_first", "n_touched", "tail_group", "tail_end"])
+@triton.jit(do_not_specialize=["L", "H", "row0", "tail_group", "tail_end"])
 def _grouped_amax_kernel(
     k_ptr, stride_kb, stride_kl, stride_kh,
     mean_ptr,
     out_ptr,
-    L, H, n_slots, n_hblocks, row0, g_first, n_touched, tail_group, tail_end,
+    L, H, row0, tail_group, tail_end,
     G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    n_slots = (L + 2 * G - 2) // G
+    n_hblocks = tl.cdiv(H, BLOCK_H)
+    g_first = row0 // G
+    n_touched = (row0 + L - 1) // G - g_first + 1
+
     i_pid = tl.program_id(0).to(tl.int64)
     i_hb = i_pid % n_hblocks
     i_s = (i_pid // n_hblocks) % n_slots
@@ -52,15 +57,22 @@ def _grouped_amax_kernel(
     p_mean = mean_ptr + i_b * H * D + o_h[:, None] * D + o_d[None, :]
     b_mean = tl.load(p_mean, mask=m_hd, other=0.0).to(tl.float32)  # [BH, D]
 
+    # Full chunks of ROWS rows need only the head mask (heads past H are never stored);
+    # the last hi - lo - n_full * ROWS rows are masked and selected explicitly.
     p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
     b_acc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
-    for i_r in range(lo, hi, ROWS):
+    n_full = tl.maximum(hi - lo, 0) // ROWS
+    for i_c in range(0, n_full):
         for j in tl.static_range(ROWS):
-            i_row = i_r + j
-            m_row = tl.where(i_row < hi, m_hd, False)  # not `&`: Triton 3.9 interpreter widens it
-            b_k = tl.load(p_k + i_row * stride_kl, mask=m_row, other=0.0).to(tl.float32)
-            b_bits = tl.abs(b_k - b_mean).to(tl.int32, bitcast=True)
-            b_acc = tl.maximum(b_acc, tl.where(m_row, b_bits, 0))
+            i_row = lo + i_c * ROWS + j
+            b_k = tl.load(p_k + i_row * stride_kl, mask=m_hd, other=0.0).to(tl.float32)
+            b_acc = tl.maximum(b_acc, tl.abs(b_k - b_mean).to(tl.int32, bitcast=True))
+    for j in tl.static_range(ROWS - 1):
+        i_row = lo + n_full * ROWS + j
+        m_row = tl.where(i_row < hi, m_hd, False)  # not `&`: the 3.9 interpreter widens it
+        b_k = tl.load(p_k + i_row * stride_kl, mask=m_row, other=0.0).to(tl.float32)
+        b_bits = tl.abs(b_k - b_mean).to(tl.int32, bitcast=True)
+        b_acc = tl.maximum(b_acc, tl.where(m_row, b_bits, 0))
 
     if USE_PDL:
         gdc_launch_dependents()
@@ -72,16 +84,22 @@ def _grouped_amax_kernel(
     tl.store(p_out, b_out, mask=m_h)
 
 
-def _tile(D: int, H: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps): about 1024 elements per row tile, 8 per thread (16-byte loads)."""
-    block_h = max(1, min(next_pow2(H), 1024 // D))
-    num_warps = max(1, min(8, block_h * D // 256))
+def _tile(D: int, H: int, cuda: bool = True) -> tuple[int, int]:
+    """(BLOCK_H, num_warps): 512-element row tiles, 4 elements per thread.
+
+    Measured on an H200 (docs/BENCHMARKS.md): with 16 rows unrolled, 4 elements a thread
+    keeps enough loads in flight and enough programs per SM; 8 or 2 were slower.
+    """
+    if not cuda:  # the interpreter pays per operation, not per element: big tiles
+        return max(1, min(next_pow2(H), 4096 // D)), 1
+    block_h = max(1, min(next_pow2(H), 512 // D))
+    num_warps = max(1, min(8, block_h * D // 128))
     return block_h, num_warps
 
 
 def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, rank: int,
-                 group_size: int, n_touched: int, tail_group: int, tail_end: int,
-                 use_pdl: bool, rows: int = 8,
+                 group_size: int, tail_group: int, tail_end: int,
+                 use_pdl: bool, rows: int | None = None,
                  block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Write this rank's per-slot partial amax into ``out`` [B, H, slots] (fp32, contiguous).
 
@@ -92,7 +110,10 @@ def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, ra
     n_slots = out.shape[-1]
     assert k.stride(-1) == 1 and k_mean.is_contiguous() and out.is_contiguous()
     assert out.shape == (B, H, n_slots) and out.dtype == torch.float32
-    auto_h, auto_warps = _tile(D, H)
+    assert n_slots == (L + 2 * group_size - 2) // group_size
+    # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
+    rows = rows or (16 if k.is_cuda else 4)
+    auto_h, auto_warps = _tile(D, H, k.is_cuda)
     block_h = block_h or auto_h
     num_warps = num_warps or auto_warps
     n_hblocks = triton.cdiv(H, block_h)
@@ -101,9 +122,7 @@ def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, ra
         num_warps=num_warps, use_pdl=use_pdl,
         k_ptr=k, stride_kb=k.stride(0), stride_kl=k.stride(1), stride_kh=k.stride(2),
         mean_ptr=k_mean, out_ptr=out,
-        L=L, H=H, n_slots=n_slots, n_hblocks=n_hblocks, row0=rank * L,
-        g_first=(rank * L) // group_size, n_touched=n_touched,
-        tail_group=tail_group, tail_end=tail_end,
+        L=L, H=H, row0=rank * L, tail_group=tail_group, tail_end=tail_end,
         G=group_size, D=D, BLOCK_H=block_h, ROWS=rows, USE_PDL=use_pdl,
     )
     return out

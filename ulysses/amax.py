@@ -14,7 +14,6 @@ import torch
 from . import _validate as v
 from .grid import slots as _slots
 from .grid import tail_group as _tail_group
-from .grid import touched as _touched
 from .kernels.grouped_amax import grouped_amax as _launch_grouped_amax
 
 __all__ = ["k_grouped_amax"]
@@ -74,7 +73,7 @@ def k_grouped_amax(
     out = torch.empty((B, H, n_slots), dtype=torch.float32, device=k.device)
     _launch_grouped_amax(
         k, k_mean_global, out,
-        rank=rank, group_size=group_size, n_touched=_touched(rank, L, group_size),
+        rank=rank, group_size=group_size,
         tail_group=_tail_group(used_sequence, S, group_size),
         tail_end=S if used_sequence is None else used_sequence,
         use_pdl=use_pdl,

@@ -112,8 +112,7 @@ def _local_stats(k, *, rank, world_size, used_sequence, group_size, minmax_mode,
     block_stats(
         k, block_sums, minmax,
         rank=rank, used=used, tail_group=tail_group(used_sequence, S, group_size),
-        group_size=group_size, n_blocks=n_blocks,
-        n_touched=touched(rank, L, group_size), minmax_mode=minmax_mode, use_pdl=use_pdl,
+        group_size=group_size, minmax_mode=minmax_mode, use_pdl=use_pdl,
     )
     local_sum = torch.empty((B, H, D), dtype=torch.float32, device=k.device)
     block_sum_reduce(block_sums, local_sum, use_pdl=use_pdl)
