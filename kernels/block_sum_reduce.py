@@ -1,7 +1,11 @@
-"""Add a rank's 64-row block sums in block order: fp32 [B, NB, H, D] -> [B, H, D].
+"""Ordered sums of a rank's 64-row block sums: fp32 [B, NB, H, D] -> [B, H, D].
 
-Each output element is a strict left-to-right chain over the blocks (from +0.0), the second
-level of the global mean's fixed association; the programs split only the B*H*D elements.
+The global mean's association above the block level is fixed by global row positions: the
+64-row blocks are added in order within each 1024-row superblock of the GLOBAL grid
+(SUPER = 16 blocks), then the superblock sums in order. Each output element is a strict
+left-to-right chain from +0.0; programs split only elements and superblocks, which keeps
+enough loads in flight (a single chain over all blocks would be latency bound) without
+making the association depend on the launch configuration.
 """
 
 from __future__ import annotations
@@ -12,40 +16,65 @@ import triton.language as tl
 
 from ._runtime import gdc_launch_dependents, gdc_wait, launch
 
-__all__ = ["block_sum_reduce"]
+__all__ = ["block_sum_reduce", "SUPER"]
+
+SUPER = 16  # blocks per superblock
 
 
-@triton.jit(do_not_specialize=["n_blocks", "n_elem"])
-def _block_sum_reduce_kernel(
-    sum_ptr, out_ptr, n_blocks, n_elem,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+@triton.jit(do_not_specialize=["n_in", "n_out", "offset", "chunk", "n_elem"])
+def _chunk_sum_kernel(
+    in_ptr, out_ptr, n_in, n_out, offset, chunk, n_elem,
+    BLOCK: tl.constexpr, UNROLL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    i_b = tl.program_id(1).to(tl.int64)
+    """out[b, c, e] = sum_{j in chunk c, in order} in[b, j, e]; chunk c holds the inputs
+    j with c*chunk <= j + offset < (c+1)*chunk."""
     o_e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    i_c = tl.program_id(1).to(tl.int64)
+    i_b = tl.program_id(2).to(tl.int64)
     m_e = o_e < n_elem
     if USE_PDL:
         gdc_wait()
-    p_sum = sum_ptr + i_b * n_blocks * n_elem + o_e
+    j0 = tl.maximum(i_c * chunk - offset, 0)
+    j1 = tl.minimum((i_c + 1) * chunk - offset, n_in)
+    p_in = in_ptr + i_b * n_in * n_elem + o_e
     b_acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i_blk in range(0, n_blocks):
-        b_acc += tl.load(p_sum + i_blk * n_elem, mask=m_e, other=0.0)
+    n_full = tl.maximum(j1 - j0, 0) // UNROLL
+    for i in range(0, n_full):
+        for u in tl.static_range(UNROLL):
+            b_acc += tl.load(p_in + (j0 + i * UNROLL + u) * n_elem, mask=m_e, other=0.0)
+    for u in tl.static_range(UNROLL - 1):
+        j = j0 + n_full * UNROLL + u
+        m_j = tl.where(j < j1, m_e, False)  # not `&`: the 3.9 interpreter widens it
+        b_acc += tl.load(p_in + j * n_elem, mask=m_j, other=0.0)
     if USE_PDL:
         gdc_launch_dependents()
-    tl.store(out_ptr + i_b * n_elem + o_e, b_acc, mask=m_e)
+    tl.store(out_ptr + (i_b * n_out + i_c) * n_elem + o_e, b_acc, mask=m_e)
 
 
-def block_sum_reduce(block_sums: torch.Tensor, out: torch.Tensor, *, use_pdl: bool) -> torch.Tensor:
-    """``out`` fp32 [B, H, D] = sum over dim 1 of ``block_sums`` fp32 [B, NB, H, D], in order."""
+def _chunk_sum(x: torch.Tensor, out: torch.Tensor, *, offset: int, chunk: int, use_pdl: bool):
+    B, n_in, n_elem = x.shape
+    n_out = out.shape[1]
+    block = 512 if x.is_cuda else 4096
+    assert B < 65536 and n_out < 65536
+    launch(
+        _chunk_sum_kernel, (triton.cdiv(n_elem, block), n_out, B), x.device,
+        num_warps=4, use_pdl=use_pdl,
+        in_ptr=x, out_ptr=out, n_in=n_in, n_out=n_out, offset=offset, chunk=chunk,
+        n_elem=n_elem, BLOCK=block, UNROLL=8 if x.is_cuda else 4, USE_PDL=use_pdl,
+    )
+
+
+def block_sum_reduce(block_sums: torch.Tensor, out: torch.Tensor, *, first_block: int,
+                     use_pdl: bool) -> torch.Tensor:
+    """``out`` fp32 [B, H, D] from ``block_sums`` fp32 [B, NB, H, D], whose block j is global
+    block ``first_block + j``, in the fixed superblock association."""
     B, NB, H, D = block_sums.shape
     assert block_sums.is_contiguous() and out.is_contiguous()
     assert out.shape == (B, H, D) and out.dtype == block_sums.dtype == torch.float32
-    assert B < 65536
-    n_elem = H * D
-    block = 512
-    launch(
-        _block_sum_reduce_kernel, (triton.cdiv(n_elem, block), B), block_sums.device,
-        num_warps=4, use_pdl=use_pdl,
-        sum_ptr=block_sums, out_ptr=out, n_blocks=NB, n_elem=n_elem,
-        BLOCK=block, USE_PDL=use_pdl,
-    )
+    offset = first_block % SUPER
+    n_super = (offset + NB + SUPER - 1) // SUPER
+    supers = torch.empty((B, n_super, H * D), dtype=torch.float32, device=block_sums.device)
+    _chunk_sum(block_sums.view(B, NB, H * D), supers, offset=offset, chunk=SUPER,
+               use_pdl=use_pdl)
+    _chunk_sum(supers, out.view(B, 1, H * D), offset=0, chunk=n_super, use_pdl=use_pdl)
     return out

@@ -87,7 +87,7 @@ def _grouped_amax_kernel(
 def _tile(D: int, H: int, cuda: bool = True) -> tuple[int, int]:
     """(BLOCK_H, num_warps): 512-element row tiles, 4 elements per thread.
 
-    Measured on an H200 (docs/BENCHMARKS.md): with 16 rows unrolled, 4 elements a thread
+    Measured on an H200 (docs/BENCHMARKS.md): with 8 rows unrolled, 4 elements a thread
     keeps enough loads in flight and enough programs per SM; 8 or 2 were slower.
     """
     if not cuda:  # the interpreter pays per operation, not per element: big tiles
@@ -112,7 +112,7 @@ def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, ra
     assert out.shape == (B, H, n_slots) and out.dtype == torch.float32
     assert n_slots == (L + 2 * group_size - 2) // group_size
     # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
-    rows = rows or (16 if k.is_cuda else 4)
+    rows = rows or (8 if k.is_cuda else 4)
     auto_h, auto_warps = _tile(D, H, k.is_cuda)
     block_h = block_h or auto_h
     num_warps = num_warps or auto_warps

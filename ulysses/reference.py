@@ -6,10 +6,10 @@ Shape legend: B batch, L local rows, S = L * P global rows, H heads, D head dim,
     k_mean  [B, H, D]     the global mean in k's dtype
 
 The global mean's fixed association (SPEC §4, docs/DESIGN.md): each rank sums its live rows
-in fp32 block by block, blocks being the 64-row blocks of the GLOBAL grid clipped to the
-shard, rows of a block in increasing order, then the blocks in increasing order, each sum
-starting from +0.0; the ranks' sums are then added in rank order, divided by n in fp32 and
-rounded to nearest-even into k's dtype.
+in fp32 at three levels fixed by GLOBAL row positions, each a strict in-order chain from +0.0:
+rows within each 64-row block of the global grid (clipped to the shard), blocks within each
+1024-row superblock, then the superblocks; the ranks' sums are then added in rank order,
+divided by n in fp32 and rounded to nearest-even into k's dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 SUM_BLOCK = 64  # rows per block of the mean's fixed association (independent of G)
+SUPER_BLOCK = 16  # blocks per superblock (1024 global rows)
 FLOOR = 1e-7
 
 
@@ -65,9 +66,19 @@ def local_sum(k: torch.Tensor, *, rank: int, used_sequence: int | None = None) -
     block_sums = torch.zeros(B, n_blocks, H, D, dtype=torch.float32, device=k.device)
     for j in range(SUM_BLOCK):
         block_sums += blocks[:, :, j]
+    # superblocks of SUPER_BLOCK blocks, aligned to the global grid (leading zero blocks are
+    # exact no-ops: every sum starts from +0.0)
+    lead = first_block % SUPER_BLOCK
+    n_super = (lead + n_blocks + SUPER_BLOCK - 1) // SUPER_BLOCK
+    aligned = torch.zeros(B, n_super * SUPER_BLOCK, H, D, dtype=torch.float32, device=k.device)
+    aligned[:, lead:lead + n_blocks] = block_sums
+    aligned = aligned.view(B, n_super, SUPER_BLOCK, H, D)
+    super_sums = torch.zeros(B, n_super, H, D, dtype=torch.float32, device=k.device)
+    for j in range(SUPER_BLOCK):
+        super_sums += aligned[:, :, j]
     total = torch.zeros(B, H, D, dtype=torch.float32, device=k.device)
-    for i in range(n_blocks):
-        total += block_sums[:, i]
+    for i in range(n_super):
+        total += super_sums[:, i]
     return total
 
 

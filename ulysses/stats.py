@@ -115,7 +115,7 @@ def _local_stats(k, *, rank, world_size, used_sequence, group_size, minmax_mode,
         group_size=group_size, minmax_mode=minmax_mode, use_pdl=use_pdl,
     )
     local_sum = torch.empty((B, H, D), dtype=torch.float32, device=k.device)
-    block_sum_reduce(block_sums, local_sum, use_pdl=use_pdl)
+    block_sum_reduce(block_sums, local_sum, first_block=(rank * L) // SUM_BLOCK, use_pdl=use_pdl)
     return local_sum, minmax
 
 
