@@ -11,8 +11,6 @@ import functools
 import threading
 
 import torch
-import triton
-import triton.language as tl
 
 try:  # Triton >= 3.4 exposes grid dependency control (programmatic dependent launch).
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

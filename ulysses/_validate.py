@@ -44,11 +44,6 @@ def check_k(k) -> tuple[int, int, int, int]:
     if k.stride(-1) != 1:
         raise ValueError(f"k must have unit stride in the last dim, got strides {k.stride()}")
     elem = k.element_size()
-    if k.data_ptr() % 16 != 0:
-        raise ValueError(
-            f"k data pointer must be 16-byte aligned, got address {k.data_ptr()} "
-            f"(offset {k.data_ptr() % 16} bytes)"
-        )
     step = 16 // elem
     for dim in range(3):
         if k.stride(dim) % step != 0:
@@ -57,6 +52,15 @@ def check_k(k) -> tuple[int, int, int, int]:
                 f"got strides {k.stride()}"
             )
     return B, L, H, D
+
+
+def check_alignment(k: torch.Tensor) -> None:
+    """The data pointer rule (checked where real storage exists, not while tracing)."""
+    if k.data_ptr() % 16 != 0:
+        raise ValueError(
+            f"k data pointer must be 16-byte aligned, got address {k.data_ptr()} "
+            f"(offset {k.data_ptr() % 16} bytes)"
+        )
 
 
 def check_mean(k_mean_global, k: torch.Tensor) -> None:
@@ -115,12 +119,21 @@ def _pdl_capable(index: int | None) -> bool:
     return HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def resolve_pdl(enable_pdl, device: torch.device) -> bool:
-    """None -> PDL where supported (CUDA, compute capability >= 9.0); True without it raises."""
+def check_pdl(enable_pdl, device: torch.device) -> None:
     if enable_pdl is not None and not isinstance(enable_pdl, bool):
         raise TypeError(
             f"enable_pdl must be None or a bool, got {type(enable_pdl).__name__} {enable_pdl!r}"
         )
+    if enable_pdl and device.type != "cuda":
+        raise ValueError(
+            f"enable_pdl=True needs a CUDA device of compute capability >= 9.0, got device "
+            f"{device}"
+        )
+
+
+def resolve_pdl(enable_pdl, device: torch.device) -> bool:
+    """None -> PDL where supported (CUDA, compute capability >= 9.0); True without it raises."""
+    check_pdl(enable_pdl, device)
     supported = device.type == "cuda" and _pdl_capable(device.index)
     if enable_pdl is None:
         return supported

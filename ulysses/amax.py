@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _ops
 from . import _validate as v
-from .grid import slots as _slots
-from .grid import tail_group as _tail_group
-from .kernels.grouped_amax import grouped_amax as _launch_grouped_amax
 
 __all__ = ["k_grouped_amax"]
 
@@ -67,15 +65,6 @@ def k_grouped_amax(
     v.check_group_size(group_size)
     S = L * world_size
     v.check_used(used_sequence, S)
-    use_pdl = v.resolve_pdl(enable_pdl, k.device)
-
-    n_slots = _slots(L, group_size)
-    out = torch.empty((B, H, n_slots), dtype=torch.float32, device=k.device)
-    _launch_grouped_amax(
-        k, k_mean_global, out,
-        rank=rank, group_size=group_size,
-        tail_group=_tail_group(used_sequence, S, group_size),
-        tail_end=S if used_sequence is None else used_sequence,
-        use_pdl=use_pdl,
-    )
-    return out
+    v.check_pdl(enable_pdl, k.device)
+    return _ops.k_grouped_amax(k, k_mean_global, rank, world_size, used_sequence, enable_pdl,
+                               group_size)

@@ -22,19 +22,13 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
+from . import _ops
 from . import _validate as v
 from .amax import k_grouped_amax
-from .grid import group_first, group_last, ranks_touching, slots, tail_group, touched
-from .kernels.block_stats import (
-    MINMAX_ALL,
-    MINMAX_BOUNDARY,
-    MINMAX_NONE,
-    SUM_BLOCK,
-    block_stats,
-)
-from .kernels.block_sum_reduce import block_sum_reduce
-from .kernels.derive_amax import derive_amax
+from .grid import group_first, group_last, ranks_touching, touched
+from .kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
 
 __all__ = ["SmoothKStats", "global_k_mean", "smooth_k_stats", "METHODS"]
 
@@ -81,6 +75,8 @@ def _resolve_group(group, k: torch.Tensor) -> tuple[object, int, int]:
         raise ValueError(f"group must have a world size in (2, 4, 6, 8), got {world_size}")
     if rank < 0:
         raise ValueError("group: this process is not a member of the given process group")
+    if _ops.is_compiling():  # the backend was checked by the eager calls before capture
+        return pg, rank, world_size
     backend = str(dist.get_backend(pg)).lower()
     if k.device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
         raise ValueError(
@@ -100,27 +96,16 @@ def _check_common(k, used_sequence, group, group_size=64):
 
 def _local_stats(k, *, rank, world_size, used_sequence, group_size, minmax_mode, use_pdl):
     """Run the one-read kernels: local fp32 sum [B, H, D] and the min/max buffer (or None)."""
-    B, L, H, D = k.shape
-    S = L * world_size
-    used = S if used_sequence is None else used_sequence
-    n_blocks = touched(rank, L, SUM_BLOCK)
-    block_sums = torch.empty((B, n_blocks, H, D), dtype=torch.float32, device=k.device)
-    n_mm = {MINMAX_NONE: 0, MINMAX_BOUNDARY: 2, MINMAX_ALL: slots(L, group_size)}[minmax_mode]
-    minmax = (
-        torch.empty((B, n_mm, 2, H, D), dtype=k.dtype, device=k.device) if n_mm else None
-    )
-    block_stats(
-        k, block_sums, minmax,
-        rank=rank, used=used, tail_group=tail_group(used_sequence, S, group_size),
-        group_size=group_size, minmax_mode=minmax_mode, use_pdl=use_pdl,
-    )
-    local_sum = torch.empty((B, H, D), dtype=torch.float32, device=k.device)
-    block_sum_reduce(block_sums, local_sum, first_block=(rank * L) // SUM_BLOCK, use_pdl=use_pdl)
-    return local_sum, minmax
+    local_sum, minmax = _ops.local_stats(k, rank, world_size, used_sequence, group_size,
+                                         minmax_mode, use_pdl)
+    return local_sum, (minmax if minmax_mode != MINMAX_NONE else None)
 
 
 def _all_gather(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
     """[N] -> [P, N]: every rank's payload in rank order (a copy, so order-exact)."""
+    if _ops.is_compiling():  # traceable functional collective, no graph break
+        gathered = funcol.all_gather_tensor(payload, 0, pg)
+        return gathered.view(world_size, payload.numel())
     gathered = torch.empty(world_size * payload.numel(), dtype=payload.dtype,
                            device=payload.device)  # flat: gloo rejects a [P, N] output
     dist.all_gather_into_tensor(gathered, payload, group=pg)
@@ -171,7 +156,7 @@ def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = No
     pg, rank, world_size, (B, L, H, D) = _check_common(k, used_sequence, group)
     local_sum, _ = _local_stats(
         k, rank=rank, world_size=world_size, used_sequence=used_sequence, group_size=64,
-        minmax_mode=MINMAX_NONE, use_pdl=v.resolve_pdl(None, k.device),
+        minmax_mode=MINMAX_NONE, use_pdl=None,
     )
     sums = _all_gather(local_sum.reshape(-1), pg, world_size).view(world_size, B, H, D)
     n = L * world_size if used_sequence is None else used_sequence
@@ -247,7 +232,8 @@ def smooth_k_stats(
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(check_consistency, bool):
         raise TypeError(f"check_consistency must be a bool, got {check_consistency!r}")
-    use_pdl = v.resolve_pdl(enable_pdl, k.device)
+    v.check_pdl(enable_pdl, k.device)
+    use_pdl = enable_pdl
     if check_consistency:
         _check_consistent(pg, world_size, k, used_sequence, group_size, method)
     G = group_size
@@ -270,8 +256,7 @@ def smooth_k_stats(
     k_mean_global = _mean_from_sums(sums, n, k.dtype)
 
     if fused:
-        amax_partial = torch.empty((B, H, slots(L, G)), dtype=torch.float32, device=k.device)
-        derive_amax(minmax, k_mean_global, amax_partial, n_touched=n_touched, use_pdl=use_pdl)
+        amax_partial = _ops.derive(minmax, k_mean_global, n_touched, use_pdl)
     else:
         amax_partial = k_grouped_amax(
             k, k_mean_global, rank=rank, world_size=world_size, used_sequence=used_sequence,
