@@ -47,14 +47,19 @@ def k_grouped_amax_op(k: torch.Tensor, k_mean: torch.Tensor, rank: int, world_si
                                group_size)
 
 
+def _n_slots(L, G):
+    """slots(L, G) without argument checks: L may be a SymInt in a fake implementation."""
+    return (L + 2 * G - 2) // G
+
+
 @k_grouped_amax_op.register_fake
 def _(k, k_mean, rank, world_size, used_sequence, enable_pdl, group_size):
     B, L, H, _ = k.shape
-    return k.new_empty((B, H, slots(L, group_size)), dtype=torch.float32)
+    return k.new_empty((B, H, _n_slots(L, group_size)), dtype=torch.float32)
 
 
-def _n_minmax(L: int, group_size: int, minmax_mode: int) -> int:
-    return {MINMAX_NONE: 0, MINMAX_BOUNDARY: 2, MINMAX_ALL: slots(L, group_size)}[minmax_mode]
+def _n_minmax(L, group_size: int, minmax_mode: int):
+    return {MINMAX_NONE: 0, MINMAX_BOUNDARY: 2, MINMAX_ALL: _n_slots(L, group_size)}[minmax_mode]
 
 
 def _run_local_stats(k: torch.Tensor, rank: int, world_size: int, used_sequence: int | None,

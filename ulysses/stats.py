@@ -34,6 +34,8 @@ __all__ = ["SmoothKStats", "global_k_mean", "smooth_k_stats", "METHODS"]
 
 METHODS = ("fused", "two_pass")
 _FLOOR = 1e-7
+# torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -108,7 +110,7 @@ def _all_gather(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
         return gathered.view(world_size, payload.numel())
     gathered = torch.empty(world_size * payload.numel(), dtype=payload.dtype,
                            device=payload.device)  # flat: gloo rejects a [P, N] output
-    dist.all_gather_into_tensor(gathered, payload, group=pg)
+    _all_gather_single(gathered, payload, group=pg)
     return gathered.view(world_size, payload.numel())
 
 
