@@ -1,0 +1,58 @@
+"""Custom ops, torch.compile and autograd behaviour (issue 8), on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ulysses
+from ulysses import _ops
+from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
+
+
+def _k(B=2, L=65, H=3, D=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = (4 * torch.randn(1, 1, H, D, generator=g) + 1e-3 * torch.randn(B, L, H, D, generator=g))
+    return k.bfloat16()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(1, 4, None, None, 64), (3, 4, 200, False, 128), (0, 2, 1, None, 64)],
+    ids=["plain", "tail-G128", "used1"],
+)
+def test_opcheck_k_grouped_amax(args):
+    k = _k()
+    m = k.float().mean(1).bfloat16()
+    torch.library.opcheck(torch.ops.ulysses.k_grouped_amax.default, (k, m, *args))
+
+
+@pytest.mark.parametrize("mode", [MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL])
+def test_opcheck_local_stats_and_derive(mode):
+    k = _k()
+    torch.library.opcheck(torch.ops.ulysses.local_stats.default, (k, 1, 4, 200, 64, mode, None))
+    if mode == MINMAX_ALL:
+        _, mm = _ops._run_local_stats(k, 1, 4, 200, 64, mode, None)
+        m = k.float().mean(1).bfloat16()
+        torch.library.opcheck(torch.ops.ulysses.derive_amax.default, (mm, m, 2, None))
+
+
+def test_compile_fullgraph_same_bits():
+    k = _k(L=70, H=2)
+    m = k.float().mean(1).bfloat16()
+
+    def f(k, m):
+        return ulysses.k_grouped_amax(k, m, rank=1, world_size=4, used_sequence=200) * 2.0
+
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(k, m), f(k, m))
+
+
+def test_no_grad_history():
+    k = _k().float().requires_grad_(True)
+    kb = k.bfloat16()  # has a grad_fn
+    m = kb.detach().float().mean(1).bfloat16()
+    out = ulysses.k_grouped_amax(kb, m, rank=0, world_size=2)
+    assert not out.requires_grad and out.grad_fn is None
+    ref = ulysses.k_grouped_amax(kb.detach(), m, rank=0, world_size=2)
+    assert torch.equal(out, ref)
