@@ -83,3 +83,39 @@ def _make_k_full(B: int, S: int, H: int, D: int, dtype: torch.dtype, data: str, 
 def make_k_full():
     """``make_k_full(B, S, H, D, dtype, data, *, used=None, seed=0)`` -> k_full [B, S, H, D]."""
     return _make_k_full
+
+
+def _to_device_keep_strides(t: torch.Tensor, device: str) -> torch.Tensor:
+    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+    out.copy_(t)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _kernel_on_gpu(request, monkeypatch):
+    """With ULYSSES_TEST_DEVICE=cuda, tests of the kernel's values run it compiled on the GPU.
+
+    ``ulysses.k_grouped_amax`` is wrapped: inputs are copied to the GPU with their strides
+    (fused-QKV views stay strided), the output comes back to the CPU, and the test compares
+    it with the CPU reference as usual. Validation tests (bad pointers, bad devices) and
+    direct launcher calls keep running on the CPU.
+    """
+    import os
+
+    if os.environ.get("ULYSSES_TEST_DEVICE") != "cuda":
+        return
+    if request.module.__name__.split(".")[-1] not in ("test_amax", "test_properties"):
+        return
+    import ulysses
+
+    original = ulysses.k_grouped_amax
+
+    def on_gpu(k, k_mean_global, **kwargs):
+        if not (isinstance(k, torch.Tensor) and isinstance(k_mean_global, torch.Tensor)):
+            return original(k, k_mean_global, **kwargs)
+        if k.device.type != "cpu" or kwargs.get("enable_pdl") is True:
+            return original(k, k_mean_global, **kwargs)
+        out = original(_to_device_keep_strides(k, "cuda"), k_mean_global.to("cuda"), **kwargs)
+        return out.cpu()
+
+    monkeypatch.setattr(ulysses, "k_grouped_amax", on_gpu)
