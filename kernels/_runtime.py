@@ -42,16 +42,29 @@ def _jit_calls_interpreted():
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    from triton.runtime import interpreter
+
     original = JITFunction.__call__
+    original_patch = getattr(interpreter, "_patch_lang_tensor", None)
 
     def call(self, *args, **kwargs):
         return InterpretedFunction(self.fn)(*args, **kwargs)
 
+    def patch_lang_tensor(tensor, scope):
+        # Triton 3.6's interpreter turns a scalar into a loop bound with int() of a shape-(1,)
+        # array, which numpy >= 2.5 refuses; read the one element instead.
+        original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
     JITFunction.__call__ = call
+    if original_patch is not None:
+        interpreter._patch_lang_tensor = patch_lang_tensor
     try:
         yield
     finally:
         JITFunction.__call__ = original
+        if original_patch is not None:
+            interpreter._patch_lang_tensor = original_patch
 
 
 def next_pow2(n: int) -> int:

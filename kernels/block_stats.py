@@ -30,7 +30,7 @@ SUM_BLOCK_C = tl.constexpr(SUM_BLOCK)
 MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 
 
-@triton.jit(do_not_specialize=["L", "H", "row0", "used", "tail_group"])
+@triton.jit
 def _block_stats_kernel(
     k_ptr, stride_kb, stride_kl, stride_kh,
     sum_ptr,

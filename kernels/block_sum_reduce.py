@@ -21,7 +21,7 @@ __all__ = ["block_sum_reduce", "SUPER"]
 SUPER = 16  # blocks per superblock
 
 
-@triton.jit(do_not_specialize=["n_in", "n_out", "offset", "chunk", "n_elem"])
+@triton.jit
 def _chunk_sum_kernel(
     in_ptr, out_ptr, n_in, n_out, offset, chunk, n_elem,
     BLOCK: tl.constexpr, UNROLL: tl.constexpr, USE_PDL: tl.constexpr,

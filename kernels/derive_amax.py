@@ -20,7 +20,7 @@ __all__ = ["derive_amax"]
 FLOOR = tl.constexpr(1e-7)
 
 
-@triton.jit(do_not_specialize=["H", "n_slots", "n_hblocks", "n_touched"])
+@triton.jit
 def _derive_amax_kernel(
     mm_ptr, mean_ptr, out_ptr,
     H, n_slots, n_hblocks, n_touched,

@@ -21,7 +21,7 @@ __all__ = ["grouped_amax"]
 FLOOR = tl.constexpr(1e-7)  # the scale floor of SPEC §3, as fp32
 
 
-@triton.jit(do_not_specialize=["L", "H", "row0", "tail_group", "tail_end"])
+@triton.jit
 def _grouped_amax_kernel(
     k_ptr, stride_kb, stride_kl, stride_kh,
     mean_ptr,
