@@ -10,6 +10,8 @@ launch configuration gives the same bits.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -84,17 +86,32 @@ def _grouped_amax_kernel(
     tl.store(p_out, b_out, mask=m_h)
 
 
-def _tile(D: int, H: int, cuda: bool = True) -> tuple[int, int]:
-    """(BLOCK_H, num_warps): 512-element row tiles, 4 elements per thread.
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
-    Measured on an H200 (docs/BENCHMARKS.md): with 8 rows unrolled, 4 elements a thread
-    keeps enough loads in flight and enough programs per SM; 8 or 2 were slower.
+
+def _tile(D: int, H: int, cuda: bool = True, rows_programs: int = 1 << 30,
+          n_sm: int = 132) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for a grid of ``rows_programs * cdiv(H, BLOCK_H)`` programs.
+
+    Measured on an H200 (docs/BENCHMARKS.md, scripts/tune_kernels.py): 512-element row tiles
+    with 4 warps (4 elements a thread, 8 rows unrolled) reach 97% of the read ceiling on
+    large K. A small grid leaves SMs short of resident warps (D=64, L=8190, H=24: 387
+    programs, 29%), so BLOCK_H halves until about 22 warps per SM are in flight (there:
+    BLOCK_H 4, 774 programs, 62% in the sweep).
     """
     if not cuda:  # the interpreter pays per operation, not per element: big tiles
         return max(1, min(next_pow2(H), 4096 // D)), 1
     block_h = max(1, min(next_pow2(H), 512 // D))
-    num_warps = max(1, min(8, block_h * D // 128))
-    return block_h, num_warps
+
+    def warps(bh):
+        return max(1, min(4, bh * D // 64))
+
+    while (block_h > 1 and block_h * D > 128
+           and rows_programs * triton.cdiv(H, block_h) * warps(block_h) < 22 * n_sm):
+        block_h //= 2
+    return block_h, warps(block_h)
 
 
 def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, rank: int,
@@ -113,7 +130,8 @@ def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, ra
     assert n_slots == (L + 2 * group_size - 2) // group_size
     # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
     rows = rows or (8 if k.is_cuda else 4)
-    auto_h, auto_warps = _tile(D, H, k.is_cuda)
+    auto_h, auto_warps = _tile(
+        D, H, k.is_cuda, B * n_slots, _sm_count(k.device.index or 0) if k.is_cuda else 132)
     block_h = block_h or auto_h
     num_warps = num_warps or auto_warps
     n_hblocks = triton.cdiv(H, block_h)
