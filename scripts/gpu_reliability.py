@@ -95,7 +95,9 @@ def determinism():
         strided, m, rank=r, world_size=P, used_sequence=used)))
     s1, mm1 = _ops._run_local_stats(k, r, P, used, 64, MINMAX_ALL, True)
     s2, mm2 = _ops._run_local_stats(strided, r, P, used, 64, MINMAX_ALL, False)
-    check("local stats: strided + no PDL identical", torch.equal(s1, s2) and torch.equal(mm1, mm2))
+    n_t = touched(r, L, 64)  # slots past touched are never written (uninitialised memory)
+    check("local stats: strided + no PDL identical",
+          torch.equal(s1, s2) and torch.equal(mm1[:, :n_t], mm2[:, :n_t]))
     digest(base)
     digest(s1)
 

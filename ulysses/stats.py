@@ -19,6 +19,7 @@ Data flow of ``smooth_k_stats`` (one collective):
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -120,6 +121,13 @@ def _mean_from_sums(sums: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Ten
     for q in range(1, sums.shape[0]):
         total += sums[q]
     return (total / n).to(dtype)
+
+
+def _call_tag(k, used_sequence, group_size, method) -> float:
+    """A 24-bit tag of the call's arguments, exact in fp32, sent with the payload."""
+    B, L, H, D = k.shape
+    key = (B, L, H, D, _DTYPE_CODES[k.dtype], used_sequence, group_size, method)
+    return float(zlib.crc32(repr(key).encode()) & 0xFFFFFF)
 
 
 def _check_consistent(pg, world_size, k, used_sequence, group_size, method):
@@ -249,13 +257,17 @@ def smooth_k_stats(
         ends = minmax[:, [0, n_touched - 1]]  # [B, 2, 2, H, D]
     else:
         ends = minmax
-    payload = torch.cat([local_sum.reshape(-1), ends.float().reshape(-1)])
+    tag = local_sum.new_full((1,), _call_tag(k, used_sequence, G, method))
+    payload = torch.cat([tag, local_sum.reshape(-1), ends.float().reshape(-1), tag])
     gathered = _all_gather(payload, pg, world_size)
     bhd = B * H * D
-    sums = gathered[:, :bhd].view(world_size, B, H, D)
-    boundary = gathered[:, bhd:].view(world_size, B, 2, 2, H, D)
+    sums = gathered[:, 1:1 + bhd].view(world_size, B, H, D)
+    boundary = gathered[:, 1 + bhd:-1].view(world_size, B, 2, 2, H, D)
     n = L * world_size if used_sequence is None else used_sequence
     k_mean_global = _mean_from_sums(sums, n, k.dtype)
+    # Ranks that disagree on a call's arguments must not return finite numbers: without a host
+    # sync (CUDA graphs, compile) the outputs become NaN; check_consistency=True raises instead.
+    disagree = (gathered[:, [0, -1]] != tag).any()
 
     if fused:
         amax_partial = _ops.derive(minmax, k_mean_global, n_touched, use_pdl)
@@ -266,6 +278,10 @@ def smooth_k_stats(
         )
     amax_final = _merge_boundaries(amax_partial, boundary, k_mean_global, rank=rank,
                                    world_size=world_size, L=L, G=G)
+    nan = float("nan")
+    k_mean_global = torch.where(disagree, nan, k_mean_global)
+    amax_partial = torch.where(disagree, nan, amax_partial)
+    amax_final = torch.where(disagree, nan, amax_final)
     return SmoothKStats(
         k_mean_global=k_mean_global, amax_partial=amax_partial, amax_final=amax_final,
         rank=rank, world_size=world_size, used_sequence=used_sequence, group_size=G,
