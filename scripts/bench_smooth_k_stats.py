@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,15 @@ import torch.distributed as dist
 import ulysses
 
 
-def timed(fn, iters):
+def timed(fn, iters, cuda=True):
     times = []
     for _ in range(iters):
         dist.barrier()
+        if not cuda:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -40,26 +46,34 @@ def main():
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--backend", default="nccl")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: gloo + Triton interpreter, wall-clock timing")
     args = ap.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    dev = torch.device("cuda", local % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
+    cuda = args.device == "cuda"
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        dev = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    else:
+        dev, args.backend = torch.device("cpu"), "gloo"
     dist.init_process_group(args.backend, device_id=dev if args.backend == "nccl" else None)
     rank, P = dist.get_rank(), dist.get_world_size()
     g = torch.Generator(device="cpu").manual_seed(rank)
     k = (4 * torch.randn(1, 1, args.H, args.D, generator=g)
          + 1e-3 * torch.randn(args.B, args.L, args.H, args.D, generator=g)).bfloat16().to(dev)
     results = {}
-    for method in ("fused", "two_pass"):
-        for _ in range(5):
-            ulysses.smooth_k_stats(k, method=method)
-        results[f"smooth_k_stats[{method}]"] = timed(
-            lambda m=method: ulysses.smooth_k_stats(k, method=m), args.iters)
+    for method, check in (("fused", False), ("two_pass", False), ("fused", True)):
+        for _ in range(3):
+            ulysses.smooth_k_stats(k, method=method, check_consistency=check)
+        label = f"smooth_k_stats[{method}{', check_consistency' if check else ''}]"
+        results[label] = timed(
+            lambda m=method, c=check: ulysses.smooth_k_stats(k, method=m, check_consistency=c),
+            args.iters, cuda)
     bhd = args.B * args.H * args.D
-    payload = torch.zeros(5 * bhd, device=dev)
-    out = torch.empty(P * 5 * bhd, device=dev)
+    payload = torch.zeros(5 * bhd + 2, device=dev)
+    out = torch.empty(P * (5 * bhd + 2), device=dev)
     results["all_gather(payload) alone"] = timed(
-        lambda: dist.all_gather_into_tensor(out, payload), args.iters)
+        lambda: dist.all_gather_into_tensor(out, payload), args.iters, cuda)
     a = ulysses.smooth_k_stats(k, method="fused")
     b = ulysses.smooth_k_stats(k, method="two_pass")
     same = (torch.equal(a.k_mean_global, b.k_mean_global)
@@ -68,7 +82,8 @@ def main():
     vals = torch.tensor([results[key] for key in results] + [0.0 if same else 1.0], device=dev)
     dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"# P={P} backend={args.backend} {torch.cuda.get_device_name()} torch "
+        name = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"
+        print(f"# P={P} backend={args.backend} {name} torch "
               f"{torch.__version__} shape B{args.B} L{args.L} H{args.H} D{args.D} bf16 "
               f"({k.numel() * 2 / 1e6:.0f} MB per rank)")
         for key, value in zip(results, vals.tolist()):
