@@ -37,6 +37,18 @@ def test_opcheck_local_stats_and_derive(mode):
         torch.library.opcheck(torch.ops.ulysses.derive_amax.default, (mm, m, 2, None))
 
 
+def test_opcheck_boundary_amax():
+    g = torch.Generator().manual_seed(3)
+    mn = torch.randn(2, 1, 2, 3, 64, generator=g)
+    mx = mn + torch.rand(2, 1, 2, 3, 64, generator=g)
+    mn[0, 0, 1] = float("inf")  # an empty part
+    mx[0, 0, 1] = float("-inf")
+    mean = torch.randn(1, 3, 64, generator=g).bfloat16()
+    torch.library.opcheck(torch.ops.ulysses.boundary_amax.default, (mn, mx, mean))
+    out = _ops._run_boundary_amax(mn, mx, mean)
+    assert torch.all(out[0, 0, 1] == torch.tensor(1e-7, dtype=torch.float32))
+
+
 def test_compile_fullgraph_same_bits():
     k = _k(L=70, H=2)
     m = k.float().mean(1).bfloat16()
@@ -56,3 +68,20 @@ def test_no_grad_history():
     assert not out.requires_grad and out.grad_fn is None
     ref = ulysses.k_grouped_amax(kb.detach(), m, rank=0, world_size=2)
     assert torch.equal(out, ref)
+
+
+def test_smooth_k_stats_compiles_fullgraph_under_torchrun():
+    """smooth_k_stats inside torch.compile(fullgraph=True) on 2 gloo ranks: same bits."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "dist_tests.compile_check"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert proc.stdout.count("compile(fullgraph=True) == eager: [True, True, True]") == 2, out

@@ -131,3 +131,30 @@ def local_stats(*args):
 
 def derive(*args):
     return derive_amax_op(*args) if is_compiling() else _run_derive_amax(*args)
+
+
+def _run_boundary_amax(mn: torch.Tensor, mx: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """[P, B, 2, H, D] fp32 min/max + mean [B, H, D] (k dtype) -> floored amax [P, B, 2, H].
+
+    The derive kernel's math in torch: empty part (min > max) -> 1e-7, NaN propagates.
+    """
+    m = mean.float()[None, :, None]
+    amax = torch.maximum((mx - m).abs(), (m - mn).abs())
+    amax = torch.where(mx < mn, torch.zeros_like(amax), amax).amax(dim=-1)
+    return torch.clamp_min(amax, 1e-7)
+
+
+# An op, not inline torch: inside torch.compile, inductor would fuse the mean's rounding to
+# bf16/fp16 with this upcast and skip it (emulate_precision_casts is off by default).
+@torch.library.custom_op("ulysses::boundary_amax", mutates_args=())
+def boundary_amax_op(mn: torch.Tensor, mx: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    return _run_boundary_amax(mn, mx, mean)
+
+
+@boundary_amax_op.register_fake
+def _(mn, mx, mean):
+    return mn.new_empty(mn.shape[:-1], dtype=torch.float32)
+
+
+def boundary_amax(*args):
+    return boundary_amax_op(*args) if is_compiling() else _run_boundary_amax(*args)

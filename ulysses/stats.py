@@ -19,7 +19,6 @@ Data flow of ``smooth_k_stats`` (one collective):
 from __future__ import annotations
 
 import dataclasses
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,6 @@ from .kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
 __all__ = ["SmoothKStats", "global_k_mean", "smooth_k_stats", "METHODS"]
 
 METHODS = ("fused", "two_pass")
-_FLOOR = 1e-7
 # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
@@ -126,8 +124,11 @@ def _mean_from_sums(sums: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Ten
 def _call_tag(k, used_sequence, group_size, method) -> float:
     """A 24-bit tag of the call's arguments, exact in fp32, sent with the payload."""
     B, L, H, D = k.shape
-    key = (B, L, H, D, _DTYPE_CODES[k.dtype], used_sequence, group_size, method)
-    return float(zlib.crc32(repr(key).encode()) & 0xFFFFFF)
+    used = -1 if used_sequence is None else used_sequence
+    h = 0x811C9DC5  # FNV-1a over the ints, in plain Python so torch.compile folds it
+    for value in (B, L, H, D, _DTYPE_CODES[k.dtype], used, group_size, METHODS.index(method)):
+        h = ((h ^ (value & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
+    return float(h & 0xFFFFFF)
 
 
 def _check_consistent(pg, world_size, k, used_sequence, group_size, method):
@@ -173,24 +174,15 @@ def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = No
     return _mean_from_sums(sums, n, k.dtype)
 
 
-def _derive_torch(mn: torch.Tensor, mx: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """[..., B, H, D] min/max + mean [B, H, D] -> floored amax [..., B, H]; same math as the
-    derive kernel (empty part -> 1e-7, NaN propagates)."""
-    m = mean.float()
-    mn, mx = mn.float(), mx.float()
-    amax = torch.maximum((mx - m).abs(), (m - mn).abs())
-    amax = torch.where(mx < mn, torch.zeros_like(amax), amax).amax(dim=-1)
-    return torch.clamp_min(amax, _FLOOR)
-
-
 def _merge_boundaries(amax_partial, boundary, mean, *, rank, world_size, L, G):
     """amax_final: boundary slots take the max over every rank touching their group.
 
     ``boundary`` [P, B, 2 (first, last slot), 2 (min, max), H, D] gathered from all ranks.
     """
-    amax_final = amax_partial.clone()
-    derived = _derive_torch(boundary[:, :, :, 0], boundary[:, :, :, 1],
-                            mean[None, :, None])  # [P, B, 2, H]
+    amax_final = amax_partial
+    slot = torch.arange(amax_partial.shape[-1], device=amax_partial.device)
+    derived = _ops.boundary_amax(boundary[:, :, :, 0].contiguous(),
+                                 boundary[:, :, :, 1].contiguous(), mean)  # [P, B, 2, H]
     n_touched = touched(rank, L, G)
     for s in sorted({0, n_touched - 1}):
         g = group_first(rank, L, G) + s
@@ -203,7 +195,8 @@ def _merge_boundaries(amax_partial, boundary, mean, *, rank, world_size, L, G):
             assert end == 0 or g == group_last(q, L, G)
             value = derived[q, :, end]
             merged = value if merged is None else torch.maximum(merged, value)
-        amax_final[:, :, s] = merged
+        # functional (no in-place slot write), which compile and CUDA graphs handle plainly
+        amax_final = torch.where(slot == s, merged[..., None], amax_final)
     return amax_final
 
 
