@@ -36,8 +36,9 @@ def main() -> int:
     rank, P = dist.get_rank(), dist.get_world_size()
     L, H, D, G = 70, 3, 64, 64
     g = torch.Generator().manual_seed(11)
-    k_full = (4 * torch.randn(1, 1, H, D, generator=g)
-              + 1e-3 * torch.randn(2, L * P, H, D, generator=g)).bfloat16()
+    k_full = (
+        4 * torch.randn(1, 1, H, D, generator=g) + 1e-3 * torch.randn(2, L * P, H, D, generator=g)
+    ).bfloat16()
     used = L * P - 30
     k_full[:, used:] = 0
     k = reference.shard(k_full, rank, P).to(dev)
@@ -49,7 +50,7 @@ def main() -> int:
     eager = step(k)
     ok = True
     compiled = torch.compile(step, fullgraph=True)(k)
-    same = [torch.equal(a, b) for a, b in zip(compiled, eager)]
+    same = [torch.equal(a, b) for a, b in zip(compiled, eager, strict=True)]
     print(f"rank {rank}: compile(fullgraph=True) == eager: {same}", flush=True)
     ok &= all(same)
     if args.cuda_graph and dev.type == "cuda":
@@ -64,7 +65,7 @@ def main() -> int:
             captured = step(static_k)
         graph.replay()
         torch.cuda.synchronize()
-        same = [torch.equal(a, b) for a, b in zip(captured, eager)]
+        same = [torch.equal(a, b) for a, b in zip(captured, eager, strict=True)]
         print(f"rank {rank}: CUDA graph replay == eager: {same}", flush=True)
         ok &= all(same)
     flag = torch.tensor([0.0 if ok else 1.0], device=dev)

@@ -23,8 +23,15 @@ import ulysses
 from ulysses import stats as _stats
 
 MODES = (
-    "consistency_L", "consistency_dtype", "consistency_used", "consistency_group_size",
-    "raise_before", "raise_inside", "exit", "disagree_L_unchecked", "disagree_used_unchecked",
+    "consistency_L",
+    "consistency_dtype",
+    "consistency_used",
+    "consistency_group_size",
+    "raise_before",
+    "raise_inside",
+    "exit",
+    "disagree_L_unchecked",
+    "disagree_used_unchecked",
     "disagree_H_unchecked",
 )
 
@@ -36,8 +43,7 @@ def main() -> int:
     args = ap.parse_args()
 
     def watchdog():
-        print(f"rank {os.environ.get('RANK')}: watchdog fired after {args.timeout_s} s",
-              flush=True)
+        print(f"rank {os.environ.get('RANK')}: watchdog fired after {args.timeout_s} s", flush=True)
         os._exit(3)
 
     timer = threading.Timer(args.timeout_s, watchdog)
@@ -70,8 +76,10 @@ def main() -> int:
             print(f"rank {rank}: planted os._exit(7)", flush=True)
             os._exit(7)
         if faulty and mode == "raise_inside":
+
             def broken(*a, **kw):
                 raise RuntimeError("planted fault inside smooth_k_stats, at the collective")
+
             _stats._all_gather = broken
         st = ulysses.smooth_k_stats(k, used_sequence=used, group_size=G, check_consistency=check)
         torch.distributed.barrier()

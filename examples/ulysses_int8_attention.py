@@ -55,7 +55,8 @@ def quantize_k(k, stats, rank, G):
     B, L, H, D = k.shape
     scale = stats.amax_final / 127.0  # [B, H, slots]
     slot_of_row = (torch.arange(L, device=k.device) + rank * L) // G - ulysses.group_first(
-        rank, L, G)
+        rank, L, G
+    )
     row_scale = scale[:, :, slot_of_row].transpose(1, 2).contiguous()  # [B, L, H]
     centered = k.float() - stats.k_mean_global.float()[:, None]
     q = torch.clamp(torch.round(centered / row_scale[..., None]), -127, 127).to(torch.int8)
@@ -87,23 +88,31 @@ def main():
     k_full = 4 * torch.randn(1, 1, H, D, generator=g) + 0.5 * torch.randn(B, S, H, D, generator=g)
     q_full = torch.randn(B, S, H, D, generator=g)
     v_full = torch.randn(B, S, H, D, generator=g)
-    q, k, v = (t[:, rank * L:(rank + 1) * L].to(torch.bfloat16).to(dev).contiguous()
-               for t in (q_full, k_full, v_full))
+    q, k, v = (
+        t[:, rank * L : (rank + 1) * L].to(torch.bfloat16).to(dev).contiguous()
+        for t in (q_full, k_full, v_full)
+    )
 
     # bf16 Ulysses path
-    out_bf16 = heads_to_seq(attention(seq_to_heads(q, P), seq_to_heads(k, P),
-                                      seq_to_heads(v, P)).to(torch.bfloat16), P)
+    out_bf16 = heads_to_seq(
+        attention(seq_to_heads(q, P), seq_to_heads(k, P), seq_to_heads(v, P)).to(torch.bfloat16), P
+    )
 
     # INT8 K path: one smooth_k_stats collective, then int8 + per-row scales on the wire
     stats = ulysses.smooth_k_stats(k, group_size=G)
     k_int8, row_scale = quantize_k(k, stats, rank, G)
-    k_heads = (seq_to_heads(k_int8, P).float()
-               * seq_to_heads(row_scale[..., None], P))  # centered K, dequantized
-    out_int8 = heads_to_seq(attention(seq_to_heads(q, P), k_heads,
-                                      seq_to_heads(v, P)).to(torch.bfloat16), P)
+    k_heads = seq_to_heads(k_int8, P).float() * seq_to_heads(
+        row_scale[..., None], P
+    )  # centered K, dequantized
+    out_int8 = heads_to_seq(
+        attention(seq_to_heads(q, P), k_heads, seq_to_heads(v, P)).to(torch.bfloat16), P
+    )
 
-    ref = attention(q_full.to(torch.bfloat16).float(), k_full.to(torch.bfloat16).float(),
-                    v_full.to(torch.bfloat16).float())[:, rank * L:(rank + 1) * L].to(dev)
+    ref = attention(
+        q_full.to(torch.bfloat16).float(),
+        k_full.to(torch.bfloat16).float(),
+        v_full.to(torch.bfloat16).float(),
+    )[:, rank * L : (rank + 1) * L].to(dev)
     err_int8 = ((out_int8.float() - ref).norm() / ref.norm()).item()
     err_bf16 = ((out_bf16.float() - ref).norm() / ref.norm()).item()
     bytes_bf16 = k.numel() * 2
@@ -112,10 +121,14 @@ def main():
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(f"P={P} B={B} L={L} H={H} D={D} device={dev.type}")
-        print(f"K payload per rank: bf16 {bytes_bf16} B, int8+scales {bytes_int8} B "
-              f"({1 - bytes_int8 / bytes_bf16:.1%} saved)")
-        print(f"output rel. error vs single-device fp32 attention: bf16 path {errs[0]:.2e}, "
-              f"int8-K path {errs[1]:.2e}")
+        print(
+            f"K payload per rank: bf16 {bytes_bf16} B, int8+scales {bytes_int8} B "
+            f"({1 - bytes_int8 / bytes_bf16:.1%} saved)"
+        )
+        print(
+            f"output rel. error vs single-device fp32 attention: bf16 path {errs[0]:.2e}, "
+            f"int8-K path {errs[1]:.2e}"
+        )
     ok = errs[1].item() < 2e-2
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 1)

@@ -24,7 +24,7 @@ HAS_GDC = gdc_wait is not None
 _INTERPRETER_LOCK = threading.RLock()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _interpreted(kernel):
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -39,10 +39,9 @@ def _jit_calls_interpreted():
     everywhere. We do not ask users for that variable, so while an interpreted kernel runs, a
     call of a ``JITFunction`` is routed through the interpreter instead of raising.
     """
+    from triton.runtime import interpreter
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
-
-    from triton.runtime import interpreter
 
     original = JITFunction.__call__
     original_patch = getattr(interpreter, "_patch_lang_tensor", None)
@@ -71,8 +70,15 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def launch(kernel, grid: tuple, device: torch.device, *, num_warps: int = 4,
-           use_pdl: bool = False, **kwargs) -> None:
+def launch(
+    kernel,
+    grid: tuple,
+    device: torch.device,
+    *,
+    num_warps: int = 4,
+    use_pdl: bool = False,
+    **kwargs,
+) -> None:
     """Launch ``kernel`` over ``grid`` on ``device`` with keyword arguments only."""
     assert all(isinstance(g, int) and g >= 1 for g in grid), grid
     assert grid[0] < 2**31 and all(g < 65536 for g in grid[1:]), grid
@@ -88,4 +94,3 @@ def launch(kernel, grid: tuple, device: torch.device, *, num_warps: int = 4,
     else:
         with torch.cuda.device(device):
             kernel[grid](num_warps=num_warps, **extra, **kwargs)
-

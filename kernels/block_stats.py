@@ -32,12 +32,23 @@ MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 
 @triton.jit
 def _block_stats_kernel(
-    k_ptr, stride_kb, stride_kl, stride_kh,
+    k_ptr,
+    stride_kb,
+    stride_kl,
+    stride_kh,
     sum_ptr,
     mm_ptr,
-    L, H, row0, used, tail_group,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-    MINMAX: tl.constexpr, USE_PDL: tl.constexpr,
+    L,
+    H,
+    row0,
+    used,
+    tail_group,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    MINMAX: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
     SPAN: tl.constexpr = G if G > 64 else 64
@@ -111,8 +122,9 @@ def _block_stats_kernel(
         if MINMAX != 0:
             if SUB == G:
                 i_s = group - g_first
-                _store_minmax(mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D,
-                              o_hd, m_hd, MINMAX)
+                _store_minmax(
+                    mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D, o_hd, m_hd, MINMAX
+                )
                 b_min = tl.full([BLOCK_H, D], float("inf"), tl.float32)
                 b_max = tl.full([BLOCK_H, D], float("-inf"), tl.float32)
                 b_nan = tl.zeros([BLOCK_H, D], dtype=tl.int1)
@@ -126,13 +138,27 @@ def _block_stats_kernel(
     if MINMAX != 0:
         if SUB != G:  # G > 64: the span is one group
             i_s = span0 // G - g_first
-            _store_minmax(mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D,
-                          o_hd, m_hd, MINMAX)
+            _store_minmax(
+                mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D, o_hd, m_hd, MINMAX
+            )
 
 
 @triton.jit
-def _store_minmax(mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D: tl.constexpr,
-                  o_hd, m_hd, MINMAX: tl.constexpr):
+def _store_minmax(
+    mm_ptr,
+    b_min,
+    b_max,
+    b_nan,
+    i_b,
+    i_s,
+    n_touched,
+    n_mm,
+    H,
+    D: tl.constexpr,
+    o_hd,
+    m_hd,
+    MINMAX: tl.constexpr,
+):
     """Store one slot's min/max into mm [B, n_mm, 2, H, D]; NaN wins over both."""
     b_min = tl.where(b_nan, float("nan"), b_min).to(mm_ptr.dtype.element_ty)
     b_max = tl.where(b_nan, float("nan"), b_max).to(mm_ptr.dtype.element_ty)
@@ -161,10 +187,21 @@ def _tile(D: int, H: int, cuda: bool = True) -> tuple[int, int]:
     return block_h, max(1, min(4, block_h * D // 64))
 
 
-def block_stats(k: torch.Tensor, block_sums: torch.Tensor, minmax: torch.Tensor | None, *,
-                rank: int, used: int, tail_group: int, group_size: int, minmax_mode: int,
-                use_pdl: bool, rows: int | None = None, block_h: int | None = None,
-                num_warps: int | None = None) -> None:
+def block_stats(
+    k: torch.Tensor,
+    block_sums: torch.Tensor,
+    minmax: torch.Tensor | None,
+    *,
+    rank: int,
+    used: int,
+    tail_group: int,
+    group_size: int,
+    minmax_mode: int,
+    use_pdl: bool,
+    rows: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+) -> None:
     """Fill ``block_sums`` fp32 [B, NB, H, D] (the NB = touched(rank, L, 64) sum blocks of the
     shard) and, unless ``minmax_mode`` is MINMAX_NONE, ``minmax`` [B, NM, 2, H, D] in k's
     dtype: NM = slots(L, G) for MINMAX_ALL, NM = 2 (first, last touched slot) for
@@ -189,10 +226,26 @@ def block_stats(k: torch.Tensor, block_sums: torch.Tensor, minmax: torch.Tensor 
     num_warps = num_warps or auto_warps
     n_hblocks = triton.cdiv(H, block_h)
     launch(
-        _block_stats_kernel, (B * n_spans * n_hblocks,), k.device,
-        num_warps=num_warps, use_pdl=use_pdl,
-        k_ptr=k, stride_kb=k.stride(0), stride_kl=k.stride(1), stride_kh=k.stride(2),
-        sum_ptr=block_sums, mm_ptr=minmax,
-        L=L, H=H, row0=row0, used=used, tail_group=tail_group,
-        G=G, D=D, BLOCK_H=block_h, ROWS=rows, MINMAX=minmax_mode, USE_PDL=use_pdl,
+        _block_stats_kernel,
+        (B * n_spans * n_hblocks,),
+        k.device,
+        num_warps=num_warps,
+        use_pdl=use_pdl,
+        k_ptr=k,
+        stride_kb=k.stride(0),
+        stride_kl=k.stride(1),
+        stride_kh=k.stride(2),
+        sum_ptr=block_sums,
+        mm_ptr=minmax,
+        L=L,
+        H=H,
+        row0=row0,
+        used=used,
+        tail_group=tail_group,
+        G=G,
+        D=D,
+        BLOCK_H=block_h,
+        ROWS=rows,
+        MINMAX=minmax_mode,
+        USE_PDL=use_pdl,
     )

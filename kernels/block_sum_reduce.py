@@ -23,8 +23,16 @@ SUPER = 16  # blocks per superblock
 
 @triton.jit
 def _chunk_sum_kernel(
-    in_ptr, out_ptr, n_in, n_out, offset, chunk, n_elem,
-    BLOCK: tl.constexpr, UNROLL: tl.constexpr, USE_PDL: tl.constexpr,
+    in_ptr,
+    out_ptr,
+    n_in,
+    n_out,
+    offset,
+    chunk,
+    n_elem,
+    BLOCK: tl.constexpr,
+    UNROLL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[b, c, e] = sum_{j in chunk c, in order} in[b, j, e]; chunk c holds the inputs
     j with c*chunk <= j + offset < (c+1)*chunk."""
@@ -57,15 +65,27 @@ def _chunk_sum(x: torch.Tensor, out: torch.Tensor, *, offset: int, chunk: int, u
     block = 512 if x.is_cuda else 4096
     assert B < 65536 and n_out < 65536
     launch(
-        _chunk_sum_kernel, (triton.cdiv(n_elem, block), n_out, B), x.device,
-        num_warps=4, use_pdl=use_pdl,
-        in_ptr=x, out_ptr=out, n_in=n_in, n_out=n_out, offset=offset, chunk=chunk,
-        n_elem=n_elem, BLOCK=block, UNROLL=8 if x.is_cuda else 4, USE_PDL=use_pdl,
+        _chunk_sum_kernel,
+        (triton.cdiv(n_elem, block), n_out, B),
+        x.device,
+        num_warps=4,
+        use_pdl=use_pdl,
+        in_ptr=x,
+        out_ptr=out,
+        n_in=n_in,
+        n_out=n_out,
+        offset=offset,
+        chunk=chunk,
+        n_elem=n_elem,
+        BLOCK=block,
+        UNROLL=8 if x.is_cuda else 4,
+        USE_PDL=use_pdl,
     )
 
 
-def block_sum_reduce(block_sums: torch.Tensor, out: torch.Tensor, *, first_block: int,
-                     use_pdl: bool) -> torch.Tensor:
+def block_sum_reduce(
+    block_sums: torch.Tensor, out: torch.Tensor, *, first_block: int, use_pdl: bool
+) -> torch.Tensor:
     """``out`` fp32 [B, H, D] from ``block_sums`` fp32 [B, NB, H, D], whose block j is global
     block ``first_block + j``, in the fixed superblock association."""
     B, NB, H, D = block_sums.shape
@@ -74,7 +94,6 @@ def block_sum_reduce(block_sums: torch.Tensor, out: torch.Tensor, *, first_block
     offset = first_block % SUPER
     n_super = (offset + NB + SUPER - 1) // SUPER
     supers = torch.empty((B, n_super, H * D), dtype=torch.float32, device=block_sums.device)
-    _chunk_sum(block_sums.view(B, NB, H * D), supers, offset=offset, chunk=SUPER,
-               use_pdl=use_pdl)
+    _chunk_sum(block_sums.view(B, NB, H * D), supers, offset=offset, chunk=SUPER, use_pdl=use_pdl)
     _chunk_sum(supers, out.view(B, 1, H * D), offset=0, chunk=n_super, use_pdl=use_pdl)
     return out

@@ -22,9 +22,16 @@ FLOOR = tl.constexpr(1e-7)
 
 @triton.jit
 def _derive_amax_kernel(
-    mm_ptr, mean_ptr, out_ptr,
-    H, n_slots, n_hblocks, n_touched,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+    mm_ptr,
+    mean_ptr,
+    out_ptr,
+    H,
+    n_slots,
+    n_hblocks,
+    n_touched,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
     i_hb = i_pid % n_hblocks
@@ -57,8 +64,9 @@ def _derive_amax_kernel(
     tl.store(out_ptr + i_b * H * n_slots + o_h * n_slots + i_s, b_out, mask=m_h)
 
 
-def derive_amax(minmax: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *,
-                n_touched: int, use_pdl: bool) -> torch.Tensor:
+def derive_amax(
+    minmax: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, n_touched: int, use_pdl: bool
+) -> torch.Tensor:
     """``out`` fp32 [B, H, NS] from ``minmax`` [B, NS, 2, H, D] and ``k_mean`` [B, H, D]."""
     B, NS, two, H, D = minmax.shape
     assert two == 2 and minmax.is_contiguous() and k_mean.is_contiguous() and out.is_contiguous()
@@ -66,10 +74,20 @@ def derive_amax(minmax: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *
     block_h = max(1, min(next_pow2(H), 2048 // D))
     n_hblocks = triton.cdiv(H, block_h)
     launch(
-        _derive_amax_kernel, (B * NS * n_hblocks,), minmax.device,
-        num_warps=4, use_pdl=use_pdl,
-        mm_ptr=minmax, mean_ptr=k_mean, out_ptr=out,
-        H=H, n_slots=NS, n_hblocks=n_hblocks, n_touched=n_touched,
-        D=D, BLOCK_H=block_h, USE_PDL=use_pdl,
+        _derive_amax_kernel,
+        (B * NS * n_hblocks,),
+        minmax.device,
+        num_warps=4,
+        use_pdl=use_pdl,
+        mm_ptr=minmax,
+        mean_ptr=k_mean,
+        out_ptr=out,
+        H=H,
+        n_slots=NS,
+        n_hblocks=n_hblocks,
+        n_touched=n_touched,
+        D=D,
+        BLOCK_H=block_h,
+        USE_PDL=use_pdl,
     )
     return out

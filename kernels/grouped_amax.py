@@ -25,11 +25,21 @@ FLOOR = tl.constexpr(1e-7)  # the scale floor of SPEC §3, as fp32
 
 @triton.jit
 def _grouped_amax_kernel(
-    k_ptr, stride_kb, stride_kl, stride_kh,
+    k_ptr,
+    stride_kb,
+    stride_kl,
+    stride_kh,
     mean_ptr,
     out_ptr,
-    L, H, row0, tail_group, tail_end,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    L,
+    H,
+    row0,
+    tail_group,
+    tail_end,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     n_slots = (L + 2 * G - 2) // G
@@ -86,13 +96,14 @@ def _grouped_amax_kernel(
     tl.store(p_out, b_out, mask=m_h)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _tile(D: int, H: int, cuda: bool = True, rows_programs: int = 1 << 30,
-          n_sm: int = 132) -> tuple[int, int]:
+def _tile(
+    D: int, H: int, cuda: bool = True, rows_programs: int = 1 << 30, n_sm: int = 132
+) -> tuple[int, int]:
     """(BLOCK_H, num_warps) for a grid of ``rows_programs * cdiv(H, BLOCK_H)`` programs.
 
     Measured on an H200 (docs/BENCHMARKS.md, scripts/tune_kernels.py): 512-element row tiles
@@ -108,16 +119,29 @@ def _tile(D: int, H: int, cuda: bool = True, rows_programs: int = 1 << 30,
     def warps(bh):
         return max(1, min(4, bh * D // 64))
 
-    while (block_h > 1 and block_h * D > 128
-           and rows_programs * triton.cdiv(H, block_h) * warps(block_h) < 22 * n_sm):
+    while (
+        block_h > 1
+        and block_h * D > 128
+        and rows_programs * triton.cdiv(H, block_h) * warps(block_h) < 22 * n_sm
+    ):
         block_h //= 2
     return block_h, warps(block_h)
 
 
-def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, rank: int,
-                 group_size: int, tail_group: int, tail_end: int,
-                 use_pdl: bool, rows: int | None = None,
-                 block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def grouped_amax(
+    k: torch.Tensor,
+    k_mean: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    rank: int,
+    group_size: int,
+    tail_group: int,
+    tail_end: int,
+    use_pdl: bool,
+    rows: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """Write this rank's per-slot partial amax into ``out`` [B, H, slots] (fp32, contiguous).
 
     ``k`` [B, L, H, D] (last stride 1), ``k_mean`` [B, H, D] contiguous, both validated by the
@@ -131,16 +155,32 @@ def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, out: torch.Tensor, *, ra
     # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
     rows = rows or (8 if k.is_cuda else 4)
     auto_h, auto_warps = _tile(
-        D, H, k.is_cuda, B * n_slots, _sm_count(k.device.index or 0) if k.is_cuda else 132)
+        D, H, k.is_cuda, B * n_slots, _sm_count(k.device.index or 0) if k.is_cuda else 132
+    )
     block_h = block_h or auto_h
     num_warps = num_warps or auto_warps
     n_hblocks = triton.cdiv(H, block_h)
     launch(
-        _grouped_amax_kernel, (B * n_slots * n_hblocks,), k.device,
-        num_warps=num_warps, use_pdl=use_pdl,
-        k_ptr=k, stride_kb=k.stride(0), stride_kl=k.stride(1), stride_kh=k.stride(2),
-        mean_ptr=k_mean, out_ptr=out,
-        L=L, H=H, row0=rank * L, tail_group=tail_group, tail_end=tail_end,
-        G=group_size, D=D, BLOCK_H=block_h, ROWS=rows, USE_PDL=use_pdl,
+        _grouped_amax_kernel,
+        (B * n_slots * n_hblocks,),
+        k.device,
+        num_warps=num_warps,
+        use_pdl=use_pdl,
+        k_ptr=k,
+        stride_kb=k.stride(0),
+        stride_kl=k.stride(1),
+        stride_kh=k.stride(2),
+        mean_ptr=k_mean,
+        out_ptr=out,
+        L=L,
+        H=H,
+        row0=rank * L,
+        tail_group=tail_group,
+        tail_end=tail_end,
+        G=group_size,
+        D=D,
+        BLOCK_H=block_h,
+        ROWS=rows,
+        USE_PDL=use_pdl,
     )
     return out

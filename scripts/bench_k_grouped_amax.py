@@ -28,12 +28,12 @@ import sys
 import torch
 import triton
 from triton.testing import do_bench
+from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY
+from ulysses.kernels.derive_amax import derive_amax
 
 import ulysses
 from ulysses import reference
 from ulysses.grid import slots, tail_group, touched
-from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY
-from ulysses.kernels.derive_amax import derive_amax
 from ulysses.stats import _local_stats
 
 L2_BYTES = 60 * 2**20
@@ -66,16 +66,17 @@ def vectorized_amax(k, k_mean, rank: int, world_size: int, used, G: int):
         rows = rows.masked_fill(dead[None, :, None], 0.0)
     pad_front = row0 - gf * G
     padded = torch.zeros(B, ns * G, H, device=k.device, dtype=torch.float32)
-    padded[:, pad_front:pad_front + L] = rows
+    padded[:, pad_front : pad_front + L] = rows
     out = padded.view(B, ns, G, H).amax(dim=2).clamp_min(1e-7).transpose(1, 2).contiguous()
-    out[:, :, touched(rank, L, G):] = 0.0
+    out[:, :, touched(rank, L, G) :] = 0.0
     return out
 
 
 def git_commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
-                                       text=True, stderr=subprocess.DEVNULL).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
     except Exception:
         return "unknown"
 
@@ -124,19 +125,30 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--shapes", default="", help="comma-separated substrings to select shapes")
-    ap.add_argument("--compile-max", type=int, default=1000,
-                    help="torch.compile baseline for the first N shapes (bf16) only")
+    ap.add_argument(
+        "--compile-max",
+        type=int,
+        default=1000,
+        help="torch.compile baseline for the first N shapes (bf16) only",
+    )
     args = ap.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU"
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name()
-    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=git_commit(),
-                date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    meta = dict(
+        gpu=gpu,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        commit=git_commit(),
+        date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
     ceiling = read_ceiling()
-    print(f"# {meta}\n# read ceiling (torch.sum over 2 GiB bf16): {ceiling / 1e12:.3f} TB/s",
-          flush=True)
+    print(
+        f"# {meta}\n# read ceiling (torch.sum over 2 GiB bf16): {ceiling / 1e12:.3f} TB/s",
+        flush=True,
+    )
 
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16]
     shapes = SHAPES[:4] if args.quick else SHAPES
@@ -154,19 +166,23 @@ def main() -> int:
             n_copies = max(2, math.ceil(4 * L2_BYTES / k_bytes))
             inputs = []
             for _ in range(n_copies):
-                k = (4 * torch.randn(1, 1, H, D, device=dev)
-                     + 1e-3 * torch.randn(B, L, H, D, device=dev)).to(dtype)
+                k = (
+                    4 * torch.randn(1, 1, H, D, device=dev)
+                    + 1e-3 * torch.randn(B, L, H, D, device=dev)
+                ).to(dtype)
                 m = k.float().mean(dim=1).to(dtype)
                 inputs.append((k, m))
             k0, m0 = inputs[0]
-            ref = reference.grouped_amax_shard(k0, m0, rank=rank, world_size=P,
-                                               used_sequence=used, group_size=G)
+            ref = reference.grouped_amax_shard(
+                k0, m0, rank=rank, world_size=P, used_sequence=used, group_size=G
+            )
             kw = dict(rank=rank, world_size=P, used_sequence=used, group_size=G)
             providers = {
                 "ours": lambda k, m: ulysses.k_grouped_amax(k, m, **kw),
                 "ours_nopdl": lambda k, m: ulysses.k_grouped_amax(k, m, enable_pdl=False, **kw),
                 "torch_ref": lambda k, m: reference.grouped_amax_shard(
-                    k, m, rank=rank, world_size=P, used_sequence=used, group_size=G),
+                    k, m, rank=rank, world_size=P, used_sequence=used, group_size=G
+                ),
                 "torch_vec": lambda k, m: vectorized_amax(k, m, rank, P, used, G),
             }
             if compiled is not None and dtype == torch.bfloat16 and n_compiled < args.compile_max:
@@ -177,14 +193,28 @@ def main() -> int:
             ns = slots(L, G)
 
             def fused(k, m):
-                _, mm = _local_stats(k, rank=rank, world_size=P, used_sequence=used,
-                                     group_size=G, minmax_mode=MINMAX_ALL, use_pdl=True)
+                _, mm = _local_stats(
+                    k,
+                    rank=rank,
+                    world_size=P,
+                    used_sequence=used,
+                    group_size=G,
+                    minmax_mode=MINMAX_ALL,
+                    use_pdl=True,
+                )
                 out = torch.empty(B, H, ns, device=dev, dtype=torch.float32)
                 return derive_amax(mm, m, out, n_touched=n_t, use_pdl=True)
 
             def two_pass(k, m):
-                _local_stats(k, rank=rank, world_size=P, used_sequence=used, group_size=G,
-                             minmax_mode=MINMAX_BOUNDARY, use_pdl=True)
+                _local_stats(
+                    k,
+                    rank=rank,
+                    world_size=P,
+                    used_sequence=used,
+                    group_size=G,
+                    minmax_mode=MINMAX_BOUNDARY,
+                    use_pdl=True,
+                )
                 return ulysses.k_grouped_amax(k, m, **kw)
 
             providers["stats_fused"] = fused
@@ -199,14 +229,29 @@ def main() -> int:
                     print(f"{name} {prov}: failed {e!r}", file=sys.stderr)
                     continue
                 gbs = k_bytes / (dev_us * 1e-6) / 1e9 if dev_us == dev_us else float("nan")
-                rows.append(dict(meta, shape=name, dtype=str(dtype).split(".")[-1],
-                                 provider=prov, bytes=k_bytes, us_eager=med * 1e3,
-                                 us_eager_p20=lo * 1e3, us_eager_p80=hi * 1e3, us=dev_us,
-                                 gbps=gbs, frac_ceiling=gbs * 1e9 / ceiling,
-                                 ceiling_tbps=ceiling / 1e12, bitwise_ok=ok))
-                print(f"{name:30s} {rows[-1]['dtype']:8s} {prov:15s} eager {med * 1e3:8.1f} us"
-                      f" | device {dev_us:7.1f} us {gbs:6.0f} GB/s {gbs * 1e9 / ceiling:6.1%}"
-                      f"  bitwise={ok}", flush=True)
+                rows.append(
+                    dict(
+                        meta,
+                        shape=name,
+                        dtype=str(dtype).split(".")[-1],
+                        provider=prov,
+                        bytes=k_bytes,
+                        us_eager=med * 1e3,
+                        us_eager_p20=lo * 1e3,
+                        us_eager_p80=hi * 1e3,
+                        us=dev_us,
+                        gbps=gbs,
+                        frac_ceiling=gbs * 1e9 / ceiling,
+                        ceiling_tbps=ceiling / 1e12,
+                        bitwise_ok=ok,
+                    )
+                )
+                print(
+                    f"{name:30s} {rows[-1]['dtype']:8s} {prov:15s} eager {med * 1e3:8.1f} us"
+                    f" | device {dev_us:7.1f} us {gbs:6.0f} GB/s {gbs * 1e9 / ceiling:6.1%}"
+                    f"  bitwise={ok}",
+                    flush=True,
+                )
             del inputs
             torch.cuda.empty_cache()
 
@@ -233,33 +278,47 @@ def summarize(rows):
     for (shape, dtype, prov), r in by.items():
         if prov != "ours":
             continue
-        others = [o for (s_, d_, p_), o in by.items() if s_ == shape and d_ == dtype
-                  and p_ in ("torch_ref", "torch_vec", "torch_compile")]
+        others = [
+            o
+            for (s_, d_, p_), o in by.items()
+            if s_ == shape and d_ == dtype and p_ in ("torch_ref", "torch_vec", "torch_compile")
+        ]
         best = min((o["us_eager"] for o in others), default=float("nan"))
         fused = by.get((shape, dtype, "stats_fused"))
         two = by.get((shape, dtype, "stats_two_pass"))
         one_read = r["bytes"] / (r["ceiling_tbps"] * 1e12) * 1e6
         f_ratio = fused["us"] / one_read if fused else float("nan")
         t_ratio = two["us"] / fused["us"] if fused and two else float("nan")
-        print(f"{shape:30s} {dtype:8s} | {r['frac_ceiling']:6.1%} | ours eager "
-              f"{r['us_eager']:.1f} us vs best other eager {best:.1f} us | {f_ratio:5.2f} | "
-              f"{t_ratio:5.2f}")
+        print(
+            f"{shape:30s} {dtype:8s} | {r['frac_ceiling']:6.1%} | ours eager "
+            f"{r['us_eager']:.1f} us vs best other eager {best:.1f} us | {f_ratio:5.2f} | "
+            f"{t_ratio:5.2f}"
+        )
 
 
 def bench_pdl(dev):
     """Back-to-back chains with PDL on and off, eager and in a CUDA graph."""
     out = []
     B, L, H, D, P, rank, G = 1, 4736, 56, 128, 8, 3, 64
-    k = (4 * torch.randn(1, 1, H, D, device=dev)
-         + 1e-3 * torch.randn(B, L, H, D, device=dev)).to(torch.bfloat16)
+    k = (4 * torch.randn(1, 1, H, D, device=dev) + 1e-3 * torch.randn(B, L, H, D, device=dev)).to(
+        torch.bfloat16
+    )
     m = k.float().mean(dim=1).to(torch.bfloat16)
 
     def chain(pdl):
         def run():
-            _local_stats(k, rank=rank, world_size=P, used_sequence=None, group_size=G,
-                         minmax_mode=MINMAX_BOUNDARY, use_pdl=pdl)
+            _local_stats(
+                k,
+                rank=rank,
+                world_size=P,
+                used_sequence=None,
+                group_size=G,
+                minmax_mode=MINMAX_BOUNDARY,
+                use_pdl=pdl,
+            )
             a = ulysses.k_grouped_amax(k, m, rank=rank, world_size=P, enable_pdl=pdl)
             return ulysses.k_grouped_amax(k, m, rank=rank, world_size=P, enable_pdl=pdl), a
+
         return run
 
     results = {}
@@ -283,11 +342,21 @@ def bench_pdl(dev):
         gms = do_bench(graph.replay, warmup=25, rep=150, quantiles=[0.5])
         gms = gms[0] if isinstance(gms, (list, tuple)) else gms
         results[("graph", pdl)] = gms
-        out.append(dict(shape="pdl-chain-B1-L4736-H56-D128", dtype="bfloat16",
-                        provider=f"chain_{'pdl' if pdl else 'nopdl'}", us=ms * 1e3,
-                        us_graph=gms * 1e3, bitwise_ok=same))
-        print(f"PDL chain (block_stats + 2x k_grouped_amax) pdl={pdl}: eager {ms * 1e3:.1f} us, "
-              f"graph {gms * 1e3:.1f} us, graph==eager bits: {same}", flush=True)
+        out.append(
+            dict(
+                shape="pdl-chain-B1-L4736-H56-D128",
+                dtype="bfloat16",
+                provider=f"chain_{'pdl' if pdl else 'nopdl'}",
+                us=ms * 1e3,
+                us_graph=gms * 1e3,
+                bitwise_ok=same,
+            )
+        )
+        print(
+            f"PDL chain (block_stats + 2x k_grouped_amax) pdl={pdl}: eager {ms * 1e3:.1f} us, "
+            f"graph {gms * 1e3:.1f} us, graph==eager bits: {same}",
+            flush=True,
+        )
     return out
 
 
@@ -306,8 +375,10 @@ def plot(rows, path, ceiling):
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(shapes)), 5))
     width = 0.8 / max(1, len(provs))
     for i, p in enumerate(provs):
-        ys = [next((r["gbps"] for r in data if r["shape"] == s and r["provider"] == p), 0)
-              for s in shapes]
+        ys = [
+            next((r["gbps"] for r in data if r["shape"] == s and r["provider"] == p), 0)
+            for s in shapes
+        ]
         ax.bar([x + i * width for x in range(len(shapes))], ys, width, label=p)
     ax.axhline(ceiling / 1e9, color="k", ls="--", lw=1, label="read ceiling (torch.sum)")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))])

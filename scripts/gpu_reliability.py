@@ -13,12 +13,12 @@ import sys
 import time
 
 import torch
+from ulysses.kernels.block_stats import MINMAX_ALL
+from ulysses.kernels.grouped_amax import grouped_amax
 
 import ulysses
 from ulysses import _ops, reference
 from ulysses.grid import slots, tail_group, touched
-from ulysses.kernels.block_stats import MINMAX_ALL
-from ulysses.kernels.grouped_amax import grouped_amax
 
 FAILS = []
 DIGEST = hashlib.sha256()
@@ -41,8 +41,9 @@ def make_k(B, L, H, D, dtype=torch.bfloat16, seed=0):
         for i in range(0, L, 8192):
             n = min(8192, L - i)
             chunk = 4 * torch.randn(1, H, D, device="cuda", generator=g) + 1e-3 * torch.randn(
-                n, H, D, device="cuda", generator=g)
-            k[b, i:i + n] = chunk.to(dtype)
+                n, H, D, device="cuda", generator=g
+            )
+            k[b, i : i + n] = chunk.to(dtype)
     return k
 
 
@@ -52,15 +53,21 @@ def large_case(name, B, L, H, D, P, rank, used):
     m = k[:, : min(L, 4096)].float().mean(1).to(k.dtype)
     out = ulysses.k_grouped_amax(k, m, rank=rank, world_size=P, used_sequence=used)
     ref = reference.grouped_amax_shard(k, m, rank=rank, world_size=P, used_sequence=used)
-    check(f"{name} amax numel={k.numel()} slots={slots(L, 64)}", torch.equal(out, ref),
-          f"({time.time() - t:.1f}s)")
+    check(
+        f"{name} amax numel={k.numel()} slots={slots(L, 64)}",
+        torch.equal(out, ref),
+        f"({time.time() - t:.1f}s)",
+    )
     digest(out)
     local, mm = _ops._run_local_stats(k, rank, P, used, 64, MINMAX_ALL, None)
     derived = _ops._run_derive_amax(mm, m, touched(rank, L, 64), None)
     check(f"{name} derived amax", torch.equal(derived, ref))
     lref = reference.local_sum(k, rank=rank, used_sequence=used)
-    check(f"{name} local sum (fixed association)", torch.equal(local, lref),
-          f"({time.time() - t:.1f}s)")
+    check(
+        f"{name} local sum (fixed association)",
+        torch.equal(local, lref),
+        f"({time.time() - t:.1f}s)",
+    )
     digest(local)
     del k, mm, local, lref
     torch.cuda.empty_cache()
@@ -72,32 +79,57 @@ def determinism():
     m = k.float().mean(1).to(k.dtype)
     used = L * P - 100
     base = ulysses.k_grouped_amax(k, m, rank=r, world_size=P, used_sequence=used)
-    same = all(torch.equal(base, ulysses.k_grouped_amax(k, m, rank=r, world_size=P,
-                                                        used_sequence=used)) for _ in range(100))
+    same = all(
+        torch.equal(base, ulysses.k_grouped_amax(k, m, rank=r, world_size=P, used_sequence=used))
+        for _ in range(100)
+    )
     check("100 repeated calls identical", same)
     for pdl in (False, True):
-        check(f"enable_pdl={pdl} identical", torch.equal(base, ulysses.k_grouped_amax(
-            k, m, rank=r, world_size=P, used_sequence=used, enable_pdl=pdl)))
+        check(
+            f"enable_pdl={pdl} identical",
+            torch.equal(
+                base,
+                ulysses.k_grouped_amax(
+                    k, m, rank=r, world_size=P, used_sequence=used, enable_pdl=pdl
+                ),
+            ),
+        )
     configs_ok = True
     out = torch.empty_like(base)
     for bh in (1, 2, 4, 8, 16):
         for rows in (1, 4, 8, 16):
             for nw in (1, 2, 4, 8):
-                grouped_amax(k, m, out, rank=r, group_size=64,
-                             tail_group=tail_group(used, L * P, 64), tail_end=used,
-                             use_pdl=False, rows=rows, block_h=bh, num_warps=nw)
+                grouped_amax(
+                    k,
+                    m,
+                    out,
+                    rank=r,
+                    group_size=64,
+                    tail_group=tail_group(used, L * P, 64),
+                    tail_end=used,
+                    use_pdl=False,
+                    rows=rows,
+                    block_h=bh,
+                    num_warps=nw,
+                )
                 configs_ok &= torch.equal(out, base)
     check("80 launch configurations identical", configs_ok)
     qkv = torch.empty(B, L, H, 3, D, device="cuda", dtype=k.dtype)
     qkv[:, :, :, 1] = k
     strided = qkv[:, :, :, 1]
-    check("fused-QKV strided view identical", torch.equal(base, ulysses.k_grouped_amax(
-        strided, m, rank=r, world_size=P, used_sequence=used)))
+    check(
+        "fused-QKV strided view identical",
+        torch.equal(
+            base, ulysses.k_grouped_amax(strided, m, rank=r, world_size=P, used_sequence=used)
+        ),
+    )
     s1, mm1 = _ops._run_local_stats(k, r, P, used, 64, MINMAX_ALL, True)
     s2, mm2 = _ops._run_local_stats(strided, r, P, used, 64, MINMAX_ALL, False)
     n_t = touched(r, L, 64)  # slots past touched are never written (uninitialised memory)
-    check("local stats: strided + no PDL identical",
-          torch.equal(s1, s2) and torch.equal(mm1[:, :n_t], mm2[:, :n_t]))
+    check(
+        "local stats: strided + no PDL identical",
+        torch.equal(s1, s2) and torch.equal(mm1[:, :n_t], mm2[:, :n_t]),
+    )
     digest(base)
     digest(s1)
 
@@ -109,8 +141,9 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     determinism()
     if not args.skip_large:
-        large_case("B1-L135168-H128-D128 (>2^31 elements)", 1, 135168, 128, 128, 2, 1,
-                   2 * 135168 - 37)
+        large_case(
+            "B1-L135168-H128-D128 (>2^31 elements)", 1, 135168, 128, 128, 2, 1, 2 * 135168 - 37
+        )
         large_case("B1-L4200000-H1-D64 (>65535 slots)", 1, 4200000, 1, 64, 2, 1, None)
     print("outputs sha256:", DIGEST.hexdigest())
     print("reliability:", "FAIL " + ", ".join(FAILS) if FAILS else "PASS")

@@ -15,12 +15,12 @@ import time
 import torch
 import triton
 from triton.testing import do_bench
+from ulysses.kernels.block_stats import MINMAX_ALL, block_stats
+from ulysses.kernels.grouped_amax import grouped_amax
 
 import ulysses
 from ulysses import reference
-from ulysses.grid import slots, tail_group, touched
-from ulysses.kernels.block_stats import MINMAX_ALL, block_stats
-from ulysses.kernels.grouped_amax import grouped_amax
+from ulysses.grid import slots, touched
 
 SHAPES = [  # name, B, L, H, D, P, rank, G
     ("B1-L4736-H56-D128", 1, 4736, 56, 128, 8, 3, 64),
@@ -57,13 +57,17 @@ def main():
     ms = do_bench(lambda: torch.sum(x), warmup=20, rep=100, quantiles=[0.5])
     ms = ms[0] if isinstance(ms, (list, tuple)) else ms
     ceiling = 2**31 / (ms * 1e-3)
-    del x
+
     print(f"ceiling {ceiling / 1e12:.3f} TB/s", flush=True)
     for name, B, L, H, D, P, rank, G in SHAPES:
         kb = B * L * H * D * 2
         n_in = max(2, math.ceil(4 * 60 * 2**20 / kb))
-        ks = [(4 * torch.randn(1, 1, H, D, device=dev) + 1e-3 * torch.randn(B, L, H, D, device=dev)
-               ).bfloat16() for _ in range(n_in)]
+        ks = [
+            (
+                4 * torch.randn(1, 1, H, D, device=dev) + 1e-3 * torch.randn(B, L, H, D, device=dev)
+            ).bfloat16()
+            for _ in range(n_in)
+        ]
         ms_ = [k.float().mean(1).bfloat16() for k in ks]
         ns = slots(L, G)
         outs = [torch.empty(B, H, ns, device=dev) for _ in range(n_in)]
@@ -94,14 +98,19 @@ def main():
                 grouped_amax(ks[0], ms_[0], outs[0], rows=rows, block_h=bh, num_warps=nw, **kw)
                 ok = torch.equal(outs[0], ref)
                 us = graph_time_per_launch(
-                    lambda i: grouped_amax(ks[i], ms_[i], outs[i], rows=rows, block_h=bh,
-                                           num_warps=nw, **kw), n_in)
+                    lambda i: grouped_amax(
+                        ks[i], ms_[i], outs[i], rows=rows, block_h=bh, num_warps=nw, **kw
+                    ),
+                    n_in,
+                )
             except Exception as e:
                 print(f"  amax bh={bh} rows={rows} nw={nw}: failed {type(e).__name__}")
                 continue
             frac = floor_us / us
-            print(f"  amax bh={bh:2d} rows={rows:2d} nw={nw}: {us:7.1f} us {frac:6.1%} ok={ok}",
-                  flush=True)
+            print(
+                f"  amax bh={bh:2d} rows={rows:2d} nw={nw}: {us:7.1f} us {frac:6.1%} ok={ok}",
+                flush=True,
+            )
             if ok and (best is None or us < best[0]):
                 best = (us, bh, rows, nw)
         print(f"  BEST amax {name}: {best}", flush=True)
@@ -109,8 +118,9 @@ def main():
         nb = touched(rank, L, 64)
         sums = [torch.empty(B, nb, H, D, device=dev) for _ in range(n_in)]
         mms = [torch.empty(B, ns, 2, H, D, device=dev, dtype=torch.bfloat16) for _ in range(n_in)]
-        skw = dict(rank=rank, used=L * P, tail_group=-1, group_size=G,
-                   minmax_mode=MINMAX_ALL, use_pdl=True)
+        skw = dict(
+            rank=rank, used=L * P, tail_group=-1, group_size=G, minmax_mode=MINMAX_ALL, use_pdl=True
+        )
         f = 1 if D == 128 else 2
         sgrid = [(f * bh, rows, nw) for bh in (2, 4, 8) for rows in (8, 16) for nw in (2, 4, 8)]
         # the same bytes read by torch.sum: what a plain reduction attains at this size
@@ -119,14 +129,19 @@ def main():
         for bh, rows, nw in sgrid:
             try:
                 us = graph_time_per_launch(
-                    lambda i: block_stats(ks[i], sums[i], mms[i], rows=rows, block_h=bh,
-                                          num_warps=nw, **skw), n_in)
+                    lambda i: block_stats(
+                        ks[i], sums[i], mms[i], rows=rows, block_h=bh, num_warps=nw, **skw
+                    ),
+                    n_in,
+                )
             except Exception as e:
                 print(f"  stats bh={bh} rows={rows} nw={nw}: failed {type(e).__name__}")
                 continue
-            print(f"  stats bh={bh:2d} rows={rows:2d} nw={nw}: {us:7.1f} us "
-                  f"{floor_us / us:6.1%}", flush=True)
-        del ks, ms_, outs, sums, mms
+            print(
+                f"  stats bh={bh:2d} rows={rows:2d} nw={nw}: {us:7.1f} us {floor_us / us:6.1%}",
+                flush=True,
+            )
+        ks = ms_ = outs = sums = mms = None  # free before the next shape
         torch.cuda.empty_cache()
 
 

@@ -55,8 +55,17 @@ def assert_bitwise():
     return _assert_bitwise
 
 
-def _make_k_full(B: int, S: int, H: int, D: int, dtype: torch.dtype, data: str, *,
-                 used: int | None = None, seed: int | str = 0) -> torch.Tensor:
+def _make_k_full(
+    B: int,
+    S: int,
+    H: int,
+    D: int,
+    dtype: torch.dtype,
+    data: str,
+    *,
+    used: int | None = None,
+    seed: int | str = 0,
+) -> torch.Tensor:
     """A seeded global K [B, S, H, D]; rows [used, S) are zero padding.
 
     ``data``: "randn" (plain normal) or "smooth" (``4*channel_mean + 1e-3*noise`` with one

@@ -54,8 +54,10 @@ class Case(NamedTuple):
 
     @property
     def id(self) -> str:
-        return (f"ws{self.P}-L{self.L}-H{self.H}-D{self.D}-{self.dtype}-G{self.G}-{self.data}"
-                f"-used_{self.kind}")
+        return (
+            f"ws{self.P}-L{self.L}-H{self.H}-D{self.D}-{self.dtype}-G{self.G}-{self.data}"
+            f"-used_{self.kind}"
+        )
 
 
 def used_for(kind: str, P: int, L: int, G: int) -> int | None | str:
@@ -115,8 +117,19 @@ def _build_matrix() -> list[Case]:
             data = "randn" if L == 64 else "smooth"
         else:
             data = DATA[i % 2]
-        cases.append(Case(P, L, HEADS[i % 2], HEAD_DIMS[(i // 2) % 2],
-                          ("bf16", "fp16")[(i + i // 7) % 2], G, data, kind, used))
+        cases.append(
+            Case(
+                P,
+                L,
+                HEADS[i % 2],
+                HEAD_DIMS[(i // 2) % 2],
+                ("bf16", "fp16")[(i + i // 7) % 2],
+                G,
+                data,
+                kind,
+                used,
+            )
+        )
     return cases
 
 
@@ -125,8 +138,15 @@ MATRIX = _build_matrix()
 
 def _run_all_ranks(k_full, k_mean, *, P, used, G, **kwargs):
     return [
-        ulysses.k_grouped_amax(ref.shard(k_full, r, P), k_mean, rank=r, world_size=P,
-                               used_sequence=used, group_size=G, **kwargs)
+        ulysses.k_grouped_amax(
+            ref.shard(k_full, r, P),
+            k_mean,
+            rank=r,
+            world_size=P,
+            used_sequence=used,
+            group_size=G,
+            **kwargs,
+        )
         for r in range(P)
     ]
 
@@ -137,7 +157,7 @@ def _merge(partials, *, L, G, S):
     merged = torch.full((Bn, H, math.ceil(S / G)), -math.inf)
     for r, part in enumerate(partials):
         gf, n = ulysses.group_first(r, L, G), ulysses.touched(r, L, G)
-        merged[:, :, gf:gf + n] = torch.maximum(merged[:, :, gf:gf + n], part[:, :, :n])
+        merged[:, :, gf : gf + n] = torch.maximum(merged[:, :, gf : gf + n], part[:, :, :n])
     return merged
 
 
@@ -150,8 +170,14 @@ def _check_case(c: Case, make_k_full, assert_bitwise):
     for r, out in enumerate(partials):
         assert out.shape == (B, c.H, n_slots) and out.dtype == torch.float32
         assert out.device == k_full.device and out.is_contiguous()
-        expected = ref.grouped_amax_shard(ref.shard(k_full, r, c.P), k_mean, rank=r,
-                                          world_size=c.P, used_sequence=c.used, group_size=c.G)
+        expected = ref.grouped_amax_shard(
+            ref.shard(k_full, r, c.P),
+            k_mean,
+            rank=r,
+            world_size=c.P,
+            used_sequence=c.used,
+            group_size=c.G,
+        )
         assert_bitwise(out, expected, f"rank {r} of {c.id} (used={c.used})")
     # The merged invariant against the second, full-sequence reference, for live groups.
     full = ref.grouped_amax_full(k_full, k_mean, used_sequence=c.used, group_size=c.G)
@@ -178,8 +204,11 @@ def test_matrix_covers_every_value():
         S, t = c.P * c.L, grid.tail_group(c.used, c.P * c.L, c.G)
         if c.kind in ("none", "full", "mult"):
             assert t == -1, c
-            assert {"none": c.used is None, "full": c.used == S,
-                    "mult": c.used is not None and c.used < S and c.used % c.G == 0}[c.kind], c
+            assert {
+                "none": c.used is None,
+                "full": c.used == S,
+                "mult": c.used is not None and c.used < S and c.used % c.G == 0,
+            }[c.kind], c
         else:
             assert t >= 0, c
             touching = grid.ranks_touching(t, c.L, c.P, c.G)
@@ -236,8 +265,15 @@ def _poisoned_empty(monkeypatch, shape):
 
 @pytest.mark.parametrize(
     "P,L,G,used",
-    [(2, 1, 64, None), (4, 20, 64, 50), (6, 63, 64, None), (8, 64, 64, 300),
-     (4, 65, 128, 140), (8, 20, 16, None), (2, 100, 256, 150)],
+    [
+        (2, 1, 64, None),
+        (4, 20, 64, 50),
+        (6, 63, 64, None),
+        (8, 64, 64, 300),
+        (4, 65, 128, 140),
+        (8, 20, 16, None),
+        (2, 100, 256, 150),
+    ],
     ids=lambda v: repr(v),
 )
 def test_surplus_slots_exactly_zero(P, L, G, used, make_k_full, assert_bitwise, monkeypatch):
@@ -249,15 +285,17 @@ def test_surplus_slots_exactly_zero(P, L, G, used, make_k_full, assert_bitwise, 
     assert torch.isnan(torch.empty(B, H, n_slots)).all()  # the poison is live
     n_surplus = 0
     for r in range(P):
-        out = ulysses.k_grouped_amax(ref.shard(k_full, r, P), k_mean, rank=r, world_size=P,
-                                     used_sequence=used, group_size=G)
+        out = ulysses.k_grouped_amax(
+            ref.shard(k_full, r, P), k_mean, rank=r, world_size=P, used_sequence=used, group_size=G
+        )
         n = ulysses.touched(r, L, G)
         surplus_bits = out[:, :, n:].contiguous().view(torch.int32)
         assert (surplus_bits == 0).all(), f"rank {r}: surplus slots {out[:, :, n:]}"
         assert bool((out[:, :, :n] >= FLOOR32).all()), f"rank {r}: unwritten or below floor"
         n_surplus += n_slots - n
-        expected = ref.grouped_amax_shard(ref.shard(k_full, r, P), k_mean, rank=r,
-                                          world_size=P, used_sequence=used, group_size=G)
+        expected = ref.grouped_amax_shard(
+            ref.shard(k_full, r, P), k_mean, rank=r, world_size=P, used_sequence=used, group_size=G
+        )
         assert_bitwise(out, expected, f"rank {r}")
     # Count the zero slots independently: each rank has slots - touched of them.
     expected_surplus = sum(
@@ -276,16 +314,25 @@ def test_launcher_writes_caller_buffer_including_tail_repair(make_k_full, assert
     assert t >= 0
     for r in range(P):
         out = torch.full((B, H, ulysses.slots(L, G)), math.nan)
-        grouped_amax_module.grouped_amax(ref.shard(k_full, r, P), k_mean, out, rank=r,
-                                         group_size=G, tail_group=t, tail_end=used,
-                                         use_pdl=False)
-        expected = ref.grouped_amax_shard(ref.shard(k_full, r, P), k_mean, rank=r,
-                                          world_size=P, used_sequence=used, group_size=G)
+        grouped_amax_module.grouped_amax(
+            ref.shard(k_full, r, P),
+            k_mean,
+            out,
+            rank=r,
+            group_size=G,
+            tail_group=t,
+            tail_end=used,
+            use_pdl=False,
+        )
+        expected = ref.grouped_amax_shard(
+            ref.shard(k_full, r, P), k_mean, rank=r, world_size=P, used_sequence=used, group_size=G
+        )
         assert_bitwise(out, expected, f"rank {r}")
 
 
-@pytest.mark.parametrize("block_h,rows", [(1, 8), (2, 3), (4, 1), (8, 16), (16, 5)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "block_h,rows", [(1, 8), (2, 3), (4, 1), (8, 16), (16, 5)], ids=lambda v: str(v)
+)
 def test_launch_configuration_does_not_change_bits(block_h, rows, make_k_full, assert_bitwise):
     """Head-block sizes (including ones past H, so masked heads) and row unrolls agree."""
     P, L, H, D, G = 2, 65, 7, 64, 64
@@ -295,9 +342,18 @@ def test_launch_configuration_does_not_change_bits(block_h, rows, make_k_full, a
     baseline = _run_all_ranks(k_full, k_mean, P=P, used=used, G=G)
     for r in range(P):
         out = torch.full((B, H, ulysses.slots(L, G)), math.nan)
-        grouped_amax_module.grouped_amax(ref.shard(k_full, r, P), k_mean, out, rank=r,
-                                         group_size=G, tail_group=grid.tail_group(used, L * P, G),
-                                         tail_end=used, use_pdl=False, rows=rows, block_h=block_h)
+        grouped_amax_module.grouped_amax(
+            ref.shard(k_full, r, P),
+            k_mean,
+            out,
+            rank=r,
+            group_size=G,
+            tail_group=grid.tail_group(used, L * P, G),
+            tail_end=used,
+            use_pdl=False,
+            rows=rows,
+            block_h=block_h,
+        )
         assert_bitwise(out, baseline[r], f"rank {r} block_h={block_h} rows={rows}")
 
 
@@ -315,10 +371,13 @@ SPECIALS = {
     "nan-randn-last-row": ("randn", [(129, 1, 33, math.nan)], {1: 1}, "nan"),
     "posinf-floor": ("floor", [(3, 0, 1, math.inf)], {0: 0}, "inf"),
     "neginf-randn": ("randn", [(128, 2, 2, -math.inf)], {1: 1}, "inf"),
-    "inf-then-nan-same-slot": ("randn", [(1, 1, 1, math.inf), (2, 1, 1, math.nan)], {0: 0},
-                               "nan"),
-    "nan-then-inf-same-slot": ("floor", [(90, 0, 3, math.nan), (91, 0, 4, math.inf)], {1: 0},
-                               "nan"),
+    "inf-then-nan-same-slot": ("randn", [(1, 1, 1, math.inf), (2, 1, 1, math.nan)], {0: 0}, "nan"),
+    "nan-then-inf-same-slot": (
+        "floor",
+        [(90, 0, 3, math.nan), (91, 0, 4, math.inf)],
+        {1: 0},
+        "nan",
+    ),
 }
 
 
@@ -344,15 +403,16 @@ def test_nan_and_inf_propagate(name, dtype, make_k_full, assert_bitwise):
     special_h = pokes[0][1]
     partials = _run_all_ranks(k_full, k_mean, P=NP, used=None, G=NG)
     for r, out in enumerate(partials):
-        expected = ref.grouped_amax_shard(ref.shard(k_full, r, NP), k_mean, rank=r,
-                                          world_size=NP, group_size=NG)
+        expected = ref.grouped_amax_shard(
+            ref.shard(k_full, r, NP), k_mean, rank=r, world_size=NP, group_size=NG
+        )
         assert_bitwise(out, expected, f"rank {r}")
         bad = ~torch.isfinite(out)
         s = slot_of_rank.get(r)
         if s is None:
             assert not bad.any(), f"rank {r}: {out}"
             if data == "floor":
-                assert (out[:, :, :ulysses.touched(r, NL, NG)] == FLOOR32).all()
+                assert (out[:, :, : ulysses.touched(r, NL, NG)] == FLOOR32).all()
             continue
         assert int(bad.sum()) == 1, f"rank {r}: non-finite at {torch.nonzero(bad).tolist()}"
         got = out[b, special_h, s]
@@ -363,7 +423,7 @@ def test_nan_and_inf_propagate(name, dtype, make_k_full, assert_bitwise):
         if data == "floor":  # the special value is not hidden behind the floor
             clean = out.clone()
             clean[b, special_h, s] = FLOOR32
-            assert (clean[:, :, :ulysses.touched(r, NL, NG)] == FLOOR32).all()
+            assert (clean[:, :, : ulysses.touched(r, NL, NG)] == FLOOR32).all()
 
 
 @pytest.mark.parametrize(
@@ -388,15 +448,26 @@ def test_nan_in_padding_rows(used, row, value, rank, slot, expect, make_k_full, 
     S = NP * NL
     k_full = make_k_full(B, S, NH, ND, torch.bfloat16, "smooth", used=used, seed=used + row)
     k_mean = ref.global_k_mean(k_full, world_size=NP, used_sequence=used)
-    clean = ulysses.k_grouped_amax(ref.shard(k_full, rank, NP), k_mean, rank=rank,
-                                   world_size=NP, used_sequence=used, group_size=NG)
+    clean = ulysses.k_grouped_amax(
+        ref.shard(k_full, rank, NP),
+        k_mean,
+        rank=rank,
+        world_size=NP,
+        used_sequence=used,
+        group_size=NG,
+    )
     b, h = 0, 2
     k_full[b, row, h, 7] = value
     k = ref.shard(k_full, rank, NP)
-    out = ulysses.k_grouped_amax(k, k_mean, rank=rank, world_size=NP, used_sequence=used,
-                                 group_size=NG)
-    assert_bitwise(out, ref.grouped_amax_shard(k, k_mean, rank=rank, world_size=NP,
-                                               used_sequence=used, group_size=NG))
+    out = ulysses.k_grouped_amax(
+        k, k_mean, rank=rank, world_size=NP, used_sequence=used, group_size=NG
+    )
+    assert_bitwise(
+        out,
+        ref.grouped_amax_shard(
+            k, k_mean, rank=rank, world_size=NP, used_sequence=used, group_size=NG
+        ),
+    )
     got = out[b, h, slot]
     if expect == "clean":
         assert_bitwise(out, clean, "a NaN/Inf in a padding row of the tail group leaked")
@@ -421,8 +492,9 @@ def test_nan_in_mean_propagates_to_every_reduced_slot(make_k_full, assert_bitwis
     for r in range(P):
         k = ref.shard(k_full, r, P)
         out = ulysses.k_grouped_amax(k, k_mean, rank=r, world_size=P, used_sequence=used)
-        assert_bitwise(out, ref.grouped_amax_shard(k, k_mean, rank=r, world_size=P,
-                                                   used_sequence=used))
+        assert_bitwise(
+            out, ref.grouped_amax_shard(k, k_mean, rank=r, world_size=P, used_sequence=used)
+        )
         assert not torch.isnan(out[0]).any() and not torch.isnan(out[1, :2]).any()
         outs.append(out)
     # Rank 0 reduces rows in both its groups: NaN. Rank 1's slot 0 (its padding part of the
@@ -442,7 +514,7 @@ def _views(layout: str, Bn: int, L: int, H: int, D: int, dtype, gen):
         return base[:, :, 1], base
     if layout == "qkv_BL_3HD":  # a [B, L, 3*H*D] linear output, K in the middle third
         base = torch.randn(Bn, L, 3 * H * D, generator=gen).to(dtype)
-        return base[..., H * D:2 * H * D].unflatten(-1, (H, D)), base
+        return base[..., H * D : 2 * H * D].unflatten(-1, (H, D)), base
     if layout == "BHLD_permuted":  # head-major storage
         base = torch.randn(Bn, H, L, D, generator=gen).to(dtype)
         return base.permute(0, 2, 1, 3), base
@@ -465,8 +537,11 @@ def test_strided_views_match_contiguous(layout, dtype, D, assert_bitwise):
         assert k.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
         kwargs = dict(rank=r, world_size=P, used_sequence=used, group_size=G)
         out = ulysses.k_grouped_amax(k, k_mean, **kwargs)
-        assert_bitwise(out, ulysses.k_grouped_amax(k.contiguous(), k_mean, **kwargs),
-                       f"{layout} rank {r}: view vs contiguous")
+        assert_bitwise(
+            out,
+            ulysses.k_grouped_amax(k.contiguous(), k_mean, **kwargs),
+            f"{layout} rank {r}: view vs contiguous",
+        )
         assert_bitwise(out, ref.grouped_amax_shard(k, k_mean, **kwargs), f"{layout} rank {r}")
 
 
@@ -481,8 +556,9 @@ def test_shard_of_head_major_global_tensor(assert_bitwise):
         k = ref.shard(k_full, r, P)
         assert not k.is_contiguous()
         out = ulysses.k_grouped_amax(k, k_mean, rank=r, world_size=P, group_size=G)
-        assert_bitwise(out, ulysses.k_grouped_amax(k.contiguous(), k_mean, rank=r,
-                                                   world_size=P, group_size=G))
+        assert_bitwise(
+            out, ulysses.k_grouped_amax(k.contiguous(), k_mean, rank=r, world_size=P, group_size=G)
+        )
         assert_bitwise(out, ref.grouped_amax_shard(k, k_mean, rank=r, world_size=P))
 
 
@@ -495,8 +571,9 @@ def test_used_none_equals_used_full(G, make_k_full, assert_bitwise):
     for r in (0, 3):
         k = ref.shard(k_full, r, P)
         a = ulysses.k_grouped_amax(k, k_mean, rank=r, world_size=P, group_size=G)
-        b = ulysses.k_grouped_amax(k, k_mean, rank=r, world_size=P, used_sequence=L * P,
-                                   group_size=G)
+        b = ulysses.k_grouped_amax(
+            k, k_mean, rank=r, world_size=P, used_sequence=L * P, group_size=G
+        )
         assert_bitwise(a, b, f"rank {r}")
 
 
@@ -507,15 +584,18 @@ def test_enable_pdl_false_equals_none_on_cpu(make_k_full, assert_bitwise):
     for r in range(P):
         k = ref.shard(k_full, r, P)
         kwargs = dict(rank=r, world_size=P, used_sequence=100)
-        assert_bitwise(ulysses.k_grouped_amax(k, k_mean, enable_pdl=False, **kwargs),
-                       ulysses.k_grouped_amax(k, k_mean, enable_pdl=None, **kwargs))
+        assert_bitwise(
+            ulysses.k_grouped_amax(k, k_mean, enable_pdl=False, **kwargs),
+            ulysses.k_grouped_amax(k, k_mean, enable_pdl=None, **kwargs),
+        )
 
 
 def test_enable_pdl_true_raises_on_cpu():
     k = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="enable_pdl"):
-        ulysses.k_grouped_amax(k, torch.zeros(1, 1, 64, dtype=torch.bfloat16), rank=0,
-                               world_size=2, enable_pdl=True)
+        ulysses.k_grouped_amax(
+            k, torch.zeros(1, 1, 64, dtype=torch.bfloat16), rank=0, world_size=2, enable_pdl=True
+        )
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -544,8 +624,9 @@ def test_floor_boundary(value, expect, assert_bitwise):
     """|k - 0| below 1e-7 reads exactly fp32(1e-7); above it, the value itself."""
     k = torch.zeros(1, 64, 1, 64, dtype=torch.bfloat16)
     k[0, 10, 0, 3] = value
-    out = ulysses.k_grouped_amax(k, torch.zeros(1, 1, 64, dtype=torch.bfloat16), rank=0,
-                                 world_size=2)
+    out = ulysses.k_grouped_amax(
+        k, torch.zeros(1, 1, 64, dtype=torch.bfloat16), rank=0, world_size=2
+    )
     want = FLOOR32 if expect is not None else k[0, 10, 0, 3].float().abs()
     assert_bitwise(out, torch.stack([want, torch.tensor(0.0)]).view(1, 1, 2))
 

@@ -30,8 +30,18 @@ EXPECT = {
 @pytest.mark.parametrize("mode", list(EXPECT))
 def test_fault_ends_every_rank_nonzero(mode):
     nproc = 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "dist_tests.faults", mode, "--timeout-s", "60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "dist_tests.faults",
+        mode,
+        "--timeout-s",
+        "60",
+    ]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     elapsed = time.monotonic() - start

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
 
 import ulysses
 from ulysses import _ops
-from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
 
 
 def _k(B=2, L=65, H=3, D=64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    k = (4 * torch.randn(1, 1, H, D, generator=g) + 1e-3 * torch.randn(B, L, H, D, generator=g))
+    k = 4 * torch.randn(1, 1, H, D, generator=g) + 1e-3 * torch.randn(B, L, H, D, generator=g)
     return k.bfloat16()
 
 
@@ -78,9 +78,19 @@ def test_smooth_k_stats_compiles_fullgraph_under_torchrun():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "dist_tests.compile_check"],
-        cwd=root, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "dist_tests.compile_check",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -70,10 +70,10 @@ def test_matches_reference(case):
     k_full = _build(P, L, B, H, D, dtype, used, seed, smooth)
     mean = reference.global_k_mean(k_full, world_size=P, used_sequence=used)
     k = _view(reference.shard(k_full, rank, P).contiguous(), layout)
-    out = ulysses.k_grouped_amax(k, mean, rank=rank, world_size=P, used_sequence=used,
-                                 group_size=G)
-    ref = reference.grouped_amax_shard(k, mean, rank=rank, world_size=P, used_sequence=used,
-                                       group_size=G)
+    out = ulysses.k_grouped_amax(k, mean, rank=rank, world_size=P, used_sequence=used, group_size=G)
+    ref = reference.grouped_amax_shard(
+        k, mean, rank=rank, world_size=P, used_sequence=used, group_size=G
+    )
     assert torch.equal(out, ref), (out - ref).abs().max()
 
 
@@ -89,27 +89,52 @@ def test_invariants(case):
     n_groups = (S + G - 1) // G
     merged = torch.zeros(B, H, n_groups)
     for r in range(P):
-        part = ulysses.k_grouped_amax(reference.shard(k_full, r, P), mean, rank=r,
-                                      world_size=P, used_sequence=used, group_size=G)
+        part = ulysses.k_grouped_amax(
+            reference.shard(k_full, r, P),
+            mean,
+            rank=r,
+            world_size=P,
+            used_sequence=used,
+            group_size=G,
+        )
         gf, n = ulysses.group_first(r, L, G), ulysses.touched(r, L, G)
-        merged[:, :, gf:gf + n] = torch.maximum(merged[:, :, gf:gf + n], part[:, :, :n])
+        merged[:, :, gf : gf + n] = torch.maximum(merged[:, :, gf : gf + n], part[:, :, :n])
         if used is None:
-            same = ulysses.k_grouped_amax(reference.shard(k_full, r, P), mean, rank=r,
-                                          world_size=P, used_sequence=S, group_size=G)
+            same = ulysses.k_grouped_amax(
+                reference.shard(k_full, r, P),
+                mean,
+                rank=r,
+                world_size=P,
+                used_sequence=S,
+                group_size=G,
+            )
             assert torch.equal(same, part)
     full = reference.grouped_amax_full(k_full, mean, used_sequence=used, group_size=G)
     assert torch.equal(merged, full)
 
     if used is not None and used < S:
         noisy = k_full.clone()
-        noisy[:, used:] = torch.randn(B, S - used, H, D, generator=torch.Generator().manual_seed(
-            seed + 1)).to(dtype)
+        noisy[:, used:] = torch.randn(
+            B, S - used, H, D, generator=torch.Generator().manual_seed(seed + 1)
+        ).to(dtype)
         last_live = (used - 1) // G
         for r in range(P):
-            a = ulysses.k_grouped_amax(reference.shard(k_full, r, P), mean, rank=r,
-                                       world_size=P, used_sequence=used, group_size=G)
-            b = ulysses.k_grouped_amax(reference.shard(noisy, r, P), mean, rank=r,
-                                       world_size=P, used_sequence=used, group_size=G)
+            a = ulysses.k_grouped_amax(
+                reference.shard(k_full, r, P),
+                mean,
+                rank=r,
+                world_size=P,
+                used_sequence=used,
+                group_size=G,
+            )
+            b = ulysses.k_grouped_amax(
+                reference.shard(noisy, r, P),
+                mean,
+                rank=r,
+                world_size=P,
+                used_sequence=used,
+                group_size=G,
+            )
             gf, n = ulysses.group_first(r, L, G), ulysses.touched(r, L, G)
             live = max(0, min(n, last_live - gf + 1))
             assert torch.equal(a[:, :, :live], b[:, :, :live])

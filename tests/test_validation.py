@@ -32,7 +32,7 @@ def _mean(k=None, shape=(B, H, D), dtype=torch.bfloat16):
 def _offset_view(elements: int, shape=(B, L, H, D)):
     """A view of ``shape`` starting ``elements`` bf16 elements into its storage."""
     n = B * L * H * D
-    return torch.randn(n + 16).to(torch.bfloat16)[elements:elements + n].view(shape)
+    return torch.randn(n + 16).to(torch.bfloat16)[elements : elements + n].view(shape)
 
 
 def _strided(strides, shape=(B, L, H, D)):
@@ -59,57 +59,130 @@ CASES = [
     Bad("k-none", lambda: dict(k=None), TypeError, "k", "NoneType"),
     Bad("k-float32", lambda: dict(k=_k(dtype=torch.float32)), TypeError, "k", "float32"),
     Bad("k-float64", lambda: dict(k=_k(dtype=torch.float64)), TypeError, "k", "float64"),
-    Bad("k-int8", lambda: dict(k=torch.zeros(B, L, H, D, dtype=torch.int8)), TypeError, "k",
-        "int8"),
+    Bad(
+        "k-int8", lambda: dict(k=torch.zeros(B, L, H, D, dtype=torch.int8)), TypeError, "k", "int8"
+    ),
     Bad("k-fp8", lambda: dict(k=_k(dtype=torch.float8_e4m3fn)), TypeError, "k", "float8"),
     Bad("k-3d", lambda: dict(k=_k((B * L, H, D))), ValueError, "k", str((B * L, H, D))),
     Bad("k-5d", lambda: dict(k=_k((B, L, H, 1, D))), ValueError, "k", str((B, L, H, 1, D))),
-    Bad("k-B0", lambda: dict(k=_k((0, L, H, D)), k_mean_global=_mean(shape=(0, H, D))),
-        ValueError, "k", str((0, L, H, D))),
+    Bad(
+        "k-B0",
+        lambda: dict(k=_k((0, L, H, D)), k_mean_global=_mean(shape=(0, H, D))),
+        ValueError,
+        "k",
+        str((0, L, H, D)),
+    ),
     Bad("k-L0", lambda: dict(k=_k((B, 0, H, D))), ValueError, "k", str((B, 0, H, D))),
-    Bad("k-H0", lambda: dict(k=_k((B, L, 0, D)), k_mean_global=_mean(shape=(B, 0, D))),
-        ValueError, "k", str((B, L, 0, D))),
-    Bad("k-D48", lambda: dict(k=_k((B, L, H, 48)), k_mean_global=_mean(shape=(B, H, 48))),
-        ValueError, "k", "48"),
-    Bad("k-D512", lambda: dict(k=_k((B, L, H, 512)), k_mean_global=_mean(shape=(B, H, 512))),
-        ValueError, "k", "512"),
-    Bad("k-D8", lambda: dict(k=_k((B, L, H, 8)), k_mean_global=_mean(shape=(B, H, 8))),
-        ValueError, "k", "8"),
+    Bad(
+        "k-H0",
+        lambda: dict(k=_k((B, L, 0, D)), k_mean_global=_mean(shape=(B, 0, D))),
+        ValueError,
+        "k",
+        str((B, L, 0, D)),
+    ),
+    Bad(
+        "k-D48",
+        lambda: dict(k=_k((B, L, H, 48)), k_mean_global=_mean(shape=(B, H, 48))),
+        ValueError,
+        "k",
+        "48",
+    ),
+    Bad(
+        "k-D512",
+        lambda: dict(k=_k((B, L, H, 512)), k_mean_global=_mean(shape=(B, H, 512))),
+        ValueError,
+        "k",
+        "512",
+    ),
+    Bad(
+        "k-D8",
+        lambda: dict(k=_k((B, L, H, 8)), k_mean_global=_mean(shape=(B, H, 8))),
+        ValueError,
+        "k",
+        "8",
+    ),
     Bad("k-last-stride-2", lambda: dict(k=_k((B, L, H, 2 * D))[..., ::2]), ValueError, "k"),
-    Bad("k-transposed-last-dims", lambda: dict(k=_k((B, L, D, H)).transpose(2, 3)),
-        ValueError, "k"),
+    Bad(
+        "k-transposed-last-dims", lambda: dict(k=_k((B, L, D, H)).transpose(2, 3)), ValueError, "k"
+    ),
     Bad("k-ptr-offset-1-elem", lambda: dict(k=_offset_view(1)), ValueError, "k"),
     Bad("k-ptr-offset-4-elem", lambda: dict(k=_offset_view(4)), ValueError, "k"),
-    Bad("k-stride0-not-16B", lambda: dict(k=_strided((L * H * D + 4, H * D, D, 1))),
-        ValueError, "k"),
-    Bad("k-stride1-not-16B", lambda: dict(k=_strided((L * (H * D + 4), H * D + 4, D, 1))),
-        ValueError, "k"),
-    Bad("k-stride2-not-16B",
+    Bad(
+        "k-stride0-not-16B", lambda: dict(k=_strided((L * H * D + 4, H * D, D, 1))), ValueError, "k"
+    ),
+    Bad(
+        "k-stride1-not-16B",
+        lambda: dict(k=_strided((L * (H * D + 4), H * D + 4, D, 1))),
+        ValueError,
+        "k",
+    ),
+    Bad(
+        "k-stride2-not-16B",
         lambda: dict(k=_strided((L * (H * (D + 4) + 4), H * (D + 4) + 4, D + 4, 1))),
-        ValueError, "k"),
-    Bad("k-meta-device", lambda: dict(k=torch.empty(B, L, H, D, dtype=torch.bfloat16,
-                                                    device="meta")),
-        ValueError, "k", "meta"),
+        ValueError,
+        "k",
+    ),
+    Bad(
+        "k-meta-device",
+        lambda: dict(k=torch.empty(B, L, H, D, dtype=torch.bfloat16, device="meta")),
+        ValueError,
+        "k",
+        "meta",
+    ),
     # k_mean_global
     Bad("mean-list", lambda: dict(k_mean_global=[0.0] * D), TypeError, "k_mean_global", "list"),
     Bad("mean-none", lambda: dict(k_mean_global=None), TypeError, "k_mean_global"),
-    Bad("mean-fp16-for-bf16-k", lambda: dict(k_mean_global=_mean(dtype=torch.float16)),
-        TypeError, "k_mean_global", "float16"),
-    Bad("mean-float32", lambda: dict(k_mean_global=_mean(dtype=torch.float32)), TypeError,
-        "k_mean_global", "float32"),
-    Bad("mean-shape-BH", lambda: dict(k_mean_global=_mean(shape=(B, H))), ValueError,
-        "k_mean_global"),
-    Bad("mean-shape-1HD-broadcast", lambda: dict(k_mean_global=_mean(shape=(1, H, D))),
-        ValueError, "k_mean_global"),
-    Bad("mean-shape-BHD-swapped", lambda: dict(k_mean_global=_mean(shape=(B, D, H))),
-        ValueError, "k_mean_global"),
-    Bad("mean-shape-BLHD", lambda: dict(k_mean_global=_mean(shape=(B, 1, H, D))), ValueError,
-        "k_mean_global"),
-    Bad("mean-non-contiguous", lambda: dict(k_mean_global=_mean(shape=(B, D, H)).transpose(1, 2)),
-        ValueError, "k_mean_global"),
-    Bad("mean-meta-device", lambda: dict(k_mean_global=torch.empty(B, H, D, dtype=torch.bfloat16,
-                                                                   device="meta")),
-        ValueError, "k_mean_global", "meta"),
+    Bad(
+        "mean-fp16-for-bf16-k",
+        lambda: dict(k_mean_global=_mean(dtype=torch.float16)),
+        TypeError,
+        "k_mean_global",
+        "float16",
+    ),
+    Bad(
+        "mean-float32",
+        lambda: dict(k_mean_global=_mean(dtype=torch.float32)),
+        TypeError,
+        "k_mean_global",
+        "float32",
+    ),
+    Bad(
+        "mean-shape-BH",
+        lambda: dict(k_mean_global=_mean(shape=(B, H))),
+        ValueError,
+        "k_mean_global",
+    ),
+    Bad(
+        "mean-shape-1HD-broadcast",
+        lambda: dict(k_mean_global=_mean(shape=(1, H, D))),
+        ValueError,
+        "k_mean_global",
+    ),
+    Bad(
+        "mean-shape-BHD-swapped",
+        lambda: dict(k_mean_global=_mean(shape=(B, D, H))),
+        ValueError,
+        "k_mean_global",
+    ),
+    Bad(
+        "mean-shape-BLHD",
+        lambda: dict(k_mean_global=_mean(shape=(B, 1, H, D))),
+        ValueError,
+        "k_mean_global",
+    ),
+    Bad(
+        "mean-non-contiguous",
+        lambda: dict(k_mean_global=_mean(shape=(B, D, H)).transpose(1, 2)),
+        ValueError,
+        "k_mean_global",
+    ),
+    Bad(
+        "mean-meta-device",
+        lambda: dict(k_mean_global=torch.empty(B, H, D, dtype=torch.bfloat16, device="meta")),
+        ValueError,
+        "k_mean_global",
+        "meta",
+    ),
     # rank
     Bad("rank-bool", lambda: dict(rank=True), TypeError, "rank", "True"),
     Bad("rank-float", lambda: dict(rank=0.0), TypeError, "rank", "0.0"),
@@ -130,8 +203,13 @@ CASES = [
     Bad("used-0", lambda: dict(used_sequence=0), ValueError, "used_sequence", "0"),
     Bad("used-negative", lambda: dict(used_sequence=-5), ValueError, "used_sequence", "-5"),
     Bad("used-gt-S", lambda: dict(used_sequence=S + 1), ValueError, "used_sequence", str(S + 1)),
-    Bad("used-gt-S-ws4", lambda: dict(world_size=4, used_sequence=4 * L + 1), ValueError,
-        "used_sequence", str(4 * L + 1)),
+    Bad(
+        "used-gt-S-ws4",
+        lambda: dict(world_size=4, used_sequence=4 * L + 1),
+        ValueError,
+        "used_sequence",
+        str(4 * L + 1),
+    ),
     Bad("used-bool", lambda: dict(used_sequence=True), TypeError, "used_sequence", "True"),
     Bad("used-float", lambda: dict(used_sequence=8.0), TypeError, "used_sequence", "8.0"),
     Bad("used-tensor", lambda: dict(used_sequence=torch.tensor(8)), TypeError, "used_sequence"),
@@ -199,10 +277,18 @@ def test_base_call_is_valid():
 def test_signature():
     """The seed's signature: k and k_mean_global positional, everything else keyword-only."""
     params = inspect.signature(ulysses.k_grouped_amax).parameters
-    assert list(params) == ["k", "k_mean_global", "rank", "world_size", "used_sequence",
-                            "enable_pdl", "group_size"]
-    assert all(params[p].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-               for p in ("k", "k_mean_global"))
+    assert list(params) == [
+        "k",
+        "k_mean_global",
+        "rank",
+        "world_size",
+        "used_sequence",
+        "enable_pdl",
+        "group_size",
+    ]
+    assert all(
+        params[p].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in ("k", "k_mean_global")
+    )
     assert all(params[p].kind is inspect.Parameter.KEYWORD_ONLY for p in list(params)[2:])
     assert params["used_sequence"].default is None
     assert params["enable_pdl"].default is None

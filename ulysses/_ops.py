@@ -23,28 +23,44 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _run_k_grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, rank: int, world_size: int,
-                        used_sequence: int | None, enable_pdl: bool | None,
-                        group_size: int) -> torch.Tensor:
+def _run_k_grouped_amax(
+    k: torch.Tensor,
+    k_mean: torch.Tensor,
+    rank: int,
+    world_size: int,
+    used_sequence: int | None,
+    enable_pdl: bool | None,
+    group_size: int,
+) -> torch.Tensor:
     v.check_alignment(k)  # data pointers exist only on real tensors
     use_pdl = v.resolve_pdl(enable_pdl, k.device)
     B, L, H, _ = k.shape
     S = L * world_size
     out = torch.empty((B, H, slots(L, group_size)), dtype=torch.float32, device=k.device)
     grouped_amax(
-        k, k_mean, out, rank=rank, group_size=group_size,
+        k,
+        k_mean,
+        out,
+        rank=rank,
+        group_size=group_size,
         tail_group=tail_group(used_sequence, S, group_size),
-        tail_end=S if used_sequence is None else used_sequence, use_pdl=use_pdl,
+        tail_end=S if used_sequence is None else used_sequence,
+        use_pdl=use_pdl,
     )
     return out
 
 
 @torch.library.custom_op("ulysses::k_grouped_amax", mutates_args=())
-def k_grouped_amax_op(k: torch.Tensor, k_mean: torch.Tensor, rank: int, world_size: int,
-                      used_sequence: int | None, enable_pdl: bool | None,
-                      group_size: int) -> torch.Tensor:
-    return _run_k_grouped_amax(k, k_mean, rank, world_size, used_sequence, enable_pdl,
-                               group_size)
+def k_grouped_amax_op(
+    k: torch.Tensor,
+    k_mean: torch.Tensor,
+    rank: int,
+    world_size: int,
+    used_sequence: int | None,
+    enable_pdl: bool | None,
+    group_size: int,
+) -> torch.Tensor:
+    return _run_k_grouped_amax(k, k_mean, rank, world_size, used_sequence, enable_pdl, group_size)
 
 
 def _n_slots(L, G):
@@ -62,22 +78,35 @@ def _n_minmax(L, group_size: int, minmax_mode: int):
     return {MINMAX_NONE: 0, MINMAX_BOUNDARY: 2, MINMAX_ALL: _n_slots(L, group_size)}[minmax_mode]
 
 
-def _run_local_stats(k: torch.Tensor, rank: int, world_size: int, used_sequence: int | None,
-                     group_size: int, minmax_mode: int,
-                     enable_pdl: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_local_stats(
+    k: torch.Tensor,
+    rank: int,
+    world_size: int,
+    used_sequence: int | None,
+    group_size: int,
+    minmax_mode: int,
+    enable_pdl: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     v.check_alignment(k)
     use_pdl = v.resolve_pdl(enable_pdl, k.device)
     B, L, H, D = k.shape
     S = L * world_size
     used = S if used_sequence is None else used_sequence
-    block_sums = torch.empty((B, touched(rank, L, SUM_BLOCK), H, D), dtype=torch.float32,
-                             device=k.device)
+    block_sums = torch.empty(
+        (B, touched(rank, L, SUM_BLOCK), H, D), dtype=torch.float32, device=k.device
+    )
     n_mm = _n_minmax(L, group_size, minmax_mode)
     minmax = torch.empty((B, n_mm, 2, H, D), dtype=k.dtype, device=k.device)
     block_stats(
-        k, block_sums, minmax if n_mm else None,
-        rank=rank, used=used, tail_group=tail_group(used_sequence, S, group_size),
-        group_size=group_size, minmax_mode=minmax_mode, use_pdl=use_pdl,
+        k,
+        block_sums,
+        minmax if n_mm else None,
+        rank=rank,
+        used=used,
+        tail_group=tail_group(used_sequence, S, group_size),
+        group_size=group_size,
+        minmax_mode=minmax_mode,
+        use_pdl=use_pdl,
     )
     local_sum = torch.empty((B, H, D), dtype=torch.float32, device=k.device)
     block_sum_reduce(block_sums, local_sum, first_block=(rank * L) // SUM_BLOCK, use_pdl=use_pdl)
@@ -85,32 +114,39 @@ def _run_local_stats(k: torch.Tensor, rank: int, world_size: int, used_sequence:
 
 
 @torch.library.custom_op("ulysses::local_stats", mutates_args=())
-def local_stats_op(k: torch.Tensor, rank: int, world_size: int, used_sequence: int | None,
-                   group_size: int, minmax_mode: int,
-                   enable_pdl: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_local_stats(k, rank, world_size, used_sequence, group_size, minmax_mode,
-                            enable_pdl)
+def local_stats_op(
+    k: torch.Tensor,
+    rank: int,
+    world_size: int,
+    used_sequence: int | None,
+    group_size: int,
+    minmax_mode: int,
+    enable_pdl: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_local_stats(k, rank, world_size, used_sequence, group_size, minmax_mode, enable_pdl)
 
 
 @local_stats_op.register_fake
 def _(k, rank, world_size, used_sequence, group_size, minmax_mode, enable_pdl):
     B, L, H, D = k.shape
     n_mm = _n_minmax(L, group_size, minmax_mode)
-    return (k.new_empty((B, H, D), dtype=torch.float32),
-            k.new_empty((B, n_mm, 2, H, D)))
+    return (k.new_empty((B, H, D), dtype=torch.float32), k.new_empty((B, n_mm, 2, H, D)))
 
 
-def _run_derive_amax(minmax: torch.Tensor, k_mean: torch.Tensor, n_touched: int,
-                     enable_pdl: bool | None) -> torch.Tensor:
+def _run_derive_amax(
+    minmax: torch.Tensor, k_mean: torch.Tensor, n_touched: int, enable_pdl: bool | None
+) -> torch.Tensor:
     B, NS, _, H, _ = minmax.shape
     out = torch.empty((B, H, NS), dtype=torch.float32, device=minmax.device)
-    return derive_amax(minmax, k_mean, out, n_touched=n_touched,
-                       use_pdl=v.resolve_pdl(enable_pdl, minmax.device))
+    return derive_amax(
+        minmax, k_mean, out, n_touched=n_touched, use_pdl=v.resolve_pdl(enable_pdl, minmax.device)
+    )
 
 
 @torch.library.custom_op("ulysses::derive_amax", mutates_args=())
-def derive_amax_op(minmax: torch.Tensor, k_mean: torch.Tensor, n_touched: int,
-                   enable_pdl: bool | None) -> torch.Tensor:
+def derive_amax_op(
+    minmax: torch.Tensor, k_mean: torch.Tensor, n_touched: int, enable_pdl: bool | None
+) -> torch.Tensor:
     return _run_derive_amax(minmax, k_mean, n_touched, enable_pdl)
 
 

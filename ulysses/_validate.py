@@ -67,9 +67,7 @@ def check_mean(k_mean_global, k: torch.Tensor) -> None:
     if not isinstance(k_mean_global, torch.Tensor):
         raise TypeError(f"k_mean_global must be a torch.Tensor, got {type(k_mean_global).__name__}")
     if k_mean_global.dtype != k.dtype:
-        raise TypeError(
-            f"k_mean_global must have k's dtype {k.dtype}, got {k_mean_global.dtype}"
-        )
+        raise TypeError(f"k_mean_global must have k's dtype {k.dtype}, got {k_mean_global.dtype}")
     B, _, H, D = k.shape
     if tuple(k_mean_global.shape) != (B, H, D):
         raise ValueError(
@@ -81,9 +79,7 @@ def check_mean(k_mean_global, k: torch.Tensor) -> None:
             f"k_mean_global must be on k's device {k.device}, got {k_mean_global.device}"
         )
     if not k_mean_global.is_contiguous():
-        raise ValueError(
-            f"k_mean_global must be contiguous, got strides {k_mean_global.stride()}"
-        )
+        raise ValueError(f"k_mean_global must be contiguous, got strides {k_mean_global.stride()}")
 
 
 def check_world(rank, world_size, *, world_name: str = "world_size") -> None:
@@ -112,7 +108,7 @@ def check_group_size(group_size) -> None:
         raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pdl_capable(index: int | None) -> bool:
     from .kernels._runtime import HAS_GDC
 
@@ -126,8 +122,7 @@ def check_pdl(enable_pdl, device: torch.device) -> None:
         )
     if enable_pdl and device.type != "cuda":
         raise ValueError(
-            f"enable_pdl=True needs a CUDA device of compute capability >= 9.0, got device "
-            f"{device}"
+            f"enable_pdl=True needs a CUDA device of compute capability >= 9.0, got device {device}"
         )
 
 

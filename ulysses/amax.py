@@ -66,5 +66,6 @@ def k_grouped_amax(
     S = L * world_size
     v.check_used(used_sequence, S)
     v.check_pdl(enable_pdl, k.device)
-    return _ops.k_grouped_amax(k, k_mean_global, rank, world_size, used_sequence, enable_pdl,
-                               group_size)
+    return _ops.k_grouped_amax(
+        k, k_mean_global, rank, world_size, used_sequence, enable_pdl, group_size
+    )

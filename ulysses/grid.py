@@ -35,9 +35,7 @@ def _check_group_size(group_size) -> int:
             f"group_size must be an int, got {type(group_size).__name__} {group_size!r}"
         )
     if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(
-            f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}"
-        )
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
     return group_size
 
 
@@ -69,9 +67,11 @@ def group_last(rank: int, local_sequence: int, group_size: int = 64) -> int:
 
 def touched(rank: int, local_sequence: int, group_size: int = 64) -> int:
     """Number of global groups rank ``rank`` holds rows of (its live slots)."""
-    return group_last(rank, local_sequence, group_size) - group_first(
-        rank, local_sequence, group_size
-    ) + 1
+    return (
+        group_last(rank, local_sequence, group_size)
+        - group_first(rank, local_sequence, group_size)
+        + 1
+    )
 
 
 def shard_rows(rank: int, local_sequence: int) -> range:

@@ -42,7 +42,7 @@ def shard(k_full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     S = k_full.shape[1]
     assert S % world_size == 0, (S, world_size)
     L = S // world_size
-    return k_full[:, rank * L:(rank + 1) * L]
+    return k_full[:, rank * L : (rank + 1) * L]
 
 
 def _live_rows(rank: int, L: int, used_sequence: int | None) -> int:
@@ -61,7 +61,7 @@ def local_sum(k: torch.Tensor, *, rank: int, used_sequence: int | None = None) -
     offset = row0 - first_block * SUM_BLOCK
     live = _live_rows(rank, L, used_sequence)
     padded = torch.zeros(B, n_blocks * SUM_BLOCK, H, D, dtype=torch.float32, device=k.device)
-    padded[:, offset:offset + live] = k[:, :live].float()
+    padded[:, offset : offset + live] = k[:, :live].float()
     blocks = padded.view(B, n_blocks, SUM_BLOCK, H, D)
     block_sums = torch.zeros(B, n_blocks, H, D, dtype=torch.float32, device=k.device)
     for j in range(SUM_BLOCK):
@@ -71,7 +71,7 @@ def local_sum(k: torch.Tensor, *, rank: int, used_sequence: int | None = None) -
     lead = first_block % SUPER_BLOCK
     n_super = (lead + n_blocks + SUPER_BLOCK - 1) // SUPER_BLOCK
     aligned = torch.zeros(B, n_super * SUPER_BLOCK, H, D, dtype=torch.float32, device=k.device)
-    aligned[:, lead:lead + n_blocks] = block_sums
+    aligned[:, lead : lead + n_blocks] = block_sums
     aligned = aligned.view(B, n_super, SUPER_BLOCK, H, D)
     super_sums = torch.zeros(B, n_super, H, D, dtype=torch.float32, device=k.device)
     for j in range(SUPER_BLOCK):
@@ -82,13 +82,15 @@ def local_sum(k: torch.Tensor, *, rank: int, used_sequence: int | None = None) -
     return total
 
 
-def global_k_mean(k_full: torch.Tensor, *, world_size: int,
-                  used_sequence: int | None = None) -> torch.Tensor:
+def global_k_mean(
+    k_full: torch.Tensor, *, world_size: int, used_sequence: int | None = None
+) -> torch.Tensor:
     """The global K mean [B, H, D] in k's dtype, bit for bit as the library computes it."""
     S = k_full.shape[1]
     n = S if used_sequence is None else used_sequence
-    total = torch.zeros(k_full.shape[0], k_full.shape[2], k_full.shape[3],
-                        dtype=torch.float32, device=k_full.device)
+    total = torch.zeros(
+        k_full.shape[0], k_full.shape[2], k_full.shape[3], dtype=torch.float32, device=k_full.device
+    )
     for r in range(world_size):
         total += local_sum(shard(k_full, r, world_size), rank=r, used_sequence=used_sequence)
     return (total / n).to(k_full.dtype)
@@ -109,8 +111,15 @@ def _rows_amax(rows: torch.Tensor, k_mean: torch.Tensor) -> torch.Tensor:
     return torch.clamp_min(amax, FLOOR)  # clamp keeps NaN
 
 
-def grouped_amax_shard(k: torch.Tensor, k_mean: torch.Tensor, *, rank: int, world_size: int,
-                       used_sequence: int | None = None, group_size: int = 64) -> torch.Tensor:
+def grouped_amax_shard(
+    k: torch.Tensor,
+    k_mean: torch.Tensor,
+    *,
+    rank: int,
+    world_size: int,
+    used_sequence: int | None = None,
+    group_size: int = 64,
+) -> torch.Tensor:
     """Reference for ``k_grouped_amax``: fp32 [B, H, slots(L, G)] for one shard."""
     B, L, H, D = k.shape
     G = group_size
@@ -125,12 +134,17 @@ def grouped_amax_shard(k: torch.Tensor, k_mean: torch.Tensor, *, rank: int, worl
         if g == t:
             hi = min(hi, used_sequence)
         hi = max(hi, lo)
-        out[:, :, s] = _rows_amax(k[:, lo - rank * L:hi - rank * L], k_mean)
+        out[:, :, s] = _rows_amax(k[:, lo - rank * L : hi - rank * L], k_mean)
     return out
 
 
-def grouped_amax_full(k_full: torch.Tensor, k_mean: torch.Tensor, *,
-                      used_sequence: int | None = None, group_size: int = 64) -> torch.Tensor:
+def grouped_amax_full(
+    k_full: torch.Tensor,
+    k_mean: torch.Tensor,
+    *,
+    used_sequence: int | None = None,
+    group_size: int = 64,
+) -> torch.Tensor:
     """Grouped amax of the whole sequence on the global grid: fp32 [B, H, ceil(S / G)]."""
     B, S, H, D = k_full.shape
     G = group_size
@@ -141,16 +155,17 @@ def grouped_amax_full(k_full: torch.Tensor, k_mean: torch.Tensor, *,
         hi = min((g + 1) * G, S)
         if g == t:
             hi = used_sequence
-        out[:, :, g] = _rows_amax(k_full[:, g * G:hi], k_mean)
+        out[:, :, g] = _rows_amax(k_full[:, g * G : hi], k_mean)
     return out
 
 
-def merged_amax_shard(full_amax: torch.Tensor, *, rank: int, L: int,
-                      group_size: int = 64) -> torch.Tensor:
+def merged_amax_shard(
+    full_amax: torch.Tensor, *, rank: int, L: int, group_size: int = 64
+) -> torch.Tensor:
     """What ``amax_final`` must hold on ``rank``: the full-sequence group amax in its slots."""
     B, H, _ = full_amax.shape
     gf = group_first(rank, L, group_size)
     n = touched(rank, L, group_size)
     out = torch.zeros(B, H, slots(L, group_size), dtype=torch.float32, device=full_amax.device)
-    out[:, :, :n] = full_amax[:, :, gf:gf + n]
+    out[:, :, :n] = full_amax[:, :, gf : gf + n]
     return out

@@ -97,8 +97,9 @@ def _check_common(k, used_sequence, group, group_size=64):
 
 def _local_stats(k, *, rank, world_size, used_sequence, group_size, minmax_mode, use_pdl):
     """Run the one-read kernels: local fp32 sum [B, H, D] and the min/max buffer (or None)."""
-    local_sum, minmax = _ops.local_stats(k, rank, world_size, used_sequence, group_size,
-                                         minmax_mode, use_pdl)
+    local_sum, minmax = _ops.local_stats(
+        k, rank, world_size, used_sequence, group_size, minmax_mode, use_pdl
+    )
     return local_sum, (minmax if minmax_mode != MINMAX_NONE else None)
 
 
@@ -107,8 +108,9 @@ def _all_gather(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
     if _ops.is_compiling():  # traceable functional collective, no graph break
         gathered = funcol.all_gather_tensor(payload, 0, pg)
         return gathered.view(world_size, payload.numel())
-    gathered = torch.empty(world_size * payload.numel(), dtype=payload.dtype,
-                           device=payload.device)  # flat: gloo rejects a [P, N] output
+    gathered = torch.empty(
+        world_size * payload.numel(), dtype=payload.dtype, device=payload.device
+    )  # flat: gloo rejects a [P, N] output
     _all_gather_single(gathered, payload, group=pg)
     return gathered.view(world_size, payload.numel())
 
@@ -134,8 +136,16 @@ def _call_tag(k, used_sequence, group_size, method) -> float:
 def _check_consistent(pg, world_size, k, used_sequence, group_size, method):
     """Opt-in: every rank must call with the same shape, dtype, used_sequence and group_size."""
     B, L, H, D = k.shape
-    code = [B, L, H, D, _DTYPE_CODES[k.dtype], -1 if used_sequence is None else used_sequence,
-            group_size, METHODS.index(method)]
+    code = [
+        B,
+        L,
+        H,
+        D,
+        _DTYPE_CODES[k.dtype],
+        -1 if used_sequence is None else used_sequence,
+        group_size,
+        METHODS.index(method),
+    ]
     mine = torch.tensor(code, dtype=torch.int64, device=k.device)
     all_codes = _all_gather(mine, pg, world_size).cpu()
     names = ["B", "L", "H", "D", "dtype", "used_sequence", "group_size", "method"]
@@ -166,8 +176,13 @@ def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = No
     """
     pg, rank, world_size, (B, L, H, D) = _check_common(k, used_sequence, group)
     local_sum, _ = _local_stats(
-        k, rank=rank, world_size=world_size, used_sequence=used_sequence, group_size=64,
-        minmax_mode=MINMAX_NONE, use_pdl=None,
+        k,
+        rank=rank,
+        world_size=world_size,
+        used_sequence=used_sequence,
+        group_size=64,
+        minmax_mode=MINMAX_NONE,
+        use_pdl=None,
     )
     sums = _all_gather(local_sum.reshape(-1), pg, world_size).view(world_size, B, H, D)
     n = L * world_size if used_sequence is None else used_sequence
@@ -181,8 +196,9 @@ def _merge_boundaries(amax_partial, boundary, mean, *, rank, world_size, L, G):
     """
     amax_final = amax_partial
     slot = torch.arange(amax_partial.shape[-1], device=amax_partial.device)
-    derived = _ops.boundary_amax(boundary[:, :, :, 0].contiguous(),
-                                 boundary[:, :, :, 1].contiguous(), mean)  # [P, B, 2, H]
+    derived = _ops.boundary_amax(
+        boundary[:, :, :, 0].contiguous(), boundary[:, :, :, 1].contiguous(), mean
+    )  # [P, B, 2, H]
     n_touched = touched(rank, L, G)
     for s in sorted({0, n_touched - 1}):
         g = group_first(rank, L, G) + s
@@ -242,8 +258,13 @@ def smooth_k_stats(
     G = group_size
     fused = method == "fused"
     local_sum, minmax = _local_stats(
-        k, rank=rank, world_size=world_size, used_sequence=used_sequence, group_size=G,
-        minmax_mode=MINMAX_ALL if fused else MINMAX_BOUNDARY, use_pdl=use_pdl,
+        k,
+        rank=rank,
+        world_size=world_size,
+        used_sequence=used_sequence,
+        group_size=G,
+        minmax_mode=MINMAX_ALL if fused else MINMAX_BOUNDARY,
+        use_pdl=use_pdl,
     )
     n_touched = touched(rank, L, G)
     if fused:
@@ -254,8 +275,8 @@ def smooth_k_stats(
     payload = torch.cat([tag, local_sum.reshape(-1), ends.float().reshape(-1), tag])
     gathered = _all_gather(payload, pg, world_size)
     bhd = B * H * D
-    sums = gathered[:, 1:1 + bhd].view(world_size, B, H, D)
-    boundary = gathered[:, 1 + bhd:-1].view(world_size, B, 2, 2, H, D)
+    sums = gathered[:, 1 : 1 + bhd].view(world_size, B, H, D)
+    boundary = gathered[:, 1 + bhd : -1].view(world_size, B, 2, 2, H, D)
     n = L * world_size if used_sequence is None else used_sequence
     k_mean_global = _mean_from_sums(sums, n, k.dtype)
     # Ranks that disagree on a call's arguments must not return finite numbers: without a host
@@ -266,16 +287,27 @@ def smooth_k_stats(
         amax_partial = _ops.derive(minmax, k_mean_global, n_touched, use_pdl)
     else:
         amax_partial = k_grouped_amax(
-            k, k_mean_global, rank=rank, world_size=world_size, used_sequence=used_sequence,
-            enable_pdl=use_pdl, group_size=G,
+            k,
+            k_mean_global,
+            rank=rank,
+            world_size=world_size,
+            used_sequence=used_sequence,
+            enable_pdl=use_pdl,
+            group_size=G,
         )
-    amax_final = _merge_boundaries(amax_partial, boundary, k_mean_global, rank=rank,
-                                   world_size=world_size, L=L, G=G)
+    amax_final = _merge_boundaries(
+        amax_partial, boundary, k_mean_global, rank=rank, world_size=world_size, L=L, G=G
+    )
     nan = float("nan")
     k_mean_global = torch.where(disagree, nan, k_mean_global)
     amax_partial = torch.where(disagree, nan, amax_partial)
     amax_final = torch.where(disagree, nan, amax_final)
     return SmoothKStats(
-        k_mean_global=k_mean_global, amax_partial=amax_partial, amax_final=amax_final,
-        rank=rank, world_size=world_size, used_sequence=used_sequence, group_size=G,
+        k_mean_global=k_mean_global,
+        amax_partial=amax_partial,
+        amax_final=amax_final,
+        rank=rank,
+        world_size=world_size,
+        used_sequence=used_sequence,
+        group_size=G,
     )
