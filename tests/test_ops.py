@@ -95,3 +95,17 @@ def test_smooth_k_stats_compiles_fullgraph_under_torchrun():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert proc.stdout.count("compile(fullgraph=True) == eager: [True, True, True]") == 2, out
+
+
+def test_local_stats_strided_equals_contiguous_and_leaves_surplus_slots():
+    """Same bits for a fused-QKV view; min/max slots past `touched` are never written (their
+    memory is whatever torch.empty held), so comparisons must stop at `touched`."""
+    P, r, L, H, D, G = 8, 3, 300, 7, 64, 64
+    k = _k(B=2, L=L, H=H, D=D, seed=5)
+    qkv = torch.zeros(2, L, H, 3, D, dtype=k.dtype)
+    qkv[:, :, :, 1] = k
+    s1, mm1 = _ops._run_local_stats(k, r, P, None, G, MINMAX_ALL, None)
+    s2, mm2 = _ops._run_local_stats(qkv[:, :, :, 1], r, P, None, G, MINMAX_ALL, False)
+    n = ulysses.touched(r, L, G)
+    assert n < mm1.shape[1]  # this shape has a surplus slot
+    assert torch.equal(s1, s2) and torch.equal(mm1[:, :n], mm2[:, :n])
