@@ -268,7 +268,8 @@ def smooth_k_stats(
     )
     n_touched = touched(rank, L, G)
     if fused:
-        ends = minmax[:, [0, n_touched - 1]]  # [B, 2, 2, H, D]
+        # slices, not a list index: a list becomes a host-to-device copy, illegal in capture
+        ends = torch.cat([minmax[:, :1], minmax[:, n_touched - 1 : n_touched]], dim=1)
     else:
         ends = minmax
     tag = local_sum.new_full((1,), _call_tag(k, used_sequence, G, method))
@@ -281,7 +282,7 @@ def smooth_k_stats(
     k_mean_global = _mean_from_sums(sums, n, k.dtype)
     # Ranks that disagree on a call's arguments must not return finite numbers: without a host
     # sync (CUDA graphs, compile) the outputs become NaN; check_consistency=True raises instead.
-    disagree = (gathered[:, [0, -1]] != tag).any()
+    disagree = ((gathered[:, 0] != tag) | (gathered[:, -1] != tag)).any()
 
     if fused:
         amax_partial = _ops.derive(minmax, k_mean_global, n_touched, use_pdl)
