@@ -17,7 +17,6 @@ from . import _validate as v
 __all__ = ["k_grouped_amax"]
 
 
-@torch.no_grad()
 def k_grouped_amax(
     k: torch.Tensor,
     k_mean_global: torch.Tensor,
@@ -40,7 +39,8 @@ def k_grouped_amax(
     ``t = (used - 1) // G``, is reduced over live rows only (a rank with no live row of ``t``
     writes 1e-7); every other group uses all its rows. A NaN in a slot's rows makes the slot
     NaN, an Inf makes it Inf. The result is bitwise deterministic (max is order-independent)
-    and, like every function here, a statistic without autograd history.
+    and, like every function here, a statistic without autograd history (the output is made
+    by a kernel, never by differentiable torch ops, so no ``no_grad`` context is needed).
 
     CUDA tensors run the compiled Triton kernel; CPU tensors run the same kernel through
     Triton's interpreter.
