@@ -129,7 +129,9 @@ def check_pdl(enable_pdl, device: torch.device) -> None:
 def resolve_pdl(enable_pdl, device: torch.device) -> bool:
     """None -> PDL where supported (CUDA, compute capability >= 9.0); True without it raises."""
     check_pdl(enable_pdl, device)
-    supported = device.type == "cuda" and _pdl_capable(device.index)
+    supported = device.type == "cuda" and _pdl_capable(
+        torch.cuda.current_device() if device.index is None else device.index
+    )
     if enable_pdl is None:
         return supported
     if enable_pdl and not supported:
