@@ -61,6 +61,7 @@ import torch.distributed as dist
 import ulysses
 from ulysses import reference
 from ulysses.grid import group_first, slots, touched
+from ulysses.reference import bitwise_diff, format_value
 
 BACKENDS = ("auto", "nccl", "gloo-cuda", "gloo-cpu")
 FAULTS = ("floor", "tail", "mean_divisor", "boundary_merge", "error", "hang")
@@ -316,51 +317,6 @@ def choose_backend(requested: str, topo: Topology) -> tuple[str, torch.device, s
     return "gloo-cpu", torch.device("cpu"), why
 
 
-_INT_VIEW = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-}
-
-
-def _fmt(x: torch.Tensor) -> str:
-    value = x.item()
-    if x.is_floating_point():
-        return f"{value!r} ({float(value).hex()})"
-    return repr(value)
-
-
-def bitwise_diff(
-    got: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None = None
-) -> str | None:
-    """None when ``got`` and ``expected`` hold the same bits (where ``mask`` is True; a
-    position where both are NaN counts as equal, +0.0 and -0.0 differ), else a message with
-    the count, the first mismatching index and both values."""
-    if tuple(got.shape) != tuple(expected.shape):
-        return f"shape {tuple(got.shape)} != expected {tuple(expected.shape)}"
-    if got.dtype != expected.dtype:
-        return f"dtype {got.dtype} != expected {expected.dtype}"
-    got, expected = got.detach().cpu(), expected.detach().cpu()
-    if got.is_floating_point():
-        int_dtype = _INT_VIEW[got.dtype]
-        same = (got.view(int_dtype) == expected.view(int_dtype)) | (
-            torch.isnan(got) & torch.isnan(expected)
-        )
-    else:
-        same = got == expected
-    if mask is not None:
-        same = same | ~mask.cpu()
-    if bool(same.all()):
-        return None
-    bad = torch.nonzero(~same)
-    first = tuple(bad[0].tolist())
-    return (
-        f"{bad.shape[0]} of {same.numel()} positions differ; first at index {first}: "
-        f"got {_fmt(got[first])}, expected {_fmt(expected[first])}"
-    )
-
-
 def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Spacing of ``dtype`` at |x| (x float64), subnormal spacing near zero."""
     _, exp = torch.frexp(x.abs())  # |x| in [2**(exp-1), 2**exp)
@@ -380,7 +336,8 @@ def ulp_diff(got: torch.Tensor, exact: torch.Tensor) -> str | None:
     first = tuple(bad[0].tolist())
     return (
         f"{bad.shape[0]} of {ok.numel()} positions more than 1 ulp from the fp64 mean; "
-        f"first at index {first}: got {_fmt(got64[first])}, fp64 {_fmt(exact[first])}, "
+        f"first at index {first}: got {format_value(got64[first])}, "
+        f"fp64 {format_value(exact[first])}, "
         f"ulp {tol[first].item():.3g}"
     )
 
@@ -395,6 +352,7 @@ def install_fault(name: str | None, topo: Topology) -> None:
     import ulysses.kernels.derive_amax
     import ulysses.kernels.grouped_amax
 
+    import ulysses._ops
     import ulysses.amax
     import ulysses.stats
 
@@ -410,7 +368,7 @@ def install_fault(name: str | None, topo: Topology) -> None:
 
         ulysses.kernels.grouped_amax.FLOOR = tl.constexpr(1e-6)
         ulysses.kernels.derive_amax.FLOOR = tl.constexpr(1e-6)
-        ulysses.stats._FLOOR = 1e-6
+        ulysses._ops.FLOOR = 1e-6
     elif name == "tail":  # no tail repair: padding rows leak into the tail group's amax
         original = ulysses.amax.k_grouped_amax
 
@@ -420,7 +378,7 @@ def install_fault(name: str | None, topo: Topology) -> None:
 
         ulysses.k_grouped_amax = k_grouped_amax
         ulysses.stats.k_grouped_amax = k_grouped_amax
-        ulysses.stats.tail_group = lambda *args, **kwargs: -1
+        ulysses._ops.tail_group = lambda *args, **kwargs: -1
     elif name == "boundary_merge":  # amax_final never merges groups straddling ranks
         ulysses.stats._merge_boundaries = lambda amax_partial, *args, **kwargs: amax_partial.clone()
     elif name in ("error", "hang"):

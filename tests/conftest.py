@@ -11,17 +11,7 @@ import zlib
 import pytest
 import torch
 
-_INT_VIEW = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-}
-
-
-def _fmt(x: torch.Tensor) -> str:
-    v = x.item()
-    return f"{v!r} ({float(v).hex()})" if x.is_floating_point() else repr(v)
+from ulysses.reference import bitwise_diff
 
 
 def _assert_bitwise(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
@@ -30,23 +20,8 @@ def _assert_bitwise(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> Non
     Stricter than ``torch.equal`` on floats: +0.0 and -0.0 differ here. On failure the
     message shows the first mismatching index, both values, and how many positions differ.
     """
-    prefix = f"{what}: " if what else ""
-    assert out.shape == ref.shape, f"{prefix}shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    assert out.dtype == ref.dtype, f"{prefix}dtype {out.dtype} != {ref.dtype}"
-    if out.is_floating_point():
-        both_nan = torch.isnan(out) & torch.isnan(ref)
-        int_dtype = _INT_VIEW[out.dtype]
-        same = (out.view(int_dtype) == ref.view(int_dtype)) | both_nan
-    else:
-        same = out == ref
-    if bool(same.all()):
-        return
-    bad = torch.nonzero(~same)
-    first = tuple(bad[0].tolist())
-    raise AssertionError(
-        f"{prefix}{bad.shape[0]} of {same.numel()} positions differ; first at index {first}: "
-        f"got {_fmt(out[first])}, expected {_fmt(ref[first])}"
-    )
+    diff = bitwise_diff(out, ref)
+    assert diff is None, f"{what}: {diff}" if what else diff
 
 
 @pytest.fixture

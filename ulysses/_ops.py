@@ -16,6 +16,8 @@ from .kernels.block_sum_reduce import block_sum_reduce
 from .kernels.derive_amax import derive_amax
 from .kernels.grouped_amax import grouped_amax
 
+FLOOR = 1e-7  # the scale floor of SPEC §3 (the kernels hold their own fp32 copy)
+
 __all__ = ["k_grouped_amax_op", "local_stats_op", "derive_amax_op", "is_compiling"]
 
 
@@ -177,7 +179,7 @@ def _run_boundary_amax(mn: torch.Tensor, mx: torch.Tensor, mean: torch.Tensor) -
     m = mean.float()[None, :, None]
     amax = torch.maximum((mx - m).abs(), (m - mn).abs())
     amax = torch.where(mx < mn, torch.zeros_like(amax), amax).amax(dim=-1)
-    return torch.clamp_min(amax, 1e-7)
+    return torch.clamp_min(amax, FLOOR)
 
 
 # An op, not inline torch: inside torch.compile, inductor would fuse the mean's rounding to

@@ -30,6 +30,8 @@ __all__ = [
     "grouped_amax_shard",
     "grouped_amax_full",
     "merged_amax_shard",
+    "bitwise_diff",
+    "format_value",
 ]
 
 SUM_BLOCK = 64  # rows per block of the mean's fixed association (independent of G)
@@ -169,3 +171,49 @@ def merged_amax_shard(
     out = torch.zeros(B, H, slots(L, group_size), dtype=torch.float32, device=full_amax.device)
     out[:, :, :n] = full_amax[:, :, gf : gf + n]
     return out
+
+
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def format_value(x: torch.Tensor) -> str:
+    """One element as repr and, for floats, its exact hex form."""
+    value = x.item()
+    if x.is_floating_point():
+        return f"{value!r} ({float(value).hex()})"
+    return repr(value)
+
+
+def bitwise_diff(
+    got: torch.Tensor, expected: torch.Tensor, mask: torch.Tensor | None = None
+) -> str | None:
+    """None when ``got`` and ``expected`` hold the same bits (where ``mask`` is True; a
+    position where both are NaN counts as equal, +0.0 and -0.0 differ), else a message with
+    the count, the first mismatching index and both values."""
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"shape {tuple(got.shape)} != expected {tuple(expected.shape)}"
+    if got.dtype != expected.dtype:
+        return f"dtype {got.dtype} != expected {expected.dtype}"
+    got, expected = got.detach().cpu(), expected.detach().cpu()
+    if got.is_floating_point():
+        int_dtype = _INT_VIEW[got.dtype]
+        same = (got.view(int_dtype) == expected.view(int_dtype)) | (
+            torch.isnan(got) & torch.isnan(expected)
+        )
+    else:
+        same = got == expected
+    if mask is not None:
+        same = same | ~mask.cpu()
+    if bool(same.all()):
+        return None
+    bad = torch.nonzero(~same)
+    first = tuple(bad[0].tolist())
+    return (
+        f"{bad.shape[0]} of {same.numel()} positions differ; first at index {first}: "
+        f"got {format_value(got[first])}, expected {format_value(expected[first])}"
+    )
