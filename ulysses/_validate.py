@@ -10,20 +10,10 @@ import functools
 
 import torch
 
-from .grid import SUPPORTED_GROUP_SIZES, SUPPORTED_WORLD_SIZES
+from .grid import check_group_size, check_int, check_used, check_world  # noqa: F401 (re-exported)
 
 K_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (16, 32, 64, 128, 256)
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_int(name: str, value) -> int:
-    if not is_int(value):
-        raise TypeError(f"{name} must be an int (not bool), got {type(value).__name__} {value!r}")
-    return value
 
 
 def check_k(k) -> tuple[int, int, int, int]:
@@ -80,32 +70,6 @@ def check_mean(k_mean_global, k: torch.Tensor) -> None:
         )
     if not k_mean_global.is_contiguous():
         raise ValueError(f"k_mean_global must be contiguous, got strides {k_mean_global.stride()}")
-
-
-def check_world(rank, world_size, *, world_name: str = "world_size") -> None:
-    check_int(world_name, world_size)
-    if world_size not in SUPPORTED_WORLD_SIZES:
-        raise ValueError(f"{world_name} must be one of {SUPPORTED_WORLD_SIZES}, got {world_size}")
-    check_int("rank", rank)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got {rank}")
-
-
-def check_used(used_sequence, global_sequence: int) -> None:
-    if used_sequence is None:
-        return
-    check_int("used_sequence", used_sequence)
-    if not 1 <= used_sequence <= global_sequence:
-        raise ValueError(
-            f"used_sequence must be None or satisfy 1 <= used_sequence <= S = {global_sequence}, "
-            f"got {used_sequence}"
-        )
-
-
-def check_group_size(group_size) -> None:
-    check_int("group_size", group_size)
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
 
 
 @functools.cache

@@ -1,13 +1,28 @@
-"""Global grid arithmetic for Ulysses shards (SPEC §2). Pure Python, no torch.
+"""Global grid arithmetic for Ulysses shards (docs/CONTRACT.md §2). Pure Python, no torch.
 
 Shapes: L local rows per rank, P ranks, S = L * P global rows, G rows per group.
 Rank r owns global rows [r*L, (r+1)*L). Global group g covers rows [g*G, (g+1)*G).
 Slot s of rank r holds global group group_first(r) + s; slots [touched, slots) are surplus.
+
+This module is the one home of every grid rule and constant: the slot formula, the tail
+group, the mean's divisor and block sizes, the boundary-merge sources, the 1e-7 floor and the
+integer argument checks. The host computes the values once per shape (``layout``) and passes
+them to the kernels, which never recompute them. Callers inside the package reach these
+functions through the module (``grid.tail_group``), so the harness can plant a fault by
+patching one name here (then ``clear_caches()``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 __all__ = [
+    "FLOOR",
+    "SUM_BLOCK",
+    "SUPER_BLOCK",
+    "SUPPORTED_WORLD_SIZES",
+    "SUPPORTED_GROUP_SIZES",
     "slots",
     "group_first",
     "group_last",
@@ -15,28 +30,63 @@ __all__ = [
     "shard_rows",
     "ranks_touching",
     "tail_group",
+    "mean_divisor",
+    "boundary_sources",
+    "Layout",
+    "layout",
+    "clear_caches",
+    "check_int",
+    "check_group_size",
+    "check_world",
+    "check_used",
 ]
 
+FLOOR = 1e-7  # the smallest amax a live slot reports (as fp32); surplus slots report 0
+SUM_BLOCK = 64  # rows per block of the mean's fixed association (independent of G)
+SUPER_BLOCK = 16  # blocks per superblock (1024 global rows); see docs/DESIGN.md "Mean"
 SUPPORTED_WORLD_SIZES = (2, 4, 6, 8)
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def check_int(name: str, value, minimum: int | None = None) -> int:
+    """``value`` must be an int (not bool) and, when given, ``>= minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
+        raise TypeError(f"{name} must be an int (not bool), got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
-def _check_group_size(group_size) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(
-            f"group_size must be an int, got {type(group_size).__name__} {group_size!r}"
-        )
+def check_group_size(group_size, name: str = "group_size") -> int:
+    check_int(name, group_size)
     if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+        raise ValueError(f"{name} must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
     return group_size
+
+
+def check_world(rank, world_size, *, world_name: str = "world_size") -> None:
+    check_int(world_name, world_size)
+    if world_size not in SUPPORTED_WORLD_SIZES:
+        raise ValueError(f"{world_name} must be one of {SUPPORTED_WORLD_SIZES}, got {world_size}")
+    check_int("rank", rank)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got {rank}")
+
+
+def check_used(used_sequence, global_sequence: int) -> None:
+    """``used_sequence`` is None or a GLOBAL live-row count in ``[1, S]``."""
+    if used_sequence is None:
+        return
+    check_int("used_sequence", used_sequence)
+    if not 1 <= used_sequence <= global_sequence:
+        raise ValueError(
+            f"used_sequence must be None or a global row count with 1 <= used_sequence <= "
+            f"S = L * world_size = {global_sequence}, got {used_sequence}"
+        )
+
+
+def _slots(L: int, G: int) -> int:
+    return (L + 2 * G - 2) // G
 
 
 def slots(local_sequence: int, group_size: int = 64) -> int:
@@ -44,25 +94,21 @@ def slots(local_sequence: int, group_size: int = 64) -> int:
 
     ``(L + 2*G - 2) // G``: the fixed slot count of every rank's output.
     """
-    L = _check_int("local_sequence", local_sequence, 1)
-    G = _check_group_size(group_size)
-    return (L + 2 * G - 2) // G
+    return _slots(check_int("local_sequence", local_sequence, 1), check_group_size(group_size))
 
 
 def group_first(rank: int, local_sequence: int, group_size: int = 64) -> int:
     """Global index of the first group rank ``rank`` touches: ``(rank*L) // G``."""
-    r = _check_int("rank", rank, 0)
-    L = _check_int("local_sequence", local_sequence, 1)
-    G = _check_group_size(group_size)
-    return (r * L) // G
+    r = check_int("rank", rank, 0)
+    L = check_int("local_sequence", local_sequence, 1)
+    return (r * L) // check_group_size(group_size)
 
 
 def group_last(rank: int, local_sequence: int, group_size: int = 64) -> int:
     """Global index of the last group rank ``rank`` touches: ``(rank*L + L - 1) // G``."""
-    r = _check_int("rank", rank, 0)
-    L = _check_int("local_sequence", local_sequence, 1)
-    G = _check_group_size(group_size)
-    return (r * L + L - 1) // G
+    r = check_int("rank", rank, 0)
+    L = check_int("local_sequence", local_sequence, 1)
+    return (r * L + L - 1) // check_group_size(group_size)
 
 
 def touched(rank: int, local_sequence: int, group_size: int = 64) -> int:
@@ -76,17 +122,17 @@ def touched(rank: int, local_sequence: int, group_size: int = 64) -> int:
 
 def shard_rows(rank: int, local_sequence: int) -> range:
     """Global row indices owned by ``rank``: ``range(rank*L, (rank+1)*L)``."""
-    r = _check_int("rank", rank, 0)
-    L = _check_int("local_sequence", local_sequence, 1)
+    r = check_int("rank", rank, 0)
+    L = check_int("local_sequence", local_sequence, 1)
     return range(r * L, (r + 1) * L)
 
 
 def ranks_touching(group: int, local_sequence: int, world_size: int, group_size: int = 64) -> range:
     """Ranks that hold at least one row of global group ``group`` (a contiguous range)."""
-    g = _check_int("group", group, 0)
-    L = _check_int("local_sequence", local_sequence, 1)
-    P = _check_int("world_size", world_size, 1)
-    G = _check_group_size(group_size)
+    g = check_int("group", group, 0)
+    L = check_int("local_sequence", local_sequence, 1)
+    P = check_int("world_size", world_size, 1)
+    G = check_group_size(group_size)
     first = (g * G) // L
     last = min(((g + 1) * G - 1) // L, P - 1)
     return range(first, last + 1)
@@ -97,7 +143,88 @@ def tail_group(used_sequence: int | None, global_sequence: int, group_size: int 
 
     Repair applies only when ``used_sequence`` is given, ``used < S`` and ``used % G != 0``.
     """
-    G = _check_group_size(group_size)
+    G = check_group_size(group_size)
     if used_sequence is None or used_sequence >= global_sequence or used_sequence % G == 0:
         return -1
     return (used_sequence - 1) // G
+
+
+def mean_divisor(used_sequence: int | None, global_sequence: int) -> int:
+    """n of the mean: the live rows (``used_sequence``), or S when none is given."""
+    return global_sequence if used_sequence is None else used_sequence
+
+
+def boundary_sources(
+    rank: int, local_sequence: int, world_size: int, group_size: int = 64
+) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """Where the merged amax of this rank's first and last touched slot comes from.
+
+    Returns ``(first, last)``; each is a tuple of ``(q, end)``: rank ``q``'s boundary record
+    ``end`` (0 = its first touched slot, 1 = its last) holds that rank's part of the group.
+    A group no other rank touches lists only this rank.
+    """
+    L, P, G = local_sequence, world_size, group_size
+    out = []
+    for g in (group_first(rank, L, G), group_last(rank, L, G)):
+        sources = []
+        for q in ranks_touching(g, L, P, G):
+            end = 0 if g == (q * L) // G else 1
+            assert end == 0 or g == (q * L + L - 1) // G
+            sources.append((q, end))
+        out.append(tuple(sources))
+    return out[0], out[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Every grid value of one (rank, L, P, G, used) call, computed once on the host."""
+
+    rank: int
+    L: int
+    P: int
+    G: int
+    used: int | None
+    S: int
+    row0: int  # first global row of this shard
+    n_slots: int  # slots(L, G)
+    g_first: int  # group_first(rank, L, G)
+    n_touched: int  # touched(rank, L, G)
+    tail_group: int  # -1 or the group reduced over live rows only
+    live_end: int  # global rows below this are live (used, or S)
+    divisor: int  # n of the mean
+    block_first: int  # first 64-row sum block of the shard
+    n_blocks: int  # 64-row sum blocks the shard touches
+    first_sources: tuple  # boundary_sources(...)[0]
+    last_sources: tuple  # boundary_sources(...)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
+    """The :class:`Layout` of a call whose arguments are already validated (cached)."""
+    S = L * P
+    row0 = rank * L
+    first, last = boundary_sources(rank, L, P, G)
+    return Layout(
+        rank=rank,
+        L=L,
+        P=P,
+        G=G,
+        used=used,
+        S=S,
+        row0=row0,
+        n_slots=_slots(L, G),
+        g_first=row0 // G,
+        n_touched=(row0 + L - 1) // G - row0 // G + 1,
+        tail_group=tail_group(used, S, G),
+        live_end=S if used is None else used,
+        divisor=mean_divisor(used, S),
+        block_first=row0 // SUM_BLOCK,
+        n_blocks=(row0 + L - 1) // SUM_BLOCK - row0 // SUM_BLOCK + 1,
+        first_sources=first,
+        last_sources=last,
+    )
+
+
+def clear_caches() -> None:
+    """Forget cached layouts (after patching a rule here, e.g. a planted fault)."""
+    layout.cache_clear()

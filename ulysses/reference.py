@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .grid import group_first, slots, tail_group, touched
+from .grid import FLOOR, SUM_BLOCK, SUPER_BLOCK, group_first, slots, tail_group, touched
 
 __all__ = [
     "SUM_BLOCK",
@@ -33,10 +33,6 @@ __all__ = [
     "bitwise_diff",
     "format_value",
 ]
-
-SUM_BLOCK = 64  # rows per block of the mean's fixed association (independent of G)
-SUPER_BLOCK = 16  # blocks per superblock (1024 global rows)
-FLOOR = 1e-7
 
 
 def shard(k_full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
