@@ -19,6 +19,7 @@ it after: no trace is left in Triton's global state.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 
@@ -108,7 +109,8 @@ def _restored_triton_state():
     finally:
         for obj, before in saved:
             now = vars(obj)
-            for name in [n for n in now if n not in before]:
+            # added names go, except submodules that an import during the call registered
+            for name in [n for n in now if n not in before and not _is_module(now[n])]:
                 with contextlib.suppress(AttributeError, TypeError):
                     delattr(obj, name)
             for name, value in before.items():
@@ -118,6 +120,12 @@ def _restored_triton_state():
 
 
 _MISSING = object()
+
+
+def _is_module(value) -> bool:
+    return type(value).__name__ == "module"
+
+
 _INTERPRETED: dict[object, object] = {}
 
 
@@ -154,6 +162,31 @@ def _route_jit_calls_and_fix_loop_bounds() -> None:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
         interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+# Test switch: with ULYSSES_TEST_DEVICE=cuda, launches on CPU tensors run compiled on the GPU
+# (inputs copied there with their storage layout, results copied back), so the whole CPU test
+# suite, reference comparisons included, checks the compiled kernels.
+_MIRROR_TO_CUDA = os.environ.get("ULYSSES_TEST_DEVICE", "").lower() == "cuda"
+
+
+def _launch_mirrored(kernel, grid: tuple, num_warps: int, kwargs: dict) -> None:
+    storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    mirrored = {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            storage = value.untyped_storage()
+            pair = storages.get(storage.data_ptr())
+            if pair is None:  # one copy per storage keeps aliasing views aliased
+                host = torch.empty(0, dtype=torch.uint8).set_(storage)
+                pair = storages[storage.data_ptr()] = (host, host.to("cuda"))
+            value = torch.empty(0, dtype=value.dtype, device="cuda").set_(
+                pair[1].untyped_storage(), value.storage_offset(), value.size(), value.stride()
+            )
+        mirrored[name] = value
+    _launch_cuda(kernel, grid, torch.device("cuda"), num_warps, False, mirrored)
+    for host, device in storages.values():
+        host.copy_(device)
 
 
 def _launch_cpu(kernel, grid: tuple, kwargs: dict) -> None:
@@ -310,4 +343,7 @@ def launch(
         return
     assert device.type == "cpu", device
     assert not use_pdl, "PDL is a CUDA launch option"
-    _launch_cpu(kernel, grid, kwargs)
+    if _MIRROR_TO_CUDA:
+        _launch_mirrored(kernel, grid, num_warps, kwargs)
+    else:
+        _launch_cpu(kernel, grid, kwargs)
