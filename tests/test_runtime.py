@@ -59,7 +59,8 @@ def test_interpreter_alone_would_leak():
         InterpretedFunction(tl.standard.cdiv.fn)(7, 2)
         leaked = _runtime.triton_state()
         assert any(leaked.get(key) != value for key, value in before.items())
-    assert _runtime.triton_state() == before
+    after = _runtime.triton_state()  # the call may import modules (new namespaces)
+    assert _state_of_existing_namespaces(before, after) == before
 
 
 def test_cuda_compile_after_cpu_call():
@@ -144,7 +145,10 @@ def test_cuda_launches_during_cpu_calls():
     thread.start()
     try:
         for _ in range(3):
-            assert ref.bitwise_diff(ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2), expected) is None
+            assert (
+                ref.bitwise_diff(ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2), expected)
+                is None
+            )
     finally:
         stop.set()
         thread.join()
