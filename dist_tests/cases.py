@@ -220,4 +220,3 @@ def build_k_full(
         device=device,
         qkv=case.qkv,
     )
-

@@ -220,7 +220,9 @@ def compare_stats(run: CaseRun, case, inputs: Inputs, expected: Expected, method
         f"{method}: mean == reference.global_k_mean",
         bitwise_diff(st.k_mean_global, expected.mean),
     )
-    run.check(f"{method}: mean within 1 ulp of fp64", ulp_diff(st.k_mean_global, expected.mean_fp64))
+    run.check(
+        f"{method}: mean within 1 ulp of fp64", ulp_diff(st.k_mean_global, expected.mean_fp64)
+    )
     run.check(
         f"{method}: amax_partial == reference.grouped_amax_shard",
         bitwise_diff(st.amax_partial, expected.partial),
@@ -240,7 +242,9 @@ def compare_all(run: CaseRun, case, inputs, expected, k_gathered, fused, two_pas
     compare_stats(run, case, inputs, expected, "fused", fused)
     compare_stats(run, case, inputs, expected, "two_pass", two_pass)
     run.check("global_k_mean == reference.global_k_mean", bitwise_diff(mean, expected.mean))
-    run.check("k_grouped_amax == reference.grouped_amax_shard", bitwise_diff(amax, expected.partial))
+    run.check(
+        "k_grouped_amax == reference.grouped_amax_shard", bitwise_diff(amax, expected.partial)
+    )
     run.check("fused vs two_pass: mean", bitwise_diff(fused.k_mean_global, two_pass.k_mean_global))
     run.check(
         "fused vs two_pass: amax_partial", bitwise_diff(fused.amax_partial, two_pass.amax_partial)
@@ -266,9 +270,7 @@ def run_case(ctx: Context, case: cases.Case, seed: int) -> CaseRun:
     run = CaseRun(ctx, case.id)
     inputs = run.local("build", lambda: build_inputs(ctx, case, seed))
     k_gathered = run.collective("gather shards", lambda: gather_shards(run, inputs))
-    expected = run.local(
-        "reference", lambda: expected_values(ctx, case, inputs.used, k_gathered)
-    )
+    expected = run.local("reference", lambda: expected_values(ctx, case, inputs.used, k_gathered))
     fused = run.collective(
         "smooth_k_stats(method='fused')", lambda: call_smooth_k_stats(case, inputs, "fused")
     )

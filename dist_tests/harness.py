@@ -204,9 +204,7 @@ def run_all(ctx: _dist.Context, selected: list[Selected], args) -> int:
     for item in selected:
         run_one(ctx, item, args.seed, totals)
     ctx.phase("summary")
-    checks_n, mismatches, errors = ctx.sum_ints(
-        [totals.checks, totals.mismatches, totals.errors]
-    )
+    checks_n, mismatches, errors = ctx.sum_ints([totals.checks, totals.mismatches, totals.errors])
     all_failures = [f for per_rank in ctx.gather_json(totals.failures) for f in per_rank]
     passed = not totals.failed_cases and mismatches == 0 and errors == 0
     if ctx.rank == 0:

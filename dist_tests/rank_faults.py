@@ -88,7 +88,8 @@ def run_mode(ctx: _dist.Context, mode: str) -> int:
     except Exception as exc:  # reported, then the rank exits non-zero
         elapsed = time.monotonic() - start
         message = str(exc).replace("\n", " ")[:300]
-        print(f"rank {rank}: error {type(exc).__name__}: {message} [after {elapsed:.2f} s]", flush=True)
+        kind = type(exc).__name__
+        print(f"rank {rank}: error {kind}: {message} [after {elapsed:.2f} s]", flush=True)
         ctx.skip_teardown_barrier = True  # a peer may be blocked in a collective
         return 1
 

@@ -49,7 +49,7 @@ def _env_list(*names: str) -> list[int] | None:
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
-        prog="ulysses-validate" if _PACKAGE.startswith("ulysses.") else "python -m dist_tests.validate",
+        prog="ulysses-validate" if _PACKAGE != "dist_tests" else "python -m dist_tests.validate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--outer-timeout-s",
         type=float,
-        default=float(os.environ["VALIDATE_TIMEOUT_S"]) if "VALIDATE_TIMEOUT_S" in os.environ else None,
+        default=float(os.environ.get("VALIDATE_TIMEOUT_S", 0)) or None,
         help="kill a world size's launch after this long (default: $VALIDATE_TIMEOUT_S or "
         "--timeout-s + 120)",
     )
@@ -114,7 +114,10 @@ def preflight(args, harness_args: list[str]) -> str | None:
             "ULYSSES_BACKEND=gloo-cpu (CPU tensors and the Triton interpreter)"
         )
     if backend == "gloo-cuda" and n_gpu == 0:
-        return "backend gloo-cuda needs a CUDA device and none is visible; use ULYSSES_BACKEND=gloo-cpu"
+        return (
+            "backend gloo-cuda needs a CUDA device and none is visible; "
+            "use ULYSSES_BACKEND=gloo-cpu"
+        )
     if args.large and (n_gpu == 0 or backend == "gloo-cpu"):
         return "--large needs CUDA devices (the Triton interpreter is far too slow); drop --large"
     return None
@@ -138,6 +141,8 @@ def _stderr_tails(log_dir: str) -> list[str]:
         with open(path, errors="replace") as f:
             tail = f.read().splitlines()[-_STDERR_LINES:]
         lines.append(f"  --- local rank {local_rank} stderr (last {len(tail)} lines)")
+        if not tail:
+            lines.append("  (empty: the rank may have been stopped by torchrun)")
         lines += [f"  {line}" for line in tail]
     return lines
 
@@ -178,7 +183,8 @@ def run_world_size(P: int, args, harness_args: list[str], out_dir: str) -> dict:
     try:
         rc = proc.wait(timeout=args.outer_timeout_s)
     except subprocess.TimeoutExpired:
-        print(f"validate: world size {P} ran past {args.outer_timeout_s:g} s; killing it", flush=True)
+        limit = f"{args.outer_timeout_s:g}"
+        print(f"validate: world size {P} ran past {limit} s; killing it", flush=True)
         rc = _kill(proc)
     wall = time.monotonic() - start
     summary = None
@@ -228,9 +234,7 @@ def _result(row: dict) -> str:
         return f"WATCHDOG (rc={rc}, no summary)"
     if summary is None:
         return f"FAIL (rc={rc}, no summary)"
-    return (
-        f"FAIL (rc={rc}, mismatches={summary.get('mismatches')}, errors={summary.get('errors')})"
-    )
+    return f"FAIL (rc={rc}, mismatches={summary.get('mismatches')}, errors={summary.get('errors')})"
 
 
 def format_table(rows: list[dict]) -> str:
