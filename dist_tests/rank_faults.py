@@ -97,7 +97,7 @@ def run_mode(ctx: _dist.Context, mode: str) -> int:
 def _planted_collective_error(active: bool):
     """The raise_inside fault: the library's collective raises (on this rank only)."""
     if active:
-        return mock.patch("ulysses.stats._all_gather", _broken_all_gather)
+        return mock.patch("ulysses.stats.all_gather_payload", _broken_all_gather)
     return contextlib.nullcontext()
 
 
