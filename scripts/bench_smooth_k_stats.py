@@ -98,8 +98,6 @@ def main():
                 nk,
             )
         )
-        del k
-        torch.cuda.empty_cache()
     if rank == 0:
         print(
             f"# {torch.cuda.get_device_name()} x{P} NCCL, torch {torch.__version__}, triton {triton.__version__}; us per call, max over ranks"

@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch
 import triton
+from ulysses.kernels import _runtime
+from ulysses.kernels import grouped_amax as grouped_amax_module
 
 import ulysses
 from ulysses import reference as ref
-from ulysses.kernels import _runtime
-from ulysses.kernels import grouped_amax as grouped_amax_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,9 +48,8 @@ def test_cpu_call_leaves_triton_state_unchanged():
 def test_interpreter_alone_would_leak():
     """The guard is needed: without the snapshot/restore the interpreter leaves patched
     ``triton.language`` attributes behind (so the test above can fail)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 
     before = _runtime.triton_state()
     with _runtime._restored_triton_state():  # the library's guard undoes it afterwards
