@@ -98,7 +98,8 @@ def main():
     nop = torch.empty(1, device="cuda")
     floor = eager_us(lambda: nop.zero_(), n=2000)
     print(
-        f"# host overhead per call, tiny shape: k_grouped_amax {host:.1f} us (torch zero_() of one element: {floor:.1f} us)"
+        f"# host overhead per call, tiny shape: k_grouped_amax {host:.1f} us "
+        f"(torch zero_() of one element: {floor:.1f} us)"
     )
     print()
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]

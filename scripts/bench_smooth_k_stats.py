@@ -100,7 +100,8 @@ def main():
         )
     if rank == 0:
         print(
-            f"# {torch.cuda.get_device_name()} x{P} NCCL, torch {torch.__version__}, triton {triton.__version__}; us per call, max over ranks"
+            f"# {torch.cuda.get_device_name()} x{P} NCCL, torch {torch.__version__}, "
+            f"triton {triton.__version__}; us per call, max over ranks"
         )
         head = (
             "shape",

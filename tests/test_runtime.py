@@ -177,12 +177,14 @@ def test_source_checkout_uses_its_own_kernels(tmp_path):
     (other / "ulysses" / "kernels").mkdir(parents=True)
     (other / "ulysses" / "kernels" / "__init__.py").write_text("WHICH = 'other'\n")
     # a finder that would hand out the other tree's kernels, as an editable install does
+    init = str(other / "ulysses" / "kernels" / "__init__.py")
     finder = (
+        f"INIT = {init!r}\n"
         "import importlib.abc, importlib.util, sys\n"
         "class F(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path, target=None):\n"
         "        if name == 'ulysses.kernels':\n"
-        f"            return importlib.util.spec_from_file_location(name, {str(other / 'ulysses' / 'kernels' / '__init__.py')!r})\n"
+        "            return importlib.util.spec_from_file_location(name, INIT)\n"
         "sys.meta_path.insert(0, F())\n"
     )
     code = (
