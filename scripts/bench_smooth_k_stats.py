@@ -47,14 +47,38 @@ def kernels_us(fn, iters=20):
     return ours / iters, nccl / iters
 
 
+def profile_host(rank):
+    """Where the host time of an eager smooth_k_stats call goes (rank 0 prints)."""
+    import cProfile
+    import pstats
+
+    k = ulysses.testing.make_k_full(1, 4736, 56, 128, torch.bfloat16, "smooth", device="cuda")
+    for _ in range(20):
+        ulysses.smooth_k_stats(k)
+    torch.cuda.synchronize()
+    dist.barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        ulysses.smooth_k_stats(k)
+    torch.cuda.synchronize()
+    prof.disable()
+    if rank == 0:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    dist.barrier()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager calls")
     args = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, P = dist.get_rank(), dist.get_world_size()
+    if args.profile_host:
+        profile_host(rank)
     rows = []
     for B, L, H, D in SHAPES[:1] if args.quick else SHAPES:
         k = ulysses.testing.make_k_full(
