@@ -232,8 +232,10 @@ def tile(
     whose grid is ``programs_per_hblock * cdiv(H, BLOCK_H)`` programs. The one tile rule of
     the package, from the H200 sweeps in docs/BENCHMARKS.md:
 
-    * CUDA: ``elems`` elements a tile (512 for the amax kernel: 4 a thread with 4 warps; 256
-      for the block-stats kernel, which keeps four accumulators a element), one warp per 64
+    * CUDA: ``elems`` elements a tile (128 for the amax kernel: the cold sweep of 2026-11-30
+      in docs/BENCHMARKS.md measured 24.7 us with one 128-wide head and 2 warps against 31.4 us
+      with 512-element tiles at 68 MB; 256 for the block-stats kernel, which keeps four
+      accumulators an element), one warp per 64
       elements up to ``max_warps``; with ``warps_per_sm`` set, BLOCK_H halves on small grids
       until about that many warps per SM are resident (D=64, L=8190, H=24: 29% -> 62% of the
       read ceiling).
@@ -322,7 +324,18 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
     args = [kwargs[n] for n in names]
     current = torch.cuda.current_device()
     index = current if device.index is None else device.index
-    key = (kernel, index, num_warps, use_pdl, *map(_spec, args, constexpr))
+    key = [kernel, index, num_warps, use_pdl]
+    for a, c in zip(args, constexpr):  # _spec, inlined: this loop is the launch's main cost
+        if c:
+            key.append(a)
+        elif type(a) is int:
+            key.append((a == 1) | ((a & 15) == 0) << 1 | (not -(2**31) <= a < 2**31) << 2)
+        elif isinstance(a, torch.Tensor):
+            key.append(a.dtype)
+            key.append((a.data_ptr() & 15) == 0)
+        else:
+            key.append(_spec(a, False))
+    key = tuple(key)
     entry = _COMPILED.get(key)
     switch = index != current
     if entry is None or _launch_hooks_set():
