@@ -325,7 +325,7 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
     current = torch.cuda.current_device()
     index = current if device.index is None else device.index
     key = [kernel, index, num_warps, use_pdl]
-    for a, c in zip(args, constexpr):  # _spec, inlined: this loop is the launch's main cost
+    for a, c in zip(args, constexpr, strict=True):  # _spec inlined: the launch's main cost
         if c:
             key.append(a)
         elif type(a) is int:
