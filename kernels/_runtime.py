@@ -41,6 +41,8 @@ __all__ = [
     "triton_state",
     "clear_launch_cache",
     "tile",
+    "workspace",
+    "counters",
     "sm_count",
 ]
 
@@ -199,6 +201,44 @@ def _launch_cpu(kernel, grid: tuple, kwargs: dict) -> None:
     with _TRITON_LOCK, _restored_triton_state():
         _route_jit_calls_and_fix_loop_bounds()
         _interpreted(kernel)[grid](**kwargs)
+
+
+# ---- scratch memory ---------------------------------------------------------------------------
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_KEEP: list[torch.Tensor] = []  # replaced buffers stay alive: a CUDA graph may hold them
+
+
+def _stream_key(device: torch.device) -> tuple:
+    if device.type != "cuda":
+        return (device.type, None, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return ("cuda", index, torch._C._cuda_getCurrentRawStream(index))
+
+
+def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch buffer of at least ``numel`` elements, reused by later launches on the same
+    device and stream (stream order makes reuse safe; another stream gets its own)."""
+    key = (name, dtype, *_stream_key(device))
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _WORKSPACE[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+    return buf
+
+
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 zeros for "last program" counters; the kernels reset them to 0 after use,
+    so one buffer per device and stream serves every launch."""
+    key = _stream_key(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 # ---- launch settings ------------------------------------------------------------------------
