@@ -24,7 +24,6 @@ A ``smooth_k`` case on every rank (docs/CONTRACT.md §5):
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import traceback
 from collections.abc import Callable
 
@@ -173,17 +172,14 @@ def expected_values(ctx: Context, case: cases.Case, used: int | None, k_full) ->
     return Expected(mean, reference.global_mean_fp64(k_full, used), partial, final)
 
 
-# The consistency check becomes automatic (issue 16 item 4); until then ask for it.
-_STATS_OPTIONS = (
-    {"check_consistency": True}
-    if "check_consistency" in inspect.signature(ulysses.smooth_k_stats).parameters
-    else {}
-)
-
-
 def call_smooth_k_stats(case: cases.Case, inputs: Inputs, method: str):
+    # check_consistency=True: the argument check on every call, not only the first
     return ulysses.smooth_k_stats(
-        inputs.k, used_sequence=inputs.used, group_size=case.G, method=method, **_STATS_OPTIONS
+        inputs.k,
+        used_sequence=inputs.used,
+        group_size=case.G,
+        method=method,
+        check_consistency=True,
     )
 
 
