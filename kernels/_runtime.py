@@ -37,9 +37,12 @@ __all__ = [
     "gdc_launch_dependents",
     "HAS_GDC",
     "next_pow2",
+    "cdiv",
     "triton_state",
     "clear_launch_cache",
     "tile",
+    "workspace",
+    "counters",
     "sm_count",
 ]
 
@@ -48,6 +51,11 @@ HAS_GDC = gdc_wait is not None
 # globals that the compiler reads.
 _TRITON_LOCK = threading.RLock()
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceil division on the host (``triton.cdiv`` is a jit function: ~40 us a call here)."""
+    return -(-a // b)
 
 
 def next_pow2(n: int) -> int:
@@ -195,6 +203,44 @@ def _launch_cpu(kernel, grid: tuple, kwargs: dict) -> None:
         _interpreted(kernel)[grid](**kwargs)
 
 
+# ---- scratch memory ---------------------------------------------------------------------------
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_KEEP: list[torch.Tensor] = []  # replaced buffers stay alive: a CUDA graph may hold them
+
+
+def _stream_key(device: torch.device) -> tuple:
+    if device.type != "cuda":
+        return (device.type, None, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return ("cuda", index, torch._C._cuda_getCurrentRawStream(index))
+
+
+def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch buffer of at least ``numel`` elements, reused by later launches on the same
+    device and stream (stream order makes reuse safe; another stream gets its own)."""
+    key = (name, dtype, *_stream_key(device))
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _WORKSPACE[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+    return buf
+
+
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 zeros for "last program" counters; the kernels reset them to 0 after use,
+    so one buffer per device and stream serves every launch."""
+    key = _stream_key(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 # ---- launch settings ------------------------------------------------------------------------
 
 _SM_COUNT: dict[int, int] = {}
@@ -226,8 +272,10 @@ def tile(
     whose grid is ``programs_per_hblock * cdiv(H, BLOCK_H)`` programs. The one tile rule of
     the package, from the H200 sweeps in docs/BENCHMARKS.md:
 
-    * CUDA: ``elems`` elements a tile (512 for the amax kernel: 4 a thread with 4 warps; 256
-      for the block-stats kernel, which keeps four accumulators a element), one warp per 64
+    * CUDA: ``elems`` elements a tile (128 for the amax kernel: the cold sweep of 2026-11-30
+      in docs/BENCHMARKS.md measured 24.7 us with one 128-wide head and 2 warps against 31.4 us
+      with 512-element tiles at 68 MB; 256 for the block-stats kernel, which keeps four
+      accumulators an element), one warp per 64
       elements up to ``max_warps``; with ``warps_per_sm`` set, BLOCK_H halves on small grids
       until about that many warps per SM are resident (D=64, L=8190, H=24: 29% -> 62% of the
       read ceiling).
@@ -293,25 +341,43 @@ def _spec(value, constexpr: bool):
     return type(value)
 
 
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton
+    _knobs = None
+
+
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps a HookChain object there even with no hook in it
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _launch_hooks_set() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:  # pragma: no cover - older Triton
+    if _knobs is None:  # pragma: no cover - older Triton
         return True
-    runtime = knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    runtime = _knobs.runtime
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
 def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_pdl: bool, kwargs):
-    names, constexpr = _params(kernel)
+    names, constexpr = _PARAMS.get(kernel) or _params(kernel)
     args = [kwargs[n] for n in names]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (kernel, index, num_warps, use_pdl, *map(_spec, args, constexpr))
+    current = torch.cuda.current_device()
+    index = current if device.index is None else device.index
+    key = [kernel, index, num_warps, use_pdl]
+    for a, c in zip(args, constexpr, strict=True):  # _spec inlined: the launch's main cost
+        if c:
+            key.append(a)
+        elif type(a) is int:
+            key.append((a == 1) | ((a & 15) == 0) << 1 | (not -(2**31) <= a < 2**31) << 2)
+        elif isinstance(a, torch.Tensor):
+            key.append(a.dtype)
+            key.append((a.data_ptr() & 15) == 0)
+        else:
+            key.append(_spec(a, False))
+    key = tuple(key)
     entry = _COMPILED.get(key)
-    g0 = grid[0]
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    switch = index != torch.cuda.current_device()
+    switch = index != current
     if entry is None or _launch_hooks_set():
         extra = {"launch_pdl": True} if use_pdl else {}
         with _TRITON_LOCK, torch.cuda.device(index) if switch else contextlib.nullcontext():
@@ -320,9 +386,18 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
             _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)
         return
     run, function, metadata = entry
-    with torch.cuda.device(index) if switch else contextlib.nullcontext():
-        stream = torch._C._cuda_getCurrentRawStream(index)
-        run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+    n = len(grid)
+    g1 = grid[1] if n > 1 else 1
+    g2 = grid[2] if n > 2 else 1
+    if switch:
+        with torch.cuda.device(index):
+            stream = _raw_stream(index)
+            run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args)
+    else:
+        run(grid[0], g1, g2, _raw_stream(index), function, metadata, None, None, None, *args)
+
+
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
 def launch(
@@ -336,8 +411,7 @@ def launch(
 ) -> None:
     """Launch ``kernel`` over ``grid`` on ``device`` with keyword arguments only (every
     parameter of the kernel, constexprs included, named once)."""
-    assert all(isinstance(g, int) and g >= 1 for g in grid), grid
-    assert grid[0] < 2**31 and all(g < 65536 for g in grid[1:]), grid
+    assert 1 <= grid[0] < 2**31 and all(1 <= g < 65536 for g in grid[1:]), grid
     if device.type == "cuda":
         _launch_cuda(kernel, grid, device, num_warps, use_pdl, kwargs)
         return

@@ -100,5 +100,4 @@ def read_ceiling_tbs() -> float:
     """Cold read bandwidth of torch.sum over 2 GiB bf16 (the method used for our kernels)."""
     x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
     us = cold_us(lambda: x.sum(), ("reduce", "sum", "Reduce"), iters=10)
-    del x
     return (2 << 30) / (us * 1e-6) / 1e12

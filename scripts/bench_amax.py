@@ -44,14 +44,61 @@ def torch_amax(k, m, rank, P, G):
     x = (k.float() - m.float()[:, None]).abs()
     x = torch.nn.functional.pad(x, (0, 0, 0, 0, front, n_slots * G - L - front))
     out = x.view(B, n_slots, G, H, D).amax(dim=(2, 4)).clamp_min(1e-7)
+    touched = (rank * L + L - 1) // G - (rank * L) // G + 1
+    out[:, touched:] = 0  # surplus slots
     return out.transpose(1, 2)
+
+
+SWEEP_SHAPES = [SHAPES[0], SHAPES[3], SHAPES[6], SHAPES[7]]
+
+
+def sweep():
+    """Cold time of the amax kernel per tile (ROWS, BLOCK_H, num_warps); same bits for all."""
+    from ulysses.kernels.grouped_amax import grouped_amax
+
+    from ulysses import grid
+
+    print("# sweep: shape | rows | block_h | warps | cold us | auto")
+    for B, L, H, D, P, r, G, dt in SWEEP_SHAPES:
+        k = ulysses.testing.make_k_full(B, L, H, D, dt, "smooth", seed=1, device="cuda")
+        m = k.float().mean(1).to(dt)
+        lay = grid.layout(r, L, P, G, None)
+        kw = dict(
+            group_size=G,
+            row0=lay.row0,
+            n_slots=lay.n_slots,
+            g_first=lay.g_first,
+            n_touched=lay.n_touched,
+            tail_group=-1,
+            tail_end=lay.live_end,
+            floor=grid.FLOOR,
+            use_pdl=False,
+        )
+        base = grouped_amax(k, m, **kw)
+        auto = cold_us(lambda: grouped_amax(k, m, **kw), "_grouped_amax_kernel")
+        best = (auto, "auto")
+        for rows in (4, 8, 16, 32):
+            for bh in (1, 2, 4, 8):
+                for nw in (2, 4, 8):
+                    if bh > H or bh * D < 32 * nw:
+                        continue
+                    t = dict(kw, rows=rows, block_h=bh, num_warps=nw)
+                    assert torch.equal(grouped_amax(k, m, **t), base)
+                    us = cold_us(lambda t=t: grouped_amax(k, m, **t), "_grouped_amax_kernel")
+                    if us < best[0]:
+                        best = (us, f"rows={rows} block_h={bh} warps={nw}")
+        print(f"B{B} L{L} H{H} D{D} G{G}: auto {auto:.1f} us, best {best[0]:.1f} us ({best[1]})")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--csv")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="tile sweep instead of the table")
     args = ap.parse_args()
+    if args.sweep:
+        sweep()
+        return
     shapes = SHAPES[:2] if args.quick else SHAPES
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -96,12 +143,24 @@ def main():
     nop = torch.empty(1, device="cuda")
     floor = eager_us(lambda: nop.zero_(), n=2000)
     print(
-        f"# host overhead per call, tiny shape: k_grouped_amax {host:.1f} us (torch zero_() of one element: {floor:.1f} us)"
+        f"# host overhead per call, tiny shape: k_grouped_amax {host:.1f} us "
+        f"(torch zero_() of one element: {floor:.1f} us)"
     )
+    if os.environ.get("PROFILE_HOST"):
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(2000):
+            ulysses.k_grouped_amax(k, m, rank=0, world_size=2)
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     print()
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     for r_ in [header, tuple("-" * w for w in widths), *rows]:
-        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r_, widths)) + " |")
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r_, widths, strict=True)) + " |")
     print("(* torch.compile result differs from the reference)")
     if args.csv:
         new = not os.path.exists(args.csv)

@@ -55,9 +55,7 @@ def _stats_kwargs(rank, P, used, G, mode, L=65):
 def test_opcheck_k_grouped_amax(args):
     k = _k()
     m = k.float().mean(1).bfloat16()
-    torch.library.opcheck(
-        torch.ops.ulysses.k_grouped_amax.default, (k, m), _amax_kwargs(*args)
-    )
+    torch.library.opcheck(torch.ops.ulysses.k_grouped_amax.default, (k, m), _amax_kwargs(*args))
 
 
 @pytest.mark.parametrize("mode", [MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL])
@@ -153,6 +151,10 @@ def test_smooth_k_stats_compiles_fullgraph_under_torchrun():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # CPU tensors and gloo, as in CI: the GPU variant (NCCL, CUDA graph) is its own row of
+    # `make gpu-check`; mirroring CPU launches to the GPU inside compiled graphs is not a
+    # supported combination, so the switch is left out of this child's environment.
+    env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
     proc = subprocess.run(
         [
             sys.executable,
@@ -164,6 +166,7 @@ def test_smooth_k_stats_compiles_fullgraph_under_torchrun():
             "dist_tests.compile_check",
         ],
         cwd=root,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
