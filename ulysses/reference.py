@@ -237,6 +237,12 @@ def v_channel_amax(v: torch.Tensor, *, used_rows: int) -> torch.Tensor:
     return v[:, :used_rows].float().abs().amax(dim=1)
 
 
+def ieee_rdiv(numerator: float, t: torch.Tensor) -> torch.Tensor:
+    """``numerator / t`` as one IEEE fp32 division per element. (``127.0 / t`` in torch is
+    ``t.reciprocal() * 127``: two roundings, which differ from IEEE in about 1 case of 4.)"""
+    return torch.full_like(t, numerator) / t
+
+
 def _rows_of_groups(per_group: torch.Tensor, S: int, G: int) -> torch.Tensor:
     """[B, H, n_groups] -> [B, S, H, 1]: each row gets its group's value."""
     rows = per_group.repeat_interleave(G, dim=-1)[..., :S]  # [B, H, S]
@@ -299,10 +305,10 @@ def lowp_exchange_reference(
     amax_k = grouped_amax_full(k_full, k_mean, used_sequence=used_sequence, group_size=k_group)
     amax_v = v_channel_amax(v_full, used_rows=n_live)
 
-    q_code = quantize_int8(q_full.float(), _rows_of_groups(127.0 / amax_q, S, q_group))
+    q_code = quantize_int8(q_full.float(), _rows_of_groups(ieee_rdiv(127.0, amax_q), S, q_group))
     centred = k_full.float() - k_mean.float()[:, None]
-    k_code = quantize_int8(centred, _rows_of_groups(127.0 / amax_k, S, k_group))
-    v_code = quantize_fp8(v_full.float(), (FP8_MAX / amax_v)[:, None], amax_v[:, None])
+    k_code = quantize_int8(centred, _rows_of_groups(ieee_rdiv(127.0, amax_k), S, k_group))
+    v_code = quantize_fp8(v_full.float(), ieee_rdiv(FP8_MAX, amax_v)[:, None], amax_v[:, None])
     return {
         "q": q_code[:, :, heads],
         "k": k_code[:, :, heads],
