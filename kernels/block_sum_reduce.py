@@ -14,11 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..grid import SUPER_BLOCK
 from ._runtime import gdc_launch_dependents, gdc_wait, launch
 
-__all__ = ["block_sum_reduce", "SUPER"]
-
-SUPER = 16  # blocks per superblock
+__all__ = ["block_sum_reduce"]
 
 
 @triton.jit
@@ -30,8 +29,12 @@ def _chunk_sum_kernel(
     offset,
     chunk,
     n_elem,
+    tag_ptr,
+    tag_last,
+    tag,
     BLOCK: tl.constexpr,
     UNROLL: tl.constexpr,
+    TAG: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """out[b, c, e] = sum_{j in chunk c, in order} in[b, j, e]; chunk c holds the inputs
@@ -57,12 +60,17 @@ def _chunk_sum_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     tl.store(out_ptr + (i_b * n_out + i_c) * n_elem + o_e, b_acc, mask=m_e)
+    if TAG:  # the call tag at both ends of the payload, written by one program
+        if (tl.program_id(0) == 0) & (i_c == 0) & (i_b == 0):
+            tl.store(tag_ptr, tag)
+            tl.store(tag_ptr + tag_last, tag)
 
 
-def _chunk_sum(x: torch.Tensor, out: torch.Tensor, *, offset: int, chunk: int, use_pdl: bool):
+def _chunk_sum(x, out, *, offset: int, chunk: int, use_pdl: bool, tag_out=None, tag=0.0):
     B, n_in, n_elem = x.shape
     n_out = out.shape[1]
-    block = 512 if x.is_cuda else 4096
+    cuda = x.device.type == "cuda"
+    block = 512 if cuda else 4096
     assert B < 65536 and n_out < 65536
     launch(
         _chunk_sum_kernel,
@@ -77,23 +85,32 @@ def _chunk_sum(x: torch.Tensor, out: torch.Tensor, *, offset: int, chunk: int, u
         offset=offset,
         chunk=chunk,
         n_elem=n_elem,
+        tag_ptr=out if tag_out is None else tag_out,
+        tag_last=0 if tag_out is None else tag_out.numel() - 1,
+        tag=float(tag),
         BLOCK=block,
-        UNROLL=8 if x.is_cuda else 4,
+        UNROLL=8 if cuda else 4,
+        TAG=tag_out is not None,
         USE_PDL=use_pdl,
     )
 
 
 def block_sum_reduce(
-    block_sums: torch.Tensor, out: torch.Tensor, *, first_block: int, use_pdl: bool
-) -> torch.Tensor:
-    """``out`` fp32 [B, H, D] from ``block_sums`` fp32 [B, NB, H, D], whose block j is global
-    block ``first_block + j``, in the fixed superblock association."""
+    block_sums: torch.Tensor, payload: torch.Tensor, *, first_block: int, tag: float, use_pdl: bool
+) -> None:
+    """Write the local sum fp32 [B, H, D] into ``payload[1 : 1 + B*H*D]`` and ``tag`` into the
+    payload's first and last element. ``block_sums`` fp32 [B, NB, H, D]: block j is global
+    64-row block ``first_block + j``; they are added in the fixed superblock association."""
     B, NB, H, D = block_sums.shape
-    assert block_sums.is_contiguous() and out.is_contiguous()
-    assert out.shape == (B, H, D) and out.dtype == block_sums.dtype == torch.float32
-    offset = first_block % SUPER
-    n_super = (offset + NB + SUPER - 1) // SUPER
+    assert block_sums.is_contiguous() and payload.is_contiguous()
+    assert block_sums.dtype == payload.dtype == torch.float32
+    offset = first_block % SUPER_BLOCK
+    n_super = (offset + NB + SUPER_BLOCK - 1) // SUPER_BLOCK
     supers = torch.empty((B, n_super, H * D), dtype=torch.float32, device=block_sums.device)
-    _chunk_sum(block_sums.view(B, NB, H * D), supers, offset=offset, chunk=SUPER, use_pdl=use_pdl)
-    _chunk_sum(supers, out.view(B, 1, H * D), offset=0, chunk=n_super, use_pdl=use_pdl)
-    return out
+    _chunk_sum(
+        block_sums.view(B, NB, H * D), supers, offset=offset, chunk=SUPER_BLOCK, use_pdl=use_pdl
+    )
+    local_sum = payload[1 : 1 + B * H * D].view(B, 1, H * D)
+    _chunk_sum(
+        supers, local_sum, offset=0, chunk=n_super, use_pdl=use_pdl, tag_out=payload, tag=tag
+    )
