@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import gdc_launch_dependents, gdc_wait, launch, next_pow2
+from ._runtime import gdc_launch_dependents, gdc_wait, launch, tile
 
 __all__ = ["pack_qkv"]
 
@@ -178,15 +178,6 @@ def _pack_kernel(
         gdc_launch_dependents()
 
 
-def _tile(D: int, H: int, cuda: bool) -> tuple[int, int]:
-    """(BLOCK_H, num_warps): 512-element row tiles on CUDA; the biggest tile up to 4096
-    elements in the interpreter (it pays per operation, not per element)."""
-    if not cuda:
-        return max(1, min(next_pow2(H), 4096 // D)), 1
-    block_h = max(1, min(next_pow2(H), 512 // D))
-    return block_h, max(1, min(4, block_h * D // 64))
-
-
 def pack_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -224,9 +215,9 @@ def pack_qkv(
     assert row_bytes == cb + scale_bytes and scale_bytes % 16 == 0
     assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
     send = torch.empty(P * L * row_bytes, dtype=torch.uint8, device=q.device)
-    block_h, num_warps = _tile(D, H, q.is_cuda)
     block_l = block_l or (16 if q.is_cuda else 64)
     n_rblocks = triton.cdiv(L, block_l)
+    block_h, num_warps = tile(D, H, B * n_rblocks, q.device, elems=512, warps_per_sm=22)
     n_code = B * n_rblocks * triton.cdiv(H, block_h)
     n_scales = P * B * h * (n_sq + n_sk)
     block_n = 256 if q.is_cuda else 4096

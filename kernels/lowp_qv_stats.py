@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import gdc_launch_dependents, gdc_wait, launch, next_pow2
+from ._runtime import gdc_launch_dependents, gdc_wait, launch, tile
 
 __all__ = ["qv_stats", "qv_payload_numel"]
 
@@ -122,15 +122,6 @@ def qv_payload_numel(B: int, H: int, D: int) -> int:
     return B * H * (2 + D)
 
 
-def _tile(D: int, H: int, cuda: bool) -> tuple[int, int]:
-    """(BLOCK_H, num_warps): 512-element row tiles on CUDA (two accumulators a element, like
-    the amax kernel's one), the biggest tile up to 4096 elements in the interpreter."""
-    if not cuda:
-        return max(1, min(next_pow2(H), 4096 // D)), 1
-    block_h = max(1, min(next_pow2(H), 512 // D))
-    return block_h, max(1, min(4, block_h * D // 64))
-
-
 def qv_stats(
     q: torch.Tensor,
     v: torch.Tensor,
@@ -168,8 +159,8 @@ def qv_stats(
     # ~256 rows a program on CUDA (few atomics); the interpreter pays per program: longer spans
     span = span or (max(1, 256 // G) if q.is_cuda else max(1, 1024 // G))
     rows = rows or (8 if q.is_cuda else 4)
-    block_h, num_warps = _tile(D, H, q.is_cuda)
     n_spans = triton.cdiv(n_slots, span)
+    block_h, num_warps = tile(D, H, B * n_spans, q.device, elems=512, warps_per_sm=22)
     launch(
         _qv_stats_kernel,
         (B * n_spans * triton.cdiv(H, block_h),),

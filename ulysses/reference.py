@@ -243,6 +243,12 @@ def ieee_rdiv(numerator: float, t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, numerator) / t
 
 
+def ieee_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``t / divisor`` as one IEEE fp32 division per element on every device (CUDA turns a
+    division by a Python scalar into a multiplication by its reciprocal)."""
+    return t / torch.full_like(t, divisor)
+
+
 def _rows_of_groups(per_group: torch.Tensor, S: int, G: int) -> torch.Tensor:
     """[B, H, n_groups] -> [B, S, H, 1]: each row gets its group's value."""
     rows = per_group.repeat_interleave(G, dim=-1)[..., :S]  # [B, H, S]
@@ -313,9 +319,9 @@ def lowp_exchange_reference(
         "q": q_code[:, :, heads],
         "k": k_code[:, :, heads],
         "v": v_code[:, :, heads],
-        "q_scale": (amax_q / 127.0)[:, heads],
-        "k_scale": (amax_k / 127.0)[:, heads],
-        "v_scale": (amax_v / FP8_MAX)[:, heads],
+        "q_scale": ieee_div(amax_q, 127.0)[:, heads],
+        "k_scale": ieee_div(amax_k, 127.0)[:, heads],
+        "v_scale": ieee_div(amax_v, FP8_MAX)[:, heads],
         "k_mean": k_mean[:, heads],
     }
 
