@@ -119,8 +119,37 @@ def compare(got: lowp.LowpQKV, ref: dict) -> list[str]:
     return bad
 
 
+def error_checks(rank: int, P: int, device) -> list[str]:
+    """Bad inputs that need a process group raise the documented error on every rank."""
+    bf = dict(dtype=torch.bfloat16, device=device)
+    ok = torch.zeros(1, 8, 2 * P, 64, **bf)
+    checks = [
+        ("H % P", (torch.zeros(1, 8, 2 * P + 1, 64, **bf),) * 3, {}, ValueError, "divisible"),
+        ("used > S", (ok, ok, ok), {"used_sequence": 8 * P + 1}, ValueError, "used_sequence"),
+        ("used = 0", (ok, ok, ok), {"used_sequence": 0}, ValueError, "used_sequence"),
+        ("used bool", (ok, ok, ok), {"used_sequence": True}, TypeError, "used_sequence"),
+        ("k_group", (ok, ok, ok), {"k_group": 100}, ValueError, "k_group"),
+        ("pdl on cpu", (ok, ok, ok), {"enable_pdl": True}, ValueError, "enable_pdl"),
+        ("group type", (ok, ok, ok), {"group": "world"}, TypeError, "group"),
+    ]
+    problems = []
+    for what, tensors, kwargs, exc, match in checks:
+        if what == "pdl on cpu" and device.type != "cpu":
+            continue
+        try:
+            lowp.exchange_qkv(*tensors, **kwargs)
+            problems.append(f"{what}: no error raised")
+        except exc as e:
+            if match not in str(e):
+                problems.append(f"{what}: message {str(e)!r} does not name {match!r}")
+        except Exception as e:  # noqa: BLE001 - a wrong exception type is the failure
+            problems.append(f"{what}: raised {type(e).__name__}: {e}")
+    return problems
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--errors", action="store_true", help="run the bad-input checks instead")
     ap.add_argument("--cases", default="")
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -138,6 +167,13 @@ def main() -> int:
     wanted = [c for c in args.cases.split(",") if c]
     cases = [c for c in CASES if not wanted or any(w in c.id for w in wanted)]
     failures = []
+    if args.errors:
+        cases = []
+        problems = error_checks(rank, P, device)
+        for p in problems:
+            print(f"MISMATCH rank {rank} errors: {p}", flush=True)
+        if problems:
+            failures.append({"case": "errors", "rank": rank, "problems": problems})
     try:
         for case in cases:
             problems = []
@@ -174,6 +210,89 @@ def main() -> int:
                     json.dump(summary, f)
         dist.destroy_process_group()
     return 1 if failures else 0
+
+
+# ---- pytest: launches this file under torchrun ---------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH_TIMEOUT_S = 600
+
+
+def _launch(tmp_path, P: int, *args: str):
+    import subprocess
+
+    summary = tmp_path / f"lowp-ws{P}.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += [str(P), os.path.abspath(__file__), "--json", str(summary), *args]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
+    result = json.loads(summary.read_text()) if summary.exists() else None
+    tail = f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc, result, tail
+
+
+def _pytest():
+    import pytest
+
+    return pytest
+
+
+def test_exchange_bitwise_ws2(tmp_path):
+    proc, result, tail = _launch(tmp_path, 2)
+    assert proc.returncode == 0, tail
+    assert result is not None and result["cases"] == len(CASES) and not result["failed"], tail
+
+
+def test_exchange_bitwise_ws4(tmp_path):
+    # the cases with the awkward alignments; all of them run at P = 2
+    proc, result, tail = _launch(tmp_path, 4, "--cases", "used_tail,used_early,used_one,nan,L1-")
+    assert proc.returncode == 0, tail
+    assert result is not None and result["cases"] >= 5 and not result["failed"], tail
+
+
+def test_exchange_errors_ws2(tmp_path):
+    proc, result, tail = _launch(tmp_path, 2, "--errors")
+    assert proc.returncode == 0, tail
+    assert result is not None and not result["failed"], tail
+
+
+def test_compare_detects_one_bit():
+    """The comparison behind the distributed check can fail: flip one bit of each field."""
+    P, L, h, D = 2, 20, 1, 64
+    q, k, v = make_qkv_full(1, L * P, h * P, D, seed="cmp")
+    ref = reference.lowp_exchange_reference(q, k, v, world_size=P, rank=0)
+    good = lowp.LowpQKV(used_sequence=None, q_group=32, k_group=64, **ref)
+    assert compare(good, ref) == []
+    for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale", "k_mean"):
+        t = ref[name].clone()
+        bits = t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+        bits.view(-1)[0] ^= 1
+        bad = lowp.LowpQKV(used_sequence=None, q_group=32, k_group=64, **{**ref, name: t})
+        problems = compare(bad, ref)
+        assert len(problems) == 1 and problems[0].startswith(name), (name, problems)
+
+
+def test_local_validation_errors():
+    """Checks that run before any collective (no process group needed)."""
+    pytest = _pytest()
+    ok = torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="q must be bfloat16 or float16"):
+        lowp.exchange_qkv(ok.float(), ok, ok)
+    with pytest.raises(TypeError, match="v must have k's dtype"):
+        lowp.exchange_qkv(ok, ok, ok.half())
+    with pytest.raises(ValueError, match=r"q must have k's shape \[1, 8, 4, 64\]"):
+        lowp.exchange_qkv(ok[:, :4], ok, ok)
+    with pytest.raises(ValueError, match="v stride of dim 2"):
+        lowp.exchange_qkv(ok, ok, torch.zeros(1, 8, 4, 68, dtype=torch.bfloat16)[..., :64])
+    with pytest.raises(ValueError, match="q_group must be one of"):
+        lowp.exchange_qkv(ok, ok, ok, q_group=8)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        lowp.exchange_qkv(ok, None, ok)
+    with pytest.raises(ValueError, match="not initialized"):
+        lowp.exchange_qkv(ok, ok, ok)
 
 
 if __name__ == "__main__":
