@@ -109,10 +109,14 @@ def _pack_kernel(
             p_dst = send_ptr + o_dst + i_row * ROW
             for t in tl.static_range(2):  # Q then K: int8 codes
                 if t == 0:
-                    b_a = tl.load(amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_sq, mask=m_rh, other=1.0)
+                    b_a = tl.load(
+                        amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_sq, mask=m_rh, other=1.0
+                    )
                     b_x = tl.load(p_q + i_row * stride_ql, mask=m_row, other=0.0).to(tl.float32)
                 else:
-                    b_a = tl.load(amax_k_ptr + (i_b * H + o_h) * n_slots_k + i_sk, mask=m_rh, other=1.0)
+                    b_a = tl.load(
+                        amax_k_ptr + (i_b * H + o_h) * n_slots_k + i_sk, mask=m_rh, other=1.0
+                    )
                     b_x = tl.load(p_k + i_row * stride_kl, mask=m_row, other=0.0).to(tl.float32)
                     b_x = b_x - b_mean
                 b_inv = tl.math.div_rn(tl.full([BLOCK_H], 127.0, tl.float32), b_a)  # [BH]
@@ -130,7 +134,9 @@ def _pack_kernel(
                 b_up = (b_rem > b_half) | ((b_rem == b_half) & ((b_int & 1) == 1))
                 b_int = b_int + b_up.to(tl.int32)
                 b_code = tl.where(b_bits < 0, -b_int, b_int)
-                tl.store(p_dst + t * h * D, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_row)
+                tl.store(
+                    p_dst + t * h * D, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_row
+                )
 
             b_v = tl.load(p_v + i_row * stride_vl, mask=m_row, other=0.0).to(tl.float32)
             b_y = b_v * b_iv
@@ -169,8 +175,16 @@ def _pack_kernel(
         i_hl = tl.where(is_q, (i_n // n_slots_q) % h, (i_nk // n_slots_k) % h)
         i_s = tl.where(is_q, i_n % n_slots_q, i_nk % n_slots_k)
         i_hh = i_j * h + i_hl
-        b_aq = tl.load(amax_q_ptr + (i_b * H + i_hh) * n_slots_q + i_s, mask=tl.where(is_q, m_m, False), other=1.0)
-        b_ak = tl.load(amax_k_ptr + (i_b * H + i_hh) * n_slots_k + i_s, mask=tl.where(is_q, False, m_m), other=1.0)
+        b_aq = tl.load(
+            amax_q_ptr + (i_b * H + i_hh) * n_slots_q + i_s,
+            mask=tl.where(is_q, m_m, False),
+            other=1.0,
+        )
+        b_ak = tl.load(
+            amax_k_ptr + (i_b * H + i_hh) * n_slots_k + i_s,
+            mask=tl.where(is_q, False, m_m),
+            other=1.0,
+        )
         b_scale = tl.math.div_rn(tl.where(is_q, b_aq, b_ak), tl.full([BLOCK_N], 127.0, tl.float32))
         o_f = (i_j * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
         tl.store(send_f32_ptr + o_f, b_scale, mask=m_m)

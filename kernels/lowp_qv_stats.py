@@ -101,8 +101,12 @@ def _qv_stats_kernel(
                 m_v = tl.where(i_row < hi_v, m_hd, False)
                 b_q = tl.load(p_q + i_row * stride_ql, mask=m_q, other=0.0).to(tl.float32)
                 b_v = tl.load(p_v + i_row * stride_vl, mask=m_v, other=0.0).to(tl.float32)
-                b_qacc = tl.maximum(b_qacc, tl.where(m_q, tl.abs(b_q).to(tl.int32, bitcast=True), 0))
-                b_vacc = tl.maximum(b_vacc, tl.where(m_v, tl.abs(b_v).to(tl.int32, bitcast=True), 0))
+                b_qacc = tl.maximum(
+                    b_qacc, tl.where(m_q, tl.abs(b_q).to(tl.int32, bitcast=True), 0)
+                )
+                b_vacc = tl.maximum(
+                    b_vacc, tl.where(m_v, tl.abs(b_v).to(tl.int32, bitcast=True), 0)
+                )
         b_out = tl.maximum(tl.max(b_qacc, axis=1), floor_bits).to(tl.float32, bitcast=True)
         b_out = tl.where(i_s < n_touched, b_out, 0.0)
         m_s = tl.where(i_s < n_slots, m_h, False)

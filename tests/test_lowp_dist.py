@@ -188,8 +188,14 @@ def main() -> int:
                     k_group=case.Gk,
                 )
                 ref = reference.lowp_exchange_reference(
-                    q.cpu(), k.cpu(), v.cpu(), world_size=P, rank=rank, used_sequence=used,
-                    q_group=case.Gq, k_group=case.Gk,
+                    q.cpu(),
+                    k.cpu(),
+                    v.cpu(),
+                    world_size=P,
+                    rank=rank,
+                    used_sequence=used,
+                    q_group=case.Gq,
+                    k_group=case.Gk,
                 )
                 problems = compare(got, ref)
                 assert got.q.data_ptr() == got.k.data_ptr() - case.h * case.D  # views, no copy
@@ -268,7 +274,11 @@ def test_compare_detects_one_bit():
     assert compare(good, ref) == []
     for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale", "k_mean"):
         t = ref[name].clone()
-        bits = t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+        bits = (
+            t.view(torch.uint8)
+            if t.element_size() == 1
+            else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+        )
         bits.view(-1)[0] ^= 1
         bad = lowp.LowpQKV(used_sequence=None, q_group=32, k_group=64, **{**ref, name: t})
         problems = compare(bad, ref)

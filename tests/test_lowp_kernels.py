@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from ulysses import grid, lowp, reference
 from ulysses.kernels.lowp_pack import pack_qkv
 from ulysses.kernels.lowp_qv_stats import qv_stats
+
+from ulysses import grid, lowp, reference
 from ulysses.testing import make_qkv_full
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -217,7 +217,9 @@ def test_pack_fp8_rounding_ties_subnormals_and_saturation(assert_bitwise):
     assert (expect_v[0, 0, 0, 0] == 0x80).item() and (expect_v[..., D - 1] == 0).all()
     w = lowp._wire(B, L, P * h, D, P, 32, 64)
     send = pack_qkv(
-        v[:, :L], v[:, :L], v[:, :L],  # q, k codes are not checked here
+        v[:, :L],
+        v[:, :L],
+        v[:, :L],  # q, k codes are not checked here
         reference.merged_amax_shard(amax_q, rank=0, L=L, group_size=32),
         reference.merged_amax_shard(amax_k, rank=0, L=L, group_size=64),
         k_mean,

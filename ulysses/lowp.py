@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from . import _ops, grid, stats
-from . import _validate
+from . import _ops, _validate, grid, stats
 from .kernels.lowp_pack import pack_qkv
 from .kernels.lowp_qv_stats import qv_payload_numel, qv_stats
 
@@ -241,9 +240,7 @@ def _check_qkv(q, k, v_) -> tuple[int, int, int, int]:
     for name, t in (("q", q), ("v", v_)):
         _validate.check_k(t, name)
         if tuple(t.shape) != tuple(k.shape):
-            raise ValueError(
-                f"{name} must have k's shape {list(k.shape)}, got {list(t.shape)}"
-            )
+            raise ValueError(f"{name} must have k's shape {list(k.shape)}, got {list(t.shape)}")
         if t.dtype != k.dtype:
             raise TypeError(f"{name} must have k's dtype {k.dtype}, got {t.dtype}")
         if t.device != k.device:
@@ -297,9 +294,7 @@ def exchange_qkv(
     grid.check_group_size(k_group, "k_group")
     pg, rank, P = stats.resolve_group(group, k.device)
     if H % P:
-        raise ValueError(
-            f"q, k, v head count H must be divisible by the world size {P}, got H={H}"
-        )
+        raise ValueError(f"q, k, v head count H must be divisible by the world size {P}, got H={H}")
     part, pg, P = stats.k_stats_part(
         k,
         group=group,
