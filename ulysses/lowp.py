@@ -289,6 +289,37 @@ def exchange_qkv(
             (16, 32, 64, 128, 256); ``used_sequence`` outside [1, S]; torch.distributed not
             initialized or a world size not in (2, 4, 6, 8); ranks that disagree.
     """
+    call = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    payload, amax_q_partial = _local_stats(call)
+    gathered = stats.all_gather_payload(payload, call.pg, call.P)  # [P, n_k + n_qv]
+    k_stats, amax_q, amax_v = _finish_stats(call, gathered, amax_q_partial)
+    send = _pack(call, k_stats, amax_q, amax_v)
+    recv = _all_to_all(send, call.pg)
+    return _unpack(call, recv, k_stats, amax_v)
+
+
+# ---- the steps of one call (separate so that scripts/bench_lowp.py can time each) -----------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    part: stats.KStatsPart
+    pg: object
+    rank: int
+    P: int
+    used_sequence: int | None
+    q_group: int
+    k_group: int
+    lay_q: grid.Layout
+    wire: _Wire
+    use_pdl: bool
+
+
+def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Call:
+    """Validate every argument (SPEC §3, §8) and resolve the group, layouts and PDL."""
     B, L, H, D = _check_qkv(q, k, v)
     grid.check_group_size(q_group, "q_group")
     grid.check_group_size(k_group, "k_group")
@@ -308,63 +339,89 @@ def exchange_qkv(
         _validate.check_alignment(v, "v")
         # q_group is not part of K's signature; its first call per group is checked here
         stats.verify_call(pg, P, k.device, "exchange_qkv_q", False, q_group=q_group)
-    use_pdl = part.use_pdl
-    lay_q = grid.layout(rank, L, P, q_group, used_sequence)
-    w = _wire(B, L, H, D, P, q_group, k_group)
-
-    # ---- statistics: one payload, one all_gather
-    n_k, n_qv = part.numel, qv_payload_numel(B, H, D)
-    qv_args = dict(
-        group_size=q_group,
-        row0=lay_q.row0,
-        n_slots=lay_q.n_slots,
-        n_touched=lay_q.n_touched,
-        tail_group=lay_q.tail_group,
-        live_end=lay_q.live_end,
-        use_pdl=use_pdl,
-    )
-    if _ops.is_compiling():  # functional: no writes into slices of a shared buffer
-        payload_qv, amax_q_partial = qv_stats_op(q=q, v=v, **qv_args)
-        payload = torch.cat([part.write(None), payload_qv])
-    else:
-        payload = torch.empty(n_k + n_qv, dtype=torch.float32, device=k.device)
-        part.write(payload[:n_k])
-        _, amax_q_partial = qv_stats_op(q=q, v=v, payload=payload[n_k:], **qv_args)
-    gathered = stats.all_gather_payload(payload, pg, P)  # [P, n_k + n_qv]
-
-    # TODO(lead): finalize_stats reads the closing tag at gathered.stride(0) - 1, so a column
-    # slice of a wider buffer reads our V data as K's tag; a copy of K's columns until fixed.
-    k_stats = part.finish(gathered[:, :n_k].contiguous())
-    bounds = gathered[:, n_k : n_k + 2 * B * H].reshape(P, B, H, 2)
-    amax_q = _merge_q_boundaries(amax_q_partial, bounds, lay_q)
-    amax_v_bits = gathered[:, n_k + 2 * B * H :].reshape(P, B, H, D).view(torch.int32)
-    amax_v = amax_v_bits.amax(dim=0).view(torch.float32)  # int max: NaN sorts above +Inf
-
-    # ---- quantize + pack, one all_to_all
-    send = pack_op(
+    return _Call(
         q=q,
         k=k,
         v=v,
+        part=part,
+        pg=pg,
+        rank=rank,
+        P=P,
+        used_sequence=used_sequence,
+        q_group=q_group,
+        k_group=k_group,
+        lay_q=grid.layout(rank, L, P, q_group, used_sequence),
+        wire=_wire(B, L, H, D, P, q_group, k_group),
+        use_pdl=part.use_pdl,
+    )
+
+
+def _local_stats(c: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local statistics kernels: (payload fp32 [n_k + n_qv], Q's partial amax [B, H, NSq])."""
+    B, _, H, D = c.k.shape
+    lay = c.lay_q
+    qv_args = dict(
+        group_size=c.q_group,
+        row0=lay.row0,
+        n_slots=lay.n_slots,
+        n_touched=lay.n_touched,
+        tail_group=lay.tail_group,
+        live_end=lay.live_end,
+        use_pdl=c.use_pdl,
+    )
+    if _ops.is_compiling():  # functional: no writes into slices of a shared buffer
+        payload_qv, amax_q_partial = qv_stats_op(q=c.q, v=c.v, **qv_args)
+        return torch.cat([c.part.write(None), payload_qv]), amax_q_partial
+    n_k = c.part.numel
+    payload = torch.empty(n_k + qv_payload_numel(B, H, D), dtype=torch.float32, device=c.k.device)
+    c.part.write(payload[:n_k])
+    _, amax_q_partial = qv_stats_op(q=c.q, v=c.v, payload=payload[n_k:], **qv_args)
+    return payload, amax_q_partial
+
+
+def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q_partial: torch.Tensor):
+    """After the all_gather: (SmoothKStats, Q's merged amax [B, H, NSq], V's amax [B, H, D])."""
+    B, _, H, D = c.k.shape
+    P, n_k = c.P, c.part.numel
+    # TODO(lead): finalize_stats reads the closing tag at gathered.stride(0) - 1, so a column
+    # slice of a wider buffer reads our V data as K's tag; a copy of K's columns until fixed.
+    k_stats = c.part.finish(gathered[:, :n_k].contiguous())
+    bounds = gathered[:, n_k : n_k + 2 * B * H].reshape(P, B, H, 2)
+    amax_q = _merge_q_boundaries(amax_q_partial, bounds, c.lay_q)
+    amax_v_bits = gathered[:, n_k + 2 * B * H :].reshape(P, B, H, D).view(torch.int32)
+    amax_v = amax_v_bits.amax(dim=0).view(torch.float32)  # int max: NaN sorts above +Inf
+    return k_stats, amax_q, amax_v
+
+
+def _pack(c: _Call, k_stats, amax_q: torch.Tensor, amax_v: torch.Tensor) -> torch.Tensor:
+    """Quantize and pack: the uint8 send buffer [P * L * row_bytes]."""
+    return pack_op(
+        q=c.q,
+        k=c.k,
+        v=c.v,
         amax_q=amax_q,
         amax_k=k_stats.amax_final,
         k_mean=k_stats.k_mean_global,
         amax_v=amax_v,
-        world_size=P,
-        row0=rank * L,
-        q_group=q_group,
-        k_group=k_group,
-        row_bytes=w.row_bytes,
-        scale_bytes=w.scale_bytes,
-        use_pdl=use_pdl,
+        world_size=c.P,
+        row0=c.rank * c.k.shape[1],
+        q_group=c.q_group,
+        k_group=c.k_group,
+        row_bytes=c.wire.row_bytes,
+        scale_bytes=c.wire.scale_bytes,
+        use_pdl=c.use_pdl,
     )
-    recv = _all_to_all(send, pg)
 
-    # ---- views of the receive buffer
-    S, h = P * L, w.h
-    size, stride = (B, S, h, D), (3 * h * D, w.row_bytes, D, 1)
+
+def _unpack(c: _Call, recv: torch.Tensor, k_stats, amax_v: torch.Tensor) -> LowpQKV:
+    """LowpQKV from the receive buffer: strided views of the codes (no copy), the scales
+    gathered from the rows' scale slots, v_scale and k_mean from the gathered statistics."""
+    B, L, _, D = c.k.shape
+    w, h = c.wire, c.wire.h
+    size, stride = (B, c.P * L, h, D), (3 * h * D, w.row_bytes, D, 1)
     codes = recv.view(torch.int8)
-    heads = slice(rank * h, (rank + 1) * h)
-    idx_q, idx_k = _scale_index(w, B, q_group, k_group, recv.device)
+    heads = slice(c.rank * h, (c.rank + 1) * h)
+    idx_q, idx_k = _scale_index(w, B, c.q_group, c.k_group, recv.device)
     recv_f32 = recv.view(torch.float32)
     return LowpQKV(
         q=codes.as_strided(size, stride, 0),
@@ -374,7 +431,7 @@ def exchange_qkv(
         k_scale=recv_f32.take(idx_k),
         v_scale=_ieee_div(amax_v[:, heads], FP8_MAX),
         k_mean=k_stats.k_mean_global[:, heads],
-        used_sequence=used_sequence,
-        q_group=q_group,
-        k_group=k_group,
+        used_sequence=c.used_sequence,
+        q_group=c.q_group,
+        k_group=c.k_group,
     )
