@@ -19,6 +19,7 @@ it after: no trace is left in Triton's global state.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 
@@ -36,6 +37,7 @@ __all__ = [
     "gdc_launch_dependents",
     "HAS_GDC",
     "next_pow2",
+    "cdiv",
     "triton_state",
     "clear_launch_cache",
     "tile",
@@ -47,6 +49,11 @@ HAS_GDC = gdc_wait is not None
 # globals that the compiler reads.
 _TRITON_LOCK = threading.RLock()
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceil division on the host (``triton.cdiv`` is a jit function: ~40 us a call here)."""
+    return -(-a // b)
 
 
 def next_pow2(n: int) -> int:
@@ -108,7 +115,8 @@ def _restored_triton_state():
     finally:
         for obj, before in saved:
             now = vars(obj)
-            for name in [n for n in now if n not in before]:
+            # added names go, except submodules that an import during the call registered
+            for name in [n for n in now if n not in before and not _is_module(now[n])]:
                 with contextlib.suppress(AttributeError, TypeError):
                     delattr(obj, name)
             for name, value in before.items():
@@ -118,6 +126,12 @@ def _restored_triton_state():
 
 
 _MISSING = object()
+
+
+def _is_module(value) -> bool:
+    return type(value).__name__ == "module"
+
+
 _INTERPRETED: dict[object, object] = {}
 
 
@@ -154,6 +168,31 @@ def _route_jit_calls_and_fix_loop_bounds() -> None:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
         interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+# Test switch: with ULYSSES_TEST_DEVICE=cuda, launches on CPU tensors run compiled on the GPU
+# (inputs copied there with their storage layout, results copied back), so the whole CPU test
+# suite, reference comparisons included, checks the compiled kernels.
+_MIRROR_TO_CUDA = os.environ.get("ULYSSES_TEST_DEVICE", "").lower() == "cuda"
+
+
+def _launch_mirrored(kernel, grid: tuple, num_warps: int, kwargs: dict) -> None:
+    storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    mirrored = {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            storage = value.untyped_storage()
+            pair = storages.get(storage.data_ptr())
+            if pair is None:  # one copy per storage keeps aliasing views aliased
+                host = torch.empty(0, dtype=torch.uint8).set_(storage)
+                pair = storages[storage.data_ptr()] = (host, host.to("cuda"))
+            value = torch.empty(0, dtype=value.dtype, device="cuda").set_(
+                pair[1].untyped_storage(), value.storage_offset(), value.size(), value.stride()
+            )
+        mirrored[name] = value
+    _launch_cuda(kernel, grid, torch.device("cuda"), num_warps, False, mirrored)
+    for host, device in storages.values():
+        host.copy_(device)
 
 
 def _launch_cpu(kernel, grid: tuple, kwargs: dict) -> None:
@@ -260,25 +299,32 @@ def _spec(value, constexpr: bool):
     return type(value)
 
 
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton
+    _knobs = None
+
+
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps a HookChain object there even with no hook in it
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _launch_hooks_set() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:  # pragma: no cover - older Triton
+    if _knobs is None:  # pragma: no cover - older Triton
         return True
-    runtime = knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    runtime = _knobs.runtime
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
 def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_pdl: bool, kwargs):
-    names, constexpr = _params(kernel)
+    names, constexpr = _PARAMS.get(kernel) or _params(kernel)
     args = [kwargs[n] for n in names]
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = torch.cuda.current_device()
+    index = current if device.index is None else device.index
     key = (kernel, index, num_warps, use_pdl, *map(_spec, args, constexpr))
     entry = _COMPILED.get(key)
-    g0 = grid[0]
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    switch = index != torch.cuda.current_device()
+    switch = index != current
     if entry is None or _launch_hooks_set():
         extra = {"launch_pdl": True} if use_pdl else {}
         with _TRITON_LOCK, torch.cuda.device(index) if switch else contextlib.nullcontext():
@@ -287,9 +333,18 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
             _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)
         return
     run, function, metadata = entry
-    with torch.cuda.device(index) if switch else contextlib.nullcontext():
-        stream = torch._C._cuda_getCurrentRawStream(index)
-        run(g0, g1, g2, stream, function, metadata, None, None, None, *args)
+    n = len(grid)
+    g1 = grid[1] if n > 1 else 1
+    g2 = grid[2] if n > 2 else 1
+    if switch:
+        with torch.cuda.device(index):
+            stream = _raw_stream(index)
+            run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args)
+    else:
+        run(grid[0], g1, g2, _raw_stream(index), function, metadata, None, None, None, *args)
+
+
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
 def launch(
@@ -303,11 +358,13 @@ def launch(
 ) -> None:
     """Launch ``kernel`` over ``grid`` on ``device`` with keyword arguments only (every
     parameter of the kernel, constexprs included, named once)."""
-    assert all(isinstance(g, int) and g >= 1 for g in grid), grid
-    assert grid[0] < 2**31 and all(g < 65536 for g in grid[1:]), grid
+    assert 1 <= grid[0] < 2**31 and all(1 <= g < 65536 for g in grid[1:]), grid
     if device.type == "cuda":
         _launch_cuda(kernel, grid, device, num_warps, use_pdl, kwargs)
         return
     assert device.type == "cpu", device
     assert not use_pdl, "PDL is a CUDA launch option"
-    _launch_cpu(kernel, grid, kwargs)
+    if _MIRROR_TO_CUDA:
+        _launch_mirrored(kernel, grid, num_warps, kwargs)
+    else:
+        _launch_cpu(kernel, grid, kwargs)

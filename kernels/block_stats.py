@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..grid import SUM_BLOCK
-from ._runtime import gdc_launch_dependents, gdc_wait, launch, tile
+from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
 from .block_sum_reduce import block_sum_reduce
 
 __all__ = [
@@ -258,7 +258,7 @@ def local_stats(
     cuda = k.device.type == "cuda"
     auto_h, auto_warps = tile(D, H, B * n_spans, k.device, elems=256)
     block_h = block_h or auto_h
-    n_hblocks = triton.cdiv(H, block_h)
+    n_hblocks = cdiv(H, block_h)
     launch(
         _block_stats_kernel,
         (B * n_spans * n_hblocks,),

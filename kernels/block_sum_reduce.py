@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..grid import SUPER_BLOCK
-from ._runtime import gdc_launch_dependents, gdc_wait, launch
+from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch
 
 __all__ = ["block_sum_reduce"]
 
@@ -74,7 +74,7 @@ def _chunk_sum(x, out, *, offset: int, chunk: int, use_pdl: bool, tag_out=None, 
     assert B < 65536 and n_out < 65536
     launch(
         _chunk_sum_kernel,
-        (triton.cdiv(n_elem, block), n_out, B),
+        (cdiv(n_elem, block), n_out, B),
         x.device,
         num_warps=4,
         use_pdl=use_pdl,

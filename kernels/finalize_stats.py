@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import gdc_launch_dependents, gdc_wait, launch, next_pow2, sm_count, tile
+from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, next_pow2, sm_count, tile
 
 __all__ = ["finalize_stats", "MODE_MEAN", "MODE_FUSED", "MODE_MERGE"]
 
@@ -210,12 +210,12 @@ def finalize_stats(
         assert amax_partial is not None and amax_partial.shape == (B, H, n_slots)
     cuda = device.type == "cuda"
     block_h, num_warps = tile(D, H, B, device, elems=2048)
-    n_hblocks = triton.cdiv(H, block_h)
+    n_hblocks = cdiv(H, block_h)
     n_prog_slots = max(n_amax, 1)
     # CUDA: enough programs to spread over the SMs; CPU: as few as possible.
     want = max(1, (2 * sm_count(device)) // (B * n_hblocks)) if cuda else 1
-    per_program = triton.cdiv(n_prog_slots, min(want, n_prog_slots))
-    n_chunks = triton.cdiv(n_prog_slots, per_program)
+    per_program = cdiv(n_prog_slots, min(want, n_prog_slots))
+    n_chunks = cdiv(n_prog_slots, per_program)
     launch(
         _finalize_kernel,
         (B * n_chunks * n_hblocks,),

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import gdc_launch_dependents, gdc_wait, launch, tile
+from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
 
 __all__ = ["grouped_amax"]
 
@@ -118,22 +118,23 @@ def grouped_amax(
     override the tile (any choice gives the same bits).
     """
     B, L, H, D = k.shape
-    assert k.stride(-1) == 1 and k_mean.is_contiguous() and k_mean.shape == (B, H, D)
-    out = torch.empty((B, H, n_slots), dtype=torch.float32, device=k.device)
-    cuda = k.device.type == "cuda"
-    auto_h, auto_warps = tile(D, H, B * n_slots, k.device, elems=512, warps_per_sm=22)
+    stride_kb, stride_kl, stride_kh, stride_kd = k.stride()
+    assert stride_kd == 1 and k_mean.is_contiguous()
+    device = k.device
+    out = torch.empty((B, H, n_slots), dtype=torch.float32, device=device)
+    auto_h, auto_warps = tile(D, H, B * n_slots, device, elems=512, warps_per_sm=22)
     block_h = block_h or auto_h
-    n_hblocks = triton.cdiv(H, block_h)
+    n_hblocks = cdiv(H, block_h)
     launch(
         _grouped_amax_kernel,
         (B * n_slots * n_hblocks,),
-        k.device,
+        device,
         num_warps=num_warps or auto_warps,
         use_pdl=use_pdl,
         k_ptr=k,
-        stride_kb=k.stride(0),
-        stride_kl=k.stride(1),
-        stride_kh=k.stride(2),
+        stride_kb=stride_kb,
+        stride_kl=stride_kl,
+        stride_kh=stride_kh,
         mean_ptr=k_mean,
         out_ptr=out,
         L=L,
@@ -150,7 +151,7 @@ def grouped_amax(
         D=D,
         BLOCK_H=block_h,
         # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
-        ROWS=rows or (8 if cuda else 4),
+        ROWS=rows or (8 if device.type == "cuda" else 4),
         USE_PDL=use_pdl,
     )
     return out

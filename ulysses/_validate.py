@@ -23,27 +23,26 @@ def check_k(k, name: str = "k") -> tuple[int, int, int, int]:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(k).__name__}")
     if k.dtype not in K_DTYPES:
         raise TypeError(f"{name} must be bfloat16 or float16, got dtype {k.dtype}")
-    if k.dim() != 4:
-        raise ValueError(f"{name} must be 4-D [B, L, H, D], got shape {tuple(k.shape)}")
-    B, L, H, D = k.shape
+    shape = k.shape
+    if len(shape) != 4:
+        raise ValueError(f"{name} must be 4-D [B, L, H, D], got shape {tuple(shape)}")
+    B, L, H, D = shape
     if B < 1 or L < 1 or H < 1:
-        raise ValueError(f"{name} must have B, L, H >= 1, got shape {tuple(k.shape)}")
+        raise ValueError(f"{name} must have B, L, H >= 1, got shape {tuple(shape)}")
     if D not in HEAD_DIMS:
-        raise ValueError(
-            f"{name} head dim D must be one of {HEAD_DIMS}, got shape {tuple(k.shape)}"
-        )
+        raise ValueError(f"{name} head dim D must be one of {HEAD_DIMS}, got shape {tuple(shape)}")
     if k.device.type not in ("cuda", "cpu"):
         raise ValueError(f"{name} must be on a CUDA or CPU device, got {k.device}")
-    if k.stride(-1) != 1:
+    sb, sl, sh, sd = k.stride()
+    if sd != 1:
         raise ValueError(f"{name} must have unit stride in the last dim, got strides {k.stride()}")
-    elem = k.element_size()
-    step = 16 // elem
-    for dim in range(3):
-        if k.stride(dim) % step != 0:
-            raise ValueError(
-                f"{name} stride of dim {dim} must be a multiple of {step} elements (16 bytes), "
-                f"got strides {k.stride()}"
-            )
+    step = 8 if k.dtype in K_DTYPES else 16 // k.element_size()  # 16 bytes of bf16/fp16
+    if sb % step or sl % step or sh % step:
+        dim = 0 if sb % step else 1 if sl % step else 2
+        raise ValueError(
+            f"{name} stride of dim {dim} must be a multiple of {step} elements (16 bytes), "
+            f"got strides {k.stride()}"
+        )
     return B, L, H, D
 
 

@@ -47,7 +47,8 @@ def k_grouped_amax(
 
     Args:
         k: bf16/fp16 [B, L, H, D] (this layout is read as is: a [B, H, L, D] tensor cannot be
-            told apart and would be read with L and H swapped), D in {16, 32, 64, 128, 256}, unit last stride, 16-byte
+            told apart and would be read with L and H swapped), D in {16, 32, 64, 128, 256},
+            unit last stride, 16-byte
             aligned data pointer and strides of dims 0..2 (fused-QKV views are fine).
         k_mean_global: [B, H, D], k's dtype and device, contiguous.
         rank, world_size: this rank and the Ulysses group size (2, 4, 6 or 8).
