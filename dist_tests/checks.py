@@ -24,7 +24,6 @@ A ``smooth_k`` case on every rank (docs/CONTRACT.md §5):
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import traceback
 from collections.abc import Callable
 
@@ -133,6 +132,7 @@ class Inputs:
 
 @dataclasses.dataclass(frozen=True)
 class Expected:
+    k_full: torch.Tensor  # the gathered K, a copy taken before the library ran
     mean: torch.Tensor  # reference.global_k_mean
     mean_fp64: torch.Tensor  # reference.global_mean_fp64
     partial: torch.Tensor  # reference.grouped_amax_shard
@@ -170,20 +170,17 @@ def expected_values(ctx: Context, case: cases.Case, used: int | None, k_full) ->
     )
     full = reference.grouped_amax_full(k_full, mean, used_sequence=used, group_size=G)
     final = reference.merged_amax_shard(full, rank=rank, L=case.L, group_size=G)
-    return Expected(mean, reference.global_mean_fp64(k_full, used), partial, final)
-
-
-# The consistency check becomes automatic (issue 16 item 4); until then ask for it.
-_STATS_OPTIONS = (
-    {"check_consistency": True}
-    if "check_consistency" in inspect.signature(ulysses.smooth_k_stats).parameters
-    else {}
-)
+    return Expected(k_full, mean, reference.global_mean_fp64(k_full, used), partial, final)
 
 
 def call_smooth_k_stats(case: cases.Case, inputs: Inputs, method: str):
+    # check_consistency=True: the argument check on every call, not only the first
     return ulysses.smooth_k_stats(
-        inputs.k, used_sequence=inputs.used, group_size=case.G, method=method, **_STATS_OPTIONS
+        inputs.k,
+        used_sequence=inputs.used,
+        group_size=case.G,
+        method=method,
+        check_consistency=True,
     )
 
 
@@ -238,25 +235,53 @@ def compare_stats(run: CaseRun, case, inputs: Inputs, expected: Expected, method
     )
 
 
-def compare_all(run: CaseRun, case, inputs, expected, k_gathered, fused, two_pass, mean, amax):
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    fused: ulysses.SmoothKStats
+    two_pass: ulysses.SmoothKStats
+    mean: torch.Tensor  # global_k_mean
+    amax: torch.Tensor  # k_grouped_amax with the fused mean
+
+
+def run_library(run: CaseRun, case: cases.Case, inputs: Inputs) -> Outputs:
+    """Step 4: every public entry point on this rank's shard."""
+    fused = run.collective(
+        "smooth_k_stats(method='fused')", lambda: call_smooth_k_stats(case, inputs, "fused")
+    )
+    two_pass = run.collective(
+        "smooth_k_stats(method='two_pass')", lambda: call_smooth_k_stats(case, inputs, "two_pass")
+    )
+    mean = run.collective(
+        "global_k_mean", lambda: ulysses.global_k_mean(inputs.k, used_sequence=inputs.used)
+    )
+    amax = run.local(
+        "k_grouped_amax", lambda: call_k_grouped_amax(run.ctx, case, inputs, fused.k_mean_global)
+    )
+    return Outputs(fused, two_pass, mean, amax)
+
+
+def compare_all(run: CaseRun, case, inputs: Inputs, expected: Expected, out: Outputs) -> None:
+    fused, two_pass = out.fused, out.two_pass
     compare_stats(run, case, inputs, expected, "fused", fused)
     compare_stats(run, case, inputs, expected, "two_pass", two_pass)
-    run.check("global_k_mean == reference.global_k_mean", bitwise_diff(mean, expected.mean))
+    run.check("global_k_mean == reference.global_k_mean", bitwise_diff(out.mean, expected.mean))
     run.check(
-        "k_grouped_amax == reference.grouped_amax_shard", bitwise_diff(amax, expected.partial)
+        "k_grouped_amax == reference.grouped_amax_shard",
+        bitwise_diff(out.amax, expected.partial),
     )
     run.check("fused vs two_pass: mean", bitwise_diff(fused.k_mean_global, two_pass.k_mean_global))
     run.check(
         "fused vs two_pass: amax_partial", bitwise_diff(fused.amax_partial, two_pass.amax_partial)
     )
     run.check("fused vs two_pass: amax_final", bitwise_diff(fused.amax_final, two_pass.amax_final))
-    # k_gathered is a copy taken before the library ran: K must be read-only to it.
-    shard = reference.shard(k_gathered, run.ctx.rank, run.ctx.world_size)
+    # K must be read-only to the library: compare with the copy gathered before it ran
+    shard = reference.shard(expected.k_full, run.ctx.rank, run.ctx.world_size)
     run.check("K unchanged by the library", bitwise_diff(inputs.k, shard))
 
 
-def compare_means_across_ranks(run: CaseRun, fused, two_pass, mean) -> None:
-    mine = torch.stack([fused.k_mean_global, two_pass.k_mean_global, mean])
+def compare_means_across_ranks(run: CaseRun, out: Outputs) -> None:
+    """Step 6: every rank holds the same mean bits."""
+    mine = torch.stack([out.fused.k_mean_global, out.two_pass.k_mean_global, out.mean])
     for q, theirs in enumerate(run.ctx.all_gather_bytes(mine)):
         if q != run.ctx.rank:
             run.check(
@@ -271,21 +296,7 @@ def run_case(ctx: Context, case: cases.Case, seed: int) -> CaseRun:
     inputs = run.local("build", lambda: build_inputs(ctx, case, seed))
     k_gathered = run.collective("gather shards", lambda: gather_shards(run, inputs))
     expected = run.local("reference", lambda: expected_values(ctx, case, inputs.used, k_gathered))
-    fused = run.collective(
-        "smooth_k_stats(method='fused')", lambda: call_smooth_k_stats(case, inputs, "fused")
-    )
-    two_pass = run.collective(
-        "smooth_k_stats(method='two_pass')", lambda: call_smooth_k_stats(case, inputs, "two_pass")
-    )
-    mean = run.collective(
-        "global_k_mean", lambda: ulysses.global_k_mean(inputs.k, used_sequence=inputs.used)
-    )
-    amax = run.local(
-        "k_grouped_amax", lambda: call_k_grouped_amax(ctx, case, inputs, fused.k_mean_global)
-    )
-    run.local(
-        "compare",
-        lambda: compare_all(run, case, inputs, expected, k_gathered, fused, two_pass, mean, amax),
-    )
-    run.collective("gather means", lambda: compare_means_across_ranks(run, fused, two_pass, mean))
+    out = run_library(run, case, inputs)
+    run.local("compare", lambda: compare_all(run, case, inputs, expected, out))
+    run.collective("gather means", lambda: compare_means_across_ranks(run, out))
     return run

@@ -41,6 +41,8 @@ __all__ = [
     "triton_state",
     "clear_launch_cache",
     "tile",
+    "workspace",
+    "counters",
     "sm_count",
 ]
 
@@ -201,6 +203,44 @@ def _launch_cpu(kernel, grid: tuple, kwargs: dict) -> None:
         _interpreted(kernel)[grid](**kwargs)
 
 
+# ---- scratch memory ---------------------------------------------------------------------------
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_KEEP: list[torch.Tensor] = []  # replaced buffers stay alive: a CUDA graph may hold them
+
+
+def _stream_key(device: torch.device) -> tuple:
+    if device.type != "cuda":
+        return (device.type, None, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return ("cuda", index, torch._C._cuda_getCurrentRawStream(index))
+
+
+def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch buffer of at least ``numel`` elements, reused by later launches on the same
+    device and stream (stream order makes reuse safe; another stream gets its own)."""
+    key = (name, dtype, *_stream_key(device))
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _WORKSPACE[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+    return buf
+
+
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 zeros for "last program" counters; the kernels reset them to 0 after use,
+    so one buffer per device and stream serves every launch."""
+    key = _stream_key(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 # ---- launch settings ------------------------------------------------------------------------
 
 _SM_COUNT: dict[int, int] = {}
@@ -232,8 +272,10 @@ def tile(
     whose grid is ``programs_per_hblock * cdiv(H, BLOCK_H)`` programs. The one tile rule of
     the package, from the H200 sweeps in docs/BENCHMARKS.md:
 
-    * CUDA: ``elems`` elements a tile (512 for the amax kernel: 4 a thread with 4 warps; 256
-      for the block-stats kernel, which keeps four accumulators a element), one warp per 64
+    * CUDA: ``elems`` elements a tile (128 for the amax kernel: the cold sweep of 2026-11-30
+      in docs/BENCHMARKS.md measured 24.7 us with one 128-wide head and 2 warps against 31.4 us
+      with 512-element tiles at 68 MB; 256 for the block-stats kernel, which keeps four
+      accumulators an element), one warp per 64
       elements up to ``max_warps``; with ``warps_per_sm`` set, BLOCK_H halves on small grids
       until about that many warps per SM are resident (D=64, L=8190, H=24: 29% -> 62% of the
       read ceiling).
@@ -322,7 +364,18 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
     args = [kwargs[n] for n in names]
     current = torch.cuda.current_device()
     index = current if device.index is None else device.index
-    key = (kernel, index, num_warps, use_pdl, *map(_spec, args, constexpr))
+    key = [kernel, index, num_warps, use_pdl]
+    for a, c in zip(args, constexpr, strict=True):  # _spec inlined: the launch's main cost
+        if c:
+            key.append(a)
+        elif type(a) is int:
+            key.append((a == 1) | ((a & 15) == 0) << 1 | (not -(2**31) <= a < 2**31) << 2)
+        elif isinstance(a, torch.Tensor):
+            key.append(a.dtype)
+            key.append((a.data_ptr() & 15) == 0)
+        else:
+            key.append(_spec(a, False))
+    key = tuple(key)
     entry = _COMPILED.get(key)
     switch = index != current
     if entry is None or _launch_hooks_set():

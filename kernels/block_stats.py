@@ -21,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..grid import SUM_BLOCK
-from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
-from .block_sum_reduce import block_sum_reduce
+from ..grid import SUM_BLOCK, SUPER_BLOCK
+from ._runtime import cdiv, counters, gdc_launch_dependents, gdc_wait, launch, tile, workspace
 
 __all__ = [
     "local_stats",
@@ -44,8 +43,13 @@ def _block_stats_kernel(
     stride_kl,
     stride_kh,
     sum_ptr,
+    sup_ptr,
     mm_ptr,
     bnd_ptr,
+    cnt_ptr,
+    local_ptr,
+    tag,
+    tag_last,
     L,
     H,
     row0,
@@ -61,6 +65,7 @@ def _block_stats_kernel(
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     MINMAX: tl.constexpr,
+    SUPER: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
@@ -174,6 +179,46 @@ def _block_stats_kernel(
                 MINMAX,
             )
 
+    # The call tag at both ends of the payload (local_ptr - 1 is the payload's first element).
+    if i_pid == 0:
+        tl.store(local_ptr - 1, tag)
+        tl.store(local_ptr - 1 + tag_last, tag)
+    # Two "last program" steps add the block sums in the fixed association (docs/DESIGN.md,
+    # "Mean") inside this launch: the last span program of each superblock (SUPER 64-row
+    # blocks of the global grid) adds its blocks in order; the last superblock to finish adds
+    # the superblock sums in order and writes the local sum. Each chain starts from +0.0 and
+    # masked terms add +0.0, which changes nothing. A barrier, then one acquire-release atomic
+    # per program orders every thread's stores before the last program's loads (which bypass
+    # L1); the last one resets its counter for the next launch.
+    tl.debug_barrier()
+    SUP_ROWS: tl.constexpr = SUPER * SUM_BLOCK_C
+    sup = span0 // SUP_ROWS  # global superblock of this span (spans never straddle one)
+    sup_first = row0 // SUP_ROWS
+    n_sup = (row0 + L - 1) // SUP_ROWS - sup_first + 1
+    lo_row = tl.maximum(sup * SUP_ROWS, row0)
+    hi_row = tl.minimum((sup + 1) * SUP_ROWS, row0 + L)
+    n_in_sup = (hi_row - 1) // SPAN - lo_row // SPAN + 1  # this shard's spans in it
+    p_cnt = cnt_ptr + (i_b * n_hblocks + i_hb) * (n_sup + 1)
+    if tl.atomic_add(p_cnt + 1 + sup - sup_first, 1, sem="acq_rel") == n_in_sup - 1:
+        b_sup = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        for u in tl.static_range(SUPER):
+            j = sup * SUPER + u - block_first
+            m_j = tl.where((j >= 0) & (j < n_blocks), m_hd, False)
+            p_j = sum_ptr + (i_b * n_blocks + j) * H * D + o_hd
+            b_sup += tl.load(p_j, mask=m_j, other=0.0, cache_modifier=".cg")
+        tl.store(sup_ptr + (i_b * n_sup + sup - sup_first) * H * D + o_hd, b_sup, mask=m_hd)
+        tl.atomic_xchg(p_cnt + 1 + sup - sup_first, 0)
+        tl.debug_barrier()
+        if tl.atomic_add(p_cnt, 1, sem="acq_rel") == n_sup - 1:
+            b_total = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+            for i0 in range(0, n_sup, SUPER):
+                for u in tl.static_range(SUPER):
+                    m_i = tl.where(i0 + u < n_sup, m_hd, False)
+                    p_i = sup_ptr + (i_b * n_sup + i0 + u) * H * D + o_hd
+                    b_total += tl.load(p_i, mask=m_i, other=0.0, cache_modifier=".cg")
+            tl.store(local_ptr + i_b * H * D + o_hd, b_total, mask=m_hd)
+            tl.atomic_xchg(p_cnt, 0)
+
 
 @triton.jit
 def _store_minmax(
@@ -252,13 +297,15 @@ def local_stats(
         payload = torch.empty((numel,), dtype=torch.float32, device=k.device)
     assert payload.shape == (numel,) and payload.dtype == torch.float32 and payload.is_contiguous()
     bhd = B * H * D
-    block_sums = torch.empty((B, n_blocks, H, D), dtype=torch.float32, device=k.device)
     n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
     minmax = torch.empty((B, n_mm, 2, H, D), dtype=k.dtype, device=k.device)
     cuda = k.device.type == "cuda"
     auto_h, auto_warps = tile(D, H, B * n_spans, k.device, elems=256)
     block_h = block_h or auto_h
     n_hblocks = cdiv(H, block_h)
+    block_sums = workspace("block_sums", B * n_blocks * bhd, torch.float32, k.device)
+    sup_rows = SUPER_BLOCK * SUM_BLOCK
+    n_sup = (row0 + L - 1) // sup_rows - row0 // sup_rows + 1
     launch(
         _block_stats_kernel,
         (B * n_spans * n_hblocks,),
@@ -270,8 +317,13 @@ def local_stats(
         stride_kl=k.stride(1),
         stride_kh=k.stride(2),
         sum_ptr=block_sums,
+        sup_ptr=workspace("super_sums", B * n_sup * bhd, torch.float32, k.device),
         mm_ptr=minmax if n_mm else block_sums,  # never written without MINMAX_ALL
         bnd_ptr=payload[1 + bhd :] if minmax_mode != MINMAX_NONE else block_sums,
+        cnt_ptr=counters(B * n_hblocks * (n_sup + 1), k.device),
+        local_ptr=payload[1:],
+        tag=float(tag),
+        tag_last=numel - 1,
         L=L,
         H=H,
         row0=row0,
@@ -288,14 +340,8 @@ def local_stats(
         # Any ROWS gives the same bits (the sum is row-sequential).
         ROWS=rows or ((8 if D >= 128 else 16) if cuda else 4),
         MINMAX=minmax_mode,
+        SUPER=SUPER_BLOCK,
         USE_PDL=use_pdl,
-    )
-    block_sum_reduce(
-        block_sums,
-        payload,
-        first_block=block_first,
-        tag=tag,
-        use_pdl=use_pdl,
     )
     return payload, minmax
 

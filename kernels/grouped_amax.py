@@ -122,7 +122,7 @@ def grouped_amax(
     assert stride_kd == 1 and k_mean.is_contiguous()
     device = k.device
     out = torch.empty((B, H, n_slots), dtype=torch.float32, device=device)
-    auto_h, auto_warps = tile(D, H, B * n_slots, device, elems=512, warps_per_sm=22)
+    auto_h, auto_warps = tile(D, H, B * n_slots, device, elems=128, warps_per_sm=22)
     block_h = block_h or auto_h
     n_hblocks = cdiv(H, block_h)
     launch(

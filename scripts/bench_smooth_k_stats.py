@@ -68,6 +68,34 @@ def profile_host(rank):
     dist.barrier()
 
 
+def parts(rank, P):
+    """Eager per-call time of each part of smooth_k_stats (68 MB), to see where it goes."""
+    from ulysses import stats
+
+    k = ulysses.testing.make_k_full(1, 4736, 56, 128, torch.bfloat16, "smooth", device="cuda")
+    part, pg, _ = stats.k_stats_part(k)
+    payload = part.write()
+    gathered = stats.all_gather_payload(payload, pg, P)
+    out = torch.empty(P * payload.numel(), device="cuda")
+    res = {}
+    for name, fn in (
+        ("validate+part", lambda: stats.k_stats_part(k)),
+        ("local kernels (3 launches)", lambda: part.write()),
+        ("all_gather, new output each call", lambda: stats.all_gather_payload(payload, pg, P)),
+        ("all_gather, same output", lambda: dist.all_gather_into_tensor(out, payload)),
+        ("finalize (1 launch)", lambda: part.finish(gathered)),
+        ("torch.empty x8", lambda: [torch.empty(1000, device="cuda") for _ in range(8)]),
+        ("whole call", lambda: ulysses.smooth_k_stats(k)),
+    ):
+        dist.barrier()
+        res[name] = eager_us(fn)
+    t = torch.tensor(list(res.values()), device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        for name, us in zip(res, t.tolist(), strict=True):
+            print(f"# part: {name}: {us:.1f} us per call (eager, back to back, max over ranks)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -78,7 +106,7 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, P = dist.get_rank(), dist.get_world_size()
     if args.profile_host:
-        profile_host(rank)
+        parts(rank, P)
     rows = []
     for B, L, H, D in SHAPES[:1] if args.quick else SHAPES:
         k = ulysses.testing.make_k_full(
