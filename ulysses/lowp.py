@@ -333,12 +333,11 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
         enable_pdl=enable_pdl,
         group_size=k_group,
         caller="exchange_qkv",
+        extra={"q_group": q_group},
     )
     if not _ops.is_compiling():
         _validate.check_alignment(q, "q")
         _validate.check_alignment(v, "v")
-        # q_group is not part of K's signature; its first call per group is checked here
-        stats.verify_call(pg, P, k.device, "exchange_qkv_q", False, q_group=q_group)
     return _Call(
         q=q,
         k=k,
@@ -383,9 +382,7 @@ def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q_partial: torch.Tensor
     """After the all_gather: (SmoothKStats, Q's merged amax [B, H, NSq], V's amax [B, H, D])."""
     B, _, H, D = c.k.shape
     P, n_k = c.P, c.part.numel
-    # TODO(lead): finalize_stats reads the closing tag at gathered.stride(0) - 1, so a column
-    # slice of a wider buffer reads our V data as K's tag; a copy of K's columns until fixed.
-    k_stats = c.part.finish(gathered[:, :n_k].contiguous())
+    k_stats = c.part.finish(gathered[:, :n_k])  # a column slice: rows read by stride
     bounds = gathered[:, n_k : n_k + 2 * B * H].reshape(P, B, H, 2)
     amax_q = _merge_q_boundaries(amax_q_partial, bounds, c.lay_q)
     amax_v_bits = gathered[:, n_k + 2 * B * H :].reshape(P, B, H, D).view(torch.int32)

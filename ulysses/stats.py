@@ -298,7 +298,7 @@ class KStatsPart:
 
 
 def _validated_part(
-    k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
+    k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn, extra=None
 ) -> tuple[KStatsPart, object, int]:
     B, L, H, D = v.check_k(k)
     grid.check_group_size(group_size)
@@ -318,6 +318,7 @@ def _validated_part(
         fn,
         check_consistency,
         **_signature(k, used_sequence, group_size, method),
+        **(extra or {}),
     )
     part = KStatsPart(
         k,
@@ -342,11 +343,14 @@ def k_stats_part(
     method: str = "fused",
     check_consistency: bool = False,
     caller: str = "smooth_k_stats",
+    extra: dict | None = None,
 ) -> tuple[KStatsPart, object, int]:
     """Validate like :func:`smooth_k_stats` and return ``(part, process group, world size)``
-    for a caller that gathers K's statistics together with its own (the exchange)."""
+    for a caller that gathers K's statistics together with its own (the exchange). ``extra``
+    int fields (e.g. the exchange's ``q_group``) join the call's signature: the consistency
+    check and the tag cover them too."""
     return _validated_part(
-        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, caller
+        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, caller, extra
     )
 
 

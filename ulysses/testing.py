@@ -16,7 +16,7 @@ import zlib
 
 import torch
 
-__all__ = ["make_k_full", "seed_of", "DATA_KINDS"]
+__all__ = ["make_k_full", "make_qkv_full", "seed_of", "DATA_KINDS"]
 
 DATA_KINDS = ("smooth", "randn")
 
