@@ -73,6 +73,12 @@ class SmoothKStats:
 _GROUPS: dict[tuple, tuple[int, int]] = {}
 
 
+def _pg_key(pg) -> tuple:
+    """A cache key for a process group that holds no reference to it (a cached reference kept
+    destroyed groups alive until interpreter exit, where their teardown aborted the process)."""
+    return (id(pg), getattr(pg, "group_name", ""))
+
+
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -95,7 +101,7 @@ def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
         )
         raise ValueError(f"group: torch.distributed is not initialized; {hint}")
     pg = dist.group.WORLD if group is None else group
-    key = (pg, device.type)
+    key = (*_pg_key(pg), device.type)
     found = _GROUPS.get(key)
     if found is not None:
         return pg, found[0], found[1]
@@ -162,7 +168,7 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
     tag = float(h & 0xFFFFFF)
     if _ops.is_compiling() or _capturing(device):
         return tag
-    key = (pg, fn, *fields.items())
+    key = (*_pg_key(pg), fn, *fields.items())
     if not force and key in _VERIFIED:
         return tag
     values += [0] * (_SIGNATURE_FIELDS - len(values))
