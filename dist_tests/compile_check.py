@@ -1,78 +1,121 @@
-"""smooth_k_stats inside torch.compile(fullgraph=True), and in a CUDA graph where there is a
-GPU: same bits as eager on every rank (issue 8).
+"""smooth_k_stats inside torch.compile(fullgraph=True), and replayed from a CUDA graph where
+there is a GPU: the same bits as eager on every rank (issue 8).
 
     torchrun --standalone --nproc-per-node 2 -m dist_tests.compile_check [--cuda-graph]
+        [--backend auto|nccl|gloo-cuda|gloo-cpu] [--timeout-s 600]
 
-CPU: gloo + Triton interpreter. With CUDA (one GPU per rank: NCCL, else gloo) --cuda-graph
-also captures one smooth_k_stats call and replays it. Exits non-zero on any mismatch.
+CPU: gloo + Triton interpreter. CUDA: NCCL with a GPU per rank, else gloo on CUDA tensors;
+--cuda-graph also captures one smooth_k_stats call and replays it. Exits 0 when every rank
+matched, 1 on any mismatch or error, 3 when the watchdog ends a run past --timeout-s.
+
+The program must end on its own, also under NCCL after a capture that holds the library's
+collective: the graph is synchronised and freed and the compiled code dropped before the
+process group is destroyed; the session's teardown waits at a barrier with a timeout; the
+process ends with os._exit, so no thread left behind by torch.compile or NCCL can keep it
+alive; the watchdog guards all of it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
+import gc
 
 import torch
-import torch.distributed as dist
 
 import ulysses
-from ulysses import reference
+from ulysses import reference, testing
+
+from . import _dist
+
+L, H, D, G = 70, 3, 64, 64
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cuda-graph", action="store_true")
-    args = ap.parse_args()
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        dev = torch.device("cuda", local % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-        own = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        dist.init_process_group("nccl" if own else "gloo")
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo")
-    rank, P = dist.get_rank(), dist.get_world_size()
-    L, H, D, G = 70, 3, 64, 64
-    g = torch.Generator().manual_seed(11)
-    k_full = (
-        4 * torch.randn(1, 1, H, D, generator=g) + 1e-3 * torch.randn(2, L * P, H, D, generator=g)
-    ).bfloat16()
-    used = L * P - 30
-    k_full[:, used:] = 0
-    k = reference.shard(k_full, rank, P).to(dev)
+def make_step(used: int):
+    """The function under test; ``used`` is baked in as a Python int, as a model would."""
 
-    def step(k):
+    def step(k: torch.Tensor):
         st = ulysses.smooth_k_stats(k, used_sequence=used, group_size=G)
         return st.k_mean_global, st.amax_partial, st.amax_final
 
-    eager = step(k)
-    ok = True
+    return step
+
+
+def check_compiled(ctx: _dist.Context, step, k, eager) -> bool:
+    ctx.phase("torch.compile")
     compiled = torch.compile(step, fullgraph=True)(k)
     same = [torch.equal(a, b) for a, b in zip(compiled, eager, strict=True)]
-    print(f"rank {rank}: compile(fullgraph=True) == eager: {same}", flush=True)
-    ok &= all(same)
-    if args.cuda_graph and dev.type == "cuda":
-        static_k = k.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step(static_k)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
+    print(f"rank {ctx.rank}: compile(fullgraph=True) == eager: {same}", flush=True)
+    return all(same)
+
+
+def check_cuda_graph(ctx: _dist.Context, step, k, eager) -> bool:
+    ctx.phase("CUDA graph")
+    static_k = k.clone()
+    stream = torch.cuda.Stream(ctx.device)
+    stream.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+        step(static_k)
+    torch.cuda.current_stream(ctx.device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
         with torch.cuda.graph(graph):
             captured = step(static_k)
         graph.replay()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(ctx.device)
         same = [torch.equal(a, b) for a, b in zip(captured, eager, strict=True)]
-        print(f"rank {rank}: CUDA graph replay == eager: {same}", flush=True)
-        ok &= all(same)
-    flag = torch.tensor([0.0 if ok else 1.0], device=dev)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    dist.destroy_process_group()
-    return int(flag.item())
+        del captured
+    finally:
+        # Free the graph (it holds the captured collective) before the group is destroyed.
+        torch.cuda.synchronize(ctx.device)
+        graph.reset()
+        del graph
+    print(f"rank {ctx.rank}: CUDA graph replay == eager: {same}", flush=True)
+    return all(same)
+
+
+def run(ctx: _dist.Context, cuda_graph: bool) -> bool:
+    P = ctx.world_size
+    used = L * P - 30
+    k_full = testing.make_k_full(2, L * P, H, D, torch.bfloat16, "smooth", used=used, seed=11)
+    k = reference.shard(k_full, ctx.rank, P).to(ctx.device)
+    step = make_step(used)
+    ctx.phase("eager")
+    eager = step(k)
+    ok = check_compiled(ctx, step, k, eager)
+    if cuda_graph and ctx.device.type == "cuda":
+        ok &= check_cuda_graph(ctx, step, k, eager)
+    elif cuda_graph and ctx.rank == 0:
+        print("compile_check: --cuda-graph skipped: no CUDA device", flush=True)
+    torch._dynamo.reset()  # drop compiled code (and what it holds) before the teardown
+    gc.collect()
+    return ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m dist_tests.compile_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--cuda-graph", action="store_true", help="also capture and replay a graph")
+    ap.add_argument("--backend", choices=_dist.BACKENDS, default=None)
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="watchdog (default 600)")
+    args = ap.parse_args()
+    try:
+        plan = _dist.plan(args.backend)
+    except _dist.SetupError as exc:
+        print(f"compile_check: {exc}", flush=True)
+        return 2
+    with _dist.session(
+        "compile_check", plan, timeout_s=args.timeout_s, pg_timeout_s=args.timeout_s / 2
+    ) as ctx:
+        ok = run(ctx, args.cuda_graph)
+        ctx.phase("failure flag")
+        failed = ctx.any_rank(not ok)
+        if ctx.rank == 0:
+            print(f"compile_check: {'FAIL' if failed else 'PASS'}", flush=True)
+        return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _dist.run_main(main)

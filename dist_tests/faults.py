@@ -1,104 +1,117 @@
-"""Planted distributed faults (issue 7): every rank must end non-zero in bounded time.
+"""Planted library faults: proof that the harness's checks can fail (docs/CONTRACT.md §5).
 
-    torchrun --standalone --nproc-per-node 2 -m dist_tests.faults MODE [--timeout-s 60]
+Each fault is one row of ``FAULTS``: (target, replacement) pairs that ``planted(name)``
+applies with ``unittest.mock.patch`` around the whole run, in this process only, and undoes
+afterwards. The library reads every grid rule through the module ``ulysses.grid`` (the values
+feed a cached ``grid.layout``), so a rule is broken by patching one name there, followed by
+``ulysses.grid.clear_caches()``. ``ulysses.reference`` binds its grid names at import, so the
+reference stays right while the library goes wrong. Nothing here runs unless a fault is named
+(``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=NAME``).
 
-MODE is one of MODES below. Rank 1 (the last rank for "exit") is the faulty one. Each rank
-prints `rank R: result ok` only if smooth_k_stats returned normally, or `rank R: error <type>:
-<message>` and exits 1; a watchdog thread ends a rank that is still blocked after
---timeout-s with exit code 3, and the process group has a short timeout too.
+    fault           target                          replacement
+    floor           ulysses.grid.FLOOR              1e-3 instead of 1e-7
+    tail            ulysses.grid.tail_group         always -1: no tail repair
+    mean_divisor    ulysses.grid.mean_divisor       S instead of used_sequence
+    boundary_merge  ulysses.grid.boundary_sources   only this rank's own record: groups that
+                                                    straddle ranks are never merged
+    error           ulysses.k_grouped_amax          hook: raises on the last rank
+    hang            ulysses.testing.make_k_full     hook: blocks forever on the last rank
+
+The first four must produce mismatches; ``error`` must fail every case on every rank with no
+rank left waiting; ``hang`` must be ended by the watchdog (exit code 3).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-import sys
+import contextlib
+import dataclasses
+import pkgutil
 import threading
+from collections.abc import Callable, Iterator
+from unittest import mock
 
-import torch
 import torch.distributed as dist
 
-import ulysses
-from ulysses import stats as _stats
+import ulysses.grid
 
-MODES = (
-    "consistency_L",
-    "consistency_dtype",
-    "consistency_used",
-    "consistency_group_size",
-    "raise_before",
-    "raise_inside",
-    "exit",
-    "disagree_L_unchecked",
-    "disagree_used_unchecked",
-    "disagree_H_unchecked",
-)
+from ._dist import SetupError
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=MODES)
-    ap.add_argument("--timeout-s", type=float, default=60.0)
-    args = ap.parse_args()
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """A replacement built from the original object: ``make(original) -> replacement``."""
 
-    def watchdog():
-        print(f"rank {os.environ.get('RANK')}: watchdog fired after {args.timeout_s} s", flush=True)
-        os._exit(3)
-
-    timer = threading.Timer(args.timeout_s, watchdog)
-    timer.daemon = True
-    timer.start()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s / 2))
-    rank, P = dist.get_rank(), dist.get_world_size()
-    faulty = rank == P - 1
-    L, H, D, dtype, used, G = 70, 3, 64, torch.bfloat16, None, 64
-    mode = args.mode
-    if faulty:
-        if mode in ("consistency_L", "disagree_L_unchecked"):
-            L = 134
-        elif mode == "consistency_dtype":
-            dtype = torch.float16
-        elif mode == "disagree_H_unchecked":
-            H = 5
-        elif mode in ("consistency_used", "disagree_used_unchecked"):
-            used = 70 * P - 5
-        elif mode == "consistency_group_size":
-            G = 128
-    g = torch.Generator().manual_seed(rank)
-    k = torch.randn(1, L, H, D, generator=g).to(dtype)
-    check = mode.startswith("consistency")
-    code = 0
-    try:
-        if faulty and mode == "raise_before":
-            raise RuntimeError("planted fault before the collective")
-        if faulty and mode == "exit":
-            print(f"rank {rank}: planted os._exit(7)", flush=True)
-            os._exit(7)
-        if faulty and mode == "raise_inside":
-
-            def broken(*a, **kw):
-                raise RuntimeError("planted fault inside smooth_k_stats, at the collective")
-
-            _stats._all_gather = broken
-        st = ulysses.smooth_k_stats(k, used_sequence=used, group_size=G, check_consistency=check)
-        torch.distributed.barrier()
-        outputs = (st.k_mean_global, st.amax_partial, st.amax_final)
-        if all(bool(torch.isnan(t).all()) for t in outputs):
-            print(f"rank {rank}: error outputs are NaN: the ranks disagree", flush=True)
-            code = 1
-        else:
-            print(f"rank {rank}: result ok {tuple(st.amax_final.shape)}", flush=True)
-    except Exception as e:  # reported, then the rank exits non-zero
-        print(f"rank {rank}: error {type(e).__name__}: {str(e)[:200]}", flush=True)
-        code = 1
-    finally:
-        timer.cancel()
-        if code == 0:
-            dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(code)  # skip teardown that could block on a dead peer
+    make: Callable
 
 
-if __name__ == "__main__":
-    main()
+def _last_rank() -> bool:
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def _raise_on_last_rank(original):
+    def k_grouped_amax(*args, **kwargs):
+        if _last_rank():
+            raise RuntimeError("planted fault 'error': an exception on the last rank")
+        return original(*args, **kwargs)
+
+    return k_grouped_amax
+
+
+def _hang_on_last_rank(original):
+    def make_k_full(*args, **kwargs):
+        if _last_rank():
+            threading.Event().wait()  # forever: only the watchdog ends this
+        return original(*args, **kwargs)
+
+    return make_k_full
+
+
+def _own_record_only(original):
+    def boundary_sources(rank, *args, **kwargs):
+        first, last = original(rank, *args, **kwargs)
+        return (
+            tuple(s for s in first if s[0] == rank),
+            tuple(s for s in last if s[0] == rank),
+        )
+
+    return boundary_sources
+
+
+def _no_tail_group(used_sequence, global_sequence, group_size=64):
+    return -1
+
+
+def _divide_by_S(used_sequence, global_sequence):
+    return global_sequence
+
+
+FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
+    "floor": (("ulysses.grid.FLOOR", 1e-3),),
+    "tail": (("ulysses.grid.tail_group", _no_tail_group),),
+    "mean_divisor": (("ulysses.grid.mean_divisor", _divide_by_S),),
+    "boundary_merge": (("ulysses.grid.boundary_sources", Hook(_own_record_only)),),
+    "error": (("ulysses.k_grouped_amax", Hook(_raise_on_last_rank)),),
+    "hang": (("ulysses.testing.make_k_full", Hook(_hang_on_last_rank)),),
+}
+
+
+def check_name(name: str | None) -> None:
+    if name is not None and name not in FAULTS:
+        raise SetupError(f"planted fault must be one of {tuple(FAULTS)}, got {name!r}")
+
+
+@contextlib.contextmanager
+def planted(name: str | None) -> Iterator[None]:
+    """Apply fault ``name``'s patches for the body (nothing at all for None)."""
+    check_name(name)
+    if name is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        stack.callback(ulysses.grid.clear_caches)  # runs last, once the patches are undone
+        for target, replacement in FAULTS[name]:
+            if isinstance(replacement, Hook):
+                replacement = replacement.make(pkgutil.resolve_name(target))
+            stack.enter_context(mock.patch(target, replacement))
+        ulysses.grid.clear_caches()
+        yield

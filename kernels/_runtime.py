@@ -1,13 +1,26 @@
 """Launch plumbing shared by the kernels: compiled Triton on CUDA, Triton's interpreter on CPU.
 
-No environment variable is needed for the CPU path: the same kernel function is wrapped in
-``triton.runtime.interpreter.InterpretedFunction`` and launched on CPU tensors.
+CUDA: the first launch of a kernel for a given specialization goes through Triton's JIT
+(compile + launch); the compiled kernel is then cached here under a key that is at least as
+fine as Triton's own specialization (constexpr values, dtypes, 16-byte alignment of pointers,
+ints equal to 1 / divisible by 16 / needing 64 bits, num_warps, PDL, device), and later
+launches call its launcher directly. That skips Triton's per-call argument binding, which cost
+tens of microseconds per launch on the H200 host (issue 12). Launch hooks (profilers such as
+proton) send every launch through the JIT again.
+
+CPU: the same ``@triton.jit`` function runs in ``triton.runtime.interpreter``, with no
+environment variable. The interpreter patches ``triton.language`` while it runs and, for jit
+helpers called from a kernel (``tl.cdiv``, ``tl.max``...), never undoes it; left in place, that
+breaks the next CUDA compilation in the process (issue 16). So a CPU launch holds a lock that
+CUDA compilations also take, snapshots every ``triton.language`` namespace first and restores
+it after: no trace is left in Triton's global state.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import os
+import sys
 import threading
 
 import torch
@@ -18,56 +31,373 @@ except ImportError:  # pragma: no cover - older Triton
     gdc_wait = None
     gdc_launch_dependents = None
 
-__all__ = ["launch", "gdc_wait", "gdc_launch_dependents", "HAS_GDC", "next_pow2"]
+__all__ = [
+    "launch",
+    "gdc_wait",
+    "gdc_launch_dependents",
+    "HAS_GDC",
+    "next_pow2",
+    "cdiv",
+    "triton_state",
+    "clear_launch_cache",
+    "tile",
+    "workspace",
+    "counters",
+    "sm_count",
+]
 
 HAS_GDC = gdc_wait is not None
-_INTERPRETER_LOCK = threading.RLock()
+# Held by CPU (interpreted) launches and by CUDA compilations: the interpreter patches module
+# globals that the compiler reads.
+_TRITON_LOCK = threading.RLock()
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-@functools.cache
-def _interpreted(kernel):
-    from triton.runtime.interpreter import InterpretedFunction
+def cdiv(a: int, b: int) -> int:
+    """Ceil division on the host (``triton.cdiv`` is a jit function: ~40 us a call here)."""
+    return -(-a // b)
 
-    return InterpretedFunction(kernel.fn)
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ---- CPU: the interpreter, leaving no trace ---------------------------------------------
+
+
+_NAMESPACES: list = [-1, []]  # [len(sys.modules) when built, the list]
+
+
+def _patched_namespaces() -> list[object]:
+    """Cached :func:`_find_namespaces` (rebuilt when modules were imported since)."""
+    if _NAMESPACES[0] != len(sys.modules):
+        _NAMESPACES[1] = _find_namespaces()
+        _NAMESPACES[0] = len(sys.modules)
+    return _NAMESPACES[1]
+
+
+def _find_namespaces() -> list[object]:
+    """Every object whose attributes Triton's interpreter may rebind: the ``triton.language``
+    modules, the classes defined in them, the JIT function class and the interpreter module."""
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    objects: list[object] = [JITFunction, interpreter]
+    seen: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("triton.language"):
+            continue
+        objects.append(module)
+        for value in list(vars(module).values()):
+            if (
+                isinstance(value, type)
+                and id(value) not in seen
+                and getattr(value, "__module__", "").startswith("triton.language")
+            ):
+                seen.add(id(value))
+                objects.append(value)
+    return objects
+
+
+def triton_state() -> dict[tuple[int, str], int]:
+    """(namespace id, attribute name) -> id of the value, over every namespace the interpreter
+    may patch. Equal before and after a CPU launch means the launch left no trace."""
+    return {
+        (id(obj), name): id(value)
+        for obj in _patched_namespaces()
+        for name, value in list(vars(obj).items())
+    }
 
 
 @contextlib.contextmanager
-def _jit_calls_interpreted():
-    """Let jit'd library helpers (``tl.zeros``, ``tl.max``...) run inside the interpreter.
+def _restored_triton_state():
+    saved = [(obj, dict(vars(obj))) for obj in _patched_namespaces()]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            now = vars(obj)
+            # added names go, except submodules that an import during the call registered
+            for name in [n for n in now if n not in before and not _is_module(now[n])]:
+                with contextlib.suppress(AttributeError, TypeError):
+                    delattr(obj, name)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    with contextlib.suppress(AttributeError, TypeError):
+                        setattr(obj, name, value)
 
-    With ``TRITON_INTERPRET=1`` set before import, ``triton.jit`` builds interpreted functions
-    everywhere. We do not ask users for that variable, so while an interpreted kernel runs, a
-    call of a ``JITFunction`` is routed through the interpreter instead of raising.
+
+_MISSING = object()
+
+
+def _is_module(value) -> bool:
+    return type(value).__name__ == "module"
+
+
+_INTERPRETED: dict[object, object] = {}
+
+
+def _interpreted(kernel):
+    fn = _INTERPRETED.get(kernel)
+    if fn is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        fn = _INTERPRETED[kernel] = InterpretedFunction(kernel.fn)
+    return fn
+
+
+def _route_jit_calls_and_fix_loop_bounds() -> None:
+    """Inside the (restored) scope of one CPU launch:
+
+    * a call of a ``JITFunction`` (a jit helper called from the kernel) runs interpreted;
+      ``TRITON_INTERPRET=1`` would do that at import time, which we do not ask of users;
+    * Triton 3.6's interpreter makes a loop bound with int() of a shape-(1,) array, which
+      numpy >= 2.5 refuses; read the one element instead.
     """
     from triton.runtime import interpreter
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    original = JITFunction.__call__
-    original_patch = getattr(interpreter, "_patch_lang_tensor", None)
-
     def call(self, *args, **kwargs):
         return InterpretedFunction(self.fn)(*args, **kwargs)
 
-    def patch_lang_tensor(tensor, scope):
-        # Triton 3.6's interpreter turns a scalar into a loop bound with int() of a shape-(1,)
-        # array, which numpy >= 2.5 refuses; read the one element instead.
-        original_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
     JITFunction.__call__ = call
+    original_patch = getattr(interpreter, "_patch_lang_tensor", None)
     if original_patch is not None:
+
+        def patch_lang_tensor(tensor, scope):
+            original_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
         interpreter._patch_lang_tensor = patch_lang_tensor
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original
-        if original_patch is not None:
-            interpreter._patch_lang_tensor = original_patch
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
+# Test switch: with ULYSSES_TEST_DEVICE=cuda, launches on CPU tensors run compiled on the GPU
+# (inputs copied there with their storage layout, results copied back), so the whole CPU test
+# suite, reference comparisons included, checks the compiled kernels.
+_MIRROR_TO_CUDA = os.environ.get("ULYSSES_TEST_DEVICE", "").lower() == "cuda"
+
+
+def _launch_mirrored(kernel, grid: tuple, num_warps: int, kwargs: dict) -> None:
+    storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    mirrored = {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            storage = value.untyped_storage()
+            pair = storages.get(storage.data_ptr())
+            if pair is None:  # one copy per storage keeps aliasing views aliased
+                host = torch.empty(0, dtype=torch.uint8).set_(storage)
+                pair = storages[storage.data_ptr()] = (host, host.to("cuda"))
+            value = torch.empty(0, dtype=value.dtype, device="cuda").set_(
+                pair[1].untyped_storage(), value.storage_offset(), value.size(), value.stride()
+            )
+        mirrored[name] = value
+    _launch_cuda(kernel, grid, torch.device("cuda"), num_warps, False, mirrored)
+    for host, device in storages.values():
+        host.copy_(device)
+
+
+def _launch_cpu(kernel, grid: tuple, kwargs: dict) -> None:
+    with _TRITON_LOCK, _restored_triton_state():
+        _route_jit_calls_and_fix_loop_bounds()
+        _interpreted(kernel)[grid](**kwargs)
+
+
+# ---- scratch memory ---------------------------------------------------------------------------
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_KEEP: list[torch.Tensor] = []  # replaced buffers stay alive: a CUDA graph may hold them
+
+
+def _stream_key(device: torch.device) -> tuple:
+    if device.type != "cuda":
+        return (device.type, None, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return ("cuda", index, torch._C._cuda_getCurrentRawStream(index))
+
+
+def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch buffer of at least ``numel`` elements, reused by later launches on the same
+    device and stream (stream order makes reuse safe; another stream gets its own)."""
+    key = (name, dtype, *_stream_key(device))
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _WORKSPACE[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+    return buf
+
+
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 zeros for "last program" counters; the kernels reset them to 0 after use,
+    so one buffer per device and stream serves every launch."""
+    key = _stream_key(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
+# ---- launch settings ------------------------------------------------------------------------
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached per device index; None = current device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(index)
+    if n is None:
+        n = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+_TILES: dict[tuple, tuple[int, int]] = {}
+
+
+def tile(
+    D: int,
+    H: int,
+    programs_per_hblock: int,
+    device: torch.device,
+    *,
+    elems: int,
+    warps_per_sm: int = 0,
+    max_warps: int = 4,
+) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of a kernel whose program holds a [BLOCK_H, D] tile of one row and
+    whose grid is ``programs_per_hblock * cdiv(H, BLOCK_H)`` programs. The one tile rule of
+    the package, from the H200 sweeps in docs/BENCHMARKS.md:
+
+    * CUDA: ``elems`` elements a tile (128 for the amax kernel: the cold sweep of 2026-11-30
+      in docs/BENCHMARKS.md measured 24.7 us with one 128-wide head and 2 warps against 31.4 us
+      with 512-element tiles at 68 MB; 256 for the block-stats kernel, which keeps four
+      accumulators an element), one warp per 64
+      elements up to ``max_warps``; with ``warps_per_sm`` set, BLOCK_H halves on small grids
+      until about that many warps per SM are resident (D=64, L=8190, H=24: 29% -> 62% of the
+      read ceiling).
+    * CPU (the interpreter pays per operation, not per element): the biggest tile up to 4096
+      elements, one "warp".
+    """
+    cuda = device.type == "cuda"
+    key = (D, H, programs_per_hblock, cuda and sm_count(device), elems, warps_per_sm, max_warps)
+    found = _TILES.get(key)
+    if found is not None:
+        return found
+    if not cuda:
+        found = (max(1, min(next_pow2(H), 4096 // D)), 1)
+    else:
+        n_sm = sm_count(device)
+
+        def warps(bh):
+            return max(1, min(max_warps, bh * D // 64))
+
+        block_h = max(1, min(next_pow2(H), elems // D))
+        while (
+            block_h > 1
+            and block_h * D > 128
+            and programs_per_hblock * -(-H // block_h) * warps(block_h) < warps_per_sm * n_sm
+        ):
+            block_h //= 2
+        found = (block_h, warps(block_h))
+    _TILES[key] = found
+    return found
+
+
+# ---- CUDA: cached compiled kernels --------------------------------------------------------
+
+_PARAMS: dict[object, tuple[tuple[str, ...], tuple[bool, ...]]] = {}
+_COMPILED: dict[tuple, tuple] = {}
+
+
+def clear_launch_cache() -> None:
+    """Forget the cached compiled kernels (the next launches go through Triton's JIT)."""
+    _COMPILED.clear()
+
+
+def _params(kernel) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    info = _PARAMS.get(kernel)
+    if info is None:
+        info = _PARAMS[kernel] = (
+            tuple(p.name for p in kernel.params),
+            tuple(bool(p.is_constexpr) for p in kernel.params),
+        )
+    return info
+
+
+def _spec(value, constexpr: bool):
+    """The part of the cache key one argument contributes (finer than Triton's own)."""
+    if constexpr:
+        return value
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return type(value)
+    if isinstance(value, int):
+        return (value == 1, value % 16 == 0, value < _INT32_MIN or value > _INT32_MAX)
+    return type(value)
+
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton
+    _knobs = None
+
+
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps a HookChain object there even with no hook in it
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_hooks_set() -> bool:
+    if _knobs is None:  # pragma: no cover - older Triton
+        return True
+    runtime = _knobs.runtime
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
+
+
+def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_pdl: bool, kwargs):
+    names, constexpr = _PARAMS.get(kernel) or _params(kernel)
+    args = [kwargs[n] for n in names]
+    current = torch.cuda.current_device()
+    index = current if device.index is None else device.index
+    key = [kernel, index, num_warps, use_pdl]
+    for a, c in zip(args, constexpr, strict=True):  # _spec inlined: the launch's main cost
+        if c:
+            key.append(a)
+        elif type(a) is int:
+            key.append((a == 1) | ((a & 15) == 0) << 1 | (not -(2**31) <= a < 2**31) << 2)
+        elif isinstance(a, torch.Tensor):
+            key.append(a.dtype)
+            key.append((a.data_ptr() & 15) == 0)
+        else:
+            key.append(_spec(a, False))
+    key = tuple(key)
+    entry = _COMPILED.get(key)
+    switch = index != current
+    if entry is None or _launch_hooks_set():
+        extra = {"launch_pdl": True} if use_pdl else {}
+        with _TRITON_LOCK, torch.cuda.device(index) if switch else contextlib.nullcontext():
+            compiled = kernel[grid](*args, num_warps=num_warps, **extra)
+        if entry is None and compiled is not None:
+            _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+        return
+    run, function, metadata = entry
+    n = len(grid)
+    g1 = grid[1] if n > 1 else 1
+    g2 = grid[2] if n > 2 else 1
+    if switch:
+        with torch.cuda.device(index):
+            stream = _raw_stream(index)
+            run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args)
+    else:
+        run(grid[0], g1, g2, _raw_stream(index), function, metadata, None, None, None, *args)
+
+
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
 def launch(
@@ -79,18 +409,15 @@ def launch(
     use_pdl: bool = False,
     **kwargs,
 ) -> None:
-    """Launch ``kernel`` over ``grid`` on ``device`` with keyword arguments only."""
-    assert all(isinstance(g, int) and g >= 1 for g in grid), grid
-    assert grid[0] < 2**31 and all(g < 65536 for g in grid[1:]), grid
-    if device.type == "cpu":
-        assert not use_pdl, "PDL is a CUDA launch option"
-        with _INTERPRETER_LOCK, _jit_calls_interpreted():
-            _interpreted(kernel)[grid](**kwargs)
+    """Launch ``kernel`` over ``grid`` on ``device`` with keyword arguments only (every
+    parameter of the kernel, constexprs included, named once)."""
+    assert 1 <= grid[0] < 2**31 and all(1 <= g < 65536 for g in grid[1:]), grid
+    if device.type == "cuda":
+        _launch_cuda(kernel, grid, device, num_warps, use_pdl, kwargs)
         return
-    assert device.type == "cuda", device
-    extra = {"launch_pdl": True} if use_pdl else {}
-    if device.index is None or device.index == torch.cuda.current_device():
-        kernel[grid](num_warps=num_warps, **extra, **kwargs)
+    assert device.type == "cpu", device
+    assert not use_pdl, "PDL is a CUDA launch option"
+    if _MIRROR_TO_CUDA:
+        _launch_mirrored(kernel, grid, num_warps, kwargs)
     else:
-        with torch.cuda.device(device):
-            kernel[grid](num_warps=num_warps, **extra, **kwargs)
+        _launch_cpu(kernel, grid, kwargs)

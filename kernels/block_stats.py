@@ -21,11 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import gdc_launch_dependents, gdc_wait, launch, next_pow2
+from ..grid import SUM_BLOCK, SUPER_BLOCK
+from ._runtime import cdiv, counters, gdc_launch_dependents, gdc_wait, launch, tile, workspace
 
-__all__ = ["block_stats", "SUM_BLOCK", "MINMAX_NONE", "MINMAX_BOUNDARY", "MINMAX_ALL"]
+__all__ = [
+    "local_stats",
+    "payload_numel",
+    "MINMAX_NONE",
+    "MINMAX_BOUNDARY",
+    "MINMAX_ALL",
+]
 
-SUM_BLOCK = 64
 SUM_BLOCK_C = tl.constexpr(SUM_BLOCK)
 MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 
@@ -38,16 +44,27 @@ def _block_stats_kernel(
     stride_kh,
     sum_ptr,
     mm_ptr,
+    bnd_ptr,
+    cnt_ptr,
+    local_ptr,
+    tag,
+    tag_last,
     L,
     H,
     row0,
     used,
     tail_group,
+    g_first,
+    n_touched,
+    n_mm,
+    block_first,
+    n_blocks,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     MINMAX: tl.constexpr,
+    SUPER: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
@@ -56,13 +73,6 @@ def _block_stats_kernel(
     span_first = row0 // SPAN
     n_spans = (row0 + L - 1) // SPAN - span_first + 1
     n_hblocks = tl.cdiv(H, BLOCK_H)
-    block_first = row0 // SUM_BLOCK_C
-    n_blocks = (row0 + L - 1) // SUM_BLOCK_C - block_first + 1
-    g_first = row0 // G
-    n_touched = (row0 + L - 1) // G - g_first + 1
-    n_mm = 2
-    if MINMAX == 2:
-        n_mm = (L + 2 * G - 2) // G
 
     i_pid = tl.program_id(0).to(tl.int64)
     i_hb = i_pid % n_hblocks
@@ -123,7 +133,20 @@ def _block_stats_kernel(
             if SUB == G:
                 i_s = group - g_first
                 _store_minmax(
-                    mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D, o_hd, m_hd, MINMAX
+                    mm_ptr,
+                    bnd_ptr,
+                    b_min,
+                    b_max,
+                    b_nan,
+                    i_b,
+                    i_s,
+                    n_touched,
+                    n_mm,
+                    H,
+                    D,
+                    o_hd,
+                    m_hd,
+                    MINMAX,
                 )
                 b_min = tl.full([BLOCK_H, D], float("inf"), tl.float32)
                 b_max = tl.full([BLOCK_H, D], float("-inf"), tl.float32)
@@ -139,13 +162,55 @@ def _block_stats_kernel(
         if SUB != G:  # G > 64: the span is one group
             i_s = span0 // G - g_first
             _store_minmax(
-                mm_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D, o_hd, m_hd, MINMAX
+                mm_ptr,
+                bnd_ptr,
+                b_min,
+                b_max,
+                b_nan,
+                i_b,
+                i_s,
+                n_touched,
+                n_mm,
+                H,
+                D,
+                o_hd,
+                m_hd,
+                MINMAX,
             )
+
+    # The call tag at both ends of the payload (local_ptr - 1 is the payload's first element).
+    if i_pid == 0:
+        tl.store(local_ptr - 1, tag)
+        tl.store(local_ptr - 1 + tag_last, tag)
+    # The last program of this (batch, head block) to finish adds the shard's block sums in
+    # the fixed association (docs/DESIGN.md, "Mean"): blocks in order within each SUPER-block
+    # superblock of the global grid, then the superblocks in order, each chain from +0.0. A
+    # barrier, then one acquire-release atomic per program orders every thread's block-sum
+    # stores before the last program's loads (which bypass L1); the last one resets the
+    # counter for the next call.
+    tl.debug_barrier()
+    p_cnt = cnt_ptr + i_b * n_hblocks + i_hb
+    n_done = tl.atomic_add(p_cnt, 1, sem="acq_rel")
+    if n_done == n_spans - 1:
+        lead = block_first % SUPER
+        n_super = (lead + n_blocks + SUPER - 1) // SUPER
+        p_blk = sum_ptr + i_b * n_blocks * H * D + o_hd
+        b_total = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        for i_sup in range(0, n_super):
+            b_sup = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+            for u in tl.static_range(SUPER):
+                j = i_sup * SUPER - lead + u
+                m_j = tl.where((j >= 0) & (j < n_blocks), m_hd, False)
+                b_sup += tl.load(p_blk + j * H * D, mask=m_j, other=0.0, cache_modifier=".cg")
+            b_total += b_sup
+        tl.store(local_ptr + i_b * H * D + o_hd, b_total, mask=m_hd)
+        tl.atomic_xchg(p_cnt, 0)
 
 
 @triton.jit
 def _store_minmax(
     mm_ptr,
+    bnd_ptr,
     b_min,
     b_max,
     b_nan,
@@ -159,93 +224,113 @@ def _store_minmax(
     m_hd,
     MINMAX: tl.constexpr,
 ):
-    """Store one slot's min/max into mm [B, n_mm, 2, H, D]; NaN wins over both."""
-    b_min = tl.where(b_nan, float("nan"), b_min).to(mm_ptr.dtype.element_ty)
-    b_max = tl.where(b_nan, float("nan"), b_max).to(mm_ptr.dtype.element_ty)
+    """Store one slot's min/max (NaN wins over both): every touched slot into mm
+    [B, n_mm, 2, H, D] (k's dtype, exact) with MINMAX_ALL, and the first and last touched slot
+    into the fp32 boundary records bnd [B, 2 (first, last), 2 (min, max), H, D] of the payload."""
+    b_min = tl.where(b_nan, float("nan"), b_min)
+    b_max = tl.where(b_nan, float("nan"), b_max)
     if MINMAX == 2:
         if (i_s >= 0) & (i_s < n_touched):
             p = mm_ptr + ((i_b * n_mm + i_s) * 2) * H * D + o_hd
-            tl.store(p, b_min, mask=m_hd)
-            tl.store(p + H * D, b_max, mask=m_hd)
-    else:  # boundary only: index 0 is the first touched slot, index 1 the last
-        if i_s == 0:
-            p = mm_ptr + (i_b * 2 * 2) * H * D + o_hd
-            tl.store(p, b_min, mask=m_hd)
-            tl.store(p + H * D, b_max, mask=m_hd)
-        if i_s == n_touched - 1:
-            p = mm_ptr + ((i_b * 2 + 1) * 2) * H * D + o_hd
-            tl.store(p, b_min, mask=m_hd)
-            tl.store(p + H * D, b_max, mask=m_hd)
+            tl.store(p, b_min.to(mm_ptr.dtype.element_ty), mask=m_hd)
+            tl.store(p + H * D, b_max.to(mm_ptr.dtype.element_ty), mask=m_hd)
+    if i_s == 0:
+        p = bnd_ptr + (i_b * 2 * 2) * H * D + o_hd
+        tl.store(p, b_min, mask=m_hd)
+        tl.store(p + H * D, b_max, mask=m_hd)
+    if i_s == n_touched - 1:
+        p = bnd_ptr + ((i_b * 2 + 1) * 2) * H * D + o_hd
+        tl.store(p, b_min, mask=m_hd)
+        tl.store(p + H * D, b_max, mask=m_hd)
 
 
-def _tile(D: int, H: int, cuda: bool = True) -> tuple[int, int]:
-    """(BLOCK_H, num_warps); see kernels/grouped_amax.py and docs/BENCHMARKS.md."""
-    if not cuda:
-        return max(1, min(next_pow2(H), 4096 // D)), 1
-    # Measured on an H200: 2 elements a thread (four fp32 accumulators each) beat 4 and 8.
-    block_h = max(1, min(next_pow2(H), 256 // D))
-    return block_h, max(1, min(4, block_h * D // 64))
-
-
-def block_stats(
+def local_stats(
     k: torch.Tensor,
-    block_sums: torch.Tensor,
-    minmax: torch.Tensor | None,
+    payload: torch.Tensor | None = None,
     *,
-    rank: int,
-    used: int,
-    tail_group: int,
     group_size: int,
+    row0: int,
+    live_end: int,
+    tail_group: int,
+    g_first: int,
+    n_touched: int,
+    n_slots: int,
+    block_first: int,
+    n_blocks: int,
     minmax_mode: int,
+    tag: float,
     use_pdl: bool,
     rows: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
-) -> None:
-    """Fill ``block_sums`` fp32 [B, NB, H, D] (the NB = touched(rank, L, 64) sum blocks of the
-    shard) and, unless ``minmax_mode`` is MINMAX_NONE, ``minmax`` [B, NM, 2, H, D] in k's
-    dtype: NM = slots(L, G) for MINMAX_ALL, NM = 2 (first, last touched slot) for
-    MINMAX_BOUNDARY. Any ``rows`` gives the same bits (the sum is row-sequential)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One read of the shard ``k`` [B, L, H, D]: ``(payload, minmax)``.
+
+    ``payload`` fp32 [payload_numel(B, H, D, minmax_mode)] is what this rank sends in the
+    statistics all_gather: ``[tag | local sum [B, H, D] | boundary records | tag]``; the
+    boundary records [B, 2 (first, last touched slot), 2 (min, max), H, D] are present unless
+    ``minmax_mode`` is MINMAX_NONE. ``minmax`` [B, n_slots, 2, H, D] (k's dtype) holds every
+    touched slot's channel min/max with MINMAX_ALL, else it is an empty tensor. The local sum
+    follows the fixed association of docs/DESIGN.md ("Mean"). Pass ``payload`` to have it
+    written into a slice of a larger buffer (eager only). The grid values come from
+    ``ulysses.grid.layout``; ``rows``/``block_h``/``num_warps`` override the tile.
+    """
     B, L, H, D = k.shape
     G = group_size
     span = max(G, SUM_BLOCK)
-    row0 = rank * L
     n_spans = (row0 + L - 1) // span - row0 // span + 1
-    n_blocks = (row0 + L - 1) // SUM_BLOCK - row0 // SUM_BLOCK + 1
-    assert block_sums.dtype == torch.float32 and block_sums.is_contiguous()
-    assert tuple(block_sums.shape) == (B, n_blocks, H, D)
-    if minmax_mode == MINMAX_NONE:
-        minmax = block_sums  # never written; a valid pointer keeps the signature fixed
-    else:
-        assert minmax is not None and minmax.is_contiguous() and minmax.dtype == k.dtype
-        n_mm = (L + 2 * G - 2) // G if minmax_mode == MINMAX_ALL else 2
-        assert tuple(minmax.shape) == (B, n_mm, 2, H, D)
-    rows = rows or ((8 if D >= 128 else 16) if k.is_cuda else 4)
-    auto_h, auto_warps = _tile(D, H, k.is_cuda)
+    numel = payload_numel(B, H, D, minmax_mode)
+    if payload is None:
+        payload = torch.empty((numel,), dtype=torch.float32, device=k.device)
+    assert payload.shape == (numel,) and payload.dtype == torch.float32 and payload.is_contiguous()
+    bhd = B * H * D
+    n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
+    minmax = torch.empty((B, n_mm, 2, H, D), dtype=k.dtype, device=k.device)
+    cuda = k.device.type == "cuda"
+    auto_h, auto_warps = tile(D, H, B * n_spans, k.device, elems=256)
     block_h = block_h or auto_h
-    num_warps = num_warps or auto_warps
-    n_hblocks = triton.cdiv(H, block_h)
+    n_hblocks = cdiv(H, block_h)
+    block_sums = workspace("block_sums", B * n_blocks * bhd, torch.float32, k.device)
     launch(
         _block_stats_kernel,
         (B * n_spans * n_hblocks,),
         k.device,
-        num_warps=num_warps,
+        num_warps=num_warps or auto_warps,
         use_pdl=use_pdl,
         k_ptr=k,
         stride_kb=k.stride(0),
         stride_kl=k.stride(1),
         stride_kh=k.stride(2),
         sum_ptr=block_sums,
-        mm_ptr=minmax,
+        mm_ptr=minmax if n_mm else block_sums,  # never written without MINMAX_ALL
+        bnd_ptr=payload[1 + bhd :] if minmax_mode != MINMAX_NONE else block_sums,
+        cnt_ptr=counters(B * n_hblocks, k.device),
+        local_ptr=payload[1:],
+        tag=float(tag),
+        tag_last=numel - 1,
         L=L,
         H=H,
         row0=row0,
-        used=used,
+        used=live_end,
         tail_group=tail_group,
+        g_first=g_first,
+        n_touched=n_touched,
+        n_mm=n_mm,
+        block_first=block_first,
+        n_blocks=n_blocks,
         G=G,
         D=D,
         BLOCK_H=block_h,
-        ROWS=rows,
+        # Any ROWS gives the same bits (the sum is row-sequential).
+        ROWS=rows or ((8 if D >= 128 else 16) if cuda else 4),
         MINMAX=minmax_mode,
+        SUPER=SUPER_BLOCK,
         USE_PDL=use_pdl,
     )
+    return payload, minmax
+
+
+def payload_numel(B: int, H: int, D: int, minmax_mode: int) -> int:
+    """fp32 elements of one rank's statistics payload (see :func:`local_stats`)."""
+    bhd = B * H * D
+    return 2 + bhd + (4 * bhd if minmax_mode != MINMAX_NONE else 0)

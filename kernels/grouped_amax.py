@@ -10,17 +10,13 @@ launch configuration gives the same bits.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._runtime import gdc_launch_dependents, gdc_wait, launch, next_pow2
+from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
 
 __all__ = ["grouped_amax"]
-
-FLOOR = tl.constexpr(1e-7)  # the scale floor of SPEC §3, as fp32
 
 
 @triton.jit
@@ -34,19 +30,19 @@ def _grouped_amax_kernel(
     L,
     H,
     row0,
+    n_slots,
+    g_first,
+    n_touched,
     tail_group,
     tail_end,
+    n_hblocks,
+    FLOOR: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    n_slots = (L + 2 * G - 2) // G
-    n_hblocks = tl.cdiv(H, BLOCK_H)
-    g_first = row0 // G
-    n_touched = (row0 + L - 1) // G - g_first + 1
-
     i_pid = tl.program_id(0).to(tl.int64)
     i_hb = i_pid % n_hblocks
     i_s = (i_pid // n_hblocks) % n_slots
@@ -96,91 +92,66 @@ def _grouped_amax_kernel(
     tl.store(p_out, b_out, mask=m_h)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _tile(
-    D: int, H: int, cuda: bool = True, rows_programs: int = 1 << 30, n_sm: int = 132
-) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) for a grid of ``rows_programs * cdiv(H, BLOCK_H)`` programs.
-
-    Measured on an H200 (docs/BENCHMARKS.md, scripts/tune_kernels.py): 512-element row tiles
-    with 4 warps (4 elements a thread, 8 rows unrolled) reach 97% of the read ceiling on
-    large K. A small grid leaves SMs short of resident warps (D=64, L=8190, H=24: 387
-    programs, 29%), so BLOCK_H halves until about 22 warps per SM are in flight (there:
-    BLOCK_H 4, 774 programs, 62% in the sweep).
-    """
-    if not cuda:  # the interpreter pays per operation, not per element: big tiles
-        return max(1, min(next_pow2(H), 4096 // D)), 1
-    block_h = max(1, min(next_pow2(H), 512 // D))
-
-    def warps(bh):
-        return max(1, min(4, bh * D // 64))
-
-    while (
-        block_h > 1
-        and block_h * D > 128
-        and rows_programs * triton.cdiv(H, block_h) * warps(block_h) < 22 * n_sm
-    ):
-        block_h //= 2
-    return block_h, warps(block_h)
-
-
 def grouped_amax(
     k: torch.Tensor,
     k_mean: torch.Tensor,
-    out: torch.Tensor,
     *,
-    rank: int,
     group_size: int,
+    row0: int,
+    n_slots: int,
+    g_first: int,
+    n_touched: int,
     tail_group: int,
     tail_end: int,
+    floor: float,
     use_pdl: bool,
     rows: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Write this rank's per-slot partial amax into ``out`` [B, H, slots] (fp32, contiguous).
+    """This rank's per-slot partial amax, fp32 [B, H, n_slots] (a new tensor).
 
     ``k`` [B, L, H, D] (last stride 1), ``k_mean`` [B, H, D] contiguous, both validated by the
-    caller. ``tail_group`` is -1 when no repair applies; ``tail_end`` is ``used_sequence``.
+    caller, which also computed ``group_size`` G and the grid values (``ulysses.grid.layout``): the shard's first
+    global row, the slot count, the first touched group and how many are touched, the tail
+    group (-1 for none) and the end of the live rows. ``rows``/``block_h``/``num_warps``
+    override the tile (any choice gives the same bits).
     """
     B, L, H, D = k.shape
-    n_slots = out.shape[-1]
-    assert k.stride(-1) == 1 and k_mean.is_contiguous() and out.is_contiguous()
-    assert out.shape == (B, H, n_slots) and out.dtype == torch.float32
-    assert n_slots == (L + 2 * group_size - 2) // group_size
-    # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
-    rows = rows or (8 if k.is_cuda else 4)
-    auto_h, auto_warps = _tile(
-        D, H, k.is_cuda, B * n_slots, _sm_count(k.device.index or 0) if k.is_cuda else 132
-    )
+    stride_kb, stride_kl, stride_kh, stride_kd = k.stride()
+    assert stride_kd == 1 and k_mean.is_contiguous()
+    device = k.device
+    out = torch.empty((B, H, n_slots), dtype=torch.float32, device=device)
+    auto_h, auto_warps = tile(D, H, B * n_slots, device, elems=128, warps_per_sm=22)
     block_h = block_h or auto_h
-    num_warps = num_warps or auto_warps
-    n_hblocks = triton.cdiv(H, block_h)
+    n_hblocks = cdiv(H, block_h)
     launch(
         _grouped_amax_kernel,
         (B * n_slots * n_hblocks,),
-        k.device,
-        num_warps=num_warps,
+        device,
+        num_warps=num_warps or auto_warps,
         use_pdl=use_pdl,
         k_ptr=k,
-        stride_kb=k.stride(0),
-        stride_kl=k.stride(1),
-        stride_kh=k.stride(2),
+        stride_kb=stride_kb,
+        stride_kl=stride_kl,
+        stride_kh=stride_kh,
         mean_ptr=k_mean,
         out_ptr=out,
         L=L,
         H=H,
-        row0=rank * L,
+        row0=row0,
+        n_slots=n_slots,
+        g_first=g_first,
+        n_touched=n_touched,
         tail_group=tail_group,
         tail_end=tail_end,
+        n_hblocks=n_hblocks,
+        FLOOR=floor,
         G=group_size,
         D=D,
         BLOCK_H=block_h,
-        ROWS=rows,
+        # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
+        ROWS=rows or (8 if device.type == "cuda" else 4),
         USE_PDL=use_pdl,
     )
     return out

@@ -1,111 +1,188 @@
-"""smooth_k_stats across ranks: the whole call and the collective alone (issues 6 and 9).
+"""smooth_k_stats and global_k_mean across ranks, end to end and by parts (issue 12).
 
-    torchrun --standalone --nproc-per-node P scripts/bench_smooth_k_stats.py [--L 4736 --H 56]
+    torchrun --standalone --nproc-per-node 2 scripts/bench_smooth_k_stats.py [--quick]
 
-Every rank times (CUDA events, median of --iters after warm-up, all ranks in step behind a
-barrier): smooth_k_stats with method "fused" and "two_pass", and a bare all_gather of the same
-payload size on the same group. Rank 0 prints the per-rank maximum of each median.
+Per shape, on every rank (all ranks in step behind barriers); rank 0 prints the table:
+cold read of K (torch.sum, L2 flushed, CUPTI), eager all_gather of the payload alone,
+smooth_k_stats eager per call (100 back to back) for both methods, global_k_mean eager,
+the same in a CUDA graph, and the kernels' device time inside one call (CUPTI, warm).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
+import triton
+from _bench import cold_us, eager_us, graph_us
+from ulysses.kernels.block_stats import MINMAX_ALL, payload_numel
 
 import ulysses
 
+SHAPES = [(1, 4736, 56, 128), (1, 32768, 32, 128)]
+OUR_KERNELS = ("_block_stats_kernel", "_chunk_sum_kernel", "_finalize_kernel", "_grouped_amax")
 
-def timed(fn, iters, cuda=True):
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if not cuda:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e6)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+def kernels_us(fn, iters=20):
+    """Warm device time of our kernels in one call (CUPTI), and of the NCCL kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    ours = nccl = 0.0
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        if any(n in e.name for n in OUR_KERNELS):
+            ours += e.time_range.elapsed_us()
+        elif "nccl" in e.name.lower():
+            nccl += e.time_range.elapsed_us()
+    return ours / iters, nccl / iters
+
+
+def profile_host(rank):
+    """Where the host time of an eager smooth_k_stats call goes (rank 0 prints)."""
+    import cProfile
+    import pstats
+
+    k = ulysses.testing.make_k_full(1, 4736, 56, 128, torch.bfloat16, "smooth", device="cuda")
+    for _ in range(20):
+        ulysses.smooth_k_stats(k)
+    torch.cuda.synchronize()
+    dist.barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        ulysses.smooth_k_stats(k)
+    torch.cuda.synchronize()
+    prof.disable()
+    if rank == 0:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    dist.barrier()
+
+
+def parts(rank, P):
+    """Eager per-call time of each part of smooth_k_stats (68 MB), to see where it goes."""
+    from ulysses import stats
+
+    k = ulysses.testing.make_k_full(1, 4736, 56, 128, torch.bfloat16, "smooth", device="cuda")
+    part, pg, _ = stats.k_stats_part(k)
+    payload = part.write()
+    gathered = stats.all_gather_payload(payload, pg, P)
+    out = torch.empty(P * payload.numel(), device="cuda")
+    res = {}
+    for name, fn in (
+        ("validate+part", lambda: stats.k_stats_part(k)),
+        ("local kernels (3 launches)", lambda: part.write()),
+        ("all_gather, new output each call", lambda: stats.all_gather_payload(payload, pg, P)),
+        ("all_gather, same output", lambda: dist.all_gather_into_tensor(out, payload)),
+        ("finalize (1 launch)", lambda: part.finish(gathered)),
+        ("torch.empty x8", lambda: [torch.empty(1000, device="cuda") for _ in range(8)]),
+        ("whole call", lambda: ulysses.smooth_k_stats(k)),
+    ):
+        dist.barrier()
+        res[name] = eager_us(fn)
+    t = torch.tensor(list(res.values()), device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        for name, us in zip(res, t.tolist(), strict=True):
+            print(f"# part: {name}: {us:.1f} us per call (eager, back to back, max over ranks)")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--B", type=int, default=1)
-    ap.add_argument("--L", type=int, default=4736)
-    ap.add_argument("--H", type=int, default=56)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--backend", default="nccl")
-    ap.add_argument(
-        "--device",
-        default="cuda",
-        choices=["cuda", "cpu"],
-        help="cpu: gloo + Triton interpreter, wall-clock timing",
-    )
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager calls")
     args = ap.parse_args()
-    cuda = args.device == "cuda"
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        dev = torch.device("cuda", local % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-    else:
-        dev, args.backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(args.backend, device_id=dev if args.backend == "nccl" else None)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, P = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator(device="cpu").manual_seed(rank)
-    k = (
-        (
-            4 * torch.randn(1, 1, args.H, args.D, generator=g)
-            + 1e-3 * torch.randn(args.B, args.L, args.H, args.D, generator=g)
+    if args.profile_host:
+        parts(rank, P)
+    rows = []
+    for B, L, H, D in SHAPES[:1] if args.quick else SHAPES:
+        k = ulysses.testing.make_k_full(
+            B, L, H, D, torch.bfloat16, "smooth", seed=rank, device="cuda"
         )
-        .bfloat16()
-        .to(dev)
-    )
-    results = {}
-    for method, check in (("fused", False), ("two_pass", False), ("fused", True)):
-        for _ in range(3):
-            ulysses.smooth_k_stats(k, method=method, check_consistency=check)
-        label = f"smooth_k_stats[{method}{', check_consistency' if check else ''}]"
-        results[label] = timed(
-            lambda m=method, c=check: ulysses.smooth_k_stats(k, method=m, check_consistency=c),
-            args.iters,
-            cuda,
+        mb = k.numel() * 2 / 1e6
+        n = payload_numel(B, H, D, MINMAX_ALL)
+        payload = torch.zeros(n, device="cuda")
+        out = torch.empty(P * n, device="cuda")
+        gather = lambda: dist.all_gather_into_tensor(out, payload)  # noqa: E731
+        fused = lambda: ulysses.smooth_k_stats(k)  # noqa: E731
+        two = lambda: ulysses.smooth_k_stats(k, method="two_pass")  # noqa: E731
+        mean = lambda: ulysses.global_k_mean(k)  # noqa: E731
+        fused(), two(), mean()  # first calls: consistency check, compilation
+        read = cold_us(lambda: k.sum(), "reduce")
+        res = {}
+        for name, fn in (("gather", gather), ("fused", fused), ("two_pass", two), ("mean", mean)):
+            dist.barrier()
+            res[name] = eager_us(fn)
+        for name, fn in (("gather_g", gather), ("fused_g", fused)):
+            dist.barrier()
+            res[name] = graph_us(fn)
+        dist.barrier()
+        ours_k, nccl_k = kernels_us(fused)
+        t = torch.tensor([read, *res.values(), ours_k, nccl_k], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        read, g, f, tp, m, gg, fg, ok, nk = t.tolist()
+        rows.append(
+            (
+                f"B{B} L{L} H{H} D{D} ({mb:.0f} MB)",
+                read,
+                g,
+                f,
+                tp,
+                m,
+                f / (read + g),
+                gg,
+                fg,
+                fg / (read + gg),
+                ok,
+                nk,
+            )
         )
-    bhd = args.B * args.H * args.D
-    payload = torch.zeros(5 * bhd + 2, device=dev)
-    out = torch.empty(P * (5 * bhd + 2), device=dev)
-    results["all_gather(payload) alone"] = timed(
-        lambda: dist.all_gather_into_tensor(out, payload), args.iters, cuda
-    )
-    a = ulysses.smooth_k_stats(k, method="fused")
-    b = ulysses.smooth_k_stats(k, method="two_pass")
-    same = (
-        torch.equal(a.k_mean_global, b.k_mean_global)
-        and torch.equal(a.amax_partial, b.amax_partial)
-        and torch.equal(a.amax_final, b.amax_final)
-    )
-    vals = torch.tensor([results[key] for key in results] + [0.0 if same else 1.0], device=dev)
-    dist.all_reduce(vals, op=dist.ReduceOp.MAX)
     if rank == 0:
-        name = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"
         print(
-            f"# P={P} backend={args.backend} {name} torch "
-            f"{torch.__version__} shape B{args.B} L{args.L} H{args.H} D{args.D} bf16 "
-            f"({k.numel() * 2 / 1e6:.0f} MB per rank)"
+            f"# {torch.cuda.get_device_name()} x{P} NCCL, torch {torch.__version__}, "
+            f"triton {triton.__version__}; us per call, max over ranks"
         )
-        for key, value in zip(results, vals.tolist()[:-1], strict=True):
-            print(f"{key:32s} {value:9.1f} us (max over ranks of the median)")
-        print(f"fused == two_pass bitwise on every rank: {vals[-1].item() == 0.0}")
+        head = (
+            "shape",
+            "read K cold",
+            "all_gather eager",
+            "fused eager",
+            "two_pass eager",
+            "global_k_mean eager",
+            "fused/(read+gather)",
+            "all_gather graph",
+            "fused graph",
+            "graph ratio",
+            "our kernels (warm)",
+            "nccl kernel",
+        )
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for r in rows:
+            print(
+                "| "
+                + " | ".join(
+                    r[0:1]
+                    + tuple(
+                        f"{x:.1f}" if i not in (5, 8) else f"{x:.2f}" for i, x in enumerate(r[1:])
+                    )
+                )
+                + " |"
+            )
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -13,14 +13,63 @@ import sys
 import time
 
 import torch
-from ulysses.kernels.block_stats import MINMAX_ALL
+from ulysses.kernels.block_stats import MINMAX_ALL, local_stats
+from ulysses.kernels.finalize_stats import MODE_FUSED, finalize_stats
 from ulysses.kernels.grouped_amax import grouped_amax
 
 import ulysses
-from ulysses import _ops, reference
-from ulysses.grid import slots, tail_group, touched
+from ulysses import grid, reference
+from ulysses.grid import slots, touched
 
 FAILS = []
+
+
+def _local_stats(k, rank, P, used, pdl):
+    lay = grid.layout(rank, k.shape[1], P, 64, used)
+    return local_stats(
+        k,
+        group_size=64,
+        row0=lay.row0,
+        live_end=lay.live_end,
+        tail_group=lay.tail_group,
+        g_first=lay.g_first,
+        n_touched=lay.n_touched,
+        n_slots=lay.n_slots,
+        block_first=lay.block_first,
+        n_blocks=lay.n_blocks,
+        minmax_mode=MINMAX_ALL,
+        tag=1.0,
+        use_pdl=pdl,
+    )
+
+
+def _derive(payload, mm, m, rank, P, L, used, k):
+    """amax_partial from min/max with a given mean: the finalize kernel on a gathered payload
+    whose sums are replaced so that the mean it forms is exactly ``m``."""
+    B, _, H, D = k.shape
+    lay = grid.layout(rank, L, P, 64, used)
+    fake = payload.clone()
+    fake[1 : 1 + B * H * D] = m.float().reshape(-1)  # sum over one rank, divisor 1
+    _, part, _ = finalize_stats(
+        fake[None],
+        mm,
+        mode=MODE_FUSED,
+        dtype=k.dtype,
+        B=B,
+        H=H,
+        D=D,
+        n_slots=lay.n_slots,
+        n_touched=lay.n_touched,
+        divisor=1,
+        tag=1.0,
+        first_sources=[],
+        last_sources=[],
+        floor=grid.FLOOR,
+        use_pdl=False,
+    )
+    return part
+
+
 DIGEST = hashlib.sha256()
 
 
@@ -59,9 +108,10 @@ def large_case(name, B, L, H, D, P, rank, used):
         f"({time.time() - t:.1f}s)",
     )
     digest(out)
-    local, mm = _ops._run_local_stats(k, rank, P, used, 64, MINMAX_ALL, None)
-    derived = _ops._run_derive_amax(mm, m, touched(rank, L, 64), None)
+    payload, mm = _local_stats(k, rank, P, used, True)
+    derived = _derive(payload, mm, m, rank, P, L, used, k)
     check(f"{name} derived amax", torch.equal(derived, ref))
+    local = payload[1 : 1 + k.shape[0] * H * D].view(k.shape[0], H, D)
     lref = reference.local_sum(k, rank=rank, used_sequence=used)
     check(
         f"{name} local sum (fixed association)",
@@ -69,7 +119,7 @@ def large_case(name, B, L, H, D, P, rank, used):
         f"({time.time() - t:.1f}s)",
     )
     digest(local)
-    del k, mm, local, lref
+    del k, mm, payload, local, lref
     torch.cuda.empty_cache()
 
 
@@ -95,18 +145,21 @@ def determinism():
             ),
         )
     configs_ok = True
-    out = torch.empty_like(base)
+    lay = grid.layout(r, L, P, 64, used)
     for bh in (1, 2, 4, 8, 16):
         for rows in (1, 4, 8, 16):
             for nw in (1, 2, 4, 8):
-                grouped_amax(
+                out = grouped_amax(
                     k,
                     m,
-                    out,
-                    rank=r,
                     group_size=64,
-                    tail_group=tail_group(used, L * P, 64),
-                    tail_end=used,
+                    row0=lay.row0,
+                    n_slots=lay.n_slots,
+                    g_first=lay.g_first,
+                    n_touched=lay.n_touched,
+                    tail_group=lay.tail_group,
+                    tail_end=lay.live_end,
+                    floor=grid.FLOOR,
                     use_pdl=False,
                     rows=rows,
                     block_h=bh,
@@ -123,8 +176,8 @@ def determinism():
             base, ulysses.k_grouped_amax(strided, m, rank=r, world_size=P, used_sequence=used)
         ),
     )
-    s1, mm1 = _ops._run_local_stats(k, r, P, used, 64, MINMAX_ALL, True)
-    s2, mm2 = _ops._run_local_stats(strided, r, P, used, 64, MINMAX_ALL, False)
+    s1, mm1 = _local_stats(k, r, P, used, True)
+    s2, mm2 = _local_stats(strided, r, P, used, False)
     n_t = touched(r, L, 64)  # slots past touched are never written (uninitialised memory)
     check(
         "local stats: strided + no PDL identical",

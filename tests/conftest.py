@@ -6,12 +6,11 @@ G group size. ``k_full`` [B, S, H, D] is the whole sequence, a shard is [B, L, H
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from ulysses.reference import bitwise_diff
+from ulysses.testing import make_k_full as make_k_full_impl
 
 
 def _assert_bitwise(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
@@ -30,76 +29,32 @@ def assert_bitwise():
     return _assert_bitwise
 
 
-def _make_k_full(
-    B: int,
-    S: int,
-    H: int,
-    D: int,
-    dtype: torch.dtype,
-    data: str,
-    *,
-    used: int | None = None,
-    seed: int | str = 0,
-) -> torch.Tensor:
-    """A seeded global K [B, S, H, D]; rows [used, S) are zero padding.
-
-    ``data``: "randn" (plain normal) or "smooth" (``4*channel_mean + 1e-3*noise`` with one
-    channel mean per (h, d): large offsets, tiny spread, so a padding row that leaks into a
-    live group's max is plainly visible).
-    """
-    if isinstance(seed, str):
-        seed = zlib.crc32(seed.encode())
-    gen = torch.Generator().manual_seed(seed)
-    if data == "randn":
-        k = torch.randn(B, S, H, D, generator=gen)
-    elif data == "smooth":
-        channel_mean = torch.randn(H, D, generator=gen)
-        k = 4 * channel_mean + 1e-3 * torch.randn(B, S, H, D, generator=gen)
-    else:
-        raise ValueError(f"unknown data kind {data!r}")
-    k = k.to(dtype)
-    if used is not None:
-        k[:, used:] = 0
-    return k
-
-
 @pytest.fixture
 def make_k_full():
-    """``make_k_full(B, S, H, D, dtype, data, *, used=None, seed=0)`` -> k_full [B, S, H, D]."""
-    return _make_k_full
+    """``make_k_full(B, S, H, D, dtype, data, *, used=None, seed=0)`` -> k_full [B, S, H, D]
+    (``ulysses.testing.make_k_full``, the one input generator)."""
+    return make_k_full_impl
 
 
-def _to_device_keep_strides(t: torch.Tensor, device: str) -> torch.Tensor:
-    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
-    out.copy_(t)
-    return out
+_REAL_EMPTY = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs):
+    t = _REAL_EMPTY(*args, **kwargs)
+    if t.numel() and not t.requires_grad and not torch.compiler.is_compiling():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.bool:
+            t.fill_(True)
+        else:
+            t.fill_(-1 if t.is_signed() else 0xAB)
+    return t
 
 
 @pytest.fixture(autouse=True)
-def _kernel_on_gpu(request, monkeypatch):
-    """With ULYSSES_TEST_DEVICE=cuda, tests of the kernel's values run it compiled on the GPU.
-
-    ``ulysses.k_grouped_amax`` is wrapped: inputs are copied to the GPU with their strides
-    (fused-QKV views stay strided), the output comes back to the CPU, and the test compares
-    it with the CPU reference as usual. Validation tests (bad pointers, bad devices) and
-    direct launcher calls keep running on the CPU.
-    """
-    import os
-
-    if os.environ.get("ULYSSES_TEST_DEVICE") != "cuda":
-        return
-    if request.module.__name__.split(".")[-1] not in ("test_amax", "test_properties"):
-        return
-    import ulysses
-
-    original = ulysses.k_grouped_amax
-
-    def on_gpu(k, k_mean_global, **kwargs):
-        if not (isinstance(k, torch.Tensor) and isinstance(k_mean_global, torch.Tensor)):
-            return original(k, k_mean_global, **kwargs)
-        if k.device.type != "cpu" or kwargs.get("enable_pdl") is True:
-            return original(k, k_mean_global, **kwargs)
-        out = original(_to_device_keep_strides(k, "cuda"), k_mean_global.to("cuda"), **kwargs)
-        return out.cpu()
-
-    monkeypatch.setattr(ulysses, "k_grouped_amax", on_gpu)
+def _poison_empty(monkeypatch):
+    """Every ``torch.empty`` buffer starts as NaN (floats) or a nonzero pattern (ints), as
+    flash-linear-attention's tests do: an output slot a kernel forgot to write can never pass
+    as a plausible value. With ULYSSES_TEST_DEVICE=cuda the launches on CPU tensors run
+    compiled on the GPU (kernels/_runtime.py) and the poison travels with the buffers."""
+    monkeypatch.setattr(torch, "empty", _poisoned_empty)

@@ -304,8 +304,29 @@ def test_surplus_slots_exactly_zero(P, L, G, used, make_k_full, assert_bitwise, 
     assert n_surplus == expected_surplus
 
 
+def _launcher(k, k_mean, *, rank, P, used, G, **tile):
+    """The kernel's host function alone (no validation, no torch ops after the launch); its
+    output buffer comes from the poisoned torch.empty (conftest), so every slot must be
+    written."""
+    lay = grid.layout(rank, k.shape[1], P, G, used)
+    return grouped_amax_module.grouped_amax(
+        k,
+        k_mean,
+        group_size=G,
+        row0=lay.row0,
+        n_slots=lay.n_slots,
+        g_first=lay.g_first,
+        n_touched=lay.n_touched,
+        tail_group=lay.tail_group,
+        tail_end=lay.live_end,
+        floor=grid.FLOOR,
+        use_pdl=False,
+        **tile,
+    )
+
+
 def test_launcher_writes_caller_buffer_including_tail_repair(make_k_full, assert_bitwise):
-    """The launcher alone (no torch ops after it) fills a NaN-poisoned buffer, tail included."""
+    """The launcher alone (no torch ops after it) fills a NaN-poisoned output, tail included."""
     P, L, H, D, G = 4, 65, 7, 128, 64
     used = used_for("straddle", P, L, G)
     k_full = make_k_full(B, L * P, H, D, torch.float16, "smooth", used=used, seed=7)
@@ -313,17 +334,7 @@ def test_launcher_writes_caller_buffer_including_tail_repair(make_k_full, assert
     t = grid.tail_group(used, L * P, G)
     assert t >= 0
     for r in range(P):
-        out = torch.full((B, H, ulysses.slots(L, G)), math.nan)
-        grouped_amax_module.grouped_amax(
-            ref.shard(k_full, r, P),
-            k_mean,
-            out,
-            rank=r,
-            group_size=G,
-            tail_group=t,
-            tail_end=used,
-            use_pdl=False,
-        )
+        out = _launcher(ref.shard(k_full, r, P), k_mean, rank=r, P=P, used=used, G=G)
         expected = ref.grouped_amax_shard(
             ref.shard(k_full, r, P), k_mean, rank=r, world_size=P, used_sequence=used, group_size=G
         )
@@ -341,18 +352,8 @@ def test_launch_configuration_does_not_change_bits(block_h, rows, make_k_full, a
     k_mean = ref.global_k_mean(k_full, world_size=P, used_sequence=used)
     baseline = _run_all_ranks(k_full, k_mean, P=P, used=used, G=G)
     for r in range(P):
-        out = torch.full((B, H, ulysses.slots(L, G)), math.nan)
-        grouped_amax_module.grouped_amax(
-            ref.shard(k_full, r, P),
-            k_mean,
-            out,
-            rank=r,
-            group_size=G,
-            tail_group=grid.tail_group(used, L * P, G),
-            tail_end=used,
-            use_pdl=False,
-            rows=rows,
-            block_h=block_h,
+        out = _launcher(
+            ref.shard(k_full, r, P), k_mean, rank=r, P=P, used=used, G=G, rows=rows, block_h=block_h
         )
         assert_bitwise(out, baseline[r], f"rank {r} block_h={block_h} rows={rows}")
 

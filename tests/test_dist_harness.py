@@ -1,10 +1,13 @@
-"""The torchrun harness (dist_tests/harness.py, SPEC §5) at every world size, and proof that it
-can fail: planted library faults, an exception on one rank and a hung rank all make it exit
-non-zero.
+"""The torchrun harness (dist_tests/, docs/CONTRACT.md §5) at every world size, and proof that
+it can fail: planted library faults, an exception on one rank and a hung rank all make it exit
+non-zero; plus the pieces it is built from (cases, checks, faults, _dist, validate).
 
-Each launch is ``python -m torch.distributed.run --standalone --nproc-per-node P -m
-dist_tests.harness --json FILE`` in a subprocess (--standalone picks a free port). Without a GPU
-the ranks use gloo with CPU tensors and the Triton interpreter.
+Runs launch ``python -m dist_tests.validate --world-sizes P ...`` (which launches
+``torchrun --standalone ... -m dist_tests.harness`` and reads its JSON summary) or the harness
+itself in a subprocess; without a GPU the ranks use gloo with CPU tensors and the Triton
+interpreter. The planted grid faults (floor, tail, mean_divisor, boundary_merge) patch
+``ulysses.grid``: they are caught only once the library reads its grid rules through that
+module.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -20,10 +24,12 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the repo, not an installed package
+if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
     sys.path.insert(0, str(ROOT))
 
-from dist_tests import harness  # noqa: E402
+import ulysses.grid  # noqa: E402
+import ulysses.testing  # noqa: E402
+from dist_tests import _dist, cases, checks, faults, harness, validate  # noqa: E402
 
 WORLD_SIZES = (2, 4, 6, 8)
 # Under pytest -n 2 on two cores, 8 ranks share the CPUs with another test's ranks.
@@ -33,33 +39,35 @@ LAUNCH_TIMEOUT_S = 480
 FAULT_CASES = "L50-H3-D64-bf16-G64-used_straddle,L20-H3-D128-bf16-G64-used_padrank"
 
 
-def _launch(
-    tmp_path: Path,
-    world_size: int,
-    *args: str,
-    fault: str | None = None,
-    timeout_s: float = LAUNCH_TIMEOUT_S,
-) -> tuple[subprocess.CompletedProcess, dict | None]:
-    summary_path = tmp_path / f"summary-ws{world_size}.json"
+def _env(**extra: str) -> dict:
     env = dict(os.environ)
     env.pop("ULYSSES_HARNESS_FAULT", None)
-    if fault is not None:
-        env["ULYSSES_HARNESS_FAULT"] = fault
+    env.pop("ULYSSES_BACKEND", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(world_size),
-        "-m",
-        "dist_tests.harness",
-        "--json",
-        str(summary_path),
-        *args,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    env.update(extra)
+    return env
+
+
+def _validate(tmp_path: Path, world_size: int, *args: str, timeout_s: float = LAUNCH_TIMEOUT_S):
+    """``python -m dist_tests.validate --world-sizes P --out-dir tmp ARGS``: (proc, summary)."""
+    cmd = [sys.executable, "-m", "dist_tests.validate", "--world-sizes", str(world_size)]
+    cmd += ["--out-dir", str(tmp_path), "--outer-timeout-s", str(timeout_s - 30), *args]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout_s
+    )
+    summary_path = tmp_path / f"ws{world_size}.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return proc, summary
+
+
+def _harness(tmp_path: Path, *args: str, timeout_s: float = 240, **env: str):
+    """torchrun with 2 ranks of the harness itself: (proc, summary)."""
+    summary_path = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += ["2", "-m", "dist_tests.harness", "--json", str(summary_path), *args]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout_s
+    )
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return proc, summary
 
@@ -71,18 +79,22 @@ def _tail(proc: subprocess.CompletedProcess) -> str:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=[f"ws{p}" for p in WORLD_SIZES])
 def test_harness_passes(tmp_path, world_size):
-    proc, summary = _launch(tmp_path, world_size, "--timeout-s", str(LAUNCH_TIMEOUT_S - 60))
+    proc, summary = _validate(tmp_path, world_size, "--timeout-s", str(LAUNCH_TIMEOUT_S - 90))
     assert proc.returncode == 0, _tail(proc)
     assert summary is not None, _tail(proc)
     assert summary["world_size"] == world_size
     assert summary["passed"] is True
-    assert summary["cases"] == len(harness.DEFAULT_CASES) > 0
+    assert summary["suites"] == ["smooth_k"]
+    assert summary["cases"] == len(cases.DEFAULT_CASES) > 0
     assert summary["checks"] > 0
     assert summary["mismatches"] == 0 and summary["errors"] == 0, summary["failures"]
     assert summary["failed_cases"] == []
+    assert "validate: ALL PASSED" in proc.stdout
+    row = [line for line in proc.stdout.splitlines() if line.startswith(f"| {world_size} ")]
+    assert len(row) == 1 and "PASS" in row[0], proc.stdout[-3000:]
 
 
-# fault -> a check that must fail, and (optionally) a prefix every failing check must have
+# fault -> a check that must fail, and (optionally) a text every failing check must contain
 _FAULT_EXPECTATIONS = {
     "floor": ("amax_partial == reference.grouped_amax_shard", None),
     "tail": ("amax_partial == reference.grouped_amax_shard", None),
@@ -93,8 +105,8 @@ _FAULT_EXPECTATIONS = {
 
 @pytest.mark.parametrize("fault", sorted(_FAULT_EXPECTATIONS))
 def test_harness_detects_planted_fault(tmp_path, fault):
-    proc, summary = _launch(
-        tmp_path, 2, "--backend", "gloo-cpu", "--cases", FAULT_CASES, fault=fault
+    proc, summary = _harness(
+        tmp_path, "--backend", "gloo-cpu", "--cases", FAULT_CASES, "--fault", fault
     )
     assert proc.returncode != 0, _tail(proc)
     assert summary is not None, _tail(proc)
@@ -111,54 +123,94 @@ def test_harness_detects_planted_fault(tmp_path, fault):
 
 def test_harness_exception_on_one_rank_fails_every_rank(tmp_path):
     t0 = time.monotonic()
-    proc, summary = _launch(
-        tmp_path, 2, "--backend", "gloo-cpu", "--cases", FAULT_CASES, fault="error", timeout_s=240
+    # the fault named through the environment, as the harness also accepts it
+    proc, summary = _harness(
+        tmp_path, "--backend", "gloo-cpu", "--cases", FAULT_CASES, ULYSSES_HARNESS_FAULT="error"
     )
     assert proc.returncode != 0, _tail(proc)
     assert summary is not None, _tail(proc)
+    assert summary["fault"] == "error"
     assert summary["errors"] > 0 and summary["passed"] is False
-    assert len(summary["failed_cases"]) == summary["cases"]
+    assert len(summary["failed_cases"]) == summary["cases"] == 2
+    assert {f["rank"] for f in summary["failures"]} == {1}  # only the last rank raised
+    assert "planted fault 'error'" in summary["failures"][0]["detail"]
     assert time.monotonic() - t0 < 200  # the other rank never waited out a PG timeout
 
 
-def test_harness_watchdog_ends_a_hung_run(tmp_path):
+def test_watchdog_ends_a_hung_run_and_validate_shows_the_ranks_stderr(tmp_path):
     watchdog_s = 20
     t0 = time.monotonic()
-    proc, summary = _launch(
+    proc, summary = _validate(
         tmp_path,
         2,
         "--backend",
         "gloo-cpu",
         "--cases",
         FAULT_CASES,
+        "--fault",
+        "hang",
         "--timeout-s",
         str(watchdog_s),
-        fault="hang",
         timeout_s=240,
     )
     elapsed = time.monotonic() - t0
-    assert proc.returncode != 0, _tail(proc)
+    assert proc.returncode == 1, _tail(proc)
     assert summary is None
-    assert "WATCHDOG" in proc.stderr, _tail(proc)
     assert elapsed < watchdog_s + 120, elapsed
+    out = proc.stdout
+    assert "WATCHDOG (rc=" in out and "validate: FAILED" in out, _tail(proc)
+    # the table is followed by each rank's last stderr lines, which name the hung case
+    tail = out[out.index("left no summary") :]
+    assert "local rank 0 stderr" in tail and "local rank 1 stderr" in tail, tail
+    # the first watchdog to fire ends its rank; torchrun may stop the other one before its own
+    assert "] WATCHDOG: harness still running" in tail, tail
+    assert "during 'smooth_k/L50-H3-D64" in tail, tail
 
 
 def test_harness_rejects_unknown_case_filter(tmp_path):
-    proc, summary = _launch(tmp_path, 2, "--cases", "no-such-case", timeout_s=240)
+    proc, summary = _harness(tmp_path, "--cases", "no-such-case")
     assert proc.returncode != 0
     assert summary is None
     assert "selects no case" in proc.stderr
 
 
+def test_list_and_help_explain_every_case_name(capsys):
+    assert harness.main(["--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert listed == [f"smooth_k/{c.id}" for c in cases.DEFAULT_CASES]
+    with pytest.raises(SystemExit) as exc:
+        harness.parse_args(["--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    for kind in cases.USED_KINDS:
+        assert f"used_{kind} " in help_text, kind
+    for word in ("qkv", "smooth", "randn", "suite smooth_k", "tail group"):
+        assert word in help_text, word
+    assert "SPEC" not in help_text and "../shared" not in help_text
+
+
+def test_suite_selection():
+    everything = harness.select(None, large=False, sweep=False, patterns=None)
+    assert [s.name for s in everything] == [f"smooth_k/{c.id}" for c in cases.DEFAULT_CASES]
+    some = harness.select(["smooth_k"], large=False, sweep=False, patterns="smooth_k/L1-,G256")
+    assert [s.case.id for s in some] == [
+        c.id for c in cases.DEFAULT_CASES if c.id.startswith("L1-") or "G256" in c.id
+    ]
+    with pytest.raises(_dist.SetupError, match="unknown suite"):
+        harness.select(["no_such_suite"], large=False, sweep=False, patterns=None)
+    large = harness.select(None, large=True, sweep=False, patterns=None)
+    assert len(large) == len(cases.DEFAULT_CASES + cases.LARGE_CASES + cases.SWEEP_CASES)
+
+
 def test_case_matrix_resolves_at_every_world_size():
-    cases = list(harness.DEFAULT_CASES) + list(harness.LARGE_CASES) + list(harness.SWEEP_CASES)
-    ids = [c.id for c in cases]
+    all_cases = cases.DEFAULT_CASES + cases.LARGE_CASES + cases.SWEEP_CASES
+    ids = [c.id for c in all_cases]
     assert len(ids) == len(set(ids))
-    for case in cases:
+    for case in all_cases:
         for P in WORLD_SIZES:
-            used = harness.resolve_used(case.used, case.L, P, case.G)
+            used = cases.resolve_used(case.used, case.L, P, case.G)
             S, G, L = case.L * P, case.G, case.L
-            if case.used in ("none",):
+            if case.used == "none":
                 assert used is None
                 continue
             assert 1 <= used <= S, (case.id, P, used)
@@ -166,7 +218,7 @@ def test_case_matrix_resolves_at_every_world_size():
                 assert used % G == 0 and used < S
             if case.used in ("tail", "straddle", "padrank"):
                 assert used % G != 0 and used < S
-                first, live_last, last = harness._tail_layout(used, S, L, G)
+                first, live_last, last = cases.tail_layout(used, S, L, G)
                 assert {
                     "tail": first == last,
                     "straddle": live_last > first,
@@ -175,15 +227,38 @@ def test_case_matrix_resolves_at_every_world_size():
 
 
 def test_default_matrix_covers_the_awkward_shapes():
-    cases = harness.DEFAULT_CASES
-    assert {c.dtype for c in cases} == {"bf16", "fp16"}
-    assert {c.D for c in cases} >= {64, 128}
-    assert {c.G for c in cases} >= {16, 64, 128, 256}
-    assert set(harness.USED_KINDS) <= {c.used for c in cases}
-    assert {c.data for c in cases} == {"smooth", "randn"}
-    assert any(c.qkv for c in cases) and any(c.B > 1 for c in cases)
-    assert {1, 20, 477} <= {c.L for c in cases} and any(c.L % 64 for c in cases)
-    assert {1, 3, 7} <= {c.H for c in cases}
+    cs = cases.DEFAULT_CASES
+    assert {c.dtype for c in cs} == {"bf16", "fp16"}
+    assert {c.D for c in cs} >= {64, 128}
+    assert {c.G for c in cs} >= {16, 64, 128, 256}
+    assert set(cases.USED_KINDS) <= {c.used for c in cs}
+    assert {c.data for c in cs} == {"smooth", "randn"}
+    assert any(c.qkv for c in cs) and any(c.B > 1 for c in cs)
+    assert {1, 20, 477} <= {c.L for c in cs} and any(c.L % 64 for c in cs)
+    assert {1, 3, 7} <= {c.H for c in cs}
+
+
+def test_case_data_comes_from_the_shared_generator():
+    """Same bits as ``ulysses.testing.make_k_full`` seeded with crc32(id) + seed; a strided
+    view for qkv cases; padding rows zero."""
+    case = next(c for c in cases.DEFAULT_CASES if c.qkv and c.used == "padrank")
+    P, seed = 4, 3
+    used = cases.resolve_used(case.used, case.L, P, case.G)
+    k_full = cases.build_k_full(case, P, used, torch.device("cpu"), seed)
+    again = ulysses.testing.make_k_full(
+        case.B,
+        case.L * P,
+        case.H,
+        case.D,
+        cases.DTYPES[case.dtype],
+        case.data,
+        used=used,
+        seed=ulysses.testing.seed_of(case.id) + seed,
+        qkv=True,
+    )
+    assert checks.bitwise_diff(k_full, again) is None
+    assert not k_full.is_contiguous()
+    assert bool((k_full[:, used:] == 0).all()) and bool((k_full[:, :used] != 0).any())
 
 
 @pytest.mark.parametrize(
@@ -200,35 +275,154 @@ def test_backend_auto_choice(monkeypatch, n_gpu, local_world, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: n_gpu > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: n_gpu)
     # the last local rank of the second node
-    topo = harness.Topology(
+    topo = _dist.Topology(
         rank=2 * local_world - 1,
         world_size=2 * local_world,
         local_rank=local_world - 1,
         local_world_size=local_world,
     )
-    backend, device, _ = harness.choose_backend("auto", topo)
+    backend, device, _ = _dist.choose_backend("auto", topo)
     assert (backend, str(device)) == expected
 
 
-def test_backend_explicit_choice_is_checked(monkeypatch):
+def test_backend_explicit_choice_points_the_right_way(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    topo = harness.Topology(rank=0, world_size=2, local_rank=0, local_world_size=2)
-    with pytest.raises(harness.HarnessError, match="nccl"):
-        harness.choose_backend("nccl", topo)
-    with pytest.raises(harness.HarnessError, match="gloo-cuda"):
-        harness.choose_backend("gloo-cuda", topo)
-    assert harness.choose_backend("gloo-cpu", topo)[0] == "gloo-cpu"
+    topo = _dist.Topology(rank=0, world_size=2, local_rank=0, local_world_size=2)
+    with pytest.raises(_dist.SetupError, match="nccl needs a GPU per rank") as exc:
+        _dist.choose_backend("nccl", topo)
+    assert "gloo-cpu" in str(exc.value) and "gloo-cuda" not in str(exc.value)
+    with pytest.raises(_dist.SetupError, match="gloo-cuda needs a CUDA device"):
+        _dist.choose_backend("gloo-cuda", topo)
+    assert _dist.choose_backend("gloo-cpu", topo)[0] == "gloo-cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(_dist.SetupError, match="1 GPU.*2 local ranks.*gloo-cuda"):
+        _dist.choose_backend("nccl", topo)
+
+
+def test_validate_preflight_messages(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("ULYSSES_BACKEND", "nccl")
+    assert validate.main(["--world-sizes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "GPU per rank" in err and "ULYSSES_BACKEND=gloo-cpu" in err and "gloo-cuda" not in err
+    monkeypatch.delenv("ULYSSES_BACKEND")
+    assert validate.main(["--world-sizes", "2", "--large"]) == 2
+    assert "--large needs CUDA" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        validate.parse_args(["--world-sizes", "3"])
+
+
+def test_validate_table_and_forwarded_arguments():
+    args, rest = validate.parse_args(
+        ["--world-sizes", "2", "4", "--large", "--backend", "gloo-cuda", "--cases", "L1"]
+    )
+    assert (
+        args.world_sizes == [2, 4]
+        and args.large
+        and rest
+        == [
+            "--backend",
+            "gloo-cuda",
+            "--cases",
+            "L1",
+        ]
+    )
+    assert args.outer_timeout_s == args.timeout_s + 120
+    summary = {
+        "backend": "gloo-cpu",
+        "device": "cpu",
+        "cases": 16,
+        "checks": 640,
+        "mismatches": 3,
+        "errors": 0,
+        "seconds": 12.5,
+    }
+    rows = [
+        {"P": 2, "rc": 1, "wall": 20.0, "summary": summary, "ok": False, "stderr": []},
+        {"P": 4, "rc": 1, "wall": 5.0, "summary": None, "ok": False, "stderr": ["x"]},
+        {"P": 6, "rc": 124, "wall": 999.0, "summary": None, "ok": False, "stderr": []},
+    ]
+    table = validate.format_table(rows)
+    assert "FAIL (rc=1, mismatches=3, errors=0)" in table
+    assert "FAIL (rc=1, no summary)" in table and "TIMEOUT (rc=124)" in table
+    assert len(table.splitlines()) == 2 + len(rows)
+
+
+def test_planted_faults_patch_and_restore():
+    floor, tail_group = ulysses.grid.FLOOR, ulysses.grid.tail_group
+    with faults.planted("floor"):
+        assert ulysses.grid.FLOOR == 1e-3
+    with faults.planted("tail"):
+        assert ulysses.grid.tail_group(100, 256, 64) == -1
+    with faults.planted("mean_divisor"):
+        assert ulysses.grid.mean_divisor(100, 256) == 256
+    real = ulysses.grid.boundary_sources(1, 50, 4, 64)
+    assert len(real[0]) > 1  # rank 1's first group straddles ranks 0 and 1
+    with faults.planted("boundary_merge"):
+        first, last = ulysses.grid.boundary_sources(1, 50, 4, 64)
+    assert first == tuple(s for s in real[0] if s[0] == 1) and len(first) == 1
+    assert last == tuple(s for s in real[1] if s[0] == 1)
+    assert (ulysses.grid.FLOOR, ulysses.grid.tail_group) == (floor, tail_group)
+    assert ulysses.grid.boundary_sources(1, 50, 4, 64) == real
+    with faults.planted(None):
+        assert ulysses.grid.FLOOR == floor
+    with pytest.raises(_dist.SetupError, match="planted fault must be one of"):
+        with faults.planted("no_such_fault"):
+            pass
 
 
 def test_comparisons_can_fail():
     a = torch.tensor([1.0, float("nan"), 0.0])
-    assert harness.bitwise_diff(a, a.clone()) is None
-    assert "index (2,)" in harness.bitwise_diff(a, torch.tensor([1.0, float("nan"), -0.0]))
-    assert harness.bitwise_diff(a, torch.tensor([1.0, 2.0, 0.0])) is not None
+    assert checks.bitwise_diff(a, a.clone()) is None
+    assert "index (2,)" in checks.bitwise_diff(a, torch.tensor([1.0, float("nan"), -0.0]))
+    assert checks.bitwise_diff(a, torch.tensor([1.0, 2.0, 0.0])) is not None
     masked = torch.tensor([True, True, False])
-    assert harness.bitwise_diff(a, torch.tensor([1.0, float("nan"), 5.0]), masked) is None
+    assert checks.bitwise_diff(a, torch.tensor([1.0, float("nan"), 5.0]), masked) is None
     m = torch.tensor([1.0, 3.0], dtype=torch.bfloat16)
     one_ulp = torch.tensor([1.0 + 2**-7, 3.0], dtype=torch.float64)
-    assert harness.ulp_diff(m, one_ulp) is None
-    assert harness.ulp_diff(m, torch.tensor([1.0 + 2**-6, 3.0], dtype=torch.float64)) is not None
+    assert checks.ulp_diff(m, one_ulp) is None
+    assert checks.ulp_diff(m, torch.tensor([1.0 + 2**-6, 3.0], dtype=torch.float64)) is not None
+
+
+_TEARDOWN_HANG = """
+import threading
+from unittest import mock
+
+import torch.distributed as dist
+
+from dist_tests import _dist
+
+
+def main():
+    plan = _dist.plan("gloo-cpu")
+    forever = lambda *args, **kwargs: threading.Event().wait()
+    with mock.patch.object(dist, "destroy_process_group", forever):
+        with _dist.session("teardown_probe", plan, timeout_s=300, teardown_s=3) as ctx:
+            print(f"rank {ctx.rank}: body done", flush=True)
+    return 0
+
+
+_dist.run_main(main)
+"""
+
+
+def test_watchdog_guards_a_hanging_teardown(tmp_path):
+    """What kept compile_check --cuda-graph alive (issue 16 item 3): a destroy_process_group
+    that never returns. The session's watchdog ends it a few seconds after the body."""
+    script = tmp_path / "teardown_probe.py"
+    script.write_text(textwrap.dedent(_TEARDOWN_HANG))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [*cmd, str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0, _tail(proc)
+    assert proc.stdout.count("body done") == 2, _tail(proc)
+    for rank in (0, 1):
+        assert f"[rank {rank}] WATCHDOG: teardown_probe" in proc.stderr, _tail(proc)
+    assert "during 'teardown'" in proc.stderr
+    assert elapsed < 120, elapsed

@@ -1,22 +1,29 @@
-"""ulysses-lowp: smooth-K statistics on the global grid for low-precision Ulysses attention."""
+"""ulysses-lowp: smooth-K statistics on the global grid for low-precision Ulysses attention.
+
+The contract is docs/CONTRACT.md; the module map and data flow are in docs/DESIGN.md.
+"""
 
 
 def _alias_source_kernels() -> None:
-    """In a source checkout that is not installed, load ../kernels as ``ulysses.kernels``.
+    """Make ``ulysses.kernels`` this tree's kernels, whatever else is installed.
 
-    Installed (wheel or editable), setuptools' package-dir mapping provides it; this only
-    lets ``python -m dist_tests.harness`` run straight from a clone.
+    Installed from a wheel, ``kernels/`` sits inside the package (setuptools' package-dir
+    mapping) and imports as usual. In a source checkout (``ulysses/`` beside ``kernels/``)
+    the checkout's own ``kernels/`` is loaded as ``ulysses.kernels``, even when another
+    checkout is installed in editable mode: its finder would otherwise supply that other
+    tree's kernels and silently mix code.
     """
     import importlib.util
     import os
     import sys
 
-    if importlib.util.find_spec(__name__ + ".kernels") is not None:
-        return
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.path.exists(os.path.join(here, "kernels", "__init__.py")):
+        return  # a wheel install: the regular subpackage
+    path = os.path.join(os.path.dirname(here), "kernels")
     init = os.path.join(path, "__init__.py")
     if not os.path.exists(init):
-        return
+        return  # no source tree beside us: let the import system find it
     spec = importlib.util.spec_from_file_location(
         __name__ + ".kernels", init, submodule_search_locations=[path]
     )
@@ -27,7 +34,10 @@ def _alias_source_kernels() -> None:
 
 _alias_source_kernels()
 
-from . import reference  # noqa: E402
+from . import (
+    reference,  # noqa: E402
+    testing,  # noqa: E402
+)
 from .amax import k_grouped_amax
 from .grid import group_first, group_last, slots, touched
 from .stats import SmoothKStats, global_k_mean, smooth_k_stats
@@ -42,6 +52,7 @@ __all__ = [
     "group_last",
     "touched",
     "reference",
+    "testing",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

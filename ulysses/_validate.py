@@ -6,8 +6,6 @@ argument, what was given and what is expected. Nothing invalid reaches a kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .grid import check_group_size, check_int, check_used, check_world  # noqa: F401 (re-exported)
@@ -16,39 +14,43 @@ K_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
-def check_k(k) -> tuple[int, int, int, int]:
-    """Validate the shard ``k`` [B, L, H, D]; return its shape."""
+def check_k(k, name: str = "k") -> tuple[int, int, int, int]:
+    """Validate a shard [B, L, H, D] (``k``, or q/v of the exchange); return its shape.
+
+    The layout cannot be checked: a [B, H, L, D] tensor would be read with L and H swapped.
+    """
     if not isinstance(k, torch.Tensor):
-        raise TypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(k).__name__}")
     if k.dtype not in K_DTYPES:
-        raise TypeError(f"k must be bfloat16 or float16, got dtype {k.dtype}")
-    if k.dim() != 4:
-        raise ValueError(f"k must be 4-D [B, L, H, D], got shape {tuple(k.shape)}")
-    B, L, H, D = k.shape
+        raise TypeError(f"{name} must be bfloat16 or float16, got dtype {k.dtype}")
+    shape = k.shape
+    if len(shape) != 4:
+        raise ValueError(f"{name} must be 4-D [B, L, H, D], got shape {tuple(shape)}")
+    B, L, H, D = shape
     if B < 1 or L < 1 or H < 1:
-        raise ValueError(f"k must have B, L, H >= 1, got shape {tuple(k.shape)}")
+        raise ValueError(f"{name} must have B, L, H >= 1, got shape {tuple(shape)}")
     if D not in HEAD_DIMS:
-        raise ValueError(f"k head dim D must be one of {HEAD_DIMS}, got shape {tuple(k.shape)}")
+        raise ValueError(f"{name} head dim D must be one of {HEAD_DIMS}, got shape {tuple(shape)}")
     if k.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"k must be on a CUDA or CPU device, got {k.device}")
-    if k.stride(-1) != 1:
-        raise ValueError(f"k must have unit stride in the last dim, got strides {k.stride()}")
-    elem = k.element_size()
-    step = 16 // elem
-    for dim in range(3):
-        if k.stride(dim) % step != 0:
-            raise ValueError(
-                f"k stride of dim {dim} must be a multiple of {step} elements (16 bytes), "
-                f"got strides {k.stride()}"
-            )
+        raise ValueError(f"{name} must be on a CUDA or CPU device, got {k.device}")
+    sb, sl, sh, sd = k.stride()
+    if sd != 1:
+        raise ValueError(f"{name} must have unit stride in the last dim, got strides {k.stride()}")
+    step = 8 if k.dtype in K_DTYPES else 16 // k.element_size()  # 16 bytes of bf16/fp16
+    if sb % step or sl % step or sh % step:
+        dim = 0 if sb % step else 1 if sl % step else 2
+        raise ValueError(
+            f"{name} stride of dim {dim} must be a multiple of {step} elements (16 bytes), "
+            f"got strides {k.stride()}"
+        )
     return B, L, H, D
 
 
-def check_alignment(k: torch.Tensor) -> None:
+def check_alignment(k: torch.Tensor, name: str = "k") -> None:
     """The data pointer rule (checked where real storage exists, not while tracing)."""
     if k.data_ptr() % 16 != 0:
         raise ValueError(
-            f"k data pointer must be 16-byte aligned, got address {k.data_ptr()} "
+            f"{name} data pointer must be 16-byte aligned, got address {k.data_ptr()} "
             f"(offset {k.data_ptr() % 16} bytes)"
         )
 
@@ -72,35 +74,35 @@ def check_mean(k_mean_global, k: torch.Tensor) -> None:
         raise ValueError(f"k_mean_global must be contiguous, got strides {k_mean_global.stride()}")
 
 
-@functools.cache
-def _pdl_capable(index: int | None) -> bool:
-    from .kernels._runtime import HAS_GDC
-
-    return HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
+_PDL_SUPPORTED: dict[tuple[torch.device, int], bool] = {}
 
 
-def check_pdl(enable_pdl, device: torch.device) -> None:
-    if enable_pdl is not None and not isinstance(enable_pdl, bool):
-        raise TypeError(
-            f"enable_pdl must be None or a bool, got {type(enable_pdl).__name__} {enable_pdl!r}"
-        )
-    if enable_pdl and device.type != "cuda":
-        raise ValueError(
-            f"enable_pdl=True needs a CUDA device of compute capability >= 9.0, got device {device}"
-        )
+def _pdl_supported(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _PDL_SUPPORTED.get((device, index))
+    if found is None:
+        from .kernels._runtime import HAS_GDC
+
+        found = HAS_GDC and torch.cuda.get_device_capability(index)[0] >= 9
+        _PDL_SUPPORTED[(device, index)] = found
+    return found
 
 
 def resolve_pdl(enable_pdl, device: torch.device) -> bool:
-    """None -> PDL where supported (CUDA, compute capability >= 9.0); True without it raises."""
-    check_pdl(enable_pdl, device)
-    supported = device.type == "cuda" and _pdl_capable(
-        torch.cuda.current_device() if device.index is None else device.index
-    )
+    """The one PDL rule: None -> on where supported (CUDA, compute capability >= 9.0, a Triton
+    with grid dependency control); True without support raises ValueError; False -> off."""
     if enable_pdl is None:
-        return supported
-    if enable_pdl and not supported:
+        return _pdl_supported(device)
+    if not isinstance(enable_pdl, bool):
+        raise TypeError(
+            f"enable_pdl must be None or a bool, got {type(enable_pdl).__name__} {enable_pdl!r}"
+        )
+    if enable_pdl and not _pdl_supported(device):
         raise ValueError(
             f"enable_pdl=True needs a CUDA device of compute capability >= 9.0 and a Triton "
-            f"with grid dependency control; got device {device}"
+            f"with grid dependency control; got device {device} (pass enable_pdl=None to use "
+            "PDL only where it is supported)"
         )
     return enable_pdl

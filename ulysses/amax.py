@@ -1,4 +1,4 @@
-"""``k_grouped_amax``: this rank's partial smooth-K amax per global group (SPEC §3).
+"""``k_grouped_amax``: this rank's partial smooth-K amax per global group (docs/CONTRACT.md §3).
 
 Shape legend: B batch, L local rows, H heads, D head dim, P = world_size, S = L * P,
 G = group_size, NS = slots(L, G).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops
+from . import _ops, grid
 from . import _validate as v
 
 __all__ = ["k_grouped_amax"]
@@ -46,11 +46,14 @@ def k_grouped_amax(
     Triton's interpreter.
 
     Args:
-        k: bf16/fp16 [B, L, H, D], D in {16, 32, 64, 128, 256}, unit last stride, 16-byte
+        k: bf16/fp16 [B, L, H, D] (this layout is read as is: a [B, H, L, D] tensor cannot be
+            told apart and would be read with L and H swapped), D in {16, 32, 64, 128, 256},
+            unit last stride, 16-byte
             aligned data pointer and strides of dims 0..2 (fused-QKV views are fine).
         k_mean_global: [B, H, D], k's dtype and device, contiguous.
         rank, world_size: this rank and the Ulysses group size (2, 4, 6 or 8).
-        used_sequence: live global rows (``1 <= used <= S``) or None for all S rows.
+        used_sequence: live rows of the GLOBAL sequence (``1 <= used <= S``, not a per-rank
+            count), or None for all S rows.
         enable_pdl: None uses programmatic dependent launch where supported (CUDA, compute
             capability >= 9.0); True on a device without it raises; False turns it off.
         group_size: rows per global group G, one of 16, 32, 64, 128, 256.
@@ -61,11 +64,23 @@ def k_grouped_amax(
     """
     B, L, H, D = v.check_k(k)
     v.check_mean(k_mean_global, k)
-    v.check_world(rank, world_size)
-    v.check_group_size(group_size)
-    S = L * world_size
-    v.check_used(used_sequence, S)
-    v.check_pdl(enable_pdl, k.device)
+    grid.check_world(rank, world_size)
+    grid.check_group_size(group_size)
+    grid.check_used(used_sequence, L * world_size)
+    use_pdl = v.resolve_pdl(enable_pdl, k.device)
+    if not _ops.is_compiling():  # data pointers exist only on real tensors
+        v.check_alignment(k)
+    lay = grid.layout(rank, L, world_size, group_size, used_sequence)
     return _ops.k_grouped_amax(
-        k, k_mean_global, rank, world_size, used_sequence, enable_pdl, group_size
+        k=k,
+        k_mean=k_mean_global,
+        group_size=group_size,
+        row0=lay.row0,
+        n_slots=lay.n_slots,
+        g_first=lay.g_first,
+        n_touched=lay.n_touched,
+        tail_group=lay.tail_group,
+        tail_end=lay.live_end,
+        floor=grid.FLOOR,
+        use_pdl=use_pdl,
     )

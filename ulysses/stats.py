@@ -1,41 +1,51 @@
-"""The global K mean and smooth-K statistics across a Ulysses group (SPEC §4).
+"""The global K mean and smooth-K statistics across a Ulysses group (docs/CONTRACT.md §4).
 
 Shape legend: B batch, L local rows, H heads, D head dim, P = world size, S = L * P,
-G = group_size, NS = slots(L, G), NB = 64-row sum blocks a shard touches.
+G = group_size, NS = slots(L, G).
     k              [B, L, H, D]   this rank's rows [rank*L, (rank+1)*L), bf16/fp16
     k_mean_global  [B, H, D]      k.dtype, identical bits on every rank
     amax_partial   [B, H, NS]     fp32, this rank's k_grouped_amax
     amax_final     [B, H, NS]     fp32, per global group the max over every rank touching it
+    payload        [N]            fp32, what one rank sends: [tag | sum | boundary | tag]
 
-Data flow of ``smooth_k_stats`` (one collective):
-    block_stats kernel (one read of K): NB block sums, per-slot channel min/max
-    -> block_sum_reduce kernel: local fp32 sum [B, H, D]
-    -> all_gather of [local sum | min/max of the first and last touched slot]   (the collective)
-    -> every rank adds the P sums in rank order, divides by n, rounds: k_mean_global
-    -> amax_partial: derive kernel from min/max ("fused") or a second read of K ("two_pass")
-    -> amax_final: boundary slots merged from every touching rank's gathered min/max.
+Data flow of ``smooth_k_stats`` (docs/DESIGN.md draws it): ``local_stats`` (one read of K,
+three launches) writes the payload -> ONE all_gather -> ``finalize_stats`` (one launch)
+forms the mean, derives the amax, merges the boundary groups and applies the disagreement NaN.
+Method "two_pass" reads K again with the ``k_grouped_amax`` kernel once the mean is known.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import zlib
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from . import _ops
+from . import _ops, grid
 from . import _validate as v
-from .amax import k_grouped_amax
-from .grid import group_first, group_last, ranks_touching, touched
-from .kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
+from .kernels._runtime import workspace
+from .kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE, payload_numel
+from .kernels.finalize_stats import MODE_FUSED, MODE_MEAN, MODE_MERGE
 
-__all__ = ["SmoothKStats", "global_k_mean", "smooth_k_stats", "METHODS"]
+__all__ = [
+    "SmoothKStats",
+    "KStatsPart",
+    "global_k_mean",
+    "smooth_k_stats",
+    "k_stats_part",
+    "all_gather_payload",
+    "verify_call",
+    "METHODS",
+]
 
 METHODS = ("fused", "two_pass")
 # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
+_SIGNATURE_FIELDS = 12  # ints per rank in the consistency check (fixed: sizes never differ)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,165 +68,313 @@ class SmoothKStats:
     group_size: int
 
 
-def _resolve_group(group, k: torch.Tensor) -> tuple[object, int, int]:
-    """(process group, rank, world size) with the checks of SPEC §4."""
+# ---- the process group --------------------------------------------------------------------
+
+_GROUPS: dict[tuple, tuple[int, int]] = {}
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
+
+
+def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
+    """(process group, rank, world size), checked once per (group, device type)."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "group: torch.distributed is not initialized; call init_process_group first "
-            "(or run under torchrun)"
+        hint = (
+            "this process runs under torchrun but has not called "
+            "torch.distributed.init_process_group(backend) yet"
+            if _under_torchrun()
+            else "start the program with torchrun (one process per rank) and call "
+            "torch.distributed.init_process_group(backend) before this call"
         )
+        raise ValueError(f"group: torch.distributed is not initialized; {hint}")
     pg = dist.group.WORLD if group is None else group
+    key = (pg, device.type)
+    found = _GROUPS.get(key)
+    if found is not None:
+        return pg, found[0], found[1]
     world_size = dist.get_world_size(pg)
     rank = dist.get_rank(pg)
-    if world_size not in (2, 4, 6, 8):
-        raise ValueError(f"group must have a world size in (2, 4, 6, 8), got {world_size}")
+    if world_size not in grid.SUPPORTED_WORLD_SIZES:
+        raise ValueError(
+            f"group must have a world size in {grid.SUPPORTED_WORLD_SIZES}, got {world_size}"
+        )
     if rank < 0:
         raise ValueError("group: this process is not a member of the given process group")
-    if _ops.is_compiling():  # the backend was checked by the eager calls before capture
-        return pg, rank, world_size
-    backend = str(dist.get_backend(pg)).lower()
-    if k.device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
-        raise ValueError(
-            f"k is a CPU tensor but group uses backend {backend!r}; NCCL needs CUDA tensors "
-            "(use a gloo group for CPU tensors)"
-        )
+    if not _ops.is_compiling():
+        backend = str(dist.get_backend(pg)).lower()
+        if device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
+            raise ValueError(
+                f"k is a CPU tensor but group uses backend {backend!r}; NCCL needs CUDA tensors "
+                "(move k to this rank's GPU, or use a gloo group for CPU tensors)"
+            )
+        _GROUPS[key] = (rank, world_size)
     return pg, rank, world_size
 
 
-def _check_common(k, used_sequence, group, group_size=64):
-    B, L, H, D = v.check_k(k)
-    v.check_group_size(group_size)
-    pg, rank, world_size = _resolve_group(group, k)
-    v.check_used(used_sequence, L * world_size)
-    return pg, rank, world_size, (B, L, H, D)
-
-
-def _local_stats(k, *, rank, world_size, used_sequence, group_size, minmax_mode, use_pdl):
-    """Run the one-read kernels: local fp32 sum [B, H, D] and the min/max buffer (or None)."""
-    local_sum, minmax = _ops.local_stats(
-        k, rank, world_size, used_sequence, group_size, minmax_mode, use_pdl
-    )
-    return local_sum, (minmax if minmax_mode != MINMAX_NONE else None)
-
-
-def _all_gather(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
+def all_gather_payload(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
     """[N] -> [P, N]: every rank's payload in rank order (a copy, so order-exact)."""
     if _ops.is_compiling():  # traceable functional collective, no graph break
         gathered = funcol.all_gather_tensor(payload, 0, pg)
         return gathered.view(world_size, payload.numel())
-    gathered = torch.empty(
-        world_size * payload.numel(), dtype=payload.dtype, device=payload.device
-    )  # flat: gloo rejects a [P, N] output
+    # Flat (gloo rejects a [P, N] output) and reused from call to call on this stream: a new
+    # NCCL output tensor per call cost ~24 us of host time on the H200 machines. Reuse is
+    # stream-ordered: the next all_gather waits for this call's kernels that read it.
+    n = world_size * payload.numel()
+    gathered = workspace("gathered", n, payload.dtype, payload.device)[:n]
     _all_gather_single(gathered, payload, group=pg)
     return gathered.view(world_size, payload.numel())
 
 
-def _mean_from_sums(sums: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Add the ranks' fp32 sums [P, B, H, D] in rank order, divide by n in fp32, round (RNE)."""
-    total = sums[0].clone()
-    for q in range(1, sums.shape[0]):
-        total += sums[q]
-    return (total / n).to(dtype)
+# ---- ranks that disagree --------------------------------------------------------------------
+
+_VERIFIED: set[tuple] = set()
+_FN_CODES = {"smooth_k_stats": 1, "global_k_mean": 2, "exchange_qkv": 3}
 
 
-def _call_tag(k, used_sequence, group_size, method) -> float:
-    """A 24-bit tag of the call's arguments, exact in fp32, sent with the payload."""
-    B, L, H, D = k.shape
-    used = -1 if used_sequence is None else used_sequence
-    h = 0x811C9DC5  # FNV-1a over the ints, in plain Python so torch.compile folds it
-    for value in (B, L, H, D, _DTYPE_CODES[k.dtype], used, group_size, METHODS.index(method)):
-        h = ((h ^ (value & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
-    return float(h & 0xFFFFFF)
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _check_consistent(pg, world_size, k, used_sequence, group_size, method):
-    """Opt-in: every rank must call with the same shape, dtype, used_sequence and group_size."""
-    B, L, H, D = k.shape
-    code = [
-        B,
-        L,
-        H,
-        D,
-        _DTYPE_CODES[k.dtype],
-        -1 if used_sequence is None else used_sequence,
-        group_size,
-        METHODS.index(method),
-    ]
-    mine = torch.tensor(code, dtype=torch.int64, device=k.device)
-    all_codes = _all_gather(mine, pg, world_size).cpu()
-    names = ["B", "L", "H", "D", "dtype", "used_sequence", "group_size", "method"]
+def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool, **fields) -> float:
+    """Check that every rank calls ``fn`` with the same ``fields`` (ints or None); return the
+    call's 24-bit tag (exact in fp32), which also travels in the payload.
+
+    The check is one all_gather of a fixed number of int64 values, so it cannot hang when
+    ranks disagree on sizes; on a mismatch every rank raises the same ValueError naming the
+    field and the per-rank values. It runs on the first call of each new signature per
+    process group (or every call with ``force``), never while compiling or capturing a CUDA
+    graph; later calls cost a dict lookup. What it cannot see (a rank that switches to a new
+    signature while the others reuse a verified one) the tag turns into NaN outputs.
+    """
+    values = [_FN_CODES.get(fn) or zlib.crc32(fn.encode()) & 0x7FFFFFFF]
+    values += [-1 if x is None else int(x) for x in fields.values()]
+    assert len(values) <= _SIGNATURE_FIELDS, fields
+    h = 0x811C9DC5  # FNV-1a over the ints, plain Python that torch.compile folds
+    for x in values:
+        h = ((h ^ (x & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
+    tag = float(h & 0xFFFFFF)
+    if _ops.is_compiling() or _capturing(device):
+        return tag
+    key = (pg, fn, *fields.items())
+    if not force and key in _VERIFIED:
+        return tag
+    values += [0] * (_SIGNATURE_FIELDS - len(values))
+    mine = torch.tensor(values, dtype=torch.int64).to(device)
+    table = all_gather_payload(mine, pg, world_size).cpu()
+    names = ["function", *fields] + [""] * (_SIGNATURE_FIELDS - 1 - len(fields))
     for i, name in enumerate(names):
-        column = all_codes[:, i].tolist()
+        column = table[:, i].tolist()
         if len(set(column)) != 1:
+            if name == "function":
+                raise ValueError(
+                    f"ranks disagree on the function called: rank 0 called {fn}? per-rank "
+                    f"codes {column}; every rank of the group must make the same call"
+                )
+            shown = [None if x == -1 and name == "used_sequence" else x for x in column]
             raise ValueError(
-                f"ranks disagree on {name}: per-rank values {column} (check_consistency=True)"
+                f"ranks disagree on {name} in {fn}: per-rank values {shown}; every rank of the "
+                f"group must call {fn} with the same {name}"
             )
+    _VERIFIED.add(key)
+    return tag
 
 
-@torch.no_grad()
+def _signature(k: torch.Tensor, used_sequence, group_size, method) -> dict:
+    B, L, H, D = k.shape
+    return dict(
+        B=B,
+        L=L,
+        H=H,
+        D=D,
+        dtype=_DTYPE_CODES[k.dtype],
+        used_sequence=used_sequence,
+        group_size=group_size,
+        method=None if method is None else METHODS.index(method),
+    )
+
+
+# ---- the statistics, as a part of a payload ---------------------------------------------------
+
+
+class KStatsPart:
+    """K's share of a statistics all_gather (``smooth_k_stats`` and the exchange use it).
+
+    ``numel`` fp32 elements per rank; ``write(buf)`` runs the local kernels into ``buf``
+    (fp32 [numel], or None for a new tensor) and returns it; ``finish(gathered)`` takes the
+    gathered [P, numel] (rows contiguous; a column slice of a wider gathered buffer is fine)
+    and returns :class:`SmoothKStats`. Arguments are validated by :func:`k_stats_part`.
+    """
+
+    def __init__(self, k, *, rank, world_size, used_sequence, group_size, use_pdl, method, tag):
+        B, L, H, D = k.shape
+        self.k = k
+        self.method = method
+        self.use_pdl = use_pdl
+        self.tag = tag
+        self.layout = grid.layout(rank, L, world_size, group_size, used_sequence)
+        self.minmax_mode = (
+            MINMAX_NONE if method is None else MINMAX_ALL if method == "fused" else MINMAX_BOUNDARY
+        )
+        self.numel = payload_numel(B, H, D, self.minmax_mode)
+        self.minmax = None
+
+    def write(self, buf: torch.Tensor | None = None) -> torch.Tensor:
+        lay = self.layout
+        payload, self.minmax = _ops.local_stats_op(
+            k=self.k,
+            payload=buf,
+            group_size=lay.G,
+            row0=lay.row0,
+            live_end=lay.live_end,
+            tail_group=lay.tail_group,
+            g_first=lay.g_first,
+            n_touched=lay.n_touched,
+            n_slots=lay.n_slots,
+            block_first=lay.block_first,
+            n_blocks=lay.n_blocks,
+            minmax_mode=self.minmax_mode,
+            tag=self.tag,
+            use_pdl=self.use_pdl,
+        )
+        return payload
+
+    def finish(self, gathered: torch.Tensor) -> SmoothKStats:
+        lay, k = self.layout, self.k
+        B, _, H, D = k.shape
+        common = dict(
+            dtype=k.dtype,
+            B=B,
+            H=H,
+            D=D,
+            n_slots=lay.n_slots,
+            n_touched=lay.n_touched,
+            divisor=lay.divisor,
+            tag=self.tag,
+            first_sources=[q * 2 + e for q, e in lay.first_sources],
+            last_sources=[q * 2 + e for q, e in lay.last_sources],
+            floor=grid.FLOOR,
+            use_pdl=self.use_pdl,
+        )
+        if self.method == "fused":
+            mean, partial, final = _ops.finalize_op(
+                gathered=gathered, minmax=self.minmax, mode=MODE_FUSED, **common
+            )
+        else:
+            mean, _, _ = _ops.finalize_op(gathered=gathered, mode=MODE_MEAN, **common)
+            if self.method is None:
+                return mean
+            direct = _ops.k_grouped_amax(
+                k=k,
+                k_mean=mean,
+                group_size=lay.G,
+                row0=lay.row0,
+                n_slots=lay.n_slots,
+                g_first=lay.g_first,
+                n_touched=lay.n_touched,
+                tail_group=lay.tail_group,
+                tail_end=lay.live_end,
+                floor=grid.FLOOR,
+                use_pdl=self.use_pdl,
+            )
+            _, partial, final = _ops.finalize_op(
+                gathered=gathered, amax_partial=direct, mode=MODE_MERGE, **common
+            )
+        return SmoothKStats(
+            k_mean_global=mean,
+            amax_partial=partial,
+            amax_final=final,
+            rank=lay.rank,
+            world_size=lay.P,
+            used_sequence=lay.used,
+            group_size=lay.G,
+        )
+
+
+def _validated_part(
+    k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
+) -> tuple[KStatsPart, object, int]:
+    B, L, H, D = v.check_k(k)
+    grid.check_group_size(group_size)
+    if method is not None and method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(check_consistency, bool):
+        raise TypeError(f"check_consistency must be a bool, got {check_consistency!r}")
+    use_pdl = v.resolve_pdl(enable_pdl, k.device)
+    pg, rank, world_size = resolve_group(group, k.device)
+    grid.check_used(used_sequence, L * world_size)
+    if not _ops.is_compiling():
+        v.check_alignment(k)
+    tag = verify_call(
+        pg,
+        world_size,
+        k.device,
+        fn,
+        check_consistency,
+        **_signature(k, used_sequence, group_size, method),
+    )
+    part = KStatsPart(
+        k,
+        rank=rank,
+        world_size=world_size,
+        used_sequence=used_sequence,
+        group_size=group_size,
+        use_pdl=use_pdl,
+        method=method,
+        tag=tag,
+    )
+    return part, pg, world_size
+
+
+def k_stats_part(
+    k: torch.Tensor,
+    *,
+    group=None,
+    used_sequence: int | None = None,
+    enable_pdl: bool | None = None,
+    group_size: int = 64,
+    method: str = "fused",
+    check_consistency: bool = False,
+    caller: str = "smooth_k_stats",
+) -> tuple[KStatsPart, object, int]:
+    """Validate like :func:`smooth_k_stats` and return ``(part, process group, world size)``
+    for a caller that gathers K's statistics together with its own (the exchange)."""
+    return _validated_part(
+        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, caller
+    )
+
+
+# ---- public entry points -------------------------------------------------------------------
+
+
 def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = None) -> torch.Tensor:
     """The per-channel K mean over the whole sequence, [B, H, D] in k's dtype, on every rank.
 
     ``round_rne(sum over ranks and live rows of fp32(k) / n)`` with ``n = used_sequence`` (or
-    S). The fp32 sum has a fixed association (64-row blocks of the global grid, rows then
-    blocks in order, then ranks in rank order), so every rank and every run holds the same
-    bits whatever the collective's algorithm. Rows at global index >= used are excluded.
-    One ``all_gather`` on ``group`` (default: the world group; NCCL on CUDA, gloo on CPU or
-    CUDA). No autograd history.
+    S); the fp32 sum has the fixed association of docs/DESIGN.md ("Mean"), so every rank and
+    every run holds the same bits whatever the collective's algorithm. Rows at global index
+    >= used are excluded. One ``all_gather`` on ``group`` (default: the world group; NCCL on
+    CUDA, gloo on CPU or CUDA). No autograd history. The first call of each argument signature
+    checks that all ranks agree (ValueError naming the argument otherwise).
 
     Raises:
         TypeError: ``k`` not a bf16/fp16 tensor, ``group`` not a ProcessGroup, bad int types.
         ValueError: a shape/stride/alignment rule of ``k`` broken, a group size not in
             (2, 4, 6, 8), ``used_sequence`` outside [1, S], torch.distributed not initialized,
-            CPU tensors on an NCCL group.
+            CPU tensors on an NCCL group, ranks that disagree on the arguments.
     """
-    pg, rank, world_size, (B, L, H, D) = _check_common(k, used_sequence, group)
-    local_sum, _ = _local_stats(
-        k,
-        rank=rank,
-        world_size=world_size,
-        used_sequence=used_sequence,
-        group_size=64,
-        minmax_mode=MINMAX_NONE,
-        use_pdl=None,
+    part, pg, world_size = _validated_part(
+        k, group, used_sequence, None, 64, None, False, "global_k_mean"
     )
-    sums = _all_gather(local_sum.reshape(-1), pg, world_size).view(world_size, B, H, D)
-    n = L * world_size if used_sequence is None else used_sequence
-    return _mean_from_sums(sums, n, k.dtype)
+    return part.finish(all_gather_payload(part.write(), pg, world_size))
 
 
-def _merge_boundaries(amax_partial, boundary, mean, *, rank, world_size, L, G):
-    """amax_final: boundary slots take the max over every rank touching their group.
-
-    ``boundary`` [P, B, 2 (first, last slot), 2 (min, max), H, D] gathered from all ranks.
-    """
-    amax_final = amax_partial
-    slot = torch.arange(amax_partial.shape[-1], device=amax_partial.device)
-    derived = _ops.boundary_amax(
-        boundary[:, :, :, 0].contiguous(), boundary[:, :, :, 1].contiguous(), mean
-    )  # [P, B, 2, H]
-    n_touched = touched(rank, L, G)
-    for s in sorted({0, n_touched - 1}):
-        g = group_first(rank, L, G) + s
-        owners = ranks_touching(g, L, world_size, G)
-        if len(owners) == 1:
-            continue
-        merged = None
-        for q in owners:
-            end = 0 if g == group_first(q, L, G) else 1
-            assert end == 0 or g == group_last(q, L, G)
-            value = derived[q, :, end]
-            merged = value if merged is None else torch.maximum(merged, value)
-        # functional (no in-place slot write), which compile and CUDA graphs handle plainly
-        amax_final = torch.where(slot == s, merged[..., None], amax_final)
-    return amax_final
-
-
-@torch.no_grad()
 def smooth_k_stats(
     k: torch.Tensor,
     *,
@@ -237,78 +395,20 @@ def smooth_k_stats(
     merged boundary amax once the mean is known.
 
     ``method="fused"`` (default) reads K once: the stats kernel also keeps per-slot min/max
-    (about 3% extra traffic) and a small kernel derives ``amax_partial`` from them.
+    (about 3% extra traffic) and the finalize kernel derives ``amax_partial`` from them.
     ``method="two_pass"`` reads K a second time with the ``k_grouped_amax`` kernel. Both give
-    identical bits. ``check_consistency=True`` adds a small all_gather first and raises
-    ValueError on every rank if ranks disagree on shape, dtype, used_sequence, group_size or
-    method. No autograd history.
+    identical bits. ``used_sequence`` is a GLOBAL live-row count.
+
+    Ranks that disagree: the first call of each argument signature per process group checks,
+    with one small all_gather, that every rank passed the same shape, dtype, used_sequence,
+    group_size and method, and raises ValueError on every rank otherwise (naming the argument
+    and the per-rank values); ``check_consistency=True`` repeats the check on every call.
+    A disagreement the check does not see turns every output NaN. No autograd history.
 
     Raises: as :func:`global_k_mean` and :func:`ulysses.k_grouped_amax`; ValueError for an
     unknown ``method``.
     """
-    pg, rank, world_size, (B, L, H, D) = _check_common(k, used_sequence, group, group_size)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if not isinstance(check_consistency, bool):
-        raise TypeError(f"check_consistency must be a bool, got {check_consistency!r}")
-    v.check_pdl(enable_pdl, k.device)
-    use_pdl = enable_pdl
-    if check_consistency:
-        _check_consistent(pg, world_size, k, used_sequence, group_size, method)
-    G = group_size
-    fused = method == "fused"
-    local_sum, minmax = _local_stats(
-        k,
-        rank=rank,
-        world_size=world_size,
-        used_sequence=used_sequence,
-        group_size=G,
-        minmax_mode=MINMAX_ALL if fused else MINMAX_BOUNDARY,
-        use_pdl=use_pdl,
+    part, pg, world_size = _validated_part(
+        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, "smooth_k_stats"
     )
-    n_touched = touched(rank, L, G)
-    if fused:
-        # slices, not a list index: a list becomes a host-to-device copy, illegal in capture
-        ends = torch.cat([minmax[:, :1], minmax[:, n_touched - 1 : n_touched]], dim=1)
-    else:
-        ends = minmax
-    tag = local_sum.new_full((1,), _call_tag(k, used_sequence, G, method))
-    payload = torch.cat([tag, local_sum.reshape(-1), ends.float().reshape(-1), tag])
-    gathered = _all_gather(payload, pg, world_size)
-    bhd = B * H * D
-    sums = gathered[:, 1 : 1 + bhd].view(world_size, B, H, D)
-    boundary = gathered[:, 1 + bhd : -1].view(world_size, B, 2, 2, H, D)
-    n = L * world_size if used_sequence is None else used_sequence
-    k_mean_global = _mean_from_sums(sums, n, k.dtype)
-    # Ranks that disagree on a call's arguments must not return finite numbers: without a host
-    # sync (CUDA graphs, compile) the outputs become NaN; check_consistency=True raises instead.
-    disagree = ((gathered[:, 0] != tag) | (gathered[:, -1] != tag)).any()
-
-    if fused:
-        amax_partial = _ops.derive(minmax, k_mean_global, n_touched, use_pdl)
-    else:
-        amax_partial = k_grouped_amax(
-            k,
-            k_mean_global,
-            rank=rank,
-            world_size=world_size,
-            used_sequence=used_sequence,
-            enable_pdl=use_pdl,
-            group_size=G,
-        )
-    amax_final = _merge_boundaries(
-        amax_partial, boundary, k_mean_global, rank=rank, world_size=world_size, L=L, G=G
-    )
-    nan = float("nan")
-    k_mean_global = torch.where(disagree, nan, k_mean_global)
-    amax_partial = torch.where(disagree, nan, amax_partial)
-    amax_final = torch.where(disagree, nan, amax_final)
-    return SmoothKStats(
-        k_mean_global=k_mean_global,
-        amax_partial=amax_partial,
-        amax_final=amax_final,
-        rank=rank,
-        world_size=world_size,
-        used_sequence=used_sequence,
-        group_size=G,
-    )
+    return part.finish(all_gather_payload(part.write(), pg, world_size))

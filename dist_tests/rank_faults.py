@@ -1,0 +1,125 @@
+"""Faulty ranks: every rank must end non-zero, with a clear message, in bounded time.
+
+    torchrun --standalone --nproc-per-node 2 -m dist_tests.rank_faults MODE [--timeout-s 60]
+
+Runs on gloo with CPU tensors. The last rank is the faulty one. Each rank prints one line,
+``rank R: result ok ...`` if ``smooth_k_stats`` returned finite numbers, else
+``rank R: error <Type>: <message> [after X s]`` (X: seconds from the call to the error) and
+exits 1. The shared watchdog (``_dist.session``) ends a rank still blocked after --timeout-s
+with code 3; the process group times out after half of it.
+
+Modes:
+    raise_before       the faulty rank raises before the collective
+    raise_inside       the faulty rank raises inside smooth_k_stats, at its collective
+    exit               the faulty rank calls os._exit(7) before the collective
+    disagree_<arg>     the faulty rank passes a different <arg>: B, H, D, L (payload sizes
+                       differ), dtype, used_sequence or group_size. The library checks a new
+                       argument signature on its first call (issue 16 item 4), so every rank
+                       must raise ValueError naming <arg> and the per-rank values, within
+                       seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from unittest import mock
+
+import torch
+
+import ulysses
+
+from . import _dist
+
+BASE = {"B": 1, "L": 70, "H": 3, "D": 64, "dtype": torch.bfloat16, "group_size": 64}
+# the faulty rank's value of each disagreeing argument
+DISAGREE = {
+    "B": 2,
+    "H": 5,
+    "D": 128,
+    "L": 134,
+    "dtype": torch.float16,
+    "used_sequence": -5,  # relative to S: S - 5 on the faulty rank, S - 1 on the others
+    "group_size": 128,
+}
+MODES = ("raise_before", "raise_inside", "exit") + tuple(f"disagree_{a}" for a in DISAGREE)
+
+
+def _arguments(mode: str, faulty: bool, world_size: int) -> dict:
+    args = dict(BASE)
+    name = mode.removeprefix("disagree_")
+    if faulty and name in DISAGREE and name != "used_sequence":
+        args[name] = DISAGREE[name]
+    # from the base L, so that a mode that changes L changes nothing else
+    S = BASE["L"] * world_size
+    shift = DISAGREE["used_sequence"] if faulty and name == "used_sequence" else -1
+    args["used_sequence"] = S + shift
+    return args
+
+
+def _broken_all_gather(*args, **kwargs):
+    raise RuntimeError("planted fault inside smooth_k_stats, at the collective")
+
+
+def run_mode(ctx: _dist.Context, mode: str) -> int:
+    rank = ctx.rank
+    faulty = rank == ctx.world_size - 1
+    a = _arguments(mode, faulty, ctx.world_size)
+    gen = torch.Generator().manual_seed(rank)
+    k = torch.randn(a["B"], a["L"], a["H"], a["D"], generator=gen).to(a["dtype"])
+    start = time.monotonic()
+    try:
+        if faulty and mode == "raise_before":
+            raise RuntimeError("planted fault before the collective")
+        if faulty and mode == "exit":
+            print(f"rank {rank}: planted os._exit(7)", flush=True)
+            _dist.exit_now(7)
+        with _planted_collective_error(faulty and mode == "raise_inside"):
+            st = ulysses.smooth_k_stats(
+                k, used_sequence=a["used_sequence"], group_size=a["group_size"]
+            )
+        outputs = (st.k_mean_global, st.amax_partial, st.amax_final)
+        if any(bool(torch.isnan(t).any()) for t in outputs):
+            raise RuntimeError("outputs are NaN: the ranks disagree")
+        ctx.any_rank(False)  # a peer that failed after its collective fails this too
+        print(f"rank {rank}: result ok {tuple(st.amax_final.shape)}", flush=True)
+        return 0
+    except Exception as exc:  # reported, then the rank exits non-zero
+        elapsed = time.monotonic() - start
+        message = str(exc).replace("\n", " ")[:300]
+        kind = type(exc).__name__
+        print(f"rank {rank}: error {kind}: {message} [after {elapsed:.2f} s]", flush=True)
+        ctx.skip_teardown_barrier = True  # a peer may be blocked in a collective
+        return 1
+
+
+def _planted_collective_error(active: bool):
+    """The raise_inside fault: the library's collective raises (on this rank only)."""
+    if active:
+        return mock.patch("ulysses.stats.all_gather_payload", _broken_all_gather)
+    return contextlib.nullcontext()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m dist_tests.rank_faults",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("mode", choices=MODES)
+    ap.add_argument("--timeout-s", type=float, default=60.0)
+    args = ap.parse_args()
+    try:
+        plan = _dist.plan("gloo-cpu")
+    except _dist.SetupError as exc:
+        print(f"rank_faults: {exc}", flush=True)
+        return 2
+    with _dist.session(
+        "rank_faults", plan, timeout_s=args.timeout_s, pg_timeout_s=args.timeout_s / 2
+    ) as ctx:
+        return run_mode(ctx, args.mode)
+
+
+if __name__ == "__main__":
+    _dist.run_main(main)

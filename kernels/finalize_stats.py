@@ -1,0 +1,252 @@
+"""After the statistics all_gather: the global mean, the grouped amax and the boundary merge.
+
+One launch reads the gathered payloads of all P ranks (``[tag | sum | boundary records |
+tag]`` each, see kernels/block_stats.py) and, per (batch, slot, head block) program:
+
+* the global mean of its heads: the ranks' fp32 sums added in rank order, one IEEE division
+  by n (``div_rn``: the plain ``/`` is approximate on CUDA), rounded to nearest-even into K's
+  dtype. Every program recomputes it for its heads (P loads), so no program waits on another;
+* MODE_FUSED: the slot's amax derived from the slot's channel min/max, since rounding is
+  monotone, ``max_i |rn(k_i - m)| = max(|rn(max k - m)|, |rn(m - min k)|)`` exactly; an empty
+  part (min = +inf > max = -inf) gives the floor, surplus slots 0;
+  MODE_MERGE: the slot's amax comes from the direct kernel (method "two_pass");
+* the first and last touched slot of a group other ranks also touch take the max of every
+  touching rank's derived value (``sources``: the gathered boundary records to merge);
+* a tag that differs on any rank (ranks called with different arguments) turns every output
+  NaN, with no host synchronisation.
+
+Maxima run over the int32 bits of non-negative floats, where a sign-cleared NaN sorts above
++Inf: NaN and Inf propagate and the floor never hides a NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, next_pow2, sm_count, tile
+
+__all__ = ["finalize_stats", "MODE_MEAN", "MODE_FUSED", "MODE_MERGE"]
+
+MODE_MEAN, MODE_FUSED, MODE_MERGE = 0, 1, 2
+_SOURCES: dict[tuple, torch.Tensor] = {}
+
+
+@triton.jit
+def _round_to_dtype(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE, rounded to nearest-even on CUDA and in the interpreter alike (the
+    interpreter truncates fp32 -> bf16, so bf16 rounds by hand: add half an ulp of the kept
+    bits, plus one if the kept part is odd, then clear the dropped bits; NaN stays NaN)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _derived_bits(p_min, p_max, m_ld, b_mean, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """Per head [BH]: int32 bits of max_d max(|max - m|, |m - min|); 0 for an empty part."""
+    b_min = tl.load(p_min, mask=m_ld, other=float("inf")).to(tl.float32)
+    b_max = tl.load(p_max, mask=m_ld, other=float("-inf")).to(tl.float32)
+    b_hi = tl.abs(b_max - b_mean).to(tl.int32, bitcast=True)
+    b_lo = tl.abs(b_mean - b_min).to(tl.int32, bitcast=True)
+    m_rows = tl.where(b_max < b_min, False, m_ld)  # min > max: this part has no rows
+    return tl.max(tl.where(m_rows, tl.maximum(b_hi, b_lo), 0), axis=1)
+
+
+@triton.jit
+def _finalize_kernel(
+    gathered_ptr,
+    mm_ptr,
+    part_in_ptr,
+    mean_ptr,
+    part_ptr,
+    final_ptr,
+    src_ptr,
+    N,
+    tag,
+    H,
+    P,
+    bhd,
+    n_slots,
+    n_touched,
+    n_hblocks,
+    n_chunks,
+    slots_per_program,
+    n_src_first,
+    n_src_last,
+    divisor,
+    FLOOR: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    MODE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    i_pid = tl.program_id(0).to(tl.int64)
+    i_hb = i_pid % n_hblocks
+    i_ch = (i_pid // n_hblocks) % n_chunks
+    i_b = i_pid // (n_hblocks * n_chunks)
+
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    o_d = tl.arange(0, D)
+    m_h = o_h < H
+    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+    o_hd = o_h[:, None] * D + o_d[None, :]
+
+    if USE_PDL:
+        gdc_wait()
+
+    # Ranks that disagree on the call's arguments sent another tag (or another payload size).
+    o_p = tl.arange(0, BLOCK_P)
+    m_p = o_p < P
+    b_tag0 = tl.load(gathered_ptr + o_p * N, mask=m_p, other=0.0)
+    b_tag1 = tl.load(gathered_ptr + o_p * N + N - 1, mask=m_p, other=0.0)
+    b_bad = tl.where(m_p, (b_tag0 != tag) | (b_tag1 != tag), False)
+    disagree = tl.max(b_bad.to(tl.int32), axis=0) > 0
+
+    # The mean of these heads: ranks' sums in rank order, one division, one rounding.
+    p_sum = gathered_ptr + 1 + i_b * H * D + o_hd
+    b_total = tl.load(p_sum, mask=m_hd, other=0.0)
+    for q in range(1, P):
+        b_total += tl.load(p_sum + q * N, mask=m_hd, other=0.0)
+    b_mean = tl.math.div_rn(b_total, tl.zeros_like(b_total) + divisor)
+    b_mean = _round_to_dtype(b_mean, mean_ptr.dtype.element_ty).to(tl.float32)
+    if i_ch == 0:
+        b_out_mean = tl.where(disagree, float("nan"), b_mean)
+        tl.store(mean_ptr + i_b * H * D + o_hd, b_out_mean.to(mean_ptr.dtype.element_ty), mask=m_hd)
+
+    if MODE != 0:
+        floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
+        s_lo = i_ch * slots_per_program
+        s_hi = tl.minimum(s_lo + slots_per_program, n_slots)
+        for i_s in range(s_lo, s_hi):
+            live = i_s < n_touched
+            if MODE == 1:
+                p_mm = mm_ptr + ((i_b * n_slots + i_s) * 2) * H * D + o_hd
+                m_live = tl.where(live, m_hd, False)
+                b_bits = _derived_bits(p_mm, p_mm + H * D, m_live, b_mean, BLOCK_H, D)
+                b_part = tl.maximum(b_bits, floor_bits)
+            else:
+                p_in = part_in_ptr + i_b * H * n_slots + o_h * n_slots + i_s
+                b_part = tl.load(p_in, mask=m_h, other=0.0).to(tl.int32, bitcast=True)
+            b_part = tl.where(live, b_part, 0)
+            # Boundary slots shared with other ranks: max over every touching rank's record.
+            b_final = b_part
+            i_end = tl.where(i_s == 0, 0, 1)
+            n_src = tl.where(i_s == 0, n_src_first, n_src_last)
+            n_src = tl.where((i_s == 0) | (i_s == n_touched - 1), n_src, 0)
+            if n_src > 1:
+                b_merged = tl.zeros([BLOCK_H], dtype=tl.int32)
+                for j in range(0, n_src):
+                    rec = tl.load(src_ptr + i_end * P + j)  # q * 2 + end of rank q's record
+                    q = rec // 2
+                    e = rec % 2
+                    p_rec = gathered_ptr + q * N + 1 + bhd + ((i_b * 2 + e) * 2) * H * D + o_hd
+                    b_bits = _derived_bits(p_rec, p_rec + H * D, m_hd, b_mean, BLOCK_H, D)
+                    b_merged = tl.maximum(b_merged, tl.maximum(b_bits, floor_bits))
+                b_final = b_merged
+            o_out = i_b * H * n_slots + o_h * n_slots + i_s
+            b_part_f = tl.where(disagree, float("nan"), b_part.to(tl.float32, bitcast=True))
+            b_final_f = tl.where(disagree, float("nan"), b_final.to(tl.float32, bitcast=True))
+            tl.store(part_ptr + o_out, b_part_f, mask=m_h)
+            tl.store(final_ptr + o_out, b_final_f, mask=m_h)
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+def _sources(first: list[int], last: list[int], P: int, device: torch.device) -> torch.Tensor:
+    """int32 [2, P]: the records to merge for the first and last slot (cached per device)."""
+    key = (tuple(first), tuple(last), P, device)
+    found = _SOURCES.get(key)
+    if found is None:
+        rows = [list(srcs) + [-1] * (P - len(srcs)) for srcs in (first, last)]
+        found = _SOURCES[key] = torch.tensor(rows, dtype=torch.int32, device=device)
+    return found
+
+
+def finalize_stats(
+    gathered: torch.Tensor,
+    minmax: torch.Tensor | None = None,
+    amax_partial: torch.Tensor | None = None,
+    *,
+    mode: int,
+    dtype: torch.dtype,
+    B: int,
+    H: int,
+    D: int,
+    n_slots: int,
+    n_touched: int,
+    divisor: int,
+    tag: float,
+    first_sources: list[int],
+    last_sources: list[int],
+    floor: float,
+    use_pdl: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k_mean_global [B, H, D] dtype, amax_partial, amax_final [B, H, n_slots] fp32)``.
+
+    ``gathered`` fp32 [P, N]: every rank's payload in rank order (contiguous rows; may be a
+    column slice of a larger gathered buffer as long as each row is contiguous). MODE_MEAN
+    returns empty amax tensors; MODE_FUSED needs ``minmax`` [B, n_slots, 2, H, D] (this
+    rank's, from ``local_stats``); MODE_MERGE needs ``amax_partial`` [B, H, n_slots] fp32 from
+    the direct kernel. ``first_sources``/``last_sources`` list the gathered boundary records
+    (``q * 2 + end``: rank q's first (0) or last (1) record) merged into this rank's first and
+    last touched slot (``ulysses.grid.boundary_sources``).
+    """
+    P = gathered.shape[0]
+    N = gathered.stride(0)
+    assert gathered.dtype == torch.float32 and gathered.stride(1) == 1
+    device = gathered.device
+    mean = torch.empty((B, H, D), dtype=dtype, device=device)
+    n_amax = n_slots if mode != MODE_MEAN else 0
+    part = torch.empty((B, H, n_amax), dtype=torch.float32, device=device)
+    final = torch.empty((B, H, n_amax), dtype=torch.float32, device=device)
+    if mode == MODE_FUSED:
+        assert minmax is not None and minmax.shape == (B, n_slots, 2, H, D)
+    if mode == MODE_MERGE:
+        assert amax_partial is not None and amax_partial.shape == (B, H, n_slots)
+    cuda = device.type == "cuda"
+    block_h, num_warps = tile(D, H, B, device, elems=2048)
+    n_hblocks = cdiv(H, block_h)
+    n_prog_slots = max(n_amax, 1)
+    # CUDA: enough programs to spread over the SMs; CPU: as few as possible.
+    want = max(1, (2 * sm_count(device)) // (B * n_hblocks)) if cuda else 1
+    per_program = cdiv(n_prog_slots, min(want, n_prog_slots))
+    n_chunks = cdiv(n_prog_slots, per_program)
+    launch(
+        _finalize_kernel,
+        (B * n_chunks * n_hblocks,),
+        device,
+        num_warps=num_warps,
+        use_pdl=use_pdl,
+        gathered_ptr=gathered,
+        mm_ptr=minmax if mode == MODE_FUSED else gathered,
+        part_in_ptr=amax_partial if mode == MODE_MERGE else gathered,
+        mean_ptr=mean,
+        part_ptr=part if n_amax else gathered,
+        final_ptr=final if n_amax else gathered,
+        src_ptr=_sources(first_sources, last_sources, P, device),
+        N=N,
+        tag=float(tag),
+        H=H,
+        P=P,
+        bhd=B * H * D,
+        n_slots=n_prog_slots,
+        n_touched=n_touched,
+        n_hblocks=n_hblocks,
+        n_chunks=n_chunks,
+        slots_per_program=per_program,
+        n_src_first=len(first_sources),
+        n_src_last=len(last_sources),
+        divisor=divisor,
+        FLOOR=floor,
+        D=D,
+        BLOCK_H=block_h,
+        BLOCK_P=next_pow2(P),
+        MODE=mode,
+        USE_PDL=use_pdl,
+    )
+    return mean, part, final

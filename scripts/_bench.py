@@ -1,0 +1,103 @@
+"""Timing helpers shared by the benchmark scripts (GPU only).
+
+Three figures per call, as users feel them (docs/BENCHMARKS.md):
+* ``cold_us``: device time of the kernels a call launches, CUPTI durations from
+  torch.profiler, with a 256 MB L2 flush before every call; median over ``iters`` calls;
+* ``eager_us``: wall time per call of ``n`` calls back to back (one sync at the end);
+* ``graph_us``: per call of ``n`` calls captured in one CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+FLUSH_BYTES = 256 << 20
+
+
+def _flush_buffer():
+    return torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+
+def cold_us(fn, name_filter, iters: int = 25) -> float:
+    """Median over ``iters`` calls of the summed duration of the CUDA kernels whose name
+    contains one of ``name_filter`` (a str or tuple), L2 flushed before every call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    filters = (name_filter,) if isinstance(name_filter, str) else tuple(name_filter)
+    flush = _flush_buffer()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA"),
+        key=lambda e: e.time_range.start,
+    )
+    per_call, current = [], None
+    for e in events:
+        if "fill" in e.name.lower():  # the flush marks the start of a call
+            if current is not None:
+                per_call.append(current)
+            current = 0.0
+            continue
+        if current is not None and any(f in e.name for f in filters):
+            current += e.time_range.elapsed_us()
+    if current is not None:
+        per_call.append(current)
+    marks = [t for t in per_call if t > 0]
+    return statistics.median(marks) if marks else float("nan")
+
+
+def eager_us(fn, n: int = 100, repeats: int = 5) -> float:
+    """Best of ``repeats`` of (wall time of ``n`` back-to-back calls + one sync) / n."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+def graph_us(fn, n: int = 20, repeats: int = 10) -> float:
+    """Per call of ``n`` calls captured in one CUDA graph (median of ``repeats`` replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    del graph
+    return statistics.median(times)
+
+
+def read_ceiling_tbs() -> float:
+    """Cold read bandwidth of torch.sum over 2 GiB bf16 (the method used for our kernels)."""
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    us = cold_us(lambda: x.sum(), ("reduce", "sum", "Reduce"), iters=10)
+    return (2 << 30) / (us * 1e-6) / 1e12

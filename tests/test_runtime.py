@@ -1,0 +1,206 @@
+"""The launch path: CPU (interpreter) calls leave no trace in Triton's global state, CPU and
+CUDA calls mix in any order and from several threads, and a source checkout imports its own
+kernels (issue 16)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import triton
+from ulysses.kernels import _runtime
+from ulysses.kernels import grouped_amax as grouped_amax_module
+
+import ulysses
+from ulysses import reference as ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _case(H=3, L=70, seed=0):
+    k_full = ulysses.testing.make_k_full(1, 2 * L, H, 64, torch.bfloat16, "smooth", seed=seed)
+    k_mean = ref.global_k_mean(k_full, world_size=2)
+    return ref.shard(k_full, 1, 2), k_mean
+
+
+def _state_of_existing_namespaces(before, after):
+    """Entries of namespaces that existed before the call (a call may import new modules)."""
+    old = {ns for ns, _ in before}
+    return {key: value for key, value in after.items() if key[0] in old}
+
+
+def test_cpu_call_leaves_triton_state_unchanged():
+    k, k_mean = _case()
+    ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2)  # imports what a call imports
+    before = _runtime.triton_state()
+    k2, k_mean2 = _case(H=1, L=33, seed=1)
+    ulysses.k_grouped_amax(k2, k_mean2, rank=1, world_size=2, used_sequence=40, group_size=16)
+    after = _runtime.triton_state()
+    changed = [key for key, value in before.items() if after.get(key) != value]
+    assert not changed, f"{len(changed)} Triton attributes changed by a CPU call: {changed[:5]}"
+    assert _state_of_existing_namespaces(before, after) == before
+
+
+def test_interpreter_alone_would_leak():
+    """The guard is needed: without the snapshot/restore the interpreter leaves patched
+    ``triton.language`` attributes behind (so the test above can fail)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    before = _runtime.triton_state()
+    with _runtime._restored_triton_state():  # the library's guard undoes it afterwards
+        # a jit helper called from a kernel goes through InterpretedFunction.__call__, which
+        # patches the language and never restores it
+        InterpretedFunction(tl.standard.cdiv.fn)(7, 2)
+        leaked = _runtime.triton_state()
+        assert any(leaked.get(key) != value for key, value in before.items())
+    after = _runtime.triton_state()  # the call may import modules (new namespaces)
+    assert _state_of_existing_namespaces(before, after) == before
+
+
+def test_cuda_compile_after_cpu_call():
+    """The failure of issue 16 (a CUDA compilation after an interpreted call died in the code
+    generator) reproduced without a GPU: compile the kernel for sm90 after a CPU call."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k, k_mean = _case(H=1)
+    ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2)
+    fn = grouped_amax_module._grouped_amax_kernel
+    pointers = {"k_ptr": "*bf16", "mean_ptr": "*bf16", "out_ptr": "*fp32"}
+    constexprs = {"FLOOR": 1e-7, "G": 64, "D": 64, "BLOCK_H": 4, "ROWS": 8, "USE_PDL": False}
+    constexprs["H"] = 1  # an int argument equal to 1, as in the report
+    signature = {
+        name: "constexpr" if name in constexprs else pointers.get(name, "i32")
+        for name in fn.arg_names
+    }
+    index = {name: i for i, name in enumerate(fn.arg_names)}
+    src = ASTSource(fn, signature, {(index[n],): v for n, v in constexprs.items()})
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    except RuntimeError as e:  # pragma: no cover - a toolchain without ptxas
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas to finish the sm90 compilation: {e}")
+        raise
+    assert "ttir" in compiled.asm
+
+
+def test_cpu_calls_from_threads_agree():
+    k, k_mean = _case()
+    expected = ref.grouped_amax_shard(k, k_mean, rank=1, world_size=2)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(3):
+                results.append(ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(results) == 9
+    for out in results:
+        assert ref.bitwise_diff(out, expected) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cpu_then_cuda_then_cpu_with_new_specializations():
+    for H, L in ((3, 70), (1, 70), (1, 1), (5, 130)):
+        k, k_mean = _case(H=H, L=L, seed=H * 100 + L)
+        expected = ref.grouped_amax_shard(k, k_mean, rank=1, world_size=2)
+        cpu = ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2)
+        gpu = ulysses.k_grouped_amax(k.cuda(), k_mean.cuda(), rank=1, world_size=2).cpu()
+        assert ref.bitwise_diff(cpu, expected) is None
+        assert ref.bitwise_diff(gpu, expected) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_launches_during_cpu_calls():
+    k, k_mean = _case(H=2)
+    kc, mc = k.cuda(), k_mean.cuda()
+    expected = ref.grouped_amax_shard(k, k_mean, rank=1, world_size=2)
+    stop, errors, gpu_results = threading.Event(), [], []
+
+    def gpu_loop():
+        try:
+            G = 16
+            while not stop.is_set():
+                G = 16 if G == 256 else G * 2  # new specializations: compilations too
+                out = ulysses.k_grouped_amax(kc, mc, rank=1, world_size=2, group_size=G)
+                gpu_results.append((G, out.cpu()))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=gpu_loop)
+    thread.start()
+    try:
+        for _ in range(3):
+            assert (
+                ref.bitwise_diff(ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2), expected)
+                is None
+            )
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    for G, out in gpu_results:
+        exp = ref.grouped_amax_shard(k, k_mean, rank=1, world_size=2, group_size=G)
+        assert ref.bitwise_diff(out, exp) is None
+
+
+def test_launch_cache_key_separates_specializations():
+    """Ints equal to 1, multiples of 16 and pointer alignment change Triton's specialization;
+    the cache key must tell them apart (else a kernel compiled for one runs for another)."""
+    spec = _runtime._spec
+    assert spec(1, False) != spec(2, False)
+    assert spec(16, False) != spec(17, False)
+    assert spec(2**31, False) != spec(2**31 - 1, False)
+    x = torch.zeros(16)
+    assert spec(x, False) != spec(x[1:], False)
+    assert spec(x, False) != spec(x.half(), False)
+    assert spec(64, True) != spec(128, True)
+
+
+def test_source_checkout_uses_its_own_kernels(tmp_path):
+    """A checkout on PYTHONPATH imports its own kernels/, even when another tree would be
+    found for ``ulysses.kernels`` (e.g. an editable install of another checkout)."""
+    other = tmp_path / "other"
+    (other / "ulysses" / "kernels").mkdir(parents=True)
+    (other / "ulysses" / "kernels" / "__init__.py").write_text("WHICH = 'other'\n")
+    # a finder that would hand out the other tree's kernels, as an editable install does
+    init = str(other / "ulysses" / "kernels" / "__init__.py")
+    finder = (
+        f"INIT = {init!r}\n"
+        "import importlib.abc, importlib.util, sys\n"
+        "class F(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'ulysses.kernels':\n"
+        "            return importlib.util.spec_from_file_location(name, INIT)\n"
+        "sys.meta_path.insert(0, F())\n"
+    )
+    code = (
+        finder + "import ulysses, ulysses.kernels as kk, os\n"
+        "print(os.path.dirname(kk.__file__))\n"
+        "print(getattr(kk, 'WHICH', 'ours'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    where, which = out.stdout.split()[-2:]
+    assert which == "ours"
+    assert os.path.samefile(where, os.path.join(ROOT, "kernels"))
