@@ -101,9 +101,8 @@ else
 	@$(MAKE) --no-print-directory $(READY)
 endif
 
-# Kept for older instructions: same as setup, with the bench extras too.
-install:
-	@$(MAKE) --no-print-directory setup EXTRAS=test,bench,dev
+# Kept for older instructions: same as setup.
+install: setup
 
 # Remove the environment make built.
 clean-venv:
@@ -143,8 +142,6 @@ lint: $(READY)
 format: $(READY)
 	"$(PYTHON)" -m ruff format .
 
-# GPU benchmark of k_grouped_amax and smooth_k_stats (writes bench_out/); needs the bench extras.
+# k_grouped_amax on one GPU: cold kernel time, eager per call, host overhead (one table).
 bench: $(READY)
-	@"$(PYTHON)" -c "import matplotlib" 2>/dev/null || \
-		"$(PYTHON)" -m pip install $(PIP_FLAGS) -e ".[$(EXTRAS),bench]"
-	"$(PYTHON)" scripts/bench_k_grouped_amax.py
+	"$(PYTHON)" scripts/bench_amax.py

@@ -244,15 +244,14 @@ def test_wheel_in_a_fresh_venv(tmp_path):
     assert result["version"] == _version()
     assert result["shape"] == [2, 3, 3] and result["equal"], result
 
-    # The harness ships inside the package: two ranks, gloo, a few small cases.
-    summary = tmp_path / "summary.json"
-    launch = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    harness = ["-m", "ulysses.dist_tests.harness", "--json", str(summary), "--timeout-s", "240"]
-    _run(launch + harness, cwd=tmp_path, env=env, timeout=300)
-    result = json.loads(summary.read_text())
-    assert result["passed"] is True and result["cases"] > 0, result
-
+    # The harness ships inside the package; its console script runs it at P = 2 (gloo, CPU).
     script = venv / "bin" / "ulysses-validate"
     assert script.exists()
-    if (ROOT / "dist_tests" / "validate.py").exists():
-        _run([str(script), "--help"], cwd=tmp_path, env=env, timeout=120)
+    if not (ROOT / "dist_tests" / "validate.py").exists():
+        pytest.skip("dist_tests/validate.py is not in this checkout: ulysses-validate not run")
+    out_dir = tmp_path / "validate"
+    cmd = [str(script), "--world-sizes", "2", "--timeout-s", "240", "--out-dir", str(out_dir)]
+    proc = _run(cmd, cwd=tmp_path, env=env, timeout=400)
+    summary = json.loads((out_dir / "ws2.json").read_text())
+    assert summary["passed"] is True and summary["cases"] > 0, proc.stdout[-3000:]
+    assert "ulysses.dist_tests.harness" in proc.stdout, proc.stdout[-3000:]
