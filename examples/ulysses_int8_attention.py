@@ -3,6 +3,9 @@
     torchrun --standalone --nproc-per-node 2 examples/ulysses_int8_attention.py
     torchrun --standalone --nproc-per-node 4 examples/ulysses_int8_attention.py --device cuda
 
+--device cuda puts rank i of a node on cuda:LOCAL_RANK with NCCL (GPUs shared through gloo
+when the node has fewer GPUs than ranks); --device cpu uses gloo and Triton's interpreter.
+
 Each rank holds Q, K, V shards [B, L, H, D] of a sequence of S = L * P rows. The bf16 Ulysses
 path all-to-alls Q, K, V from sequence shards to head shards [B, S, H/P, D], runs attention, and
 all-to-alls the output back. The INT8 path replaces K's payload: ``smooth_k_stats`` gives the
@@ -63,25 +66,55 @@ def quantize_k(k, stats, rank, G):
     return q, row_scale
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--L", type=int, default=200)
-    ap.add_argument("--H", type=int, default=8)
-    ap.add_argument("--D", type=int, default=64)
-    args = ap.parse_args()
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        dev = torch.device("cuda", local % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-        own_gpu = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        dist.init_process_group("nccl" if own_gpu else "gloo")
-    else:
-        dev = torch.device("cpu")
+def init_distributed(device: str) -> torch.device:
+    """Pick this rank's device and start the process group; exit with advice when impossible.
+
+    cuda: one GPU per rank (cuda:LOCAL_RANK) with NCCL when the node has a GPU for every local
+    rank; with fewer GPUs the ranks share them and talk through gloo. cpu: gloo with CPU
+    tensors, the kernels running in Triton's interpreter.
+    """
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit(
+            f"run under torchrun, e.g. torchrun --standalone --nproc-per-node 2 {__file__} "
+            f"--device {device}"
+        )
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if device == "cpu":
         dist.init_process_group("gloo")
+        return torch.device("cpu")
+    n_gpus = torch.cuda.device_count()
+    if n_gpus == 0:
+        raise SystemExit(
+            f"--device cuda: no CUDA GPU is visible to torch {torch.__version__} (CUDA build: "
+            f"{torch.version.cuda or 'none, a CPU-only build'}). Run with --device cpu to use "
+            "gloo and Triton's interpreter, or run on a GPU machine with a CUDA build of torch."
+        )
+    dev = torch.device("cuda", local_rank % n_gpus)
+    torch.cuda.set_device(dev)
+    own_gpu = n_gpus >= local_world
+    if not own_gpu and local_rank == 0:
+        print(
+            f"note: {local_world} ranks share {n_gpus} GPU(s), so they use gloo on CUDA tensors; "
+            f"with one GPU per rank they would use NCCL"
+        )
+    dist.init_process_group("nccl" if own_gpu else "gloo")
+    return dev
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--L", type=int, default=200, help="rows per rank (default 200)")
+    ap.add_argument("--H", type=int, default=8, help="heads, a multiple of the world size")
+    ap.add_argument("--D", type=int, default=64, help="head dim (default 64)")
+    args = ap.parse_args()
+    dev = init_distributed(args.device)
     rank, P = dist.get_rank(), dist.get_world_size()
     B, L, H, D, G = 1, args.L, args.H, args.D, 64
-    assert H % P == 0, "Ulysses needs heads divisible by the group size"
+    if H % P != 0:
+        dist.destroy_process_group()
+        raise SystemExit(f"--H {H} must be a multiple of the world size {P} (Ulysses splits heads)")
     g = torch.Generator().manual_seed(0)
     S = L * P
     # smooth-K regime: a large per-channel mean and a small spread, as in real K activations
