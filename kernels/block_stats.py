@@ -1,4 +1,4 @@
-"""One read of K: fixed-association block sums and per-group channel min/max (SPEC §4).
+"""One read of K: fixed-association block sums and per-group channel min/max (docs/CONTRACT.md §4).
 
 One program per (batch, span, head block); a span is max(G, 64) rows of the GLOBAL grid, so it
 holds whole 64-row sum blocks and whole G-row groups. The program walks its rows in order,

@@ -1,5 +1,5 @@
 """Quantize Q, K, V on the global grid and pack them, per destination rank, into one uint8
-send buffer (SPEC §8).
+send buffer (docs/CONTRACT.md §8).
 
 Send buffer ``[P destinations][L rows][ROW bytes]``; destination ``j`` receives heads
 ``[j*h, (j+1)*h)``. One row of one destination is ``[B][3 (q, k, v)][h][D]`` code bytes

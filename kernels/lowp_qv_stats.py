@@ -1,4 +1,4 @@
-"""One read of Q and V: Q's raw grouped amax per slot and V's per-channel amax (SPEC §8).
+"""One read of Q and V: Q's raw grouped amax per slot and V's per-channel amax (docs/CONTRACT.md §8).
 
 One program per (batch, span of SPAN slots, head block). For each slot of its span it walks
 this rank's rows of the global ``G``-row group, ROWS at a time, and keeps two running maxima in

@@ -161,7 +161,8 @@ def main():
         link = args.link_gbps * 1e9
         t_bf16 = bf16_bytes * wire / link * 1e6
         t_lowp = fixed_us + lowp_bytes * wire / link * 1e6
-        cold_read_floor = 3 * B * L * H * D * 2 / 4.25e12 * 1e6  # SPEC §7 H200 read ceiling
+        # at the H200 read ceiling of docs/CONTRACT.md §7
+        cold_read_floor = 3 * B * L * H * D * 2 / 4.25e12 * 1e6
         if rank == 0:
             print(
                 f"# P={P} {backend} {name} torch {torch.__version__} B{B} L{L} H{H} D{D} bf16: "

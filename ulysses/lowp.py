@@ -1,4 +1,4 @@
-"""The low-precision Ulysses exchange: INT8 Q/K and FP8 V on the global grid (SPEC §8).
+"""The low-precision Ulysses exchange: INT8 Q/K and FP8 V on the global grid (docs/CONTRACT.md §8).
 
 Shape legend: B batch, L local rows, H heads, D head dim, P = world size, S = L * P,
 h = H / P heads per rank after the exchange, Gq / Gk the Q / K group sizes,
@@ -264,7 +264,7 @@ def exchange_qkv(
 
     Rank r passes its rows ``[r*L, (r+1)*L)`` of Q, K, V [B, L, H, D] and receives heads
     ``[r*h, (r+1)*h)`` of the whole sequence as :class:`LowpQKV`, quantized with global
-    statistics exactly as one device holding the gathered Q, K, V would (SPEC §8):
+    statistics exactly as one device holding the gathered Q, K, V would (docs/CONTRACT.md §8):
 
     * Q: per global ``q_group``-row group ``amax = max(1e-7, max |q|)``, ``scale = amax/127``,
       ``code = clamp(rne(q * (127/amax)), -127, 127)``;
@@ -284,10 +284,11 @@ def exchange_qkv(
     Raises:
         TypeError: a tensor that is not bf16/fp16 or whose dtype differs from k's, bad types
             of the int or bool arguments, a ``group`` that is not a ProcessGroup.
-        ValueError: the SPEC §3 shape/stride/alignment rules broken by q, k or v; shapes or
-            devices that differ; ``H % world_size != 0``; ``q_group``/``k_group`` not in
-            (16, 32, 64, 128, 256); ``used_sequence`` outside [1, S]; torch.distributed not
-            initialized or a world size not in (2, 4, 6, 8); ranks that disagree.
+        ValueError: the shape/stride/alignment rules (docs/CONTRACT.md §3) broken by q, k or
+            v; shapes or devices that differ; ``H % world_size != 0``; ``q_group`` or
+            ``k_group`` not in (16, 32, 64, 128, 256); ``used_sequence`` outside [1, S];
+            torch.distributed not initialized or a world size not in (2, 4, 6, 8); ranks that
+            disagree.
     """
     call = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
     payload, amax_q_partial = _local_stats(call)
@@ -319,7 +320,7 @@ class _Call:
 
 
 def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Call:
-    """Validate every argument (SPEC §3, §8) and resolve the group, layouts and PDL."""
+    """Validate every argument (docs/CONTRACT.md §3, §8) and resolve the group, layouts and PDL."""
     B, L, H, D = _check_qkv(q, k, v)
     grid.check_group_size(q_group, "q_group")
     grid.check_group_size(k_group, "k_group")

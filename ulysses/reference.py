@@ -5,8 +5,9 @@ Shape legend: B batch, L local rows, S = L * P global rows, H heads, D head dim,
     k       [B, L, H, D]  one rank's shard, global rows [rank*L, (rank+1)*L)
     k_mean  [B, H, D]     the global mean in k's dtype
 
-The global mean's fixed association (SPEC §4, docs/DESIGN.md): each rank sums its live rows
-in fp32 at three levels fixed by GLOBAL row positions, each a strict in-order chain from +0.0:
+The global mean's fixed association (docs/CONTRACT.md §4, docs/DESIGN.md): each rank sums
+its live rows in fp32 at three levels fixed by GLOBAL row positions, each a strict in-order
+chain from +0.0:
 rows within each 64-row block of the global grid (clipped to the shard), blocks within each
 1024-row superblock, then the superblocks; the ranks' sums are then added in rank order,
 divided by n in fp32 and rounded to nearest-even into k's dtype.
@@ -215,7 +216,7 @@ def bitwise_diff(
     )
 
 
-# ---- low-precision exchange (SPEC §8) ---------------------------------------------------------
+# ---- low-precision exchange (docs/CONTRACT.md §8) ----------------------------------------
 #
 # Shape legend: P world size, h = H / P heads per rank, Gq / Gk the Q / K group sizes.
 #     q_full, k_full, v_full  [B, S, H, D]  the whole sequences (bf16/fp16)
