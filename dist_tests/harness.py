@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import _dist, cases, checks, faults
+from . import _dist, cases, cases_lowp, checks, checks_lowp, faults
 from ._dist import SetupError
 
 _MAX_RECORDED_FAILURES = 20  # per rank, in the JSON summary
@@ -61,6 +61,13 @@ SUITES: dict[str, Suite] = {
         cases=cases.select_cases,
         run=checks.run_case,
         help=cases.__doc__,
+    ),
+    "lowp": Suite(
+        description="the low-precision Q/K/V exchange: exchange_qkv's LowpQKV (codes, scales, "
+        "K mean) vs ulysses.reference.lowp_exchange_reference",
+        cases=cases_lowp.select_cases,
+        run=checks_lowp.run_case,
+        help=cases_lowp.__doc__,
     ),
 }
 

@@ -7,14 +7,18 @@
 # Runs from the checkout (PYTHONPATH is set to it; nothing needs installing) with $PYTHON
 # (default python3). Three lanes run in parallel, each check with its own timeout, all within
 # one budget:
-#   lane 1  (a) the whole unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 tests
-#           (on the last GPU)
-#   lane 2  (b) the harness --large at P = 2, 4, 6, 8 (dist_tests.validate), best backend:
-#           NCCL when there is a GPU per rank, else gloo on CUDA tensors
+#   lane 1  (a) the unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 tests (on the
+#           last GPU), without the torchrun tests (UNIT_CUDA_IGNORED: they would inherit the
+#           CUDA switch, and the harness rows run their suites on the GPUs)
+#   lane 2  (b) the harness --large at P = 2, 4, 6, 8 (dist_tests.validate), every suite
+#           (smooth_k, lowp), best backend: NCCL when there is a GPU per rank, else gloo on
+#           CUDA tensors
 #   lane 3  (c) dist_tests.compile_check --cuda-graph at P = 2 (NCCL with two GPUs);
 #           (d) opcheck (tests/test_ops.py -k opcheck, ULYSSES_TEST_DEVICE=cuda);
 #           (e) scripts/gpu_reliability.py (on GPU 0);
-#           (f) examples/ulysses_int8_attention.py --device cuda under torchrun at P = 2
+#           (f) examples/ulysses_int8_attention.py --device cuda under torchrun at P = 2;
+#           (g) examples/ulysses_lowp_attention.py --device cuda under torchrun at P = 2 (the
+#           attention step with the low-precision exchange vs the bf16 step, error bound)
 # Each check's output goes to OUTDIR/<check>.log (the harness also keeps its JSON summaries
 # and per-rank logs under OUTDIR/harness_P<P>/); the table is printed and written to
 # OUTDIR/gpu_check_table.md. Exit status 0 only if no check failed or timed out; a skipped
@@ -27,7 +31,7 @@
 #   PYTHON                 interpreter with torch and triton (default python3)
 #   GPU_CHECK_BUDGET_S     wall-clock budget of the whole run (default 540 = 9 minutes)
 #   GPU_CHECK_QUICK=1      tiny settings, for a CPU machine: a few unit tests, one harness
-#                          case per world size
+#                          case per suite and world size
 #   GPU_CHECK_WORLD_SIZES  harness world sizes (default "2 4 6 8"; quick: "2")
 set -u -o pipefail
 
@@ -103,14 +107,21 @@ run_check() {
     echo "[gpu_check] $name: $result ($(($(date +%s) - t0)) s)"
 }
 
+# torchrun tests: their subprocesses would inherit ULYSSES_TEST_DEVICE=cuda (CPU tensors on
+# gloo, launches mirrored to one GPU), and what they launch is what the harness rows run
+UNIT_CUDA_IGNORED="tests/test_dist_harness.py tests/test_faults.py tests/test_lowp_dist.py"
+
 lane_unit() {
     if [ "$quick" = 1 ]; then
         run_check 1 unit_tests "cpu (quick: test_grid.py)" "$(limit_for 300)" \
             "$PY" -m pytest -q -p no:cacheprovider tests/test_grid.py
     elif [ "$ngpu" -gt 0 ]; then
-        local gpu=$((ngpu - 1))
+        local gpu=$((ngpu - 1)) ignore=() f
+        for f in $UNIT_CUDA_IGNORED; do ignore+=(--ignore "$f"); done
+        echo "[gpu_check] unit_tests_cuda: ignoring $UNIT_CUDA_IGNORED: torchrun tests that" \
+            "would inherit ULYSSES_TEST_DEVICE=cuda; the harness rows (harness_P*) run their suites"
         CUDA_VISIBLE_DEVICES=$gpu ULYSSES_TEST_DEVICE=cuda run_check 1 unit_tests_cuda "cuda:$gpu" \
-            "$(limit_for 480)" "$PY" -m pytest -n 8 -p no:cacheprovider tests
+            "$(limit_for 480)" "$PY" -m pytest -n 8 -p no:cacheprovider "${ignore[@]}" tests
     else
         run_check 1 unit_tests "cpu" "$(limit_for 480)" \
             "$PY" -m pytest -n auto -p no:cacheprovider tests
@@ -120,7 +131,7 @@ lane_unit() {
 lane_harness() {
     local i=0 P limit backend want extra=()
     if [ "$ngpu" -gt 0 ]; then extra=(--large); fi
-    if [ "$quick" = 1 ]; then extra+=(--cases L1-H3-D128); fi
+    if [ "$quick" = 1 ]; then extra+=(--cases smooth_k/L1-H3-D128,lowp/L1-); fi
     for P in $world_sizes; do
         i=$((i + 1))
         want=110
@@ -151,6 +162,9 @@ lane_programs() {
         run_check 34 example_int8_attention "$(backend_for 2)" "$(limit_for 90)" \
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
             examples/ulysses_int8_attention.py --device cuda
+        run_check 35 example_lowp_attention "$(backend_for 2)" "$(limit_for 90)" \
+            "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+            examples/ulysses_lowp_attention.py --device cuda
     else
         skip 31 compile_check_cuda_graph - "no GPU: CUDA graphs need CUDA (the CPU compile path runs in tests/test_ops.py)"
         run_check 32 opcheck cpu "$(limit_for 200)" \
@@ -159,6 +173,9 @@ lane_programs() {
         run_check 34 example_int8_attention gloo-cpu "$(limit_for 200)" \
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
             examples/ulysses_int8_attention.py --device cpu
+        run_check 35 example_lowp_attention gloo-cpu "$(limit_for 200)" \
+            "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+            examples/ulysses_lowp_attention.py --device cpu
     fi
 }
 

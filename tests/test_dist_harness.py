@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
 
 import ulysses.grid  # noqa: E402
 import ulysses.testing  # noqa: E402
-from dist_tests import _dist, cases, checks, faults, harness, validate  # noqa: E402
+from dist_tests import _dist, cases, cases_lowp, checks, faults, harness, validate  # noqa: E402
 
 WORLD_SIZES = (2, 4, 6, 8)
 # Under pytest -n 2 on two cores, 8 ranks share the CPUs with another test's ranks.
@@ -37,6 +37,10 @@ LAUNCH_TIMEOUT_S = 480
 # Small cases that between them hold a straddling tail group, a rank whose part of the tail
 # group is all padding, and used < S.
 FAULT_CASES = "L50-H3-D64-bf16-G64-used_straddle,L20-H3-D128-bf16-G64-used_padrank"
+# Every suite's default cases, as the harness runs them with no --suite.
+DEFAULT_IDS = [f"smooth_k/{c.id}" for c in cases.DEFAULT_CASES] + [
+    f"lowp/{c.id}" for c in cases_lowp.select_cases(large=False, sweep=False)
+]
 
 
 def _env(**extra: str) -> dict:
@@ -84,8 +88,8 @@ def test_harness_passes(tmp_path, world_size):
     assert summary is not None, _tail(proc)
     assert summary["world_size"] == world_size
     assert summary["passed"] is True
-    assert summary["suites"] == ["smooth_k"]
-    assert summary["cases"] == len(cases.DEFAULT_CASES) > 0
+    assert summary["suites"] == ["lowp", "smooth_k"]
+    assert summary["case_ids"] == DEFAULT_IDS
     assert summary["checks"] > 0
     assert summary["mismatches"] == 0 and summary["errors"] == 0, summary["failures"]
     assert summary["failed_cases"] == []
@@ -118,6 +122,34 @@ def test_harness_detects_planted_fault(tmp_path, fault):
     assert any(must_fail in c for c in failed_checks), failed_checks
     if only is not None:
         assert all(only in c for c in failed_checks), failed_checks
+    assert "MISMATCH" in proc.stdout
+
+
+# fault -> (lowp case that shows it, a check that must fail). The grid faults reach the
+# exchange through the K statistics and Q's boundary merge; the floor shows only where a whole
+# K group is padding (Q's kernel binds the floor at import, so it stays right).
+_LOWP_FAULTS = {
+    "boundary_merge": ("L50-H24-D64-fp16-Gq32-Gk64-used_tail", "q_scale =="),
+    "tail": ("L7-H24-D64-fp16-Gq128-Gk256-used_early", "k_scale =="),
+    "mean_divisor": ("L7-H24-D64-fp16-Gq128-Gk256-used_early", "k_mean =="),
+    "floor": ("L20-H24-D64-bf16-Gq32-Gk64-used_one", "k_scale =="),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(_LOWP_FAULTS))
+def test_lowp_suite_detects_planted_fault(tmp_path, fault):
+    case, must_fail = _LOWP_FAULTS[fault]
+    proc, summary = _harness(
+        tmp_path, "--backend", "gloo-cpu", "--suite", "lowp", "--cases", case, "--fault", fault
+    )
+    assert proc.returncode != 0, _tail(proc)
+    assert summary is not None, _tail(proc)
+    assert summary["suites"] == ["lowp"] and summary["cases"] == 1
+    assert summary["passed"] is False and len(summary["failed_cases"]) == 1
+    assert summary["failed_cases"][0].startswith(f"lowp/{case}")
+    assert summary["mismatches"] > 0 and summary["errors"] == 0, summary["failures"]
+    failed_checks = {f["check"] for f in summary["failures"]}
+    assert any(c.startswith(must_fail) for c in failed_checks), failed_checks
     assert "MISMATCH" in proc.stdout
 
 
@@ -177,29 +209,38 @@ def test_harness_rejects_unknown_case_filter(tmp_path):
 def test_list_and_help_explain_every_case_name(capsys):
     assert harness.main(["--list"]) == 0
     listed = capsys.readouterr().out.split()
-    assert listed == [f"smooth_k/{c.id}" for c in cases.DEFAULT_CASES]
+    assert listed == DEFAULT_IDS
     with pytest.raises(SystemExit) as exc:
         harness.parse_args(["--help"])
     assert exc.value.code == 0
     help_text = capsys.readouterr().out
     for kind in cases.USED_KINDS:
         assert f"used_{kind} " in help_text, kind
-    for word in ("qkv", "smooth", "randn", "suite smooth_k", "tail group"):
+    for kind in cases_lowp.USED_KINDS:
+        assert f"used_{kind} " in help_text, kind
+    for word in ("qkv", "smooth", "randn", "suite smooth_k", "tail group", "suite lowp", "Gq"):
         assert word in help_text, word
     assert "SPEC" not in help_text and "../shared" not in help_text
 
 
 def test_suite_selection():
     everything = harness.select(None, large=False, sweep=False, patterns=None)
-    assert [s.name for s in everything] == [f"smooth_k/{c.id}" for c in cases.DEFAULT_CASES]
+    assert [s.name for s in everything] == DEFAULT_IDS
     some = harness.select(["smooth_k"], large=False, sweep=False, patterns="smooth_k/L1-,G256")
     assert [s.case.id for s in some] == [
         c.id for c in cases.DEFAULT_CASES if c.id.startswith("L1-") or "G256" in c.id
     ]
     with pytest.raises(_dist.SetupError, match="unknown suite"):
         harness.select(["no_such_suite"], large=False, sweep=False, patterns=None)
-    large = harness.select(None, large=True, sweep=False, patterns=None)
+    lowp = harness.select(["lowp"], large=False, sweep=False, patterns="errors,used_one")
+    assert [s.name for s in lowp] == [
+        f"lowp/{c.id}" for c in cases_lowp.DEFAULT_CASES if "used_one" in c.id
+    ] + ["lowp/errors"]
+    large = harness.select(["smooth_k"], large=True, sweep=False, patterns=None)
     assert len(large) == len(cases.DEFAULT_CASES + cases.LARGE_CASES + cases.SWEEP_CASES)
+    large = harness.select(["lowp"], large=True, sweep=False, patterns=None)
+    lowp_all = cases_lowp.DEFAULT_CASES + cases_lowp.LARGE_CASES + cases_lowp.SWEEP_CASES
+    assert len(large) == len(lowp_all) + 1
 
 
 def test_case_matrix_resolves_at_every_world_size():

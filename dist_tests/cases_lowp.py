@@ -1,0 +1,230 @@
+"""Cases of the ``lowp`` suite (``ulysses.exchange_qkv``): what each case id means and how its
+Q, K, V are built.
+
+A case id reads ``L{L}-H{H}-D{D}-{dtype}-Gq{Gq}-Gk{Gk}-used_{kind}[-B{B}][-qkv][-{special}]``:
+
+    part           meaning
+    L, H, D        local rows per rank, heads, head dim of this rank's shards q, k, v
+                   [B, L, H, D]; the global sequence has S = L * P rows at world size P, and
+                   each rank receives h = H / P heads (H is a multiple of 24: every P divides it)
+    bf16 | fp16    dtype of Q, K, V
+    Gq, Gk         q_group, k_group: rows of the GLOBAL sequence per Q / K scale
+    used_<kind>    how used_sequence (the global count of live rows) is chosen at the run's P
+    B{B}           batch size (1 when absent)
+    qkv            q, k, v are the strided views qkv[:, :, :, i] of one fused [B, S, H, 3, D]
+    nan            Inf / NaN planted in live rows of Q, K and V on different ranks
+    zero_v         whole channels of V are +0 or -0 (v_scale 0, codes +0)
+
+Used kinds (``resolve_used``; G = min(Gq, Gk), so a row "mid-group" is mid-group on both grids):
+
+    used_none      used_sequence=None: no padding
+    used_S         used_sequence=S: given, but must give the same bits as None
+    used_mulG      the largest multiple of max(Gq, Gk) below S: padding rows, no tail group
+    used_tail      used % G != 0 with the last live row on the LAST rank: a mid-group tail
+    used_early     used % G != 0 with the last live row on rank P/2 - 1 (rank 0 at P = 2):
+                   every later rank holds only padding
+    used_one       used_sequence=1: a single live row in the whole sequence
+
+The case ``errors`` checks bad arguments that need a process group (H not divisible by P,
+used_sequence out of range or not an int, a bad k_group, enable_pdl on CPU, a bad group, ranks
+that disagree on used_sequence or q_group): every rank must raise the documented error.
+
+Every rank builds the same global Q, K, V [B, S, H, D] with ``ulysses.testing.make_qkv_full``
+(seed: crc32 of the case id plus --seed; Q and V standard normal, K smooth), rows [used, S)
+zero, and takes its shards as views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ulysses import testing
+
+from ._dist import SetupError
+from .cases import DTYPES, case_seed
+
+USED_KINDS = ("none", "S", "mulG", "tail", "early", "one")
+SPECIALS = ("", "nan", "zero_v")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One exchange case; ``used`` is a kind of USED_KINDS, resolved per world size."""
+
+    L: int
+    H: int
+    D: int
+    dtype: str
+    Gq: int
+    Gk: int
+    used: str
+    B: int = 1
+    qkv: bool = False
+    special: str = ""
+
+    @property
+    def id(self) -> str:
+        parts = [f"L{self.L}", f"H{self.H}", f"D{self.D}", self.dtype, f"Gq{self.Gq}"]
+        parts += [f"Gk{self.Gk}", f"used_{self.used}"]
+        if self.B != 1:
+            parts.append(f"B{self.B}")
+        if self.qkv:
+            parts.append("qkv")
+        if self.special:
+            parts.append(self.special)
+        return "-".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorsCase:
+    """The bad-argument checks (see the module docstring)."""
+
+    id: str = "errors"
+
+
+def _mid_group_in_rank(rank: int, L: int, G: int) -> int | None:
+    """A used_sequence whose last live row is on ``rank`` and not at a group end, searched
+    outward from the middle of the rank's rows; None if there is none."""
+    lo, hi = rank * L + 1, (rank + 1) * L  # used - 1 in [rank*L, (rank+1)*L)
+    mid = (lo + hi) // 2
+    for used in sorted(range(lo, hi + 1), key=lambda x: (abs(x - mid), x)):
+        if used % G:
+            return used
+    return None
+
+
+def resolve_used(kind: str, L: int, world_size: int, Gq: int, Gk: int) -> int | None:
+    """The ``used_sequence`` of a used kind at this world size (the same on every rank)."""
+    S = L * world_size
+    G_small, G_big = min(Gq, Gk), max(Gq, Gk)
+    if kind == "none":
+        return None
+    if kind == "S":
+        return S
+    if kind == "one":
+        return 1
+    if kind == "mulG":
+        used = ((S - 1) // G_big) * G_big
+        if used < G_big:
+            raise SetupError(f"used_mulG needs S > max(Gq, Gk), got S={S} Gq={Gq} Gk={Gk}")
+        return used
+    if kind in ("tail", "early"):
+        rank = world_size - 1 if kind == "tail" else world_size // 2 - 1
+        used = _mid_group_in_rank(rank, L, G_small)
+        if used is None or used == S:
+            raise SetupError(f"no used_{kind} for L={L} P={world_size} Gq={Gq} Gk={Gk}")
+        return used
+    raise SetupError(f"unknown used kind {kind!r}; expected one of {USED_KINDS}")
+
+
+def resolvable(case: Case, world_size: int) -> bool:
+    try:
+        resolve_used(case.used, case.L, world_size, case.Gq, case.Gk)
+    except SetupError:
+        return False
+    return True
+
+
+# The default matrix: small enough for the Triton interpreter with 8 ranks on 2 cores (the
+# pack kernel costs one interpreted program per batch and 64-row block, whatever L is). H = 24
+# (or 48) so that every world size divides it; L mostly not a multiple of either group, and
+# below the group size in several cases, so groups straddle ranks.
+DEFAULT_CASES = (
+    Case(L=64, H=24, D=64, dtype="bf16", Gq=32, Gk=64, used="none"),
+    Case(L=50, H=24, D=64, dtype="fp16", Gq=32, Gk=64, used="tail"),
+    Case(L=50, H=24, D=32, dtype="bf16", Gq=16, Gk=128, used="early", B=2),
+    Case(L=20, H=24, D=64, dtype="bf16", Gq=32, Gk=64, used="one", qkv=True),
+    Case(L=70, H=24, D=16, dtype="fp16", Gq=64, Gk=32, used="mulG", qkv=True),
+    Case(L=33, H=24, D=64, dtype="bf16", Gq=32, Gk=64, used="S", special="nan"),
+    Case(L=24, H=24, D=32, dtype="fp16", Gq=256, Gk=16, used="tail", special="zero_v"),
+    Case(L=1, H=24, D=64, dtype="bf16", Gq=16, Gk=16, used="none"),
+    Case(L=63, H=48, D=64, dtype="fp16", Gq=16, Gk=64, used="mulG"),
+    Case(L=7, H=24, D=64, dtype="fp16", Gq=128, Gk=256, used="early", qkv=True),
+)
+
+# GPU-sized cases (--large): deployment-like shapes (B1 L2048 H48 D128) and long sequences,
+# kept to what the harness rows of scripts/gpu_check.sh can run in their time at P = 8.
+LARGE_CASES = (
+    Case(L=2048, H=48, D=128, dtype="bf16", Gq=32, Gk=64, used="none"),
+    Case(L=2048, H=48, D=128, dtype="fp16", Gq=16, Gk=128, used="tail"),
+    Case(L=2048, H=48, D=128, dtype="bf16", Gq=32, Gk=64, used="mulG"),
+    Case(L=2047, H=48, D=128, dtype="bf16", Gq=32, Gk=64, used="S", special="nan"),
+    Case(L=1000, H=24, D=128, dtype="bf16", Gq=64, Gk=32, used="early", B=2, qkv=True),
+    Case(L=3000, H=24, D=64, dtype="fp16", Gq=256, Gk=16, used="one", qkv=True),
+)
+
+
+def _sweep_cases() -> tuple[Case, ...]:
+    """Every fifth (L, group pair, used kind) combination of small awkward shapes, with
+    dtype, B and layout rotating (D fixed: each new D is a new kernel compilation on GPUs);
+    only cases valid at every world size."""
+    out = []
+    lengths = (1, 7, 50, 130)
+    group_pairs = ((16, 16), (32, 64), (64, 32), (128, 256), (256, 16))
+    combos = [(L, g, used) for L in lengths for g in group_pairs for used in USED_KINDS]
+    default_ids = {c.id for c in DEFAULT_CASES}
+    for i, (L, (Gq, Gk), used) in enumerate(combos):
+        if i % 5:
+            continue
+        case = Case(
+            L=L,
+            H=24,
+            D=64,
+            dtype=("bf16", "fp16")[(i // 5) % 2],
+            Gq=Gq,
+            Gk=Gk,
+            used=used,
+            B=2 if i % 7 == 0 else 1,
+            qkv=i % 3 == 0,
+        )
+        if case.id not in default_ids and all(resolvable(case, P) for P in (2, 4, 6, 8)):
+            out.append(case)
+    return tuple(out)
+
+
+SWEEP_CASES = _sweep_cases()
+
+
+def select_cases(*, large: bool, sweep: bool) -> list:
+    """The default cases and ``errors``; with ``large`` also the GPU-sized and the sweep
+    cases; with ``sweep`` also the sweep cases."""
+    selected: list = [*DEFAULT_CASES, ErrorsCase()]
+    if large:
+        selected += LARGE_CASES
+    if large or sweep:
+        selected += SWEEP_CASES
+    return selected
+
+
+def build_qkv_full(
+    case: Case, world_size: int, used: int | None, device: torch.device, base_seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The seeded global Q, K, V [B, S, H, D] on ``device``: rows [used, S) zero, strided views
+    of one fused tensor for ``qkv`` cases, the ``special`` values planted."""
+    S, H = case.L * world_size, case.H
+    q, k, v = testing.make_qkv_full(
+        case.B,
+        S,
+        H,
+        case.D,
+        DTYPES[case.dtype],
+        used=used,
+        seed=case_seed(case, base_seed),
+        device=device,
+        fused=case.qkv,
+    )
+    n_live = S if used is None else used
+    if case.special == "nan":  # Inf / NaN in live rows held by different ranks
+        q[0, min(3, n_live - 1), 0, 5] = float("inf")
+        k[0, max(0, n_live - 2), H - 1, 1] = float("nan")
+        v[0, n_live // 2, 0, 7] = float("nan")
+        v[0, min(1, n_live - 1), H - 1, 2] = float("-inf")
+        q[0, n_live - 1, H - 1, 0] = float("nan")
+    elif case.special == "zero_v":  # whole channels of V zero (scale 0, codes +0)
+        v[:, :, 0, 1] = 0
+        v[:, :, H - 1, :3] = -0.0
+    else:
+        assert not case.special, case.special
+    return q, k, v
