@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import gdc_launch_dependents, gdc_wait, launch, tile
+from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
 
 __all__ = ["pack_qkv"]
 
@@ -229,15 +229,15 @@ def pack_qkv(
     assert row_bytes == cb + scale_bytes and scale_bytes % 16 == 0
     assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
     send = torch.empty(P * L * row_bytes, dtype=torch.uint8, device=q.device)
-    block_l = block_l or (16 if q.is_cuda else 64)
-    n_rblocks = triton.cdiv(L, block_l)
+    block_l = block_l or (16 if q.is_cuda else min(64, L))  # the interpreter pays per row
+    n_rblocks = cdiv(L, block_l)
     block_h, num_warps = tile(D, H, B * n_rblocks, q.device, elems=512, warps_per_sm=22)
-    n_code = B * n_rblocks * triton.cdiv(H, block_h)
+    n_code = B * n_rblocks * cdiv(H, block_h)
     n_scales = P * B * h * (n_sq + n_sk)
     block_n = 256 if q.is_cuda else 4096
     launch(
         _pack_kernel,
-        (n_code + triton.cdiv(n_scales, block_n),),
+        (n_code + cdiv(n_scales, block_n),),
         q.device,
         num_warps=num_warps,
         use_pdl=use_pdl,

@@ -21,11 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import gdc_launch_dependents, gdc_wait, launch, tile
+from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
 
 __all__ = ["qv_stats", "qv_payload_numel"]
-
-FLOOR = tl.constexpr(1e-7)
 
 
 @triton.jit
@@ -49,6 +47,7 @@ def _qv_stats_kernel(
     n_spans,
     tail_group,
     live_end,
+    FLOOR: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
     SPAN: tl.constexpr,
@@ -137,6 +136,7 @@ def qv_stats(
     n_touched: int,
     tail_group: int,
     live_end: int,
+    floor: float,
     use_pdl: bool,
     span: int | None = None,
     rows: int | None = None,
@@ -163,11 +163,11 @@ def qv_stats(
     # ~256 rows a program on CUDA (few atomics); the interpreter pays per program: longer spans
     span = span or (max(1, 256 // G) if q.is_cuda else max(1, 1024 // G))
     rows = rows or (8 if q.is_cuda else 4)
-    n_spans = triton.cdiv(n_slots, span)
+    n_spans = cdiv(n_slots, span)
     block_h, num_warps = tile(D, H, B * n_spans, q.device, elems=512, warps_per_sm=22)
     launch(
         _qv_stats_kernel,
-        (B * n_spans * triton.cdiv(H, block_h),),
+        (B * n_spans * cdiv(H, block_h),),
         q.device,
         num_warps=num_warps,
         use_pdl=use_pdl,
@@ -195,6 +195,7 @@ def qv_stats(
         SPAN=span,
         BLOCK_H=block_h,
         ROWS=rows,
+        FLOOR=floor,
         USE_PDL=use_pdl,
     )
     return payload, amax

@@ -101,6 +101,7 @@ def test_qv_stats_matches_reference(
             n_touched=lay.n_touched,
             tail_group=lay.tail_group,
             live_end=lay.live_end,
+            floor=grid.FLOOR,
             use_pdl=False,
         )
         ref = reference.grouped_amax_shard(

@@ -367,6 +367,7 @@ def _local_stats(c: _Call) -> tuple[torch.Tensor, torch.Tensor]:
         n_touched=lay.n_touched,
         tail_group=lay.tail_group,
         live_end=lay.live_end,
+        floor=grid.FLOOR,
         use_pdl=c.use_pdl,
     )
     if _ops.is_compiling():  # functional: no writes into slices of a shared buffer
