@@ -34,6 +34,7 @@ XDIST ?= auto
 OUT ?= docs/data
 
 ifeq ($(origin PYTHON),undefined)
+PYTHON_DEFAULTED := 1
 PYTHON := $(VENV)/bin/python
 READY := $(VENV)/.ulysses-ready
 else
@@ -122,7 +123,7 @@ validate-large: $(READY)
 
 # Every GPU check in one run, logs under $(OUT). No venv is built here (a GPU machine usually
 # has its CUDA torch installed already): PYTHON if given, else .venv's if it exists, else python3.
-GPU_PYTHON := $(if $(filter undefined,$(origin PYTHON)),$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3),$(PYTHON))
+GPU_PYTHON := $(if $(PYTHON_DEFAULTED),$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3),$(PYTHON))
 gpu-check:
 	PYTHON="$(GPU_PYTHON)" bash scripts/gpu_check.sh $(OUT)
 
