@@ -117,8 +117,12 @@ def _restored_triton_state():
     finally:
         for obj, before in saved:
             now = vars(obj)
-            # added names go, except submodules that an import during the call registered
-            for name in [n for n in now if n not in before and not _is_module(now[n])]:
+            # Names added to a class go (a patched dunder such as tensor.__index__ changes how
+            # the compiler's values behave); names added to a module stay: submodules that an
+            # import registered, and the interpreter's own injected globals (its rewritten,
+            # cached functions look up `interpreter_semantic` there).
+            added = [] if _is_module(obj) else [n for n in now if n not in before]
+            for name in added:
                 with contextlib.suppress(AttributeError, TypeError):
                     delattr(obj, name)
             for name, value in before.items():

@@ -34,29 +34,6 @@ _SOURCES: dict[tuple, torch.Tensor] = {}
 
 
 @triton.jit
-def _round_to_dtype(x, DTYPE: tl.constexpr):
-    """fp32 -> DTYPE, rounded to nearest-even on CUDA and in the interpreter alike (the
-    interpreter truncates fp32 -> bf16, so bf16 rounds by hand: add half an ulp of the kept
-    bits, plus one if the kept part is odd, then clear the dropped bits; NaN stays NaN)."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(DTYPE)
-
-
-@triton.jit
-def _derived_bits(p_min, p_max, m_ld, b_mean, BLOCK_H: tl.constexpr, D: tl.constexpr):
-    """Per head [BH]: int32 bits of max_d max(|max - m|, |m - min|); 0 for an empty part."""
-    b_min = tl.load(p_min, mask=m_ld, other=float("inf")).to(tl.float32)
-    b_max = tl.load(p_max, mask=m_ld, other=float("-inf")).to(tl.float32)
-    b_hi = tl.abs(b_max - b_mean).to(tl.int32, bitcast=True)
-    b_lo = tl.abs(b_mean - b_min).to(tl.int32, bitcast=True)
-    m_rows = tl.where(b_max < b_min, False, m_ld)  # min > max: this part has no rows
-    return tl.max(tl.where(m_rows, tl.maximum(b_hi, b_lo), 0), axis=1)
-
-
-@triton.jit
 def _finalize_kernel(
     gathered_ptr,
     mm_ptr,
@@ -101,12 +78,11 @@ def _finalize_kernel(
         gdc_wait()
 
     # Ranks that disagree on the call's arguments sent another tag (or another payload size).
-    o_p = tl.arange(0, BLOCK_P)
-    m_p = o_p < P
-    b_tag0 = tl.load(gathered_ptr + o_p * stride_p, mask=m_p, other=0.0)
-    b_tag1 = tl.load(gathered_ptr + o_p * stride_p + N - 1, mask=m_p, other=0.0)
-    b_bad = tl.where(m_p, (b_tag0 != tag) | (b_tag1 != tag), False)
-    disagree = tl.max(b_bad.to(tl.int32), axis=0) > 0
+    disagree = tag != tag  # False
+    for q in range(0, P):
+        b_t0 = tl.load(gathered_ptr + q * stride_p)
+        b_t1 = tl.load(gathered_ptr + q * stride_p + N - 1)
+        disagree = disagree | (b_t0 != tag) | (b_t1 != tag)
 
     # The mean of these heads: ranks' sums in rank order, one division, one rounding.
     p_sum = gathered_ptr + 1 + i_b * H * D + o_hd
@@ -114,7 +90,14 @@ def _finalize_kernel(
     for q in range(1, P):
         b_total += tl.load(p_sum + q * stride_p, mask=m_hd, other=0.0)
     b_mean = tl.math.div_rn(b_total, tl.zeros_like(b_total) + divisor)
-    b_mean = _round_to_dtype(b_mean, mean_ptr.dtype.element_ty).to(tl.float32)
+    # round to nearest-even into K's dtype, the same on CUDA and in the interpreter (which
+    # truncates fp32 -> bf16): bf16 by hand (add half an ulp of the kept bits, plus one if the
+    # kept part is odd, clear the dropped bits; NaN stays NaN), fp16 by the conversion
+    if mean_ptr.dtype.element_ty == tl.bfloat16:
+        b_rne = b_mean.to(tl.uint32, bitcast=True)
+        b_rne = (b_rne + 0x7FFF + ((b_rne >> 16) & 1)) & 0xFFFF0000
+        b_mean = tl.where(b_mean != b_mean, b_mean, b_rne.to(tl.float32, bitcast=True))
+    b_mean = b_mean.to(mean_ptr.dtype.element_ty).to(tl.float32)
     if i_ch == 0:
         b_out_mean = tl.where(disagree, float("nan"), b_mean)
         tl.store(mean_ptr + i_b * H * D + o_hd, b_out_mean.to(mean_ptr.dtype.element_ty), mask=m_hd)
@@ -128,7 +111,13 @@ def _finalize_kernel(
             if MODE == 1:
                 p_mm = mm_ptr + ((i_b * n_slots + i_s) * 2) * H * D + o_hd
                 m_live = tl.where(live, m_hd, False)
-                b_bits = _derived_bits(p_mm, p_mm + H * D, m_live, b_mean, BLOCK_H, D)
+                # rounding is monotone: max |rn(k - m)| = max(|rn(max - m)|, |rn(m - min)|)
+                b_min = tl.load(p_mm, mask=m_live, other=float("inf")).to(tl.float32)
+                b_max = tl.load(p_mm + H * D, mask=m_live, other=float("-inf")).to(tl.float32)
+                b_hi = tl.abs(b_max - b_mean).to(tl.int32, bitcast=True)
+                b_lo = tl.abs(b_mean - b_min).to(tl.int32, bitcast=True)
+                m_rows = tl.where(b_max < b_min, False, m_live)  # min > max: no rows
+                b_bits = tl.max(tl.where(m_rows, tl.maximum(b_hi, b_lo), 0), axis=1)
                 b_part = tl.maximum(b_bits, floor_bits)
             else:
                 p_in = part_in_ptr + i_b * H * n_slots + o_h * n_slots + i_s
@@ -148,7 +137,12 @@ def _finalize_kernel(
                     p_rec = (
                         gathered_ptr + q * stride_p + 1 + bhd + ((i_b * 2 + e) * 2) * H * D + o_hd
                     )
-                    b_bits = _derived_bits(p_rec, p_rec + H * D, m_hd, b_mean, BLOCK_H, D)
+                    b_min = tl.load(p_rec, mask=m_hd, other=float("inf"))
+                    b_max = tl.load(p_rec + H * D, mask=m_hd, other=float("-inf"))
+                    b_hi = tl.abs(b_max - b_mean).to(tl.int32, bitcast=True)
+                    b_lo = tl.abs(b_mean - b_min).to(tl.int32, bitcast=True)
+                    m_rows = tl.where(b_max < b_min, False, m_hd)  # min > max: no rows
+                    b_bits = tl.max(tl.where(m_rows, tl.maximum(b_hi, b_lo), 0), axis=1)
                     b_merged = tl.maximum(b_merged, tl.maximum(b_bits, floor_bits))
                 b_final = b_merged
             o_out = i_b * H * n_slots + o_h * n_slots + i_s

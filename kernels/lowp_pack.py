@@ -167,26 +167,26 @@ def _pack_kernel(
         nf = nf_q + B * h * n_slots_k
         o_m = (i_pid - n_code) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         m_m = o_m < n_scales
-        i_j = o_m // nf
+        i_j_s = o_m // nf
         i_n = o_m % nf
         is_q = i_n < nf_q
         i_nk = i_n - nf_q
-        i_b = tl.where(is_q, i_n // (h * n_slots_q), i_nk // (h * n_slots_k))
+        i_b_s = tl.where(is_q, i_n // (h * n_slots_q), i_nk // (h * n_slots_k))
         i_hl = tl.where(is_q, (i_n // n_slots_q) % h, (i_nk // n_slots_k) % h)
         i_s = tl.where(is_q, i_n % n_slots_q, i_nk % n_slots_k)
-        i_hh = i_j * h + i_hl
+        i_hh = i_j_s * h + i_hl
         b_aq = tl.load(
-            amax_q_ptr + (i_b * H + i_hh) * n_slots_q + i_s,
+            amax_q_ptr + (i_b_s * H + i_hh) * n_slots_q + i_s,
             mask=tl.where(is_q, m_m, False),
             other=1.0,
         )
         b_ak = tl.load(
-            amax_k_ptr + (i_b * H + i_hh) * n_slots_k + i_s,
+            amax_k_ptr + (i_b_s * H + i_hh) * n_slots_k + i_s,
             mask=tl.where(is_q, False, m_m),
             other=1.0,
         )
         b_scale = tl.math.div_rn(tl.where(is_q, b_aq, b_ak), tl.full([BLOCK_N], 127.0, tl.float32))
-        o_f = (i_j * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
+        o_f = (i_j_s * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
         tl.store(send_f32_ptr + o_f, b_scale, mask=m_m)
     if USE_PDL:
         gdc_launch_dependents()

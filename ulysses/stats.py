@@ -101,6 +101,8 @@ def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
         )
         raise ValueError(f"group: torch.distributed is not initialized; {hint}")
     pg = dist.group.WORLD if group is None else group
+    if _ops.is_compiling():  # checked by the eager calls before; dynamo cannot trace id(pg)
+        return pg, dist.get_rank(pg), dist.get_world_size(pg)
     key = (*_pg_key(pg), device.type)
     found = _GROUPS.get(key)
     if found is not None:
