@@ -93,7 +93,7 @@ def run(ctx: _dist.Context, cuda_graph: bool) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m dist_tests.compile_check",
+        prog=f"python -m {__package__ or 'dist_tests'}.compile_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -106,7 +106,7 @@ def _epilog() -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m dist_tests.harness",
+        prog=f"python -m {__package__ or 'dist_tests'}.harness",
         description=__doc__,
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -33,33 +33,39 @@ import ulysses
 from . import _dist
 
 BASE = {"B": 1, "L": 70, "H": 3, "D": 64, "dtype": torch.bfloat16, "group_size": 64}
-# the faulty rank's value of each disagreeing argument
+# The faulty rank's value of each disagreeing argument. used_sequence is S - 1 on every rank
+# (S from the base L, so that disagree_L changes nothing else) and S - 5 on the faulty one.
 DISAGREE = {
     "B": 2,
     "H": 5,
     "D": 128,
     "L": 134,
     "dtype": torch.float16,
-    "used_sequence": -5,  # relative to S: S - 5 on the faulty rank, S - 1 on the others
+    "used_sequence": -5,
     "group_size": 128,
 }
 MODES = ("raise_before", "raise_inside", "exit") + tuple(f"disagree_{a}" for a in DISAGREE)
 
 
 def _arguments(mode: str, faulty: bool, world_size: int) -> dict:
-    args = dict(BASE)
+    args = dict(BASE, used_sequence=BASE["L"] * world_size - 1)
     name = mode.removeprefix("disagree_")
-    if faulty and name in DISAGREE and name != "used_sequence":
+    if faulty and name == "used_sequence":
+        args[name] = BASE["L"] * world_size + DISAGREE[name]
+    elif faulty and name in DISAGREE:
         args[name] = DISAGREE[name]
-    # from the base L, so that a mode that changes L changes nothing else
-    S = BASE["L"] * world_size
-    shift = DISAGREE["used_sequence"] if faulty and name == "used_sequence" else -1
-    args["used_sequence"] = S + shift
     return args
 
 
 def _broken_all_gather(*args, **kwargs):
     raise RuntimeError("planted fault inside smooth_k_stats, at the collective")
+
+
+def _planted_collective_error(active: bool):
+    """The raise_inside fault: the library's collective raises (on this rank only)."""
+    if active:
+        return mock.patch("ulysses.stats.all_gather_payload", _broken_all_gather)
+    return contextlib.nullcontext()
 
 
 def run_mode(ctx: _dist.Context, mode: str) -> int:
@@ -94,16 +100,9 @@ def run_mode(ctx: _dist.Context, mode: str) -> int:
         return 1
 
 
-def _planted_collective_error(active: bool):
-    """The raise_inside fault: the library's collective raises (on this rank only)."""
-    if active:
-        return mock.patch("ulysses.stats.all_gather_payload", _broken_all_gather)
-    return contextlib.nullcontext()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m dist_tests.rank_faults",
+        prog=f"python -m {__package__ or 'dist_tests'}.rank_faults",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

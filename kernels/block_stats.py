@@ -1,4 +1,4 @@
-"""One read of K: fixed-association block sums and per-group channel min/max (SPEC §4).
+"""One read of K: fixed-association block sums and per-group channel min/max (docs/CONTRACT.md §4).
 
 One program per (batch, span, head block); a span is max(G, 64) rows of the GLOBAL grid, so it
 holds whole 64-row sum blocks and whole G-row groups. The program walks its rows in order,
@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..grid import SUM_BLOCK, SUPER_BLOCK
-from ._runtime import cdiv, counters, gdc_launch_dependents, gdc_wait, launch, tile, workspace
+from ..grid import SUM_BLOCK
+from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile, workspace
+from .block_sum_reduce import block_sum_reduce
 
 __all__ = [
     "local_stats",
@@ -45,10 +46,6 @@ def _block_stats_kernel(
     sum_ptr,
     mm_ptr,
     bnd_ptr,
-    cnt_ptr,
-    local_ptr,
-    tag,
-    tag_last,
     L,
     H,
     row0,
@@ -64,7 +61,6 @@ def _block_stats_kernel(
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     MINMAX: tl.constexpr,
-    SUPER: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
@@ -178,34 +174,6 @@ def _block_stats_kernel(
                 MINMAX,
             )
 
-    # The call tag at both ends of the payload (local_ptr - 1 is the payload's first element).
-    if i_pid == 0:
-        tl.store(local_ptr - 1, tag)
-        tl.store(local_ptr - 1 + tag_last, tag)
-    # The last program of this (batch, head block) to finish adds the shard's block sums in
-    # the fixed association (docs/DESIGN.md, "Mean"): blocks in order within each SUPER-block
-    # superblock of the global grid, then the superblocks in order, each chain from +0.0. A
-    # barrier, then one acquire-release atomic per program orders every thread's block-sum
-    # stores before the last program's loads (which bypass L1); the last one resets the
-    # counter for the next call.
-    tl.debug_barrier()
-    p_cnt = cnt_ptr + i_b * n_hblocks + i_hb
-    n_done = tl.atomic_add(p_cnt, 1, sem="acq_rel")
-    if n_done == n_spans - 1:
-        lead = block_first % SUPER
-        n_super = (lead + n_blocks + SUPER - 1) // SUPER
-        p_blk = sum_ptr + i_b * n_blocks * H * D + o_hd
-        b_total = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-        for i_sup in range(0, n_super):
-            b_sup = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-            for u in tl.static_range(SUPER):
-                j = i_sup * SUPER - lead + u
-                m_j = tl.where((j >= 0) & (j < n_blocks), m_hd, False)
-                b_sup += tl.load(p_blk + j * H * D, mask=m_j, other=0.0, cache_modifier=".cg")
-            b_total += b_sup
-        tl.store(local_ptr + i_b * H * D + o_hd, b_total, mask=m_hd)
-        tl.atomic_xchg(p_cnt, 0)
-
 
 @triton.jit
 def _store_minmax(
@@ -284,13 +252,16 @@ def local_stats(
         payload = torch.empty((numel,), dtype=torch.float32, device=k.device)
     assert payload.shape == (numel,) and payload.dtype == torch.float32 and payload.is_contiguous()
     bhd = B * H * D
+    # scratch, reused per device and stream (kernels/_runtime.workspace)
+    n_sums = B * n_blocks * H * D
+    block_sums = workspace("block_sums", n_sums, torch.float32, k.device)[:n_sums]
+    block_sums = block_sums.view(B, n_blocks, H, D)
     n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
     minmax = torch.empty((B, n_mm, 2, H, D), dtype=k.dtype, device=k.device)
     cuda = k.device.type == "cuda"
     auto_h, auto_warps = tile(D, H, B * n_spans, k.device, elems=256)
     block_h = block_h or auto_h
     n_hblocks = cdiv(H, block_h)
-    block_sums = workspace("block_sums", B * n_blocks * bhd, torch.float32, k.device)
     launch(
         _block_stats_kernel,
         (B * n_spans * n_hblocks,),
@@ -304,10 +275,6 @@ def local_stats(
         sum_ptr=block_sums,
         mm_ptr=minmax if n_mm else block_sums,  # never written without MINMAX_ALL
         bnd_ptr=payload[1 + bhd :] if minmax_mode != MINMAX_NONE else block_sums,
-        cnt_ptr=counters(B * n_hblocks, k.device),
-        local_ptr=payload[1:],
-        tag=float(tag),
-        tag_last=numel - 1,
         L=L,
         H=H,
         row0=row0,
@@ -324,8 +291,14 @@ def local_stats(
         # Any ROWS gives the same bits (the sum is row-sequential).
         ROWS=rows or ((8 if D >= 128 else 16) if cuda else 4),
         MINMAX=minmax_mode,
-        SUPER=SUPER_BLOCK,
         USE_PDL=use_pdl,
+    )
+    block_sum_reduce(
+        block_sums,
+        payload,
+        first_block=block_first,
+        tag=tag,
+        use_pdl=use_pdl,
     )
     return payload, minmax
 

@@ -66,6 +66,7 @@ def _finalize_kernel(
     final_ptr,
     src_ptr,
     N,
+    stride_p,
     tag,
     H,
     P,
@@ -102,8 +103,8 @@ def _finalize_kernel(
     # Ranks that disagree on the call's arguments sent another tag (or another payload size).
     o_p = tl.arange(0, BLOCK_P)
     m_p = o_p < P
-    b_tag0 = tl.load(gathered_ptr + o_p * N, mask=m_p, other=0.0)
-    b_tag1 = tl.load(gathered_ptr + o_p * N + N - 1, mask=m_p, other=0.0)
+    b_tag0 = tl.load(gathered_ptr + o_p * stride_p, mask=m_p, other=0.0)
+    b_tag1 = tl.load(gathered_ptr + o_p * stride_p + N - 1, mask=m_p, other=0.0)
     b_bad = tl.where(m_p, (b_tag0 != tag) | (b_tag1 != tag), False)
     disagree = tl.max(b_bad.to(tl.int32), axis=0) > 0
 
@@ -111,7 +112,7 @@ def _finalize_kernel(
     p_sum = gathered_ptr + 1 + i_b * H * D + o_hd
     b_total = tl.load(p_sum, mask=m_hd, other=0.0)
     for q in range(1, P):
-        b_total += tl.load(p_sum + q * N, mask=m_hd, other=0.0)
+        b_total += tl.load(p_sum + q * stride_p, mask=m_hd, other=0.0)
     b_mean = tl.math.div_rn(b_total, tl.zeros_like(b_total) + divisor)
     b_mean = _round_to_dtype(b_mean, mean_ptr.dtype.element_ty).to(tl.float32)
     if i_ch == 0:
@@ -144,7 +145,9 @@ def _finalize_kernel(
                     rec = tl.load(src_ptr + i_end * P + j)  # q * 2 + end of rank q's record
                     q = rec // 2
                     e = rec % 2
-                    p_rec = gathered_ptr + q * N + 1 + bhd + ((i_b * 2 + e) * 2) * H * D + o_hd
+                    p_rec = (
+                        gathered_ptr + q * stride_p + 1 + bhd + ((i_b * 2 + e) * 2) * H * D + o_hd
+                    )
                     b_bits = _derived_bits(p_rec, p_rec + H * D, m_hd, b_mean, BLOCK_H, D)
                     b_merged = tl.maximum(b_merged, tl.maximum(b_bits, floor_bits))
                 b_final = b_merged
@@ -196,8 +199,7 @@ def finalize_stats(
     (``q * 2 + end``: rank q's first (0) or last (1) record) merged into this rank's first and
     last touched slot (``ulysses.grid.boundary_sources``).
     """
-    P = gathered.shape[0]
-    N = gathered.stride(0)
+    P, N = gathered.shape
     assert gathered.dtype == torch.float32 and gathered.stride(1) == 1
     device = gathered.device
     mean = torch.empty((B, H, D), dtype=dtype, device=device)
@@ -230,6 +232,7 @@ def finalize_stats(
         final_ptr=final if n_amax else gathered,
         src_ptr=_sources(first_sources, last_sources, P, device),
         N=N,
+        stride_p=gathered.stride(0),
         tag=float(tag),
         H=H,
         P=P,

@@ -1,4 +1,4 @@
-"""Per-slot partial amax of |K - mean| on the global group grid (SPEC §3).
+"""Per-slot partial amax of |K - mean| on the global group grid (docs/CONTRACT.md §3).
 
 One program per (batch, slot, head block). It walks the rows of its slot that this rank
 owns, ROWS at a time (unrolled, so the loads of a chunk are in flight together), and keeps

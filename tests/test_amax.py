@@ -1,4 +1,4 @@
-"""``ulysses.k_grouped_amax`` against the fp32 reference, bit for bit (SPEC §3).
+"""``ulysses.k_grouped_amax`` against the fp32 reference, bit for bit (docs/CONTRACT.md §3).
 
 CPU tensors run the Triton kernel in the interpreter (about 2 ms per local row at B=2), so the
 case matrix covers every listed value of each parameter and the interesting pairs without
@@ -36,7 +36,7 @@ HEAD_DIMS = (64, 128)
 GROUP_SIZES = (64, 128)
 DATA = ("smooth", "randn")
 # How used_sequence relates to the grid: no padding (None, S), padding starting on a group
-# boundary (mult), and the four tail-repair situations of SPEC §3.
+# boundary (mult), and the four tail-repair situations of docs/CONTRACT.md §3.
 USED_KINDS = ("none", "full", "mult", "inside", "straddle", "padrank", "one")
 TAIL_KINDS = ("inside", "straddle", "padrank", "one")
 

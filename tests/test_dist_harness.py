@@ -422,7 +422,8 @@ def test_watchdog_guards_a_hanging_teardown(tmp_path):
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0, _tail(proc)
     assert proc.stdout.count("body done") == 2, _tail(proc)
-    for rank in (0, 1):
-        assert f"[rank {rank}] WATCHDOG: teardown_probe" in proc.stderr, _tail(proc)
+    # The first rank whose watchdog fires exits with code 3; torchrun then ends the other rank
+    # with SIGTERM, which may come before that rank prints its own message.
+    assert "WATCHDOG: teardown_probe" in proc.stderr, _tail(proc)
     assert "during 'teardown'" in proc.stderr
     assert elapsed < 120, elapsed

@@ -1,4 +1,4 @@
-"""Global grid helpers (SPEC §2) against brute-force enumeration of rows.
+"""Global grid helpers (docs/CONTRACT.md §2) against brute-force enumeration of rows.
 
 A rank ``r`` with ``L`` local rows owns global rows ``[r*L, (r+1)*L)``; global group ``g`` is
 rows ``[g*G, (g+1)*G)``. Everything here is recomputed from the sets of rows and groups.

@@ -155,6 +155,10 @@ def test_smooth_k_stats_compiles_fullgraph_under_torchrun():
     # `make gpu-check`; mirroring CPU launches to the GPU inside compiled graphs is not a
     # supported combination, so the switch is left out of this child's environment.
     env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
+    # CPU tensors on purpose: on an H200 with 2 ranks sharing one GPU (gloo on CUDA tensors),
+    # the compiled graph died with SIGSEGV inside a custom op call (2026-11-30, torch 2.11,
+    # Triton 3.6; open, see docs/VALIDATION.md); the NCCL variant is a row of `make gpu-check`.
+    env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(
         [
             sys.executable,

@@ -27,12 +27,6 @@ def _case(H=3, L=70, seed=0):
     return ref.shard(k_full, 1, 2), k_mean
 
 
-def _state_of_existing_namespaces(before, after):
-    """Entries of namespaces that existed before the call (a call may import new modules)."""
-    old = {ns for ns, _ in before}
-    return {key: value for key, value in after.items() if key[0] in old}
-
-
 def test_cpu_call_leaves_triton_state_unchanged():
     k, k_mean = _case()
     ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2)  # imports what a call imports
@@ -42,7 +36,6 @@ def test_cpu_call_leaves_triton_state_unchanged():
     after = _runtime.triton_state()
     changed = [key for key, value in before.items() if after.get(key) != value]
     assert not changed, f"{len(changed)} Triton attributes changed by a CPU call: {changed[:5]}"
-    assert _state_of_existing_namespaces(before, after) == before
 
 
 def test_interpreter_alone_would_leak():
@@ -58,8 +51,9 @@ def test_interpreter_alone_would_leak():
         InterpretedFunction(tl.standard.cdiv.fn)(7, 2)
         leaked = _runtime.triton_state()
         assert any(leaked.get(key) != value for key, value in before.items())
-    after = _runtime.triton_state()  # the call may import modules (new namespaces)
-    assert _state_of_existing_namespaces(before, after) == before
+    after = _runtime.triton_state()  # (a first call may import modules: new entries)
+    changed = [key for key, value in before.items() if after.get(key) != value]
+    assert not changed, changed[:5]
 
 
 def test_cuda_compile_after_cpu_call():

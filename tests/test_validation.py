@@ -1,4 +1,4 @@
-"""Invalid arguments to ``k_grouped_amax`` and the grid helpers (SPEC §3 "Inputs").
+"""Invalid arguments to ``k_grouped_amax`` and the grid helpers (docs/CONTRACT.md §3 "Inputs").
 
 Each row names one violation, the exception type it must raise (TypeError for a wrong type
 or dtype, ValueError otherwise) and the argument the message must start with; where the

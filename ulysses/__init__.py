@@ -35,11 +35,13 @@ def _alias_source_kernels() -> None:
 _alias_source_kernels()
 
 from . import (
+    lowp,  # noqa: E402  (after stats: the exchange builds on it)
     reference,  # noqa: E402
     testing,  # noqa: E402
 )
 from .amax import k_grouped_amax
 from .grid import group_first, group_last, slots, touched
+from .lowp import LowpQKV, exchange_qkv  # noqa: E402
 from .stats import SmoothKStats, global_k_mean, smooth_k_stats
 
 __all__ = [
@@ -53,6 +55,9 @@ __all__ = [
     "touched",
     "reference",
     "testing",
+    "lowp",
+    "exchange_qkv",
+    "LowpQKV",
 ]
 
 __version__ = "0.2.0"

@@ -1,4 +1,4 @@
-"""Argument checks for the public entry points (SPEC §3 "Inputs").
+"""Argument checks for the public entry points (docs/CONTRACT.md §3 "Inputs").
 
 Each check raises TypeError for a wrong type or dtype and ValueError otherwise, naming the
 argument, what was given and what is expected. Nothing invalid reaches a kernel.

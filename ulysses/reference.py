@@ -5,8 +5,9 @@ Shape legend: B batch, L local rows, S = L * P global rows, H heads, D head dim,
     k       [B, L, H, D]  one rank's shard, global rows [rank*L, (rank+1)*L)
     k_mean  [B, H, D]     the global mean in k's dtype
 
-The global mean's fixed association (SPEC §4, docs/DESIGN.md): each rank sums its live rows
-in fp32 at three levels fixed by GLOBAL row positions, each a strict in-order chain from +0.0:
+The global mean's fixed association (docs/CONTRACT.md §4, docs/DESIGN.md): each rank sums
+its live rows in fp32 at three levels fixed by GLOBAL row positions, each a strict in-order
+chain from +0.0:
 rows within each 64-row block of the global grid (clipped to the shard), blocks within each
 1024-row superblock, then the superblocks; the ranks' sums are then added in rank order,
 divided by n in fp32 and rounded to nearest-even into k's dtype.
@@ -213,3 +214,125 @@ def bitwise_diff(
         f"{bad.shape[0]} of {same.numel()} positions differ; first at index {first}: "
         f"got {format_value(got[first])}, expected {format_value(expected[first])}"
     )
+
+
+# ---- low-precision exchange (docs/CONTRACT.md §8) ----------------------------------------
+#
+# Shape legend: P world size, h = H / P heads per rank, Gq / Gk the Q / K group sizes.
+#     q_full, k_full, v_full  [B, S, H, D]  the whole sequences (bf16/fp16)
+#     result on rank r        heads [r*h, (r+1)*h) of the whole sequence, quantized on the
+#                             global grid: what one device holding everything would produce.
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_NAN_CODE = 0x7F  # the one NaN code the exchange writes (positive, like a CUDA canonical NaN)
+
+
+def v_channel_amax(v: torch.Tensor, *, used_rows: int) -> torch.Tensor:
+    """max over rows ``[0, used_rows)`` of |fp32(v)|: fp32 [B, H, D]; NaN propagates, may be 0.
+
+    ``v`` [B, n, H, D] (a whole sequence or a shard); ``used_rows`` may be 0 (an all-padding
+    shard), which gives 0."""
+    B, _, H, D = v.shape
+    if used_rows <= 0:
+        return torch.zeros(B, H, D, dtype=torch.float32, device=v.device)
+    return v[:, :used_rows].float().abs().amax(dim=1)
+
+
+def ieee_rdiv(numerator: float, t: torch.Tensor) -> torch.Tensor:
+    """``numerator / t`` as one IEEE fp32 division per element. (``127.0 / t`` in torch is
+    ``t.reciprocal() * 127``: two roundings, which differ from IEEE in about 1 case of 4.)"""
+    return torch.full_like(t, numerator) / t
+
+
+def ieee_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``t / divisor`` as one IEEE fp32 division per element on every device (CUDA turns a
+    division by a Python scalar into a multiplication by its reciprocal)."""
+    return t / torch.full_like(t, divisor)
+
+
+def _rows_of_groups(per_group: torch.Tensor, S: int, G: int) -> torch.Tensor:
+    """[B, H, n_groups] -> [B, S, H, 1]: each row gets its group's value."""
+    rows = per_group.repeat_interleave(G, dim=-1)[..., :S]  # [B, H, S]
+    return rows.transpose(1, 2)[..., None]
+
+
+def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """``clamp(rne(x * inv_scale), -127, 127)`` as int8 (x, inv_scale fp32, broadcast); a NaN
+    product gives code 0 (its scale is NaN too, so it dequantizes to NaN)."""
+    y = x * inv_scale  # one fp32 rounding
+    code = torch.round(y).clamp(-127, 127)  # torch.round is round-half-to-even
+    return torch.where(torch.isnan(code), 0.0, code).to(torch.int8)
+
+
+def quantize_fp8(x: torch.Tensor, inv_scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``float8_e4m3fn(clamp(x * inv_scale, -448, 448))`` rounded to nearest even; where
+    ``amax == 0`` the code is +0; a NaN product gives the code 0x7F."""
+    y = (x * inv_scale).clamp(-FP8_MAX, FP8_MAX)  # clamp keeps NaN
+    code = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    code = torch.where(torch.isnan(y), FP8_NAN_CODE, code)
+    code = torch.where(amax == 0, 0, code)
+    return code.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def lowp_exchange_reference(
+    q_full: torch.Tensor,
+    k_full: torch.Tensor,
+    v_full: torch.Tensor,
+    *,
+    world_size: int,
+    rank: int,
+    used_sequence: int | None = None,
+    q_group: int = 32,
+    k_group: int = 64,
+) -> dict[str, torch.Tensor]:
+    """What ``ulysses.lowp.exchange_qkv`` must give rank ``rank``: gather first, then quantize.
+
+    Statistics on the whole sequence (global grid):
+    * Q: ``amax_q = max(1e-7, max |fp32(q)|)`` per ``q_group``-row group: the grouped amax
+      with a zero mean (``|fp32(q) - 0| = |q|`` exactly), the tail group over live rows only;
+    * K: the global mean (:func:`global_k_mean`) and its grouped amax (:func:`grouped_amax_full`);
+    * V: ``amax_v`` per (b, head, channel) over the live rows (may be 0).
+    Quantization (IEEE fp32, one rounding each): ``scale = amax / 127`` and
+    ``code = clamp(rne(x * (127 / amax)), -127, 127)`` for Q (x = q) and K (x = k - mean);
+    ``scale = amax_v / 448`` and ``code = e4m3fn(clamp(v * (448 / amax_v), +-448))`` for V.
+
+    Returns a dict of rank ``rank``'s head slice ``[r*h, (r+1)*h)``: ``q``, ``k`` int8 and
+    ``v`` float8_e4m3fn [B, S, h, D]; ``q_scale`` [B, h, ceil(S/q_group)], ``k_scale``
+    [B, h, ceil(S/k_group)], ``v_scale`` [B, h, D] (fp32); ``k_mean`` [B, h, D] (input dtype).
+    """
+    B, S, H, D = k_full.shape
+    assert q_full.shape == k_full.shape == v_full.shape and H % world_size == 0
+    h = H // world_size
+    heads = slice(rank * h, (rank + 1) * h)
+    n_live = S if used_sequence is None else used_sequence
+
+    zero_mean = torch.zeros(B, H, D, dtype=q_full.dtype, device=q_full.device)
+    amax_q = grouped_amax_full(q_full, zero_mean, used_sequence=used_sequence, group_size=q_group)
+    k_mean = global_k_mean(k_full, world_size=world_size, used_sequence=used_sequence)
+    amax_k = grouped_amax_full(k_full, k_mean, used_sequence=used_sequence, group_size=k_group)
+    amax_v = v_channel_amax(v_full, used_rows=n_live)
+
+    q_code = quantize_int8(q_full.float(), _rows_of_groups(ieee_rdiv(127.0, amax_q), S, q_group))
+    centred = k_full.float() - k_mean.float()[:, None]
+    k_code = quantize_int8(centred, _rows_of_groups(ieee_rdiv(127.0, amax_k), S, k_group))
+    v_code = quantize_fp8(v_full.float(), ieee_rdiv(FP8_MAX, amax_v)[:, None], amax_v[:, None])
+    return {
+        "q": q_code[:, :, heads],
+        "k": k_code[:, :, heads],
+        "v": v_code[:, :, heads],
+        "q_scale": ieee_div(amax_q, 127.0)[:, heads],
+        "k_scale": ieee_div(amax_k, 127.0)[:, heads],
+        "v_scale": ieee_div(amax_v, FP8_MAX)[:, heads],
+        "k_mean": k_mean[:, heads],
+    }
+
+
+def lowp_dequantize_reference(
+    code: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, group: int | None
+) -> torch.Tensor:
+    """``code * scale`` in fp32 rounded to ``dtype``: code [B, S, h, D]; scale [B, h, n_groups]
+    with ``group`` rows a group (Q, K) or [B, h, D] per channel with ``group=None`` (V)."""
+    S = code.shape[1]
+    if group is None:
+        return (code.float() * scale[:, None]).to(dtype)
+    return (code.float() * _rows_of_groups(scale, S, group)).to(dtype)

@@ -73,6 +73,12 @@ class SmoothKStats:
 _GROUPS: dict[tuple, tuple[int, int]] = {}
 
 
+def _pg_key(pg) -> tuple:
+    """A cache key for a process group that holds no reference to it (a cached reference kept
+    destroyed groups alive until interpreter exit, where their teardown aborted the process)."""
+    return (id(pg), getattr(pg, "group_name", ""))
+
+
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -95,7 +101,7 @@ def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
         )
         raise ValueError(f"group: torch.distributed is not initialized; {hint}")
     pg = dist.group.WORLD if group is None else group
-    key = (pg, device.type)
+    key = (*_pg_key(pg), device.type)
     found = _GROUPS.get(key)
     if found is not None:
         return pg, found[0], found[1]
@@ -162,7 +168,7 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
     tag = float(h & 0xFFFFFF)
     if _ops.is_compiling() or _capturing(device):
         return tag
-    key = (pg, fn, *fields.items())
+    key = (*_pg_key(pg), fn, *fields.items())
     if not force and key in _VERIFIED:
         return tag
     values += [0] * (_SIGNATURE_FIELDS - len(values))
@@ -298,7 +304,7 @@ class KStatsPart:
 
 
 def _validated_part(
-    k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
+    k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn, extra=None
 ) -> tuple[KStatsPart, object, int]:
     B, L, H, D = v.check_k(k)
     grid.check_group_size(group_size)
@@ -318,6 +324,7 @@ def _validated_part(
         fn,
         check_consistency,
         **_signature(k, used_sequence, group_size, method),
+        **(extra or {}),
     )
     part = KStatsPart(
         k,
@@ -342,11 +349,14 @@ def k_stats_part(
     method: str = "fused",
     check_consistency: bool = False,
     caller: str = "smooth_k_stats",
+    extra: dict | None = None,
 ) -> tuple[KStatsPart, object, int]:
     """Validate like :func:`smooth_k_stats` and return ``(part, process group, world size)``
-    for a caller that gathers K's statistics together with its own (the exchange)."""
+    for a caller that gathers K's statistics together with its own (the exchange). ``extra``
+    int fields (e.g. the exchange's ``q_group``) join the call's signature: the consistency
+    check and the tag cover them too."""
     return _validated_part(
-        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, caller
+        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, caller, extra
     )
 
 

@@ -16,7 +16,7 @@ import zlib
 
 import torch
 
-__all__ = ["make_k_full", "seed_of", "DATA_KINDS"]
+__all__ = ["make_k_full", "make_qkv_full", "seed_of", "DATA_KINDS"]
 
 DATA_KINDS = ("smooth", "randn")
 
@@ -61,3 +61,33 @@ def make_k_full(
         x[:, used:] = 0
     x = x.to(device)
     return x[:, :, :, 1] if qkv else x
+
+
+def make_qkv_full(
+    B: int,
+    S: int,
+    H: int,
+    D: int,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    used: int | None = None,
+    seed: int | str = 0,
+    device: torch.device | str = "cpu",
+    fused: bool = False,
+    k_data: str = "smooth",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded global ``(q, k, v)``, each [B, S, H, D] in ``dtype``; rows [used, S) are zero.
+
+    q and v are "randn", k is ``k_data`` ("smooth" by default: the smooth-K regime). With
+    ``fused=True`` they are the strided views ``qkv[:, :, :, i]`` of one [B, S, H, 3, D]
+    tensor, as a fused-QKV projection produces. The same arguments give the same bits on every
+    rank and device.
+    """
+    s = seed_of(seed)
+    q = make_k_full(B, S, H, D, dtype, "randn", used=used, seed=s + 1)
+    k = make_k_full(B, S, H, D, dtype, k_data, used=used, seed=s + 2)
+    v = make_k_full(B, S, H, D, dtype, "randn", used=used, seed=s + 3)
+    if not fused:
+        return q.to(device), k.to(device), v.to(device)
+    qkv = torch.stack([q, k, v], dim=3).to(device)  # [B, S, H, 3, D]
+    return qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]

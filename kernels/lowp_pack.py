@@ -1,0 +1,283 @@
+"""Quantize Q, K, V on the global grid and pack them, per destination rank, into one uint8
+send buffer (docs/CONTRACT.md §8).
+
+Send buffer ``[P destinations][L rows][ROW bytes]``; destination ``j`` receives heads
+``[j*h, (j+1)*h)``. One row of one destination is ``[B][3 (q, k, v)][h][D]`` code bytes
+(``CB = 3*B*h*D``) followed by ``E`` bytes of scale slots: the ``n``-th fp32 of the
+destination's scale block ``[q: B, h, NSQ | k: B, h, NSK]`` sits in row ``n // (E/4)``, at
+``CB + 4 * (n % (E/4))``. Row-interleaving makes the receiver's ``q``, ``k``, ``v``
+[B, S, h, D] plain strided views of the receive buffer (row stride ROW), with no unpack copy.
+
+Programs ``[0, n_code)``: one per (batch, block of BLOCK_L rows, head block); per row:
+* Q: ``code = clamp(rne(fp32(q) * div_rn(127, amax_q)), -127, 127)``;
+* K: ``x = fp32(k) - fp32(mean)`` (one rounding), ``code = clamp(rne(x * div_rn(127, amax_k)))``;
+* V: ``y = clamp(fp32(v) * div_rn(448, amax_v), -448, 448)``, code = e4m3fn(y) rounded to
+  nearest even; ``amax_v == 0`` gives +0, a NaN gives 0x7F; a NaN Q/K product gives 0.
+Programs ``[n_code, n_code + n_scale)``: the scale slots, ``div_rn(amax, 127)``.
+
+Rounding is integer arithmetic on the fp32 bits, the same on every backend: no float add
+follows a multiply, so fp contraction (FMA) on CUDA cannot skip the product's rounding, and
+Triton's interpreter, whose fp8 cast rounds ties up, is not used for the fp8 cast either.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import gdc_launch_dependents, gdc_wait, launch, tile
+
+__all__ = ["pack_qkv"]
+
+
+@triton.jit
+def _pack_kernel(
+    q_ptr,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    k_ptr,
+    stride_kb,
+    stride_kl,
+    stride_kh,
+    v_ptr,
+    stride_vb,
+    stride_vl,
+    stride_vh,
+    amax_q_ptr,
+    amax_k_ptr,
+    mean_ptr,
+    amax_v_ptr,
+    send_ptr,
+    send_f32_ptr,
+    L,
+    H,
+    h,
+    row0,
+    n_slots_q,
+    n_slots_k,
+    n_rblocks,
+    n_code,
+    n_scales,
+    B,
+    ROW,
+    CB,
+    E4,
+    D: tl.constexpr,
+    GQ: tl.constexpr,
+    GK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    i_pid = tl.program_id(0).to(tl.int64)
+    if USE_PDL:
+        gdc_wait()
+    if i_pid < n_code:
+        n_hblocks = tl.cdiv(H, BLOCK_H)
+        i_hb = i_pid % n_hblocks
+        i_rb = (i_pid // n_hblocks) % n_rblocks
+        i_b = i_pid // (n_hblocks * n_rblocks)
+        gq_first = row0 // GQ
+        gk_first = row0 // GK
+
+        o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+        o_d = tl.arange(0, D)  # [D]
+        m_h = o_h < H
+        m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+        o_hd = o_h[:, None] * D + o_d[None, :]  # [BH, D] in a contiguous [H, D] plane
+        i_j = o_h // h  # destination rank of each head
+        # byte offset of (destination, row 0, batch, tensor q, local head, d)
+        o_dst = (i_j * L * ROW + (i_b * 3 * h + o_h - i_j * h) * D)[:, None] + o_d[None, :]
+        p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
+        p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
+        p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
+
+        b_mean = tl.load(mean_ptr + i_b * H * D + o_hd, mask=m_hd, other=0.0).to(tl.float32)
+        b_av = tl.load(amax_v_ptr + i_b * H * D + o_hd, mask=m_hd, other=1.0)
+        b_iv = tl.math.div_rn(tl.full([BLOCK_H, D], 448.0, tl.float32), b_av)
+        b_vzero = b_av == 0.0
+
+        for i_i in range(0, BLOCK_L):
+            i_row = i_rb * BLOCK_L + i_i
+            m_row = tl.where(i_row < L, m_hd, False)  # not `&`: the 3.9 interpreter widens it
+            m_rh = tl.where(i_row < L, m_h, False)
+            i_sq = (row0 + i_row) // GQ - gq_first
+            i_sk = (row0 + i_row) // GK - gk_first
+            p_dst = send_ptr + o_dst + i_row * ROW
+            for t in tl.static_range(2):  # Q then K: int8 codes
+                if t == 0:
+                    b_a = tl.load(
+                        amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_sq, mask=m_rh, other=1.0
+                    )
+                    b_x = tl.load(p_q + i_row * stride_ql, mask=m_row, other=0.0).to(tl.float32)
+                else:
+                    b_a = tl.load(
+                        amax_k_ptr + (i_b * H + o_h) * n_slots_k + i_sk, mask=m_rh, other=1.0
+                    )
+                    b_x = tl.load(p_k + i_row * stride_kl, mask=m_row, other=0.0).to(tl.float32)
+                    b_x = b_x - b_mean
+                b_inv = tl.math.div_rn(tl.full([BLOCK_H], 127.0, tl.float32), b_a)  # [BH]
+                b_y = b_x * b_inv[:, None]
+                b_y = tl.where(b_y > 127.0, 127.0, tl.where(b_y < -127.0, -127.0, b_y))
+                b_y = tl.where(b_y != b_y, 0.0, b_y)  # NaN -> code 0
+                # rne(|y|) for |y| <= 127: |y| = man * 2^-sh with a 24-bit man, sh >= 17
+                b_bits = b_y.to(tl.int32, bitcast=True)
+                b_mag = b_bits & 0x7FFFFFFF
+                b_man = (b_mag & 0x7FFFFF) | 0x800000
+                b_sh = tl.minimum(150 - (b_mag >> 23), 25)  # 25: |y| < 0.5, zero and subnormal
+                b_int = b_man >> b_sh
+                b_rem = b_man & ((1 << b_sh) - 1)
+                b_half = 1 << (b_sh - 1)
+                b_up = (b_rem > b_half) | ((b_rem == b_half) & ((b_int & 1) == 1))
+                b_int = b_int + b_up.to(tl.int32)
+                b_code = tl.where(b_bits < 0, -b_int, b_int)
+                tl.store(
+                    p_dst + t * h * D, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_row
+                )
+
+            b_v = tl.load(p_v + i_row * stride_vl, mask=m_row, other=0.0).to(tl.float32)
+            b_y = b_v * b_iv
+            b_y = tl.where(b_y > 448.0, 448.0, tl.where(b_y < -448.0, -448.0, b_y))
+            b_bits = b_y.to(tl.int32, bitcast=True)
+            b_mag = b_bits & 0x7FFFFFFF
+            b_exp = b_mag >> 23
+            # normal e4m3 (|y| >= 2^-6): keep 3 mantissa bits, RNE; a carry bumps the exponent
+            b_n = b_mag >> 20
+            b_nrem = b_mag & 0xFFFFF
+            b_up = (b_nrem > 0x80000) | ((b_nrem == 0x80000) & ((b_n & 1) == 1))
+            b_n = b_n + b_up.to(tl.int32) - (120 << 3)
+            # subnormal e4m3 (|y| < 2^-6): code = rne(|y| * 2^9), 8 meaning 2^-6 (normal)
+            b_man = (b_mag & 0x7FFFFF) | 0x800000
+            b_sh = tl.minimum(141 - b_exp, 25)
+            b_s = b_man >> b_sh
+            b_rem = b_man & ((1 << b_sh) - 1)
+            b_half = 1 << (b_sh - 1)
+            b_up = (b_rem > b_half) | ((b_rem == b_half) & ((b_s & 1) == 1))
+            b_s = b_s + b_up.to(tl.int32)
+            b_code = tl.where(b_exp >= 121, b_n, b_s) | tl.where(b_bits < 0, 0x80, 0)
+            b_code = tl.where(b_y != b_y, 0x7F, b_code)
+            b_code = tl.where(b_vzero, 0, b_code)
+            tl.store(p_dst + 2 * h * D, b_code.to(tl.uint8), mask=m_row)
+    else:
+        # scale slots: global index m over [P destinations][NF = B*h*(NSQ + NSK)]
+        nf_q = B * h * n_slots_q
+        nf = nf_q + B * h * n_slots_k
+        o_m = (i_pid - n_code) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        m_m = o_m < n_scales
+        i_j = o_m // nf
+        i_n = o_m % nf
+        is_q = i_n < nf_q
+        i_nk = i_n - nf_q
+        i_b = tl.where(is_q, i_n // (h * n_slots_q), i_nk // (h * n_slots_k))
+        i_hl = tl.where(is_q, (i_n // n_slots_q) % h, (i_nk // n_slots_k) % h)
+        i_s = tl.where(is_q, i_n % n_slots_q, i_nk % n_slots_k)
+        i_hh = i_j * h + i_hl
+        b_aq = tl.load(
+            amax_q_ptr + (i_b * H + i_hh) * n_slots_q + i_s,
+            mask=tl.where(is_q, m_m, False),
+            other=1.0,
+        )
+        b_ak = tl.load(
+            amax_k_ptr + (i_b * H + i_hh) * n_slots_k + i_s,
+            mask=tl.where(is_q, False, m_m),
+            other=1.0,
+        )
+        b_scale = tl.math.div_rn(tl.where(is_q, b_aq, b_ak), tl.full([BLOCK_N], 127.0, tl.float32))
+        o_f = (i_j * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
+        tl.store(send_f32_ptr + o_f, b_scale, mask=m_m)
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+def pack_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    amax_q: torch.Tensor,
+    amax_k: torch.Tensor,
+    k_mean: torch.Tensor,
+    amax_v: torch.Tensor,
+    *,
+    world_size: int,
+    row0: int,
+    q_group: int,
+    k_group: int,
+    row_bytes: int,
+    scale_bytes: int,
+    use_pdl: bool,
+    block_l: int | None = None,
+) -> torch.Tensor:
+    """The send buffer, uint8 [P * L * row_bytes] (see the module docstring).
+
+    ``q``, ``k``, ``v`` [B, L, H, D] (unit last stride); ``amax_q`` fp32 [B, H, slots(L, Gq)]
+    and ``amax_k`` fp32 [B, H, slots(L, Gk)]: this rank's merged (final) group amax;
+    ``k_mean`` [B, H, D] (k's dtype) and ``amax_v`` fp32 [B, H, D], global. ``row_bytes`` =
+    ``3*B*h*D + scale_bytes``, ``scale_bytes`` a multiple of 16 holding the scale block.
+    """
+    B, L, H, D = q.shape
+    P = world_size
+    h = H // P
+    n_sq, n_sk = amax_q.shape[-1], amax_k.shape[-1]
+    cb = 3 * B * h * D
+    assert H % P == 0 and k.shape == q.shape and v.shape == q.shape
+    assert amax_q.shape == (B, H, n_sq) and amax_k.shape == (B, H, n_sk)
+    assert amax_q.is_contiguous() and amax_k.is_contiguous() and amax_v.is_contiguous()
+    assert k_mean.is_contiguous() and k_mean.shape == (B, H, D) and amax_v.shape == (B, H, D)
+    assert row_bytes == cb + scale_bytes and scale_bytes % 16 == 0
+    assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
+    send = torch.empty(P * L * row_bytes, dtype=torch.uint8, device=q.device)
+    block_l = block_l or (16 if q.is_cuda else 64)
+    n_rblocks = triton.cdiv(L, block_l)
+    block_h, num_warps = tile(D, H, B * n_rblocks, q.device, elems=512, warps_per_sm=22)
+    n_code = B * n_rblocks * triton.cdiv(H, block_h)
+    n_scales = P * B * h * (n_sq + n_sk)
+    block_n = 256 if q.is_cuda else 4096
+    launch(
+        _pack_kernel,
+        (n_code + triton.cdiv(n_scales, block_n),),
+        q.device,
+        num_warps=num_warps,
+        use_pdl=use_pdl,
+        q_ptr=q,
+        stride_qb=q.stride(0),
+        stride_ql=q.stride(1),
+        stride_qh=q.stride(2),
+        k_ptr=k,
+        stride_kb=k.stride(0),
+        stride_kl=k.stride(1),
+        stride_kh=k.stride(2),
+        v_ptr=v,
+        stride_vb=v.stride(0),
+        stride_vl=v.stride(1),
+        stride_vh=v.stride(2),
+        amax_q_ptr=amax_q,
+        amax_k_ptr=amax_k,
+        mean_ptr=k_mean,
+        amax_v_ptr=amax_v,
+        send_ptr=send,
+        send_f32_ptr=send.view(torch.float32),
+        L=L,
+        H=H,
+        h=h,
+        row0=row0,
+        n_slots_q=n_sq,
+        n_slots_k=n_sk,
+        n_rblocks=n_rblocks,
+        n_code=n_code,
+        n_scales=n_scales,
+        B=B,
+        D=D,
+        GQ=q_group,
+        GK=k_group,
+        ROW=row_bytes,
+        CB=cb,
+        E4=scale_bytes // 4,
+        BLOCK_H=block_h,
+        BLOCK_L=block_l,
+        BLOCK_N=block_n,
+        USE_PDL=use_pdl,
+    )
+    return send

@@ -1,0 +1,200 @@
+"""One read of Q and V: Q's raw grouped amax per slot and V's per-channel amax (docs/CONTRACT.md §8).
+
+One program per (batch, span of SPAN slots, head block). For each slot of its span it walks
+this rank's rows of the global ``G``-row group, ROWS at a time, and keeps two running maxima in
+int32 bit space (for non-negative floats the bit pattern orders like the value and a
+sign-cleared NaN sorts above +Inf, so an integer max propagates NaN and Inf):
+
+* Q, per slot and head: ``max(1e-7, max |fp32(q)|)`` over the slot's rows (the tail group over
+  live rows only), exactly ``k_grouped_amax`` with a zero mean; surplus slots 0;
+* V, per head and channel: ``max |fp32(v)|`` over the live rows, across all slots of the span,
+  then one relaxed ``atomic_max`` into the payload (max is order-independent, so the atomics
+  are deterministic).
+
+The payload (fp32, sent in the statistics all_gather) is ``[Q first/last touched slot
+[B, H, 2] | V amax [B, H, D]]``; the full Q partial [B, H, NS] stays local.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import gdc_launch_dependents, gdc_wait, launch, tile
+
+__all__ = ["qv_stats", "qv_payload_numel"]
+
+FLOOR = tl.constexpr(1e-7)
+
+
+@triton.jit
+def _qv_stats_kernel(
+    q_ptr,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    v_ptr,
+    stride_vb,
+    stride_vl,
+    stride_vh,
+    amax_ptr,
+    payload_ptr,
+    vamax_ptr,
+    L,
+    H,
+    row0,
+    n_slots,
+    n_touched,
+    n_spans,
+    tail_group,
+    live_end,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    n_hblocks = tl.cdiv(H, BLOCK_H)
+    g_first = row0 // G
+    i_pid = tl.program_id(0).to(tl.int64)
+    i_hb = i_pid % n_hblocks
+    i_sp = (i_pid // n_hblocks) % n_spans
+    i_b = i_pid // (n_hblocks * n_spans)
+
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    o_d = tl.arange(0, D)  # [D]
+    m_h = o_h < H
+    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+    p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
+    p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
+    live = live_end - row0  # local rows below this are live
+    floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
+
+    if USE_PDL:
+        gdc_wait()
+
+    b_vacc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
+    for i_i in range(0, SPAN):
+        i_s = i_sp * SPAN + i_i
+        g = g_first + i_s
+        lo = tl.maximum(g * G - row0, 0)
+        hi = tl.minimum(tl.maximum((g + 1) * G - row0, lo), L)  # surplus slots: no rows
+        hi_q = tl.where(g == tail_group, tl.minimum(hi, live), hi)
+        hi_v = tl.maximum(tl.minimum(hi, live), lo)
+        b_qacc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
+        # Rows [lo, lo + n_full*ROWS) count for both maxima: only the head mask. The rest is
+        # masked row by row (Q up to hi_q, V up to hi_v).
+        n_full = tl.maximum(tl.minimum(hi_q, hi_v) - lo, 0) // ROWS
+        for i_c in range(0, n_full):
+            for j in tl.static_range(ROWS):
+                i_row = lo + i_c * ROWS + j
+                b_q = tl.load(p_q + i_row * stride_ql, mask=m_hd, other=0.0).to(tl.float32)
+                b_v = tl.load(p_v + i_row * stride_vl, mask=m_hd, other=0.0).to(tl.float32)
+                b_qacc = tl.maximum(b_qacc, tl.abs(b_q).to(tl.int32, bitcast=True))
+                b_vacc = tl.maximum(b_vacc, tl.abs(b_v).to(tl.int32, bitcast=True))
+        for i_r in range(lo + n_full * ROWS, hi, ROWS):
+            for j in tl.static_range(ROWS):
+                i_row = i_r + j
+                m_q = tl.where(i_row < hi_q, m_hd, False)  # not `&`: the 3.9 interpreter widens
+                m_v = tl.where(i_row < hi_v, m_hd, False)
+                b_q = tl.load(p_q + i_row * stride_ql, mask=m_q, other=0.0).to(tl.float32)
+                b_v = tl.load(p_v + i_row * stride_vl, mask=m_v, other=0.0).to(tl.float32)
+                b_qacc = tl.maximum(
+                    b_qacc, tl.where(m_q, tl.abs(b_q).to(tl.int32, bitcast=True), 0)
+                )
+                b_vacc = tl.maximum(
+                    b_vacc, tl.where(m_v, tl.abs(b_v).to(tl.int32, bitcast=True), 0)
+                )
+        b_out = tl.maximum(tl.max(b_qacc, axis=1), floor_bits).to(tl.float32, bitcast=True)
+        b_out = tl.where(i_s < n_touched, b_out, 0.0)
+        m_s = tl.where(i_s < n_slots, m_h, False)
+        tl.store(amax_ptr + i_b * H * n_slots + o_h * n_slots + i_s, b_out, mask=m_s)
+        p_bound = payload_ptr + (i_b * H + o_h) * 2
+        tl.store(p_bound, b_out, mask=tl.where(i_s == 0, m_h, False))
+        tl.store(p_bound + 1, b_out, mask=tl.where(i_s == n_touched - 1, m_h, False))
+
+    if USE_PDL:
+        gdc_launch_dependents()
+    p_vamax = vamax_ptr + i_b * H * D + o_h[:, None] * D + o_d[None, :]
+    tl.atomic_max(p_vamax, b_vacc, mask=m_hd, sem="relaxed")
+
+
+def qv_payload_numel(B: int, H: int, D: int) -> int:
+    """fp32 elements of the Q/V statistics payload: Q boundary slots [B, H, 2], V amax [B, H, D]."""
+    return B * H * (2 + D)
+
+
+def qv_stats(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    payload: torch.Tensor | None = None,
+    *,
+    group_size: int,
+    row0: int,
+    n_slots: int,
+    n_touched: int,
+    tail_group: int,
+    live_end: int,
+    use_pdl: bool,
+    span: int | None = None,
+    rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One read of the shards ``q``, ``v`` [B, L, H, D]: ``(payload, amax_q_partial)``.
+
+    ``amax_q_partial`` fp32 [B, H, n_slots]: this rank's raw Q amax per slot of the global
+    ``group_size`` grid (surplus slots 0). ``payload`` fp32 [qv_payload_numel(B, H, D)]: its
+    first and last touched slot [B, H, 2], then V's channel amax over the live rows
+    (global row < ``live_end``) [B, H, D]. Pass ``payload`` (a contiguous fp32 slice of a
+    larger buffer) to have it written in place. Grid values come from ``ulysses.grid.layout``.
+    """
+    B, L, H, D = q.shape
+    G = group_size
+    assert v.shape == q.shape and q.stride(-1) == 1 and v.stride(-1) == 1
+    assert n_slots == (L + 2 * G - 2) // G
+    numel = qv_payload_numel(B, H, D)
+    if payload is None:
+        payload = torch.empty(numel, dtype=torch.float32, device=q.device)
+    assert payload.dtype == torch.float32 and payload.is_contiguous() and payload.numel() == numel
+    vamax = payload[B * H * 2 :].view(torch.int32)
+    vamax.zero_()  # the atomic max starts from +0.0
+    amax = torch.empty((B, H, n_slots), dtype=torch.float32, device=q.device)
+    # ~256 rows a program on CUDA (few atomics); the interpreter pays per program: longer spans
+    span = span or (max(1, 256 // G) if q.is_cuda else max(1, 1024 // G))
+    rows = rows or (8 if q.is_cuda else 4)
+    n_spans = triton.cdiv(n_slots, span)
+    block_h, num_warps = tile(D, H, B * n_spans, q.device, elems=512, warps_per_sm=22)
+    launch(
+        _qv_stats_kernel,
+        (B * n_spans * triton.cdiv(H, block_h),),
+        q.device,
+        num_warps=num_warps,
+        use_pdl=use_pdl,
+        q_ptr=q,
+        stride_qb=q.stride(0),
+        stride_ql=q.stride(1),
+        stride_qh=q.stride(2),
+        v_ptr=v,
+        stride_vb=v.stride(0),
+        stride_vl=v.stride(1),
+        stride_vh=v.stride(2),
+        amax_ptr=amax,
+        payload_ptr=payload,
+        vamax_ptr=vamax,
+        L=L,
+        H=H,
+        row0=row0,
+        n_slots=n_slots,
+        n_touched=n_touched,
+        n_spans=n_spans,
+        tail_group=tail_group,
+        live_end=live_end,
+        G=G,
+        D=D,
+        SPAN=span,
+        BLOCK_H=block_h,
+        ROWS=rows,
+        USE_PDL=use_pdl,
+    )
+    return payload, amax

@@ -1,0 +1,220 @@
+"""The low-precision exchange against the bf16 Ulysses all-to-all (issue 13).
+
+    torchrun --standalone --nproc-per-node 2 scripts/bench_lowp.py [--out bench_out/lowp.csv]
+    torchrun --standalone --nproc-per-node 2 scripts/bench_lowp.py --cpu     # tiny, gloo
+
+Per shape (per-rank B, L, H, D, bf16; default: B1 L4736 H56 D128 and B1 L32768 H32 D128),
+every rank times (CUDA events; median of --iters after warm-up; ranks in step behind a
+barrier; the per-rank maximum is reported):
+
+* ``bf16 a2a``: the bf16 path, ``all_to_all_single`` of q, k and v (three calls on buffers
+  already laid out per destination, so the baseline pays no layout copy);
+* ``exchange``: ``ulysses.lowp.exchange_qkv`` end to end;
+* its parts: ``stats local`` (K part + Q/V kernel), ``stats all_gather``, ``stats finish``,
+  ``pack``, ``a2a uint8`` (the one collective of codes), ``unpack``; ``local work`` is their sum
+  without the two collectives, each part timed cold (L2 flushed before it);
+* ``cold read q,k,v``: ``torch.sum`` of q, k, v with L2 flushed (one read of the inputs), and
+  the ratio local work / cold read (target <= 2.5).
+
+Link arithmetic: a rank sends ``(P-1)/P`` of its payload over the link. With link bandwidth
+``beta`` (GB/s per direction), ``t_bf16 = bf16_bytes_sent / beta`` and
+``t_lowp = local work + stats all_gather + lowp_bytes_sent / beta``; the exchange wins below
+``beta* = (bf16_bytes_sent - lowp_bytes_sent) / (local work + stats all_gather)``. The script
+prints beta*, the measured speedup on this machine's link, and the model's gain at 50 GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import re
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+
+from ulysses import lowp, stats
+
+SHAPES = ((1, 4736, 56, 128), (1, 32768, 32, 128))
+CPU_SHAPES = ((1, 64, 4, 64),)
+
+
+class Timer:
+    def __init__(self, device: torch.device, iters: int, flush_mb: int):
+        self.cuda = device.type == "cuda"
+        self.iters = iters
+        self.flush = (
+            torch.empty(flush_mb << 20, dtype=torch.uint8, device=device) if self.cuda else None
+        )
+
+    def __call__(self, fn, cold: bool = False) -> float:
+        """Median microseconds of ``fn`` (after 2 warm-up calls), every rank in step."""
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(self.iters):
+            if cold and self.flush is not None:
+                self.flush.zero_()  # evicts L2 (50 MB on an H200) before the timed call
+            dist.barrier()
+            if not self.cuda:
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e6)
+                continue
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
+
+def bench_shape(B, L, H, D, timer: Timer, dev, P, rank) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    shape = (B, L, H, D)
+    q = torch.randn(shape, generator=g).bfloat16().to(dev)
+    k = (4 * torch.randn(1, 1, H, D, generator=g) + torch.randn(shape, generator=g)).bfloat16()
+    k = k.to(dev)
+    v = torch.randn(shape, generator=g).bfloat16().to(dev)
+    h = H // P
+    laid = [t.reshape(B, L, P, h, D).movedim(2, 0).contiguous() for t in (q, k, v)]
+    recv_bf16 = [torch.empty_like(t) for t in laid]
+
+    def bf16_path():
+        for out, inp in zip(recv_bf16, laid, strict=True):
+            dist.all_to_all_single(out, inp)
+
+    r = {}
+    r["bf16 a2a"] = timer(bf16_path)
+    r["exchange"] = timer(lambda: lowp.exchange_qkv(q, k, v))
+    r["exchange (cold)"] = timer(lambda: lowp.exchange_qkv(q, k, v), cold=True)
+
+    call = lowp._prepare(q, k, v, None, None, 32, 64, None)
+    payload, amax_q_partial = lowp._local_stats(call)
+    gathered = stats.all_gather_payload(payload, call.pg, P)
+    k_stats, amax_q, amax_v = lowp._finish_stats(call, gathered, amax_q_partial)
+    send = lowp._pack(call, k_stats, amax_q, amax_v)
+    recv = lowp._all_to_all(send, call.pg)
+    r["stats local"] = timer(lambda: lowp._local_stats(call), cold=True)
+    r["stats all_gather"] = timer(lambda: stats.all_gather_payload(payload, call.pg, P))
+    r["stats finish"] = timer(lambda: lowp._finish_stats(call, gathered, amax_q_partial), cold=True)
+    r["pack"] = timer(lambda: lowp._pack(call, k_stats, amax_q, amax_v), cold=True)
+    r["a2a uint8"] = timer(lambda: lowp._all_to_all(send, call.pg))
+    r["unpack"] = timer(lambda: lowp._unpack(call, recv, k_stats, amax_v), cold=True)
+    r["local work"] = r["stats local"] + r["stats finish"] + r["pack"] + r["unpack"]
+    r["cold read q,k,v"] = timer(lambda: (q.sum(), k.sum(), v.sum()), cold=True)
+    return r
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true", help="tiny shape, gloo, Triton interpreter")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--flush-mb", type=int, default=256)
+    ap.add_argument("--shape", action="append", default=None, help="B,L,H,D (repeatable)")
+    ap.add_argument("--link-gbps", type=float, default=50.0, help="link for the model's gain")
+    ap.add_argument("--out", default=None, help="append CSV rows here")
+    args = ap.parse_args()
+    if args.cpu:
+        dev, backend = torch.device("cpu"), "gloo"
+        dist.init_process_group(backend)
+    else:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        dev = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        backend = "nccl"
+        dist.init_process_group(backend, device_id=dev)
+    rank, P = dist.get_rank(), dist.get_world_size()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else None
+    shapes = shapes or (CPU_SHAPES if args.cpu else SHAPES)
+    timer = Timer(dev, args.iters or (3 if args.cpu else 30), args.flush_mb)
+    name = "CPU (Triton interpreter)" if args.cpu else torch.cuda.get_device_name(dev)
+    rows = []
+    for B, L, H, D in shapes:
+        r = bench_shape(B, L, H, D, timer, dev, P, rank)
+        keys = list(r)
+        vals = torch.tensor([r[key] for key in keys], dtype=torch.float64, device=dev)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+        r = dict(zip(keys, vals.tolist(), strict=True))
+        bf16_bytes = lowp.bf16_payload_bytes(B, L, H, D)
+        lowp_bytes = lowp.payload_bytes(B, L, H, D, P)
+        wire = (P - 1) / P  # the rank's own chunk never crosses the link
+        fixed_us = r["local work"] + r["stats all_gather"]
+        saved = (bf16_bytes - lowp_bytes) * wire
+        beta_star = saved / (fixed_us * 1e-6) / 1e9  # GB/s
+        link = args.link_gbps * 1e9
+        t_bf16 = bf16_bytes * wire / link * 1e6
+        t_lowp = fixed_us + lowp_bytes * wire / link * 1e6
+        # at the H200 read ceiling of docs/CONTRACT.md §7
+        cold_read_floor = 3 * B * L * H * D * 2 / 4.25e12 * 1e6
+        if rank == 0:
+            print(
+                f"# P={P} {backend} {name} torch {torch.__version__} B{B} L{L} H{H} D{D} bf16: "
+                f"{bf16_bytes / 1e6:.1f} MB bf16 vs {lowp_bytes / 1e6:.1f} MB sent per rank "
+                f"({1 - lowp_bytes / bf16_bytes:.2%} saved)"
+            )
+            for key in keys:
+                print(f"  {key:22s} {r[key]:10.1f} us")
+            ratio = r["local work"] / r["cold read q,k,v"]
+            print(
+                f"  local work / cold read = {ratio:.2f} (target <= 2.5; H200 read floor "
+                f"{cold_read_floor:.1f} us)"
+            )
+            print(
+                f"  measured: exchange {r['exchange']:.1f} us vs bf16 {r['bf16 a2a']:.1f} us "
+                f"-> {r['bf16 a2a'] / r['exchange']:.2f}x"
+            )
+            print(
+                f"  model: wins below {beta_star:.0f} GB/s per direction; at "
+                f"{args.link_gbps:.0f} GB/s bf16 {t_bf16:.0f} us vs exchange {t_lowp:.0f} us "
+                f"-> {t_bf16 / t_lowp:.2f}x"
+            )
+        rows.append(
+            dict(
+                date=datetime.date.today().isoformat(),
+                device=name,
+                torch=torch.__version__,
+                commit=git_commit(),
+                P=P,
+                B=B,
+                L=L,
+                H=H,
+                D=D,
+                bf16_bytes=bf16_bytes,
+                lowp_bytes=lowp_bytes,
+                **{re.sub(r"\W+", "_", key).strip("_"): f"{r[key]:.2f}" for key in keys},
+                beta_star_gbps=f"{beta_star:.1f}",
+                model_gain_at_link=f"{t_bf16 / t_lowp:.3f}",
+                link_gbps=args.link_gbps,
+            )
+        )
+    if rank == 0 and args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        new = not os.path.exists(args.out)
+        with open(args.out, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""The exchange's kernels alone (Triton interpreter on CPU), bit for bit against the
+gather-then-quantize reference, and the pure-Python layout of the send buffer.
+
+Shape legend: B batch, L local rows, P world size, S = L * P, H heads, h = H / P, D head dim,
+Gq / Gk the Q / K group sizes. Each test builds the whole sequence, computes the global
+statistics with ``ulysses.reference``, and runs one rank's kernel on its shard.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ulysses.kernels.lowp_pack import pack_qkv
+from ulysses.kernels.lowp_qv_stats import qv_stats
+
+from ulysses import grid, lowp, reference
+from ulysses.testing import make_qkv_full
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# numpy (the interpreter) warns about 448 / 0 and NaN products: intended inputs here
+pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value):RuntimeWarning")
+
+
+def _used(kind: str, L: int, P: int, G: int) -> int | None:
+    S = L * P
+    return {
+        "none": None,
+        "S": S,
+        "mulG": ((S - 1) // G) * G if S > G else None,
+        "tail": S - L // 2 - 1 if (S - L // 2 - 1) % G else S - L // 2 - 2,
+        "early": L // 2 + 1,  # the tail lies in rank 0; later ranks are all padding
+        "one": 1,
+    }[kind]
+
+
+def _global_stats(q, k, v, *, P, used, Gq, Gk):
+    """Reference statistics of the whole sequence: amax_q, k_mean, amax_k [B, H, n_groups]
+    and amax_v [B, H, D]."""
+    B, S, H, D = k.shape
+    zero = torch.zeros(B, H, D, dtype=q.dtype)
+    amax_q = reference.grouped_amax_full(q, zero, used_sequence=used, group_size=Gq)
+    k_mean = reference.global_k_mean(k, world_size=P, used_sequence=used)
+    amax_k = reference.grouped_amax_full(k, k_mean, used_sequence=used, group_size=Gk)
+    amax_v = reference.v_channel_amax(v, used_rows=S if used is None else used)
+    return amax_q, k_mean, amax_k, amax_v
+
+
+def _plant_specials(q, k, v, special: str):
+    B, S, H, D = q.shape
+    if special == "nan":
+        q[0, 1, 0, 3] = float("inf")
+        q[-1, S - 1, H - 1, 0] = float("nan")
+        k[0, S // 2, H - 1, 1] = float("nan")
+        k[-1, 2, 0, 0] = float("-inf")
+        v[0, S // 3, 0, 7] = float("nan")
+        v[-1, 0, H - 1, 2] = float("inf")
+    elif special == "zero_v":
+        v[:, :, 0, 1] = 0
+        v[:, :, H - 1, :3] = -0.0
+
+
+# id: L, h, D, dtype, Gq, Gk, used kind, B, fused, special
+CASES = [
+    ("L64-h2-D64-bf16", 64, 2, 64, "bf16", 32, 64, "none", 1, False, ""),
+    ("L50-h1-D64-fp16-tail", 50, 1, 64, "fp16", 32, 64, "tail", 1, False, ""),
+    ("L50-h3-D32-bf16-early-B2", 50, 3, 32, "bf16", 16, 128, "early", 2, False, ""),
+    ("L20-h1-D128-bf16-one-fused", 20, 1, 128, "bf16", 32, 64, "one", 1, True, ""),
+    ("L70-h2-D16-fp16-mulG-fused-B2", 70, 2, 16, "fp16", 64, 32, "mulG", 2, True, ""),
+    ("L33-h1-D64-bf16-S-nan", 33, 1, 64, "bf16", 32, 64, "S", 1, False, "nan"),
+    ("L24-h2-D32-fp16-tail-zero_v", 24, 2, 32, "fp16", 256, 16, "tail", 1, False, "zero_v"),
+    ("L1-h3-D64-bf16", 1, 3, 64, "bf16", 32, 64, "none", 2, False, ""),
+]
+WORLD_SIZES = (2, 4)
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES, ids=[f"ws{p}" for p in WORLD_SIZES])
+@pytest.mark.parametrize(
+    ("L", "h", "D", "dtype", "Gq", "Gk", "used_kind", "B", "fused", "special"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_qv_stats_matches_reference(
+    assert_bitwise, P, L, h, D, dtype, Gq, Gk, used_kind, B, fused, special
+):
+    H, S = h * P, L * P
+    used = _used(used_kind, L, P, max(Gq, Gk))
+    q, k, v = make_qkv_full(B, S, H, D, DTYPES[dtype], used=used, seed=f"qv{L}{h}", fused=fused)
+    _plant_specials(q, k, v, special)
+    zero = torch.zeros(B, H, D, dtype=q.dtype)
+    for r in range(P):
+        lay = grid.layout(r, L, P, Gq, used)
+        q_r, v_r = reference.shard(q, r, P), reference.shard(v, r, P)
+        payload = torch.full((B * H * (2 + D),), float("nan"))  # poisoned: all must be written
+        payload, amax = qv_stats(
+            q_r,
+            v_r,
+            payload,
+            group_size=Gq,
+            row0=lay.row0,
+            n_slots=lay.n_slots,
+            n_touched=lay.n_touched,
+            tail_group=lay.tail_group,
+            live_end=lay.live_end,
+            use_pdl=False,
+        )
+        ref = reference.grouped_amax_shard(
+            q_r, zero, rank=r, world_size=P, used_sequence=used, group_size=Gq
+        )
+        assert_bitwise(amax, ref, f"rank {r} amax_q partial")
+        bounds = torch.stack([ref[..., 0], ref[..., lay.n_touched - 1]], dim=-1)
+        assert_bitwise(payload[: B * H * 2].view(B, H, 2), bounds, f"rank {r} Q boundary slots")
+        live = reference._live_rows(r, L, used)
+        ref_v = reference.v_channel_amax(v_r, used_rows=live)
+        assert_bitwise(payload[B * H * 2 :].view(B, H, D), ref_v, f"rank {r} amax_v partial")
+
+
+def _unpack_send(send, w, B, D):
+    """Send buffer -> per destination: codes uint8 [B, 3, L, h, D], scales fp32 [NF]."""
+    rows = send.view(w.P, w.L, w.row_bytes)
+    codes = rows[:, :, : w.code_bytes].reshape(w.P, w.L, B, 3, w.h, D).permute(0, 2, 3, 1, 4, 5)
+    tails = rows[:, :, w.code_bytes :].contiguous().view(torch.float32).reshape(w.P, -1)
+    return codes, tails[:, : B * w.h * (w.n_sq + w.n_sk)]
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES, ids=[f"ws{p}" for p in WORLD_SIZES])
+@pytest.mark.parametrize(
+    ("L", "h", "D", "dtype", "Gq", "Gk", "used_kind", "B", "fused", "special"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_pack_matches_reference(
+    assert_bitwise, P, L, h, D, dtype, Gq, Gk, used_kind, B, fused, special
+):
+    H, S = h * P, L * P
+    used = _used(used_kind, L, P, max(Gq, Gk))
+    q, k, v = make_qkv_full(B, S, H, D, DTYPES[dtype], used=used, seed=f"pk{L}{h}", fused=fused)
+    _plant_specials(q, k, v, special)
+    amax_q, k_mean, amax_k, amax_v = _global_stats(q, k, v, P=P, used=used, Gq=Gq, Gk=Gk)
+    refs = [
+        reference.lowp_exchange_reference(
+            q, k, v, world_size=P, rank=j, used_sequence=used, q_group=Gq, k_group=Gk
+        )
+        for j in range(P)
+    ]
+    w = lowp._wire(B, L, H, D, P, Gq, Gk)
+    for r in range(P):
+        final_q = reference.merged_amax_shard(amax_q, rank=r, L=L, group_size=Gq)
+        final_k = reference.merged_amax_shard(amax_k, rank=r, L=L, group_size=Gk)
+        send = pack_qkv(
+            reference.shard(q, r, P),
+            reference.shard(k, r, P),
+            reference.shard(v, r, P),
+            final_q,
+            final_k,
+            k_mean,
+            amax_v,
+            world_size=P,
+            row0=r * L,
+            q_group=Gq,
+            k_group=Gk,
+            row_bytes=w.row_bytes,
+            scale_bytes=w.scale_bytes,
+            use_pdl=False,
+        )
+        assert send.numel() == lowp.payload_bytes(B, L, H, D, P, Gq, Gk)
+        codes, scales = _unpack_send(send, w, B, D)
+        rows = slice(r * L, (r + 1) * L)
+        for j in range(P):
+            for t, name in enumerate(("q", "k", "v")):
+                ref = refs[j][name][:, rows].view(torch.uint8)
+                assert_bitwise(codes[j, :, t], ref, f"rank {r} -> {j} {name} codes")
+            heads = slice(j * h, (j + 1) * h)
+            n_q = B * h * w.n_sq
+            for name, final, part, n_s in (
+                ("q", final_q, scales[j, :n_q], w.n_sq),
+                ("k", final_k, scales[j, n_q:], w.n_sk),
+            ):
+                n_t = grid.touched(r, L, Gq if name == "q" else Gk)
+                got = part.view(B, h, n_s)[..., :n_t]
+                want = reference.ieee_div(final[:, heads, :n_t], 127.0)
+                assert_bitwise(got, want, f"rank {r} -> {j} {name} scales")
+
+
+def _fp8_grid_values() -> torch.Tensor:
+    """Every finite e4m3fn value, every midpoint between neighbours (the ties), and values one
+    fp16 ulp either side of each midpoint; both signs."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0..448
+    mids = (codes[1:] + codes[:-1]) / 2  # exact in fp32
+    near = mids.half()
+    up = torch.nextafter(near, torch.tensor(float("inf"), dtype=torch.half))
+    down = torch.nextafter(near, torch.tensor(0.0, dtype=torch.half))
+    vals = torch.cat([codes, mids, up.float(), down.float(), torch.tensor([1e-6, 2**-10, 2**-11])])
+    return torch.cat([vals, -vals])
+
+
+def test_pack_fp8_rounding_ties_subnormals_and_saturation(assert_bitwise):
+    """V codes with amax_v = 448 (so 448 / amax = 1 exactly and y = v): every tie of the e4m3
+    grid, subnormals, -0.0 (code 0x80) and a channel of zeros (+0); y is what the kernel
+    rounds, in fp16 (10 mantissa bits, enough for every midpoint)."""
+    vals = _fp8_grid_values()
+    P, B, h, D = 2, 1, 1, 64
+    n = vals.numel()
+    L = -(-n // (D - 1))
+    flat = torch.zeros(L * (D - 1))
+    flat[:n] = vals
+    v = torch.zeros(B, L * P, P * h, D, dtype=torch.float16)
+    v[0, :L, 0, : D - 1] = flat.view(L, D - 1).half()
+    v[0, :L, 1, : D - 1] = flat.view(L, D - 1).half()
+    v[0, 0, :, 0] = -0.0
+    v[0, 1, :, 0] = 448.0  # every channel but the last one reaches 448: amax = 448
+    for c in range(1, D - 1):
+        v[0, 1, :, c] = 448.0
+    q = torch.ones_like(v)
+    k = torch.ones_like(v)
+    amax_q, k_mean, amax_k, amax_v = _global_stats(q, k, v, P=P, used=None, Gq=32, Gk=64)
+    assert (amax_v[0, :, : D - 1] == 448).all() and (amax_v[0, :, D - 1] == 0).all()
+    ref = reference.lowp_exchange_reference(q, k, v, world_size=P, rank=0, q_group=32, k_group=64)
+    expect_v = ref["v"][:, :L].view(torch.uint8)
+    assert (expect_v[0, 0, 0, 0] == 0x80).item() and (expect_v[..., D - 1] == 0).all()
+    w = lowp._wire(B, L, P * h, D, P, 32, 64)
+    send = pack_qkv(
+        v[:, :L],
+        v[:, :L],
+        v[:, :L],  # q, k codes are not checked here
+        reference.merged_amax_shard(amax_q, rank=0, L=L, group_size=32),
+        reference.merged_amax_shard(amax_k, rank=0, L=L, group_size=64),
+        k_mean,
+        amax_v,
+        world_size=P,
+        row0=0,
+        q_group=32,
+        k_group=64,
+        row_bytes=w.row_bytes,
+        scale_bytes=w.scale_bytes,
+        use_pdl=False,
+    )
+    codes, _ = _unpack_send(send, w, B, D)
+    assert_bitwise(codes[0, :, 2], expect_v, "fp8 codes")
+    # torch's own cast agrees with the reference (RNE, the codes of the e4m3 grid)
+    direct = v[:, :L, :1].float().clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert_bitwise(expect_v[..., : D - 1], direct[..., : D - 1], "torch e4m3 cast")
+
+
+def test_pack_int8_ties_round_half_to_even(assert_bitwise):
+    """Q with amax 127 per group: q * (127 / 127) = q, so codes are rne(q) of half-integers."""
+    P, B, h, D, G = 2, 1, 1, 16, 16
+    L = 16
+    vals = torch.arange(-127, 128, dtype=torch.float32) / 2  # -63.5 .. 63.5, ties at .5
+    q = torch.zeros(B, L * P, P * h, D, dtype=torch.bfloat16)
+    q.view(-1)[: vals.numel()] = vals.to(torch.bfloat16)
+    q[:, ::G, :, 0] = 127.0  # amax 127 in every group
+    k = torch.ones_like(q)
+    amax_q, k_mean, amax_k, amax_v = _global_stats(q, k, k, P=P, used=None, Gq=G, Gk=G)
+    assert (amax_q == 127).all()
+    ref = reference.lowp_exchange_reference(q, k, k, world_size=P, rank=0, q_group=G, k_group=G)
+    row0 = ref["q"][0, 0, 0, 1:6].tolist()  # codes of -63, -62.5, -62, -61.5, -61
+    assert row0 == [-63, -62, -62, -62, -61], row0
+    w = lowp._wire(B, L, P * h, D, P, G, G)
+    send = pack_qkv(
+        q[:, :L],
+        k[:, :L],
+        k[:, :L],
+        reference.merged_amax_shard(amax_q, rank=0, L=L, group_size=G),
+        reference.merged_amax_shard(amax_k, rank=0, L=L, group_size=G),
+        k_mean,
+        amax_v,
+        world_size=P,
+        row0=0,
+        q_group=G,
+        k_group=G,
+        row_bytes=w.row_bytes,
+        scale_bytes=w.scale_bytes,
+        use_pdl=False,
+    )
+    codes, _ = _unpack_send(send, w, B, D)
+    assert_bitwise(codes[0, :, 0], ref["q"][:, :L].view(torch.uint8), "int8 codes")
+
+
+def test_reference_divisions_are_ieee():
+    """torch's ``127.0 / t`` is ``t.reciprocal() * 127`` (two roundings); the reference's
+    division must be the one IEEE division of the contract (numpy float32 divides exactly)."""
+    t = torch.rand(100_000) * 10 + 1e-3
+    exact = torch.from_numpy(torch.full_like(t, 127.0).numpy() / t.numpy())
+    assert torch.equal(reference.ieee_rdiv(127.0, t), exact)
+    assert not torch.equal(127.0 / t, exact)  # the trap this helper avoids
+    assert torch.equal(reference.ieee_div(t, 448.0), torch.from_numpy(t.numpy() / 448.0))
+
+
+@pytest.mark.parametrize(
+    ("B", "L", "H", "D", "P"), [(1, 4736, 56, 128, 2), (1, 32768, 32, 128, 2), (2, 50, 12, 64, 4)]
+)
+def test_payload_bytes_about_half(B, L, H, D, P):
+    got = lowp.payload_bytes(B, L, H, D, P)
+    bf16 = lowp.bf16_payload_bytes(B, L, H, D)
+    codes = 3 * B * L * H * D
+    assert codes <= got < codes + P * L * 64 + 16 * P * L
+    if L >= 1024:
+        assert 0.498 < 1 - got / bf16 < 0.5
+
+
+def test_payload_bytes_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="divisible"):
+        lowp.payload_bytes(1, 64, 6, 64, 4)
+    with pytest.raises(ValueError, match="q_group"):
+        lowp.payload_bytes(1, 64, 8, 64, 2, q_group=48)
+    with pytest.raises(ValueError, match="world_size"):
+        lowp.payload_bytes(1, 64, 8, 64, 3)
+    with pytest.raises(TypeError, match="k_group"):
+        lowp.payload_bytes(1, 64, 8, 64, 2, k_group=64.0)
+
+
+def _fake_result(P=2, B=1, L=40, h=2, D=16, dtype=torch.bfloat16, seed=0):
+    """A LowpQKV built from the reference (what a rank would hold) for the local tests."""
+    H, S = h * P, L * P
+    q, k, v = make_qkv_full(B, S, H, D, dtype, seed=seed)
+    ref = reference.lowp_exchange_reference(q, k, v, world_size=P, rank=1, q_group=16, k_group=32)
+    return lowp.LowpQKV(used_sequence=None, q_group=16, k_group=32, **ref), ref, (q, k, v)
+
+
+def test_repr_never_reads_contents(monkeypatch):
+    result, _, _ = _fake_result()
+
+    def boom(*args, **kwargs):
+        raise AssertionError("repr read tensor contents")
+
+    monkeypatch.setattr(torch.Tensor, "__repr__", boom)
+    monkeypatch.setattr(torch.Tensor, "item", boom)
+    monkeypatch.setattr(torch.Tensor, "tolist", boom)
+    text = repr(result)
+    assert "LowpQKV(" in text and "torch.int8" in text and "float8_e4m3fn" in text
+
+
+def test_dequantize_matches_reference_and_bounds(assert_bitwise):
+    result, ref, (q, k, v) = _fake_result(dtype=torch.float16)
+    dq, dk, dv = result.dequantize()
+    assert_bitwise(dq, reference.lowp_dequantize_reference(ref["q"], ref["q_scale"], q.dtype, 16))
+    assert_bitwise(dk, reference.lowp_dequantize_reference(ref["k"], ref["k_scale"], q.dtype, 32))
+    assert_bitwise(dv, reference.lowp_dequantize_reference(ref["v"], ref["v_scale"], q.dtype, None))
+    heads = slice(2, 4)
+    # int8: |error| <= scale / 2 (+ the fp16 rounding of the result); fp8: relative 2^-4
+    S = q.shape[1]
+    q_row_scale = ref["q_scale"].repeat_interleave(16, -1)[..., :S].transpose(1, 2)[..., None]
+    assert ((dq.float() - q[:, :, heads].float()).abs() <= q_row_scale * 0.5 + 1e-3).all()
+    centred = k[:, :, heads].float() - ref["k_mean"].float()[:, None]
+    k_row_scale = ref["k_scale"].repeat_interleave(32, -1)[..., :S].transpose(1, 2)[..., None]
+    assert ((dk.float() - centred).abs() <= k_row_scale * 0.5 + 1e-3).all()
+    v_h = v[:, :, heads].float()
+    assert ((dv.float() - v_h).abs() <= v_h.abs() * 2**-4 + 2**-9 * ref["v_scale"][:, None]).all()

@@ -1,0 +1,435 @@
+"""The low-precision Ulysses exchange: INT8 Q/K and FP8 V on the global grid (docs/CONTRACT.md §8).
+
+Shape legend: B batch, L local rows, H heads, D head dim, P = world size, S = L * P,
+h = H / P heads per rank after the exchange, Gq / Gk the Q / K group sizes,
+NSq = slots(L, Gq), NSk = slots(L, Gk).
+    q, k, v           [B, L, H, D]   this rank's rows [rank*L, (rank+1)*L), bf16/fp16
+    LowpQKV.q, .k     [B, S, h, D]   int8, heads [rank*h, (rank+1)*h) of the whole sequence
+    LowpQKV.v         [B, S, h, D]   float8_e4m3fn
+    q_scale / k_scale [B, h, ceil(S / Gq or Gk)]  fp32, one per global group
+    v_scale           [B, h, D]      fp32, one per channel
+    k_mean            [B, h, D]      input dtype: the global K mean (K is sent centred)
+
+Data flow of ``exchange_qkv`` (two collectives, nothing else crosses ranks):
+    K part (``stats.KStatsPart``: one read of K) and Q/V part (``lowp_qv_stats``: one read of
+    Q and V: Q's raw grouped amax, V's channel amax) write ONE fp32 payload
+    -> ONE all_gather -> K: mean, amax_final (finalize kernel); Q: boundary slots merged over
+       the ranks touching them; V: max over ranks (int32 bits, NaN propagates)
+    -> ``lowp_pack``: codes and this rank's group scales, per destination rank, into ONE
+       uint8 send buffer [P][L rows][ROW bytes], each row [B][q|k|v][h][D] + scale slots
+    -> ONE all_to_all_single -> q, k, v are strided views of the receive buffer (row stride
+       ROW); the scales are gathered from the rows' scale slots (a few KB).
+
+Every value equals, bit for bit, what one device gathering Q, K, V first and quantizing them
+would produce (``reference.lowp_exchange_reference``): each division is one IEEE fp32
+division, rounding is round-half-to-even.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from . import _ops, _validate, grid, stats
+from .kernels.lowp_pack import pack_qkv
+from .kernels.lowp_qv_stats import qv_payload_numel, qv_stats
+
+__all__ = ["LowpQKV", "exchange_qkv", "payload_bytes", "bf16_payload_bytes", "GROUP_SIZES"]
+
+GROUP_SIZES = grid.SUPPORTED_GROUP_SIZES
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class LowpQKV:
+    """What rank r holds after :func:`exchange_qkv`: heads ``[r*h, (r+1)*h)`` of the whole
+    sequence, quantized on the global grid (see the module docstring for shapes).
+
+    ``q``, ``k``, ``v`` are strided views of the receive buffer (unit last stride, 16-byte
+    aligned rows). K is centred: ``k * k_scale`` is ``K - k_mean``; attention is unchanged by
+    that per-channel shift (softmax ignores adding ``q . k_mean`` to every score of a query).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_mean: torch.Tensor
+    used_sequence: int | None
+    q_group: int
+    k_group: int
+
+    def __repr__(self) -> str:  # shapes and dtypes only: never reads (or syncs on) contents
+        def t(x):
+            return f"{x.dtype} {list(x.shape)}"
+
+        return (
+            f"LowpQKV(q={t(self.q)}, k={t(self.k)}, v={t(self.v)}, q_scale={t(self.q_scale)}, "
+            f"k_scale={t(self.k_scale)}, v_scale={t(self.v_scale)}, k_mean={t(self.k_mean)}, "
+            f"used_sequence={self.used_sequence}, q_group={self.q_group}, "
+            f"k_group={self.k_group}, device={self.q.device})"
+        )
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v)`` [B, S, h, D] in the input dtype: ``code * scale`` in fp32, rounded to
+        nearest. K stays centred (``K - k_mean``)."""
+        dtype = self.k_mean.dtype
+        S = self.q.shape[1]
+
+        def rows(scale, group):  # [B, h, n_groups] -> [B, S, h, 1]
+            return scale.repeat_interleave(group, dim=-1)[..., :S].transpose(1, 2)[..., None]
+
+        q = (self.q.float() * rows(self.q_scale, self.q_group)).to(dtype)
+        k = (self.k.float() * rows(self.k_scale, self.k_group)).to(dtype)
+        v = (self.v.float() * self.v_scale[:, None]).to(dtype)
+        return q, k, v
+
+
+# ---- the layout of the send buffer (pure Python) ----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wire:
+    """Byte layout of one call's send buffer: [P][L][row], row = [B][q|k|v][h][D] + scales."""
+
+    P: int
+    L: int
+    h: int
+    n_sq: int  # slots(L, Gq): Q scales a rank sends per (b, head)
+    n_sk: int
+    code_bytes: int  # 3*B*h*D
+    scale_bytes: int  # multiple of 16, holds B*h*(n_sq + n_sk) fp32 over the L rows
+    row_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.P * self.L * self.row_bytes
+
+
+_WIRES: dict[tuple, _Wire] = {}
+
+
+def _wire(B: int, L: int, H: int, D: int, P: int, q_group: int, k_group: int) -> _Wire:
+    key = (B, L, H, D, P, q_group, k_group)
+    found = _WIRES.get(key)
+    if found is None:
+        h = H // P
+        n_sq = (L + 2 * q_group - 2) // q_group
+        n_sk = (L + 2 * k_group - 2) // k_group
+        code_bytes = 3 * B * h * D
+        per_row = -(-4 * B * h * (n_sq + n_sk) // L)  # ceil: scale bytes every row carries
+        scale_bytes = -(-per_row // 16) * 16  # rows stay 16-byte aligned
+        found = _WIRES[key] = _Wire(
+            P, L, h, n_sq, n_sk, code_bytes, scale_bytes, code_bytes + scale_bytes
+        )
+    return found
+
+
+def payload_bytes(
+    B: int, L: int, H: int, D: int, world_size: int, q_group: int = 32, k_group: int = 64
+) -> int:
+    """Bytes one rank sends in the exchange's all_to_all (its own chunk included, like the
+    bf16 path's ``3 * B * L * H * D * 2``): ``P * L * (3*B*(H/P)*D + scale bytes a row)``,
+    about half the bf16 bytes (the scales add ``~4*(1/Gq + 1/Gk)/(3*D)`` of the codes)."""
+    for name, value in (("B", B), ("L", L), ("H", H)):
+        grid.check_int(name, value, 1)
+    grid.check_int("D", D, 1)
+    grid.check_world(0, world_size)
+    grid.check_group_size(q_group, "q_group")
+    grid.check_group_size(k_group, "k_group")
+    if H % world_size:
+        raise ValueError(f"H must be divisible by world_size={world_size}, got H={H}")
+    return _wire(B, L, H, D, world_size, q_group, k_group).nbytes
+
+
+def bf16_payload_bytes(B: int, L: int, H: int, D: int) -> int:
+    """Bytes one rank sends in the bf16/fp16 Ulysses all_to_all of q, k and v."""
+    return 3 * B * L * H * D * 2
+
+
+# ---- ops ---------------------------------------------------------------------------------------
+
+
+def _qv_stats_fake(q, v, payload=None, *, n_slots, **_):
+    B, _, H, D = q.shape
+    return (
+        q.new_empty((qv_payload_numel(B, H, D),), dtype=torch.float32),
+        q.new_empty((B, H, n_slots), dtype=torch.float32),
+    )
+
+
+def _pack_fake(q, k, v, amax_q, amax_k, k_mean, amax_v, *, world_size, row_bytes, **_):
+    return q.new_empty((world_size * q.shape[1] * row_bytes,), dtype=torch.uint8)
+
+
+qv_stats_op = _ops.define_op("lowp_qv_stats", qv_stats, _qv_stats_fake)
+pack_op = _ops.define_op("lowp_pack", pack_qkv, _pack_fake)
+
+
+# ---- after the statistics all_gather -----------------------------------------------------------
+
+
+def _merge_q_boundaries(amax_partial, bounds, lay: grid.Layout) -> torch.Tensor:
+    """amax_final of Q: the first and last touched slot take the max over every rank touching
+    their group (``bounds`` [P, B, H, 2]: each rank's first/last slot). NaN propagates."""
+    final = amax_partial
+    for s, sources in ((0, lay.first_sources), (lay.n_touched - 1, lay.last_sources)):
+        if len(sources) == 1:
+            continue
+        merged = None
+        for q, end in sources:
+            value = bounds[q, :, :, end]
+            merged = value if merged is None else torch.maximum(merged, value)
+        if final is amax_partial:
+            final = amax_partial.clone()
+        final[:, :, s] = merged
+    return final
+
+
+def _ieee_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``t / divisor``, one IEEE division per element on every device (CUDA turns a division
+    by a Python scalar into a multiplication by its reciprocal)."""
+    return t / torch.full((), divisor, dtype=t.dtype, device=t.device)
+
+
+_INDEX: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
+    """fp32 element indices [B, h, n_groups] of the receive buffer holding each global group's
+    Q and K scale: the slot of the FIRST rank touching the group (the others hold equal bits)."""
+    key = (w, B, q_group, k_group, device)
+    found = _INDEX.get(key)
+    if found is not None:
+        return found
+    P, L, h = w.P, w.L, w.h
+    S = P * L
+    e4 = w.scale_bytes // 4
+    out = []
+    for G, n_slots, first_n in ((q_group, w.n_sq, 0), (k_group, w.n_sk, B * h * w.n_sq)):
+        g = torch.arange(-(-S // G), dtype=torch.int64)
+        sender = (g * G) // L
+        slot = g - (sender * L) // G
+        bh = torch.arange(B * h, dtype=torch.int64).view(B, h, 1)
+        n = first_n + bh * n_slots + slot  # [B, h, n_groups] within the sender's block
+        byte = sender * L * w.row_bytes + (n // e4) * w.row_bytes + w.code_bytes + (n % e4) * 4
+        out.append((byte // 4).to(device))
+    found = _INDEX[key] = (out[0], out[1])
+    return found
+
+
+def _all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
+    if _ops.is_compiling():
+        return funcol.all_to_all_single(send, None, None, pg)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=pg)
+    return recv
+
+
+# ---- the public call ---------------------------------------------------------------------------
+
+
+def _check_qkv(q, k, v_) -> tuple[int, int, int, int]:
+    shape = _validate.check_k(k, "k")
+    for name, t in (("q", q), ("v", v_)):
+        _validate.check_k(t, name)
+        if tuple(t.shape) != tuple(k.shape):
+            raise ValueError(f"{name} must have k's shape {list(k.shape)}, got {list(t.shape)}")
+        if t.dtype != k.dtype:
+            raise TypeError(f"{name} must have k's dtype {k.dtype}, got {t.dtype}")
+        if t.device != k.device:
+            raise ValueError(f"{name} must be on k's device {k.device}, got {t.device}")
+    return shape
+
+
+@torch.no_grad()
+def exchange_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    used_sequence: int | None = None,
+    q_group: int = 32,
+    k_group: int = 64,
+    enable_pdl: bool | None = None,
+) -> LowpQKV:
+    """The Ulysses sequence-to-head all-to-all of Q, K, V, sent as INT8 Q/K and FP8 V.
+
+    Rank r passes its rows ``[r*L, (r+1)*L)`` of Q, K, V [B, L, H, D] and receives heads
+    ``[r*h, (r+1)*h)`` of the whole sequence as :class:`LowpQKV`, quantized with global
+    statistics exactly as one device holding the gathered Q, K, V would (docs/CONTRACT.md §8):
+
+    * Q: per global ``q_group``-row group ``amax = max(1e-7, max |q|)``, ``scale = amax/127``,
+      ``code = clamp(rne(q * (127/amax)), -127, 127)``;
+    * K: the global mean ``m`` and per global ``k_group``-row group ``amax`` of ``|k - m|``
+      (``smooth_k_stats``), ``code = clamp(rne((k - m) * (127/amax)), -127, 127)``;
+    * V: per (b, head, channel) ``amax`` over the live rows, ``scale = amax/448``,
+      ``code = e4m3fn(clamp(v * (448/amax), -448, 448))`` rounded to nearest even; a channel
+      with ``amax == 0`` has scale 0 and codes +0.
+    Each division is one IEEE fp32 division; a NaN product gives code 0 (int8) or 0x7F (fp8),
+    and its scale is NaN too. Rows ``[used_sequence, S)`` must be zero padding in q, k, v.
+
+    Traffic: one all_gather of the statistics and one ``all_to_all_single`` of one uint8
+    buffer of :func:`payload_bytes` bytes (about half of the bf16 path's). The first call of
+    each argument signature also checks, with one small all_gather, that all ranks agree.
+    No autograd history.
+
+    Raises:
+        TypeError: a tensor that is not bf16/fp16 or whose dtype differs from k's, bad types
+            of the int or bool arguments, a ``group`` that is not a ProcessGroup.
+        ValueError: the shape/stride/alignment rules (docs/CONTRACT.md §3) broken by q, k or
+            v; shapes or devices that differ; ``H % world_size != 0``; ``q_group`` or
+            ``k_group`` not in (16, 32, 64, 128, 256); ``used_sequence`` outside [1, S];
+            torch.distributed not initialized or a world size not in (2, 4, 6, 8); ranks that
+            disagree.
+    """
+    call = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    payload, amax_q_partial = _local_stats(call)
+    gathered = stats.all_gather_payload(payload, call.pg, call.P)  # [P, n_k + n_qv]
+    k_stats, amax_q, amax_v = _finish_stats(call, gathered, amax_q_partial)
+    send = _pack(call, k_stats, amax_q, amax_v)
+    recv = _all_to_all(send, call.pg)
+    return _unpack(call, recv, k_stats, amax_v)
+
+
+# ---- the steps of one call (separate so that scripts/bench_lowp.py can time each) -----------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    part: stats.KStatsPart
+    pg: object
+    rank: int
+    P: int
+    used_sequence: int | None
+    q_group: int
+    k_group: int
+    lay_q: grid.Layout
+    wire: _Wire
+    use_pdl: bool
+
+
+def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Call:
+    """Validate every argument (docs/CONTRACT.md §3, §8) and resolve the group, layouts and PDL."""
+    B, L, H, D = _check_qkv(q, k, v)
+    grid.check_group_size(q_group, "q_group")
+    grid.check_group_size(k_group, "k_group")
+    pg, rank, P = stats.resolve_group(group, k.device)
+    if H % P:
+        raise ValueError(f"q, k, v head count H must be divisible by the world size {P}, got H={H}")
+    part, pg, P = stats.k_stats_part(
+        k,
+        group=group,
+        used_sequence=used_sequence,
+        enable_pdl=enable_pdl,
+        group_size=k_group,
+        caller="exchange_qkv",
+        extra={"q_group": q_group},
+    )
+    if not _ops.is_compiling():
+        _validate.check_alignment(q, "q")
+        _validate.check_alignment(v, "v")
+    return _Call(
+        q=q,
+        k=k,
+        v=v,
+        part=part,
+        pg=pg,
+        rank=rank,
+        P=P,
+        used_sequence=used_sequence,
+        q_group=q_group,
+        k_group=k_group,
+        lay_q=grid.layout(rank, L, P, q_group, used_sequence),
+        wire=_wire(B, L, H, D, P, q_group, k_group),
+        use_pdl=part.use_pdl,
+    )
+
+
+def _local_stats(c: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local statistics kernels: (payload fp32 [n_k + n_qv], Q's partial amax [B, H, NSq])."""
+    B, _, H, D = c.k.shape
+    lay = c.lay_q
+    qv_args = dict(
+        group_size=c.q_group,
+        row0=lay.row0,
+        n_slots=lay.n_slots,
+        n_touched=lay.n_touched,
+        tail_group=lay.tail_group,
+        live_end=lay.live_end,
+        use_pdl=c.use_pdl,
+    )
+    if _ops.is_compiling():  # functional: no writes into slices of a shared buffer
+        payload_qv, amax_q_partial = qv_stats_op(q=c.q, v=c.v, **qv_args)
+        return torch.cat([c.part.write(None), payload_qv]), amax_q_partial
+    n_k = c.part.numel
+    payload = torch.empty(n_k + qv_payload_numel(B, H, D), dtype=torch.float32, device=c.k.device)
+    c.part.write(payload[:n_k])
+    _, amax_q_partial = qv_stats_op(q=c.q, v=c.v, payload=payload[n_k:], **qv_args)
+    return payload, amax_q_partial
+
+
+def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q_partial: torch.Tensor):
+    """After the all_gather: (SmoothKStats, Q's merged amax [B, H, NSq], V's amax [B, H, D])."""
+    B, _, H, D = c.k.shape
+    P, n_k = c.P, c.part.numel
+    k_stats = c.part.finish(gathered[:, :n_k])  # a column slice: rows read by stride
+    bounds = gathered[:, n_k : n_k + 2 * B * H].reshape(P, B, H, 2)
+    amax_q = _merge_q_boundaries(amax_q_partial, bounds, c.lay_q)
+    amax_v_bits = gathered[:, n_k + 2 * B * H :].reshape(P, B, H, D).view(torch.int32)
+    amax_v = amax_v_bits.amax(dim=0).view(torch.float32)  # int max: NaN sorts above +Inf
+    return k_stats, amax_q, amax_v
+
+
+def _pack(c: _Call, k_stats, amax_q: torch.Tensor, amax_v: torch.Tensor) -> torch.Tensor:
+    """Quantize and pack: the uint8 send buffer [P * L * row_bytes]."""
+    return pack_op(
+        q=c.q,
+        k=c.k,
+        v=c.v,
+        amax_q=amax_q,
+        amax_k=k_stats.amax_final,
+        k_mean=k_stats.k_mean_global,
+        amax_v=amax_v,
+        world_size=c.P,
+        row0=c.rank * c.k.shape[1],
+        q_group=c.q_group,
+        k_group=c.k_group,
+        row_bytes=c.wire.row_bytes,
+        scale_bytes=c.wire.scale_bytes,
+        use_pdl=c.use_pdl,
+    )
+
+
+def _unpack(c: _Call, recv: torch.Tensor, k_stats, amax_v: torch.Tensor) -> LowpQKV:
+    """LowpQKV from the receive buffer: strided views of the codes (no copy), the scales
+    gathered from the rows' scale slots, v_scale and k_mean from the gathered statistics."""
+    B, L, _, D = c.k.shape
+    w, h = c.wire, c.wire.h
+    size, stride = (B, c.P * L, h, D), (3 * h * D, w.row_bytes, D, 1)
+    codes = recv.view(torch.int8)
+    heads = slice(c.rank * h, (c.rank + 1) * h)
+    idx_q, idx_k = _scale_index(w, B, c.q_group, c.k_group, recv.device)
+    recv_f32 = recv.view(torch.float32)
+    return LowpQKV(
+        q=codes.as_strided(size, stride, 0),
+        k=codes.as_strided(size, stride, h * D),
+        v=recv.view(FP8).as_strided(size, stride, 2 * h * D),
+        q_scale=recv_f32.take(idx_q),
+        k_scale=recv_f32.take(idx_k),
+        v_scale=_ieee_div(amax_v[:, heads], FP8_MAX),
+        k_mean=k_stats.k_mean_global[:, heads],
+        used_sequence=c.used_sequence,
+        q_group=c.q_group,
+        k_group=c.k_group,
+    )
