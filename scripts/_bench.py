@@ -42,7 +42,7 @@ def cold_us(fn, name_filter, iters: int = 25) -> float:
     )
     per_call, current = [], None
     for e in events:
-        if "fill" in e.name.lower():  # the flush marks the start of a call
+        if "FillFunctor<int>" in e.name:  # the int32 flush marks the start of a call
             if current is not None:
                 per_call.append(current)
             current = 0.0
