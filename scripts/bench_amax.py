@@ -63,17 +63,7 @@ def sweep():
         k = ulysses.testing.make_k_full(B, L, H, D, dt, "smooth", seed=1, device="cuda")
         m = k.float().mean(1).to(dt)
         lay = grid.layout(r, L, P, G, None)
-        kw = dict(
-            group_size=G,
-            row0=lay.row0,
-            n_slots=lay.n_slots,
-            g_first=lay.g_first,
-            n_touched=lay.n_touched,
-            tail_group=-1,
-            tail_end=lay.live_end,
-            floor=grid.FLOOR,
-            use_pdl=False,
-        )
+        kw = dict(lay.amax_args(), tail_group=-1, use_pdl=False)
         base = grouped_amax(k, m, **kw)
         auto = cold_us(lambda: grouped_amax(k, m, **kw), "_grouped_amax_kernel")
         best = (auto, "auto")

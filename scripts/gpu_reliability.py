@@ -26,21 +26,7 @@ FAILS = []
 
 def _local_stats(k, rank, P, used, pdl):
     lay = grid.layout(rank, k.shape[1], P, 64, used)
-    return local_stats(
-        k,
-        group_size=64,
-        row0=lay.row0,
-        live_end=lay.live_end,
-        tail_group=lay.tail_group,
-        g_first=lay.g_first,
-        n_touched=lay.n_touched,
-        n_slots=lay.n_slots,
-        block_first=lay.block_first,
-        n_blocks=lay.n_blocks,
-        minmax_mode=MINMAX_ALL,
-        tag=1.0,
-        use_pdl=pdl,
-    )
+    return local_stats(k, minmax_mode=MINMAX_ALL, tag=1.0, use_pdl=pdl, **lay.stats_args())
 
 
 def _derive(payload, mm, m, rank, P, L, used, k):
@@ -150,20 +136,7 @@ def determinism():
         for rows in (1, 4, 8, 16):
             for nw in (1, 2, 4, 8):
                 out = grouped_amax(
-                    k,
-                    m,
-                    group_size=64,
-                    row0=lay.row0,
-                    n_slots=lay.n_slots,
-                    g_first=lay.g_first,
-                    n_touched=lay.n_touched,
-                    tail_group=lay.tail_group,
-                    tail_end=lay.live_end,
-                    floor=grid.FLOOR,
-                    use_pdl=False,
-                    rows=rows,
-                    block_h=bh,
-                    num_warps=nw,
+                    k, m, use_pdl=False, rows=rows, block_h=bh, num_warps=nw, **lay.amax_args()
                 )
                 configs_ok &= torch.equal(out, base)
     check("80 launch configurations identical", configs_ok)

@@ -309,20 +309,7 @@ def _launcher(k, k_mean, *, rank, P, used, G, **tile):
     output buffer comes from the poisoned torch.empty (conftest), so every slot must be
     written."""
     lay = grid.layout(rank, k.shape[1], P, G, used)
-    return grouped_amax_module.grouped_amax(
-        k,
-        k_mean,
-        group_size=G,
-        row0=lay.row0,
-        n_slots=lay.n_slots,
-        g_first=lay.g_first,
-        n_touched=lay.n_touched,
-        tail_group=lay.tail_group,
-        tail_end=lay.live_end,
-        floor=grid.FLOOR,
-        use_pdl=False,
-        **tile,
-    )
+    return grouped_amax_module.grouped_amax(k, k_mean, use_pdl=False, **lay.amax_args(), **tile)
 
 
 def test_launcher_writes_caller_buffer_including_tail_repair(make_k_full, assert_bitwise):

@@ -17,36 +17,12 @@ def _k(B=2, L=65, H=3, D=64, seed=0):
 
 
 def _amax_kwargs(rank, P, used, G, L=65):
-    lay = grid.layout(rank, L, P, G, used)
-    return dict(
-        group_size=G,
-        row0=lay.row0,
-        n_slots=lay.n_slots,
-        g_first=lay.g_first,
-        n_touched=lay.n_touched,
-        tail_group=lay.tail_group,
-        tail_end=lay.live_end,
-        floor=grid.FLOOR,
-        use_pdl=False,
-    )
+    return dict(grid.layout(rank, L, P, G, used).amax_args(), use_pdl=False)
 
 
 def _stats_kwargs(rank, P, used, G, mode, L=65):
     lay = grid.layout(rank, L, P, G, used)
-    return dict(
-        group_size=G,
-        row0=lay.row0,
-        live_end=lay.live_end,
-        tail_group=lay.tail_group,
-        g_first=lay.g_first,
-        n_touched=lay.n_touched,
-        n_slots=lay.n_slots,
-        block_first=lay.block_first,
-        n_blocks=lay.n_blocks,
-        minmax_mode=mode,
-        tag=123.0,
-        use_pdl=False,
-    )
+    return dict(lay.stats_args(), minmax_mode=mode, tag=123.0, use_pdl=False)
 
 
 @pytest.mark.parametrize(

@@ -71,16 +71,4 @@ def k_grouped_amax(
     if not _ops.is_compiling():  # data pointers exist only on real tensors
         v.check_alignment(k)
     lay = grid.layout(rank, L, world_size, group_size, used_sequence)
-    return _ops.k_grouped_amax(
-        k=k,
-        k_mean=k_mean_global,
-        group_size=group_size,
-        row0=lay.row0,
-        n_slots=lay.n_slots,
-        g_first=lay.g_first,
-        n_touched=lay.n_touched,
-        tail_group=lay.tail_group,
-        tail_end=lay.live_end,
-        floor=grid.FLOOR,
-        use_pdl=use_pdl,
-    )
+    return _ops.k_grouped_amax(k=k, k_mean=k_mean_global, use_pdl=use_pdl, **lay.amax_args())

@@ -197,6 +197,33 @@ class Layout:
     first_sources: tuple  # boundary_sources(...)[0]
     last_sources: tuple  # boundary_sources(...)[1]
 
+    def amax_args(self) -> dict:
+        """The grid arguments of the amax kernel's host function (``grouped_amax``)."""
+        return dict(
+            group_size=self.G,
+            row0=self.row0,
+            n_slots=self.n_slots,
+            g_first=self.g_first,
+            n_touched=self.n_touched,
+            tail_group=self.tail_group,
+            tail_end=self.live_end,
+            floor=FLOOR,
+        )
+
+    def stats_args(self) -> dict:
+        """The grid arguments of the statistics kernels' host function (``local_stats``)."""
+        return dict(
+            group_size=self.G,
+            row0=self.row0,
+            live_end=self.live_end,
+            tail_group=self.tail_group,
+            g_first=self.g_first,
+            n_touched=self.n_touched,
+            n_slots=self.n_slots,
+            block_first=self.block_first,
+            n_blocks=self.n_blocks,
+        )
+
 
 @functools.lru_cache(maxsize=1024)
 def layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:

@@ -238,18 +238,10 @@ class KStatsPart:
         payload, self.minmax = _ops.local_stats_op(
             k=self.k,
             payload=buf,
-            group_size=lay.G,
-            row0=lay.row0,
-            live_end=lay.live_end,
-            tail_group=lay.tail_group,
-            g_first=lay.g_first,
-            n_touched=lay.n_touched,
-            n_slots=lay.n_slots,
-            block_first=lay.block_first,
-            n_blocks=lay.n_blocks,
             minmax_mode=self.minmax_mode,
             tag=self.tag,
             use_pdl=self.use_pdl,
+            **lay.stats_args(),
         )
         return payload
 
@@ -278,19 +270,7 @@ class KStatsPart:
             mean, _, _ = _ops.finalize_op(gathered=gathered, mode=MODE_MEAN, **common)
             if self.method is None:
                 return mean
-            direct = _ops.k_grouped_amax(
-                k=k,
-                k_mean=mean,
-                group_size=lay.G,
-                row0=lay.row0,
-                n_slots=lay.n_slots,
-                g_first=lay.g_first,
-                n_touched=lay.n_touched,
-                tail_group=lay.tail_group,
-                tail_end=lay.live_end,
-                floor=grid.FLOOR,
-                use_pdl=self.use_pdl,
-            )
+            direct = _ops.k_grouped_amax(k=k, k_mean=mean, use_pdl=self.use_pdl, **lay.amax_args())
             _, partial, final = _ops.finalize_op(
                 gathered=gathered, amax_partial=direct, mode=MODE_MERGE, **common
             )
