@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses
+from ulysses.testing import make_k_full
 
 
 def seq_to_heads(x: torch.Tensor, P: int) -> torch.Tensor:
@@ -118,7 +119,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     S = L * P
     # smooth-K regime: a large per-channel mean and a small spread, as in real K activations
-    k_full = 4 * torch.randn(1, 1, H, D, generator=g) + 0.5 * torch.randn(B, S, H, D, generator=g)
+    k_full = make_k_full(B, S, H, D, torch.float32, "smooth", seed=1, spread=0.5)
     q_full = torch.randn(B, S, H, D, generator=g)
     v_full = torch.randn(B, S, H, D, generator=g)
     q, k, v = (

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ulysses import lowp
+from ulysses.testing import make_k_full
 
 
 def seq_to_heads(x: torch.Tensor, P: int) -> torch.Tensor:
@@ -118,7 +119,7 @@ def main() -> int:
     # the same global tensors on every rank; K in the smooth-K regime (large channel means)
     g = torch.Generator().manual_seed(0)
     q_full = torch.randn(B, S, H, D, generator=g)
-    k_full = 4 * torch.randn(1, 1, H, D, generator=g) + 0.5 * torch.randn(B, S, H, D, generator=g)
+    k_full = make_k_full(B, S, H, D, torch.float32, "smooth", seed=1, spread=0.5)
     v_full = torch.randn(B, S, H, D, generator=g)
     q_full, k_full, v_full = (t.to(torch.bfloat16) for t in (q_full, k_full, v_full))
     for t in (q_full, k_full, v_full):

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ulysses import lowp, stats
+from ulysses.testing import make_k_full
 
 SHAPES = ((1, 4736, 56, 128), (1, 32768, 32, 128))
 CPU_SHAPES = ((1, 64, 4, 64),)
@@ -80,8 +81,7 @@ def bench_shape(B, L, H, D, timer: Timer, dev, P, rank) -> dict:
     g = torch.Generator().manual_seed(rank)
     shape = (B, L, H, D)
     q = torch.randn(shape, generator=g).bfloat16().to(dev)
-    k = (4 * torch.randn(1, 1, H, D, generator=g) + torch.randn(shape, generator=g)).bfloat16()
-    k = k.to(dev)
+    k = make_k_full(B, L, H, D, torch.bfloat16, "smooth", seed=rank, spread=1.0, device=dev)
     v = torch.randn(shape, generator=g).bfloat16().to(dev)
     h = H // P
     laid = [t.reshape(B, L, P, h, D).movedim(2, 0).contiguous() for t in (q, k, v)]

@@ -8,12 +8,11 @@ from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
 
 import ulysses
 from ulysses import _ops, grid
+from ulysses.testing import make_k_full
 
 
 def _k(B=2, L=65, H=3, D=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = 4 * torch.randn(1, 1, H, D, generator=g) + 1e-3 * torch.randn(B, L, H, D, generator=g)
-    return k.bfloat16()
+    return make_k_full(B, L, H, D, torch.bfloat16, "smooth", seed=seed)
 
 
 def _amax_kwargs(rank, P, used, G, L=65):

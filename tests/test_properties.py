@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import ulysses
 from ulysses import reference
+from ulysses.testing import make_k_full
 
 settings.register_profile("ci", derandomize=True, database=None)
 settings.register_profile("dev", max_examples=300)
@@ -39,15 +40,8 @@ def cases(draw):
 
 
 def _build(P, L, B, H, D, dtype, used, seed, smooth):
-    g = torch.Generator().manual_seed(seed)
     S = L * P
-    if smooth:
-        k = 4 * torch.randn(1, 1, H, D, generator=g) + 1e-3 * torch.randn(B, S, H, D, generator=g)
-    else:
-        k = torch.randn(B, S, H, D, generator=g)
-    k = k.to(dtype)
-    if used is not None:
-        k[:, used:] = 0
+    k = make_k_full(B, S, H, D, dtype, "smooth" if smooth else "randn", used=used, seed=seed)
     return k
 
 
