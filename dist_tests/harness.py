@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from ulysses.kernels import _runtime
 
 from . import _dist, cases, cases_lowp, checks, checks_lowp, faults
 from ._dist import SetupError
@@ -213,6 +214,9 @@ def run_all(ctx: _dist.Context, selected: list[Selected], args) -> int:
     ctx.phase("summary")
     checks_n, mismatches, errors = ctx.sum_ints([totals.checks, totals.mismatches, totals.errors])
     all_failures = [f for per_rank in ctx.gather_json(totals.failures) for f in per_rank]
+    # kernel specializations each rank launched for the first time (Triton compile or disk
+    # cache), and the seconds that took: what dominates a first GPU run
+    first_launches = ctx.gather_json(list(_runtime.first_launch_stats()))
     passed = not totals.failed_cases and mismatches == 0 and errors == 0
     if ctx.rank == 0:
         seconds = time.perf_counter() - t0
@@ -233,12 +237,14 @@ def run_all(ctx: _dist.Context, selected: list[Selected], args) -> int:
             "case_ids": [s.name for s in selected],
             "failures": all_failures[:50],
             "torch": torch.__version__,
+            "first_launches_per_rank": [[n, round(t, 2)] for n, t in first_launches],
         }
         print(
             f"harness summary: world_size={ctx.world_size} backend={ctx.backend} "
             f"device={summary['device']} cases={len(selected)} checks={checks_n} "
             f"mismatches={mismatches} errors={errors} failed_cases={len(totals.failed_cases)} "
-            f"seconds={seconds:.1f} result={'PASS' if passed else 'FAIL'}",
+            f"seconds={seconds:.1f} first_launches(rank 0)={first_launches[0][0]} "
+            f"in {first_launches[0][1]:.1f} s result={'PASS' if passed else 'FAIL'}",
             flush=True,
         )
         if args.json:

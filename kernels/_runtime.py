@@ -22,6 +22,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 
 import torch
 
@@ -44,6 +45,7 @@ __all__ = [
     "workspace",
     "counters",
     "sm_count",
+    "first_launch_stats",
 ]
 
 HAS_GDC = gdc_wait is not None
@@ -313,7 +315,10 @@ def tile(
 
 # ---- CUDA: cached compiled kernels --------------------------------------------------------
 
-_PARAMS: dict[object, tuple[tuple[str, ...], tuple[bool, ...]]] = {}
+_PARAMS: dict[object, tuple[tuple[str, ...], tuple[int, ...]]] = {}
+_CONSTEXPR, _SPECIALIZED, _NOT_SPECIALIZED = 0, 1, 2
+# first launches of each specialization: [count, seconds] (Triton's JIT: compile or disk cache)
+_FIRST_LAUNCHES = [0, 0.0]
 _COMPILED: dict[tuple, tuple] = {}
 
 
@@ -322,14 +327,27 @@ def clear_launch_cache() -> None:
     _COMPILED.clear()
 
 
-def _params(kernel) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+def _params(kernel) -> tuple[tuple[str, ...], tuple[int, ...]]:
     info = _PARAMS.get(kernel)
     if info is None:
         info = _PARAMS[kernel] = (
             tuple(p.name for p in kernel.params),
-            tuple(bool(p.is_constexpr) for p in kernel.params),
+            tuple(
+                _CONSTEXPR
+                if p.is_constexpr
+                else _NOT_SPECIALIZED
+                if getattr(p, "do_not_specialize", False)
+                else _SPECIALIZED
+                for p in kernel.params
+            ),
         )
     return info
+
+
+def first_launch_stats() -> tuple[int, float]:
+    """(first launches of a kernel specialization in this process, seconds they took): each
+    went through Triton's JIT, which compiles or loads from its disk cache."""
+    return _FIRST_LAUNCHES[0], _FIRST_LAUNCHES[1]
 
 
 def _spec(value, constexpr: bool):
@@ -364,16 +382,19 @@ def _launch_hooks_set() -> bool:
 
 
 def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_pdl: bool, kwargs):
-    names, constexpr = _PARAMS.get(kernel) or _params(kernel)
+    names, modes = _PARAMS.get(kernel) or _params(kernel)
     args = [kwargs[n] for n in names]
     current = torch.cuda.current_device()
     index = current if device.index is None else device.index
     key = [kernel, index, num_warps, use_pdl]
-    for a, c in zip(args, constexpr, strict=True):  # _spec inlined: the launch's main cost
-        if c:
+    for a, m in zip(args, modes, strict=True):  # _spec inlined: the launch's main cost
+        if m == _CONSTEXPR:
             key.append(a)
         elif type(a) is int:
-            key.append((a == 1) | ((a & 15) == 0) << 1 | (not -(2**31) <= a < 2**31) << 2)
+            if m == _NOT_SPECIALIZED:  # Triton still tells i32 from i64
+                key.append(not -(2**31) <= a < 2**31)
+            else:
+                key.append((a == 1) | ((a & 15) == 0) << 1 | (not -(2**31) <= a < 2**31) << 2)
         elif isinstance(a, torch.Tensor):
             key.append(a.dtype)
             key.append((a.data_ptr() & 15) == 0)
@@ -384,10 +405,13 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
     switch = index != current
     if entry is None or _launch_hooks_set():
         extra = {"launch_pdl": True} if use_pdl else {}
+        t0 = time.perf_counter()
         with _TRITON_LOCK, torch.cuda.device(index) if switch else contextlib.nullcontext():
             compiled = kernel[grid](*args, num_warps=num_warps, **extra)
         if entry is None and compiled is not None:
             _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            _FIRST_LAUNCHES[0] += 1
+            _FIRST_LAUNCHES[1] += time.perf_counter() - t0
         return
     run, function, metadata = entry
     n = len(grid)

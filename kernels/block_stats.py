@@ -37,7 +37,25 @@ SUM_BLOCK_C = tl.constexpr(SUM_BLOCK)
 MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 
 
-@triton.jit
+# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
+# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
+# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# alignment lets the loads and stores vectorize.
+_NOT_SPECIALIZED = [
+    "L",
+    "H",
+    "row0",
+    "used",
+    "tail_group",
+    "g_first",
+    "n_touched",
+    "n_mm",
+    "block_first",
+    "n_blocks",
+]
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _block_stats_kernel(
     k_ptr,
     stride_kb,

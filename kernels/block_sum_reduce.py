@@ -20,7 +20,14 @@ from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, workspace
 __all__ = ["block_sum_reduce"]
 
 
-@triton.jit
+# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
+# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
+# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# alignment lets the loads and stores vectorize.
+_NOT_SPECIALIZED = ["n_in", "n_out", "offset", "chunk", "tag_last"]
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _chunk_sum_kernel(
     in_ptr,
     out_ptr,

@@ -33,7 +33,28 @@ MODE_MEAN, MODE_FUSED, MODE_MERGE = 0, 1, 2
 _SOURCES: dict[tuple, torch.Tensor] = {}
 
 
-@triton.jit
+# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
+# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
+# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# alignment lets the loads and stores vectorize.
+_NOT_SPECIALIZED = [
+    "N",
+    "stride_p",
+    "H",
+    "P",
+    "bhd",
+    "n_slots",
+    "n_touched",
+    "n_hblocks",
+    "n_chunks",
+    "slots_per_program",
+    "n_src_first",
+    "n_src_last",
+    "divisor",
+]
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _finalize_kernel(
     gathered_ptr,
     mm_ptr,

@@ -19,7 +19,24 @@ from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
 __all__ = ["grouped_amax"]
 
 
-@triton.jit
+# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
+# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
+# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# alignment lets the loads and stores vectorize.
+_NOT_SPECIALIZED = [
+    "L",
+    "H",
+    "row0",
+    "n_slots",
+    "g_first",
+    "n_touched",
+    "tail_group",
+    "tail_end",
+    "n_hblocks",
+]
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _grouped_amax_kernel(
     k_ptr,
     stride_kb,

@@ -31,7 +31,25 @@ from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
 __all__ = ["pack_qkv"]
 
 
-@triton.jit
+# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
+# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
+# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# alignment lets the loads and stores vectorize.
+_NOT_SPECIALIZED = [
+    "L",
+    "H",
+    "h",
+    "row0",
+    "n_slots_q",
+    "n_slots_k",
+    "n_rblocks",
+    "n_code",
+    "n_scales",
+    "B",
+]
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _pack_kernel(
     q_ptr,
     stride_qb,

@@ -26,7 +26,14 @@ from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
 __all__ = ["qv_stats", "qv_payload_numel"]
 
 
-@triton.jit
+# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
+# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
+# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# alignment lets the loads and stores vectorize.
+_NOT_SPECIALIZED = ["L", "H", "row0", "n_slots", "n_touched", "n_spans", "tail_group", "live_end"]
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _qv_stats_kernel(
     q_ptr,
     stride_qb,

@@ -12,7 +12,7 @@
 #           CUDA switch, and the harness rows run their suites on the GPUs)
 #   lane 2  (b) the harness --large at P = 2, 4, 6, 8 (dist_tests.validate), every suite
 #           (smooth_k, lowp), best backend: NCCL when there is a GPU per rank, else gloo on
-#           CUDA tensors
+#           CUDA tensors; the world sizes run at the same time
 #   lane 3  (c) dist_tests.compile_check --cuda-graph at P = 2 (NCCL with two GPUs);
 #           (d) opcheck (tests/test_ops.py -k opcheck, ULYSSES_TEST_DEVICE=cuda);
 #           (e) scripts/gpu_reliability.py (on GPU 0);
@@ -121,33 +121,43 @@ lane_unit() {
         echo "[gpu_check] unit_tests_cuda: ignoring $UNIT_CUDA_IGNORED: torchrun tests that" \
             "would inherit ULYSSES_TEST_DEVICE=cuda; the harness rows (harness_P*) run their suites"
         CUDA_VISIBLE_DEVICES=$gpu ULYSSES_TEST_DEVICE=cuda run_check 1 unit_tests_cuda "cuda:$gpu" \
-            "$(limit_for 480)" "$PY" -m pytest -n 8 -p no:cacheprovider "${ignore[@]}" tests
+            "$(limit_for 480)" "$PY" -m pytest -n 8 -rfEs -p no:cacheprovider "${ignore[@]}" tests
     else
         run_check 1 unit_tests "cpu" "$(limit_for 480)" \
             "$PY" -m pytest -n auto -p no:cacheprovider tests
     fi
 }
 
+# one world size of the harness: run_check, then put the backend the harness really used
+# (from its JSON summary) in the row
+harness_one() {
+    local i=$1 P=$2 limit backend summary
+    shift 2
+    limit=$(limit_for 480)
+    backend=$(backend_for "$P")
+    run_check "2$i" "harness_P$P" "$backend" "$limit" \
+        "$PY" -m dist_tests.validate --world-sizes "$P" --out-dir "$out/harness_P$P" \
+        --timeout-s $((limit * 4 / 5)) --outer-timeout-s $((limit - 5)) "$@"
+    summary="$out/harness_P$P/ws$P.json"
+    if [ -f "$summary" ] && [ -f "$rows/2$i" ]; then
+        backend=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['backend'])" "$summary")
+        awk -F'|' -v b="$backend" 'BEGIN { OFS = "|" } { $2 = b; print }' "$rows/2$i" >"$rows/.tmp$i" &&
+            mv "$rows/.tmp$i" "$rows/2$i"
+    fi
+}
+
+# every world size at once: the kernels' mask-bounding ints are not specialized, so the
+# ranks of every world size need the same few compilations, which they make in parallel
+# (and later ones load from Triton's disk cache) instead of one world size after another
 lane_harness() {
-    local i=0 P limit backend want extra=()
+    local i=0 P extra=()
     if [ "$ngpu" -gt 0 ]; then extra=(--large); fi
     if [ "$quick" = 1 ]; then extra+=(--cases smooth_k/L1-H3-D128,lowp/L1-); fi
     for P in $world_sizes; do
         i=$((i + 1))
-        want=110
-        [ "$i" = 1 ] && want=190 # the first world size pays for most Triton compilations
-        limit=$(limit_for $want)
-        backend=$(backend_for "$P")
-        run_check "2$i" "harness_P$P" "$backend" "$limit" \
-            "$PY" -m dist_tests.validate --world-sizes "$P" --out-dir "$out/harness_P$P" \
-            --timeout-s $((limit * 4 / 5)) --outer-timeout-s $((limit - 5)) ${extra[@]+"${extra[@]}"}
-        summary="$out/harness_P$P/ws$P.json"
-        if [ -f "$summary" ] && [ -f "$rows/2$i" ]; then # the backend the harness really used
-            backend=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['backend'])" "$summary")
-            awk -F'|' -v b="$backend" 'BEGIN { OFS = "|" } { $2 = b; print }' "$rows/2$i" >"$rows/.tmp$i" &&
-                mv "$rows/.tmp$i" "$rows/2$i"
-        fi
+        harness_one "$i" "$P" ${extra[@]+"${extra[@]}"} &
     done
+    wait
 }
 
 lane_programs() {
@@ -184,11 +194,12 @@ lane_harness &
 lane_programs &
 wait
 
-"$PY" - "$rows" "$out/gpu_check_table.md" "$device" "$versions" "$commit" "$(($(date +%s) - start))" <<'EOF'
+"$PY" - "$rows" "$out/gpu_check_table.md" "$device" "$versions" "$commit" "$(($(date +%s) - start))" "$out" <<'EOF'
 import os
+import re
 import sys
 
-rows_dir, table_path, device, versions, commit, wall = sys.argv[1:]
+rows_dir, table_path, device, versions, commit, wall, out = sys.argv[1:]
 rows = [open(os.path.join(rows_dir, name)).read().strip().split("|") for name in sorted(os.listdir(rows_dir))]
 header = ["check", "backend", "result", "seconds"]
 widths = [max(len(r[i]) for r in [header] + rows) for i in range(4)]
@@ -200,6 +211,21 @@ lines = [
 ]
 failed = [r[0] for r in rows if not (r[2] == "PASS" or r[2].startswith("SKIP"))]
 lines += ["", "gpu_check: " + ("FAILED: " + ", ".join(failed) if failed else "ALL PASSED")]
+# what failed or was skipped, from each check's log: pytest's short summary (FAILED / ERROR /
+# SKIPPED lines with their reasons) and the harness's failing cases
+pattern = re.compile(
+    r"^(\[default\d+\]:)?(FAILED |ERROR |SKIPPED \[|  \[FAIL\] |harness summary:|.*Error: )"
+)
+for r in rows:
+    log = os.path.join(out, r[0] + ".log")
+    if not os.path.exists(log) or (r[2] == "PASS" and not r[0].startswith(("unit", "harness"))):
+        continue
+    with open(log, errors="replace") as f:
+        found = [line.rstrip()[:300] for line in f if pattern.match(line)]
+    if found:
+        lines += ["", f"{r[0]} ({len(found)} lines from {r[0]}.log):"]
+        lines += ["    " + line for line in found[:40]]
+        lines += [f"    ... {len(found) - 40} more"] if len(found) > 40 else []
 text = "\n".join(lines)
 print("\n" + text)
 with open(table_path, "w") as f:

@@ -198,3 +198,36 @@ def test_source_checkout_uses_its_own_kernels(tmp_path):
     where, which = out.stdout.split()[-2:]
     assert which == "ours"
     assert os.path.samefile(where, os.path.join(ROOT, "kernels"))
+
+
+def test_mask_bounding_ints_are_not_specialized():
+    """Shapes, ranks and paddings share one compilation: the ints that only bound masks and
+    loops are not specialized (nor part of the launch cache key beyond i32/i64), while
+    strides stay specialized for vectorized loads."""
+    names, modes = _runtime._params(grouped_amax_module._grouped_amax_kernel)
+    mode = dict(zip(names, modes, strict=True))
+    for name in ("L", "H", "row0", "n_slots", "g_first", "n_touched", "tail_group", "tail_end"):
+        assert mode[name] == _runtime._NOT_SPECIALIZED, name
+    for name in ("k_ptr", "stride_kb", "stride_kl", "stride_kh"):
+        assert mode[name] == _runtime._SPECIALIZED, name
+    assert mode["G"] == mode["D"] == _runtime._CONSTEXPR
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_compilation_serves_every_rank_and_padding():
+    k, k_mean = _case(H=3, L=70)
+    kc, mc = k.cuda(), k_mean.cuda()
+    ulysses.k_grouped_amax(kc, mc, rank=0, world_size=2, used_sequence=140)
+    before = _runtime.first_launch_stats()[0]
+    for world_size in (2, 4, 6, 8):
+        S = 70 * world_size
+        for rank in range(world_size):
+            for used in (None, 1, 16, 64, S - 1, S - 63):
+                out = ulysses.k_grouped_amax(
+                    kc, mc, rank=rank, world_size=world_size, used_sequence=used
+                )
+                expected = ref.grouped_amax_shard(
+                    k, k_mean, rank=rank, world_size=world_size, used_sequence=used
+                )
+                assert ref.bitwise_diff(out.cpu(), expected) is None, (world_size, rank, used)
+    assert _runtime.first_launch_stats()[0] == before
