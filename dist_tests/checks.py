@@ -173,15 +173,26 @@ def expected_values(ctx: Context, case: cases.Case, used: int | None, k_full) ->
     return Expected(k_full, mean, reference.global_mean_fp64(k_full, used), partial, final)
 
 
-def call_smooth_k_stats(case: cases.Case, inputs: Inputs, method: str):
-    # check_consistency=True: the argument check on every call, not only the first
+def call_smooth_k_stats(case: cases.Case, inputs: Inputs, method: str, checked: bool = True):
+    # checked: check_consistency=True, the argument check on every call (the full path);
+    # else the default call, which runs the signature's cached eager plan
     return ulysses.smooth_k_stats(
         inputs.k,
         used_sequence=inputs.used,
         group_size=case.G,
         method=method,
-        check_consistency=True,
+        check_consistency=checked,
     )
+
+
+def call_planned_twice(case: cases.Case, inputs: Inputs):
+    """The default (planned) fused call twice: the first builds or finds the signature's
+    plan, the second runs it on a copy of K at another address (same shape and strides), so
+    a plan that kept a tensor or an output of an earlier call shows up."""
+    call_smooth_k_stats(case, inputs, "fused", checked=False)
+    k = inputs.k
+    copy = torch.empty_strided(k.size(), k.stride(), dtype=k.dtype, device=k.device).copy_(k)
+    return call_smooth_k_stats(case, dataclasses.replace(inputs, k=copy), "fused", checked=False)
 
 
 def call_k_grouped_amax(ctx: Context, case: cases.Case, inputs: Inputs, k_mean_global):
@@ -238,6 +249,7 @@ def compare_stats(run: CaseRun, case, inputs: Inputs, expected: Expected, method
 @dataclasses.dataclass(frozen=True)
 class Outputs:
     fused: ulysses.SmoothKStats
+    fused_planned: ulysses.SmoothKStats  # the default call's eager plan, second call
     two_pass: ulysses.SmoothKStats
     mean: torch.Tensor  # global_k_mean
     amax: torch.Tensor  # k_grouped_amax with the fused mean
@@ -248,8 +260,12 @@ def run_library(run: CaseRun, case: cases.Case, inputs: Inputs) -> Outputs:
     fused = run.collective(
         "smooth_k_stats(method='fused')", lambda: call_smooth_k_stats(case, inputs, "fused")
     )
+    planned = run.collective(
+        "smooth_k_stats(method='fused'), planned", lambda: call_planned_twice(case, inputs)
+    )
     two_pass = run.collective(
-        "smooth_k_stats(method='two_pass')", lambda: call_smooth_k_stats(case, inputs, "two_pass")
+        "smooth_k_stats(method='two_pass')",
+        lambda: call_smooth_k_stats(case, inputs, "two_pass", checked=False),
     )
     mean = run.collective(
         "global_k_mean", lambda: ulysses.global_k_mean(inputs.k, used_sequence=inputs.used)
@@ -257,12 +273,13 @@ def run_library(run: CaseRun, case: cases.Case, inputs: Inputs) -> Outputs:
     amax = run.local(
         "k_grouped_amax", lambda: call_k_grouped_amax(run.ctx, case, inputs, fused.k_mean_global)
     )
-    return Outputs(fused, two_pass, mean, amax)
+    return Outputs(fused, planned, two_pass, mean, amax)
 
 
 def compare_all(run: CaseRun, case, inputs: Inputs, expected: Expected, out: Outputs) -> None:
     fused, two_pass = out.fused, out.two_pass
     compare_stats(run, case, inputs, expected, "fused", fused)
+    compare_stats(run, case, inputs, expected, "fused (planned)", out.fused_planned)
     compare_stats(run, case, inputs, expected, "two_pass", two_pass)
     run.check("global_k_mean == reference.global_k_mean", bitwise_diff(out.mean, expected.mean))
     run.check(

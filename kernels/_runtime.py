@@ -46,6 +46,8 @@ __all__ = [
     "counters",
     "sm_count",
     "first_launch_stats",
+    "Launch",
+    "stream_key",
 ]
 
 HAS_GDC = gdc_wait is not None
@@ -216,7 +218,7 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 _KEEP: list[torch.Tensor] = []  # replaced buffers stay alive: a CUDA graph may hold them
 
 
-def _stream_key(device: torch.device) -> tuple:
+def stream_key(device: torch.device) -> tuple:
     if device.type != "cuda":
         return (device.type, None, 0)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -226,7 +228,7 @@ def _stream_key(device: torch.device) -> tuple:
 def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A scratch buffer of at least ``numel`` elements, reused by later launches on the same
     device and stream (stream order makes reuse safe; another stream gets its own)."""
-    key = (name, dtype, *_stream_key(device))
+    key = (name, dtype, *stream_key(device))
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
         if buf is not None:
@@ -238,7 +240,7 @@ def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -
 def counters(n: int, device: torch.device) -> torch.Tensor:
     """``n`` int32 zeros for "last program" counters; the kernels reset them to 0 after use,
     so one buffer per device and stream serves every launch."""
-    key = _stream_key(device)
+    key = stream_key(device)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if buf is not None:
@@ -409,10 +411,10 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
         with _TRITON_LOCK, torch.cuda.device(index) if switch else contextlib.nullcontext():
             compiled = kernel[grid](*args, num_warps=num_warps, **extra)
         if entry is None and compiled is not None:
-            _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            entry = _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             _FIRST_LAUNCHES[0] += 1
             _FIRST_LAUNCHES[1] += time.perf_counter() - t0
-        return
+        return entry
     run, function, metadata = entry
     n = len(grid)
     g1 = grid[1] if n > 1 else 1
@@ -423,6 +425,99 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
             run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args)
     else:
         run(grid[0], g1, g2, _raw_stream(index), function, metadata, None, None, None, *args)
+    return entry
+
+
+class Launch:
+    """One kernel launch prepared once: every argument fixed except the tensors named in
+    ``slots``, which each call passes positionally (``launch_obj(k, out)``).
+
+    The eager fast path of the package (issue 12): a call builds no keyword dict and no cache
+    key; it checks the 16-byte alignment of the slot tensors (part of Triton's
+    specialization; dtypes and shapes are fixed by whoever caches the ``Launch``) and calls
+    the compiled kernel's launcher. The first call of each alignment pattern, a CPU device
+    and active launch hooks go through :func:`launch`.
+    """
+
+    __slots__ = (
+        "kernel",
+        "grid",
+        "device",
+        "index",
+        "num_warps",
+        "use_pdl",
+        "names",
+        "args",
+        "positions",
+        "entries",
+        "g",
+    )
+
+    def __init__(
+        self,
+        kernel,
+        grid: tuple,
+        device: torch.device,
+        *,
+        num_warps: int = 4,
+        use_pdl: bool = False,
+        slots: tuple[str, ...] = (),
+        **fixed,
+    ) -> None:
+        names, _ = _PARAMS.get(kernel) or _params(kernel)
+        missing = set(names) - set(fixed) - set(slots)
+        assert not missing and not set(fixed) & set(slots), (missing, slots)
+        assert 1 <= grid[0] < 2**31 and all(1 <= g < 65536 for g in grid[1:]), grid
+        self.kernel, self.grid, self.device = kernel, tuple(grid), device
+        self.index = None
+        if device.type == "cuda":
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.num_warps, self.use_pdl, self.names = num_warps, use_pdl, names
+        self.args = [fixed.get(n) for n in names]
+        self.positions = tuple(names.index(s) for s in slots)
+        self.entries: dict[int, tuple] = {}
+        self.g = (
+            self.grid[0],
+            self.grid[1] if len(grid) > 1 else 1,
+            self.grid[2] if len(grid) > 2 else 1,
+        )
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        args = self.args.copy()
+        bits = 0
+        for p, t in zip(self.positions, tensors, strict=True):
+            args[p] = t
+            bits = (bits << 1) | ((t.data_ptr() & 15) == 0)
+        index = self.index
+        if index is None:  # CPU: the interpreter (or the CUDA mirror of the tests)
+            launch(
+                self.kernel,
+                self.grid,
+                self.device,
+                num_warps=self.num_warps,
+                **dict(zip(self.names, args, strict=True)),
+            )
+            return
+        entry = self.entries.get(bits)
+        if entry is None or _launch_hooks_set():
+            entry = _launch_cuda(
+                self.kernel,
+                self.grid,
+                self.device,
+                self.num_warps,
+                self.use_pdl,
+                dict(zip(self.names, args, strict=True)),
+            )
+            if entry is not None:
+                self.entries[bits] = entry
+            return
+        run, function, metadata = entry
+        g0, g1, g2 = self.g
+        if torch.cuda.current_device() != index:
+            with torch.cuda.device(index):
+                run(g0, g1, g2, _raw_stream(index), function, metadata, None, None, None, *args)
+        else:
+            run(g0, g1, g2, _raw_stream(index), function, metadata, None, None, None, *args)
 
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None

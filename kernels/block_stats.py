@@ -22,11 +22,12 @@ import triton
 import triton.language as tl
 
 from ..grid import SUM_BLOCK
-from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile, workspace
-from .block_sum_reduce import block_sum_reduce
+from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, tile, workspace
+from .block_sum_reduce import prepare_block_sum_reduce
 
 __all__ = [
     "local_stats",
+    "LocalStats",
     "payload_numel",
     "MINMAX_NONE",
     "MINMAX_BOUNDARY",
@@ -230,6 +231,97 @@ def _store_minmax(
         tl.store(p + H * D, b_max, mask=m_hd)
 
 
+class LocalStats:
+    """The launches of :func:`local_stats` for one shard shape, bound to ``payload`` and
+    ``minmax``: ``local(k)`` runs them (the block-stats kernel, then the two ordered
+    chunk sums). Built once per call signature by the eager fast path of ``ulysses``."""
+
+    __slots__ = ("stats", "sums")
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int, int],
+        strides: tuple[int, int, int, int],
+        device: torch.device,
+        payload: torch.Tensor,
+        minmax: torch.Tensor,
+        *,
+        group_size: int,
+        row0: int,
+        live_end: int,
+        tail_group: int,
+        g_first: int,
+        n_touched: int,
+        n_slots: int,
+        block_first: int,
+        n_blocks: int,
+        minmax_mode: int,
+        tag: float,
+        use_pdl: bool,
+        rows: int | None = None,
+        block_h: int | None = None,
+        num_warps: int | None = None,
+    ) -> None:
+        B, L, H, D = shape
+        G = group_size
+        span = max(G, SUM_BLOCK)
+        n_spans = (row0 + L - 1) // span - row0 // span + 1
+        numel = payload_numel(B, H, D, minmax_mode)
+        assert payload.shape == (numel,) and payload.dtype == torch.float32
+        assert payload.is_contiguous() and strides[3] == 1
+        bhd = B * H * D
+        # scratch, reused per device and stream (kernels/_runtime.workspace)
+        n_sums = B * n_blocks * H * D
+        block_sums = workspace("block_sums", n_sums, torch.float32, device)[:n_sums]
+        block_sums = block_sums.view(B, n_blocks, H, D)
+        n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
+        assert minmax.shape == (B, n_mm, 2, H, D)
+        cuda = device.type == "cuda"
+        auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=256)
+        block_h = block_h or auto_h
+        n_hblocks = cdiv(H, block_h)
+        self.stats = Launch(
+            _block_stats_kernel,
+            (B * n_spans * n_hblocks,),
+            device,
+            num_warps=num_warps or auto_warps,
+            use_pdl=use_pdl,
+            slots=("k_ptr",),
+            stride_kb=strides[0],
+            stride_kl=strides[1],
+            stride_kh=strides[2],
+            sum_ptr=block_sums,
+            mm_ptr=minmax if n_mm else block_sums,  # never written without MINMAX_ALL
+            bnd_ptr=payload[1 + bhd :] if minmax_mode != MINMAX_NONE else block_sums,
+            L=L,
+            H=H,
+            row0=row0,
+            used=live_end,
+            tail_group=tail_group,
+            g_first=g_first,
+            n_touched=n_touched,
+            n_mm=n_mm,
+            block_first=block_first,
+            n_blocks=n_blocks,
+            G=G,
+            D=D,
+            BLOCK_H=block_h,
+            # Any ROWS gives the same bits (the sum is row-sequential).
+            ROWS=rows or ((8 if D >= 128 else 16) if cuda else 4),
+            MINMAX=minmax_mode,
+            USE_PDL=use_pdl,
+        )
+        self.sums = prepare_block_sum_reduce(
+            block_sums, payload, first_block=block_first, tag=tag, use_pdl=use_pdl
+        )
+
+    def __call__(self, k: torch.Tensor) -> None:
+        self.stats(k)
+        first, second = self.sums
+        first()
+        second()
+
+
 def local_stats(
     k: torch.Tensor,
     payload: torch.Tensor | None = None,
@@ -262,62 +354,33 @@ def local_stats(
     ``ulysses.grid.layout``; ``rows``/``block_h``/``num_warps`` override the tile.
     """
     B, L, H, D = k.shape
-    G = group_size
-    span = max(G, SUM_BLOCK)
-    n_spans = (row0 + L - 1) // span - row0 // span + 1
-    numel = payload_numel(B, H, D, minmax_mode)
     if payload is None:
+        numel = payload_numel(B, H, D, minmax_mode)
         payload = torch.empty((numel,), dtype=torch.float32, device=k.device)
-    assert payload.shape == (numel,) and payload.dtype == torch.float32 and payload.is_contiguous()
-    bhd = B * H * D
-    # scratch, reused per device and stream (kernels/_runtime.workspace)
-    n_sums = B * n_blocks * H * D
-    block_sums = workspace("block_sums", n_sums, torch.float32, k.device)[:n_sums]
-    block_sums = block_sums.view(B, n_blocks, H, D)
     n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
     minmax = torch.empty((B, n_mm, 2, H, D), dtype=k.dtype, device=k.device)
-    cuda = k.device.type == "cuda"
-    auto_h, auto_warps = tile(D, H, B * n_spans, k.device, elems=256)
-    block_h = block_h or auto_h
-    n_hblocks = cdiv(H, block_h)
-    launch(
-        _block_stats_kernel,
-        (B * n_spans * n_hblocks,),
+    LocalStats(
+        k.shape,
+        k.stride(),
         k.device,
-        num_warps=num_warps or auto_warps,
-        use_pdl=use_pdl,
-        k_ptr=k,
-        stride_kb=k.stride(0),
-        stride_kl=k.stride(1),
-        stride_kh=k.stride(2),
-        sum_ptr=block_sums,
-        mm_ptr=minmax if n_mm else block_sums,  # never written without MINMAX_ALL
-        bnd_ptr=payload[1 + bhd :] if minmax_mode != MINMAX_NONE else block_sums,
-        L=L,
-        H=H,
+        payload,
+        minmax,
+        group_size=group_size,
         row0=row0,
-        used=live_end,
+        live_end=live_end,
         tail_group=tail_group,
         g_first=g_first,
         n_touched=n_touched,
-        n_mm=n_mm,
+        n_slots=n_slots,
         block_first=block_first,
         n_blocks=n_blocks,
-        G=G,
-        D=D,
-        BLOCK_H=block_h,
-        # Any ROWS gives the same bits (the sum is row-sequential).
-        ROWS=rows or ((8 if D >= 128 else 16) if cuda else 4),
-        MINMAX=minmax_mode,
-        USE_PDL=use_pdl,
-    )
-    block_sum_reduce(
-        block_sums,
-        payload,
-        first_block=block_first,
+        minmax_mode=minmax_mode,
         tag=tag,
         use_pdl=use_pdl,
-    )
+        rows=rows,
+        block_h=block_h,
+        num_warps=num_warps,
+    )(k)
     return payload, minmax
 
 

@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 
 from ..grid import SUPER_BLOCK
-from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, workspace
+from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, workspace
 
-__all__ = ["block_sum_reduce"]
+__all__ = ["block_sum_reduce", "prepare_block_sum_reduce"]
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
@@ -73,13 +73,13 @@ def _chunk_sum_kernel(
             tl.store(tag_ptr + tag_last, tag)
 
 
-def _chunk_sum(x, out, *, offset: int, chunk: int, use_pdl: bool, tag_out=None, tag=0.0):
+def _chunk_sum(x, out, *, offset: int, chunk: int, use_pdl: bool, tag_out=None, tag=0.0) -> Launch:
     B, n_in, n_elem = x.shape
     n_out = out.shape[1]
     cuda = x.device.type == "cuda"
     block = 512 if cuda else 4096
     assert B < 65536 and n_out < 65536
-    launch(
+    return Launch(
         _chunk_sum_kernel,
         (cdiv(n_elem, block), n_out, B),
         x.device,
@@ -102,12 +102,11 @@ def _chunk_sum(x, out, *, offset: int, chunk: int, use_pdl: bool, tag_out=None, 
     )
 
 
-def block_sum_reduce(
+def prepare_block_sum_reduce(
     block_sums: torch.Tensor, payload: torch.Tensor, *, first_block: int, tag: float, use_pdl: bool
-) -> None:
-    """Write the local sum fp32 [B, H, D] into ``payload[1 : 1 + B*H*D]`` and ``tag`` into the
-    payload's first and last element. ``block_sums`` fp32 [B, NB, H, D]: block j is global
-    64-row block ``first_block + j``; they are added in the fixed superblock association."""
+) -> tuple[Launch, Launch]:
+    """The two launches of :func:`block_sum_reduce` for these buffers (call each with no
+    argument, in order)."""
     B, NB, H, D = block_sums.shape
     assert block_sums.is_contiguous() and payload.is_contiguous()
     assert block_sums.dtype == payload.dtype == torch.float32
@@ -115,10 +114,24 @@ def block_sum_reduce(
     n_super = (offset + NB + SUPER_BLOCK - 1) // SUPER_BLOCK
     supers = workspace("super_sums", B * n_super * H * D, torch.float32, block_sums.device)
     supers = supers[: B * n_super * H * D].view(B, n_super, H * D)
-    _chunk_sum(
-        block_sums.view(B, NB, H * D), supers, offset=offset, chunk=SUPER_BLOCK, use_pdl=use_pdl
-    )
     local_sum = payload[1 : 1 + B * H * D].view(B, 1, H * D)
-    _chunk_sum(
-        supers, local_sum, offset=0, chunk=n_super, use_pdl=use_pdl, tag_out=payload, tag=tag
+    return (
+        _chunk_sum(
+            block_sums.view(B, NB, H * D), supers, offset=offset, chunk=SUPER_BLOCK, use_pdl=use_pdl
+        ),
+        _chunk_sum(
+            supers, local_sum, offset=0, chunk=n_super, use_pdl=use_pdl, tag_out=payload, tag=tag
+        ),
     )
+
+
+def block_sum_reduce(
+    block_sums: torch.Tensor, payload: torch.Tensor, *, first_block: int, tag: float, use_pdl: bool
+) -> None:
+    """Write the local sum fp32 [B, H, D] into ``payload[1 : 1 + B*H*D]`` and ``tag`` into the
+    payload's first and last element. ``block_sums`` fp32 [B, NB, H, D]: block j is global
+    64-row block ``first_block + j``; they are added in the fixed superblock association."""
+    for step in prepare_block_sum_reduce(
+        block_sums, payload, first_block=first_block, tag=tag, use_pdl=use_pdl
+    ):
+        step()

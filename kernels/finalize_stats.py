@@ -25,9 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, next_pow2, sm_count, tile
+from ._runtime import (
+    Launch,
+    cdiv,
+    gdc_launch_dependents,
+    gdc_wait,
+    next_pow2,
+    sm_count,
+    tile,
+)
 
-__all__ = ["finalize_stats", "MODE_MEAN", "MODE_FUSED", "MODE_MERGE"]
+__all__ = ["finalize_stats", "prepare_finalize", "MODE_MEAN", "MODE_FUSED", "MODE_MERGE"]
 
 MODE_MEAN, MODE_FUSED, MODE_MERGE = 0, 1, 2
 _SOURCES: dict[tuple, torch.Tensor] = {}
@@ -185,6 +193,87 @@ def _sources(first: list[int], last: list[int], P: int, device: torch.device) ->
     return found
 
 
+def prepare_finalize(
+    gathered: torch.Tensor,
+    minmax: torch.Tensor | None = None,
+    *,
+    mode: int,
+    dtype: torch.dtype,
+    B: int,
+    H: int,
+    D: int,
+    n_slots: int,
+    n_touched: int,
+    divisor: int,
+    tag: float,
+    first_sources: list[int],
+    last_sources: list[int],
+    floor: float,
+    use_pdl: bool,
+    mean: torch.Tensor | None = None,
+) -> Launch:
+    """The finalize launch bound to ``gathered`` (and ``minmax``). Its call arguments
+    (``Launch`` slots): MODE_FUSED ``(mean, part, final)``; MODE_MEAN ``(mean,)``;
+    MODE_MERGE ``(amax_partial, part, final)``, the mean then going to ``mean`` (a scratch
+    [B, H, D] of ``dtype``). Arguments as :func:`finalize_stats`."""
+    P, N = gathered.shape
+    assert gathered.dtype == torch.float32 and gathered.stride(1) == 1
+    device = gathered.device
+    n_amax = n_slots if mode != MODE_MEAN else 0
+    if mode == MODE_FUSED:
+        assert minmax is not None and minmax.shape == (B, n_slots, 2, H, D)
+    cuda = device.type == "cuda"
+    block_h, num_warps = tile(D, H, B, device, elems=2048)
+    n_hblocks = cdiv(H, block_h)
+    n_prog_slots = max(n_amax, 1)
+    # CUDA: enough programs to spread over the SMs; CPU: as few as possible.
+    want = max(1, (2 * sm_count(device)) // (B * n_hblocks)) if cuda else 1
+    per_program = cdiv(n_prog_slots, min(want, n_prog_slots))
+    n_chunks = cdiv(n_prog_slots, per_program)
+    fixed = {}
+    if mode == MODE_FUSED:
+        slots = ("mean_ptr", "part_ptr", "final_ptr")
+        fixed.update(mm_ptr=minmax, part_in_ptr=gathered)
+    elif mode == MODE_MEAN:
+        slots = ("mean_ptr",)
+        fixed.update(mm_ptr=gathered, part_in_ptr=gathered, part_ptr=gathered, final_ptr=gathered)
+    else:
+        assert mode == MODE_MERGE and mean is not None and mean.shape == (B, H, D)
+        slots = ("part_in_ptr", "part_ptr", "final_ptr")
+        fixed.update(mm_ptr=gathered, mean_ptr=mean)
+    return Launch(
+        _finalize_kernel,
+        (B * n_chunks * n_hblocks,),
+        device,
+        num_warps=num_warps,
+        use_pdl=use_pdl,
+        slots=slots,
+        gathered_ptr=gathered,
+        src_ptr=_sources(first_sources, last_sources, P, device),
+        N=N,
+        stride_p=gathered.stride(0),
+        tag=float(tag),
+        H=H,
+        P=P,
+        bhd=B * H * D,
+        n_slots=n_prog_slots,
+        n_touched=n_touched,
+        n_hblocks=n_hblocks,
+        n_chunks=n_chunks,
+        slots_per_program=per_program,
+        n_src_first=len(first_sources),
+        n_src_last=len(last_sources),
+        divisor=divisor,
+        FLOOR=floor,
+        D=D,
+        BLOCK_H=block_h,
+        BLOCK_P=next_pow2(P),
+        MODE=mode,
+        USE_PDL=use_pdl,
+        **fixed,
+    )
+
+
 def finalize_stats(
     gathered: torch.Tensor,
     minmax: torch.Tensor | None = None,
@@ -214,57 +303,35 @@ def finalize_stats(
     (``q * 2 + end``: rank q's first (0) or last (1) record) merged into this rank's first and
     last touched slot (``ulysses.grid.boundary_sources``).
     """
-    P, N = gathered.shape
-    assert gathered.dtype == torch.float32 and gathered.stride(1) == 1
     device = gathered.device
     mean = torch.empty((B, H, D), dtype=dtype, device=device)
     n_amax = n_slots if mode != MODE_MEAN else 0
     part = torch.empty((B, H, n_amax), dtype=torch.float32, device=device)
     final = torch.empty((B, H, n_amax), dtype=torch.float32, device=device)
-    if mode == MODE_FUSED:
-        assert minmax is not None and minmax.shape == (B, n_slots, 2, H, D)
     if mode == MODE_MERGE:
         assert amax_partial is not None and amax_partial.shape == (B, H, n_slots)
-    cuda = device.type == "cuda"
-    block_h, num_warps = tile(D, H, B, device, elems=2048)
-    n_hblocks = cdiv(H, block_h)
-    n_prog_slots = max(n_amax, 1)
-    # CUDA: enough programs to spread over the SMs; CPU: as few as possible.
-    want = max(1, (2 * sm_count(device)) // (B * n_hblocks)) if cuda else 1
-    per_program = cdiv(n_prog_slots, min(want, n_prog_slots))
-    n_chunks = cdiv(n_prog_slots, per_program)
-    launch(
-        _finalize_kernel,
-        (B * n_chunks * n_hblocks,),
-        device,
-        num_warps=num_warps,
-        use_pdl=use_pdl,
-        gathered_ptr=gathered,
-        mm_ptr=minmax if mode == MODE_FUSED else gathered,
-        part_in_ptr=amax_partial if mode == MODE_MERGE else gathered,
-        mean_ptr=mean,
-        part_ptr=part if n_amax else gathered,
-        final_ptr=final if n_amax else gathered,
-        src_ptr=_sources(first_sources, last_sources, P, device),
-        N=N,
-        stride_p=gathered.stride(0),
-        tag=float(tag),
+    step = prepare_finalize(
+        gathered,
+        minmax,
+        mode=mode,
+        dtype=dtype,
+        B=B,
         H=H,
-        P=P,
-        bhd=B * H * D,
-        n_slots=n_prog_slots,
-        n_touched=n_touched,
-        n_hblocks=n_hblocks,
-        n_chunks=n_chunks,
-        slots_per_program=per_program,
-        n_src_first=len(first_sources),
-        n_src_last=len(last_sources),
-        divisor=divisor,
-        FLOOR=floor,
         D=D,
-        BLOCK_H=block_h,
-        BLOCK_P=next_pow2(P),
-        MODE=mode,
-        USE_PDL=use_pdl,
+        n_slots=n_slots,
+        n_touched=n_touched,
+        divisor=divisor,
+        tag=tag,
+        first_sources=first_sources,
+        last_sources=last_sources,
+        floor=floor,
+        use_pdl=use_pdl,
+        mean=mean,
     )
+    if mode == MODE_FUSED:
+        step(mean, part, final)
+    elif mode == MODE_MEAN:
+        step(mean)
+    else:
+        step(amax_partial, part, final)
     return mean, part, final

@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
+from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, tile
 
-__all__ = ["grouped_amax"]
+__all__ = ["grouped_amax", "prepare_grouped_amax"]
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
@@ -109,6 +109,61 @@ def _grouped_amax_kernel(
     tl.store(p_out, b_out, mask=m_h)
 
 
+def prepare_grouped_amax(
+    shape: tuple[int, int, int, int],
+    strides: tuple[int, int, int, int],
+    device: torch.device,
+    *,
+    group_size: int,
+    row0: int,
+    n_slots: int,
+    g_first: int,
+    n_touched: int,
+    tail_group: int,
+    tail_end: int,
+    floor: float,
+    use_pdl: bool,
+    rows: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+) -> Launch:
+    """The kernel's launch for a k of this shape and strides: call it with ``(k, k_mean,
+    out)``, ``out`` fp32 [B, H, n_slots]. Arguments as :func:`grouped_amax`."""
+    B, L, H, D = shape
+    stride_kb, stride_kl, stride_kh, stride_kd = strides
+    assert stride_kd == 1
+    auto_h, auto_warps = tile(D, H, B * n_slots, device, elems=128, warps_per_sm=22)
+    block_h = block_h or auto_h
+    n_hblocks = cdiv(H, block_h)
+    return Launch(
+        _grouped_amax_kernel,
+        (B * n_slots * n_hblocks,),
+        device,
+        num_warps=num_warps or auto_warps,
+        use_pdl=use_pdl,
+        slots=("k_ptr", "mean_ptr", "out_ptr"),
+        stride_kb=stride_kb,
+        stride_kl=stride_kl,
+        stride_kh=stride_kh,
+        L=L,
+        H=H,
+        row0=row0,
+        n_slots=n_slots,
+        g_first=g_first,
+        n_touched=n_touched,
+        tail_group=tail_group,
+        tail_end=tail_end,
+        n_hblocks=n_hblocks,
+        FLOOR=floor,
+        G=group_size,
+        D=D,
+        BLOCK_H=block_h,
+        # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
+        ROWS=rows or (8 if device.type == "cuda" else 4),
+        USE_PDL=use_pdl,
+    )
+
+
 def grouped_amax(
     k: torch.Tensor,
     k_mean: torch.Tensor,
@@ -129,46 +184,29 @@ def grouped_amax(
     """This rank's per-slot partial amax, fp32 [B, H, n_slots] (a new tensor).
 
     ``k`` [B, L, H, D] (last stride 1), ``k_mean`` [B, H, D] contiguous, both validated by the
-    caller, which also computed ``group_size`` G and the grid values (``ulysses.grid.layout``): the shard's first
-    global row, the slot count, the first touched group and how many are touched, the tail
-    group (-1 for none) and the end of the live rows. ``rows``/``block_h``/``num_warps``
-    override the tile (any choice gives the same bits).
+    caller, which also computed ``group_size`` G and the grid values (``ulysses.grid.layout``):
+    the shard's first global row, the slot count, the first touched group and how many are
+    touched, the tail group (-1 for none) and the end of the live rows. ``rows``/``block_h``/
+    ``num_warps`` override the tile (any choice gives the same bits).
     """
-    B, L, H, D = k.shape
-    stride_kb, stride_kl, stride_kh, stride_kd = k.stride()
-    assert stride_kd == 1 and k_mean.is_contiguous()
-    device = k.device
-    out = torch.empty((B, H, n_slots), dtype=torch.float32, device=device)
-    auto_h, auto_warps = tile(D, H, B * n_slots, device, elems=128, warps_per_sm=22)
-    block_h = block_h or auto_h
-    n_hblocks = cdiv(H, block_h)
-    launch(
-        _grouped_amax_kernel,
-        (B * n_slots * n_hblocks,),
-        device,
-        num_warps=num_warps or auto_warps,
-        use_pdl=use_pdl,
-        k_ptr=k,
-        stride_kb=stride_kb,
-        stride_kl=stride_kl,
-        stride_kh=stride_kh,
-        mean_ptr=k_mean,
-        out_ptr=out,
-        L=L,
-        H=H,
+    assert k_mean.is_contiguous()
+    B, _, H, _ = k.shape
+    out = torch.empty((B, H, n_slots), dtype=torch.float32, device=k.device)
+    prepare_grouped_amax(
+        k.shape,
+        k.stride(),
+        k.device,
+        group_size=group_size,
         row0=row0,
         n_slots=n_slots,
         g_first=g_first,
         n_touched=n_touched,
         tail_group=tail_group,
         tail_end=tail_end,
-        n_hblocks=n_hblocks,
-        FLOOR=floor,
-        G=group_size,
-        D=D,
-        BLOCK_H=block_h,
-        # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
-        ROWS=rows or (8 if device.type == "cuda" else 4),
-        USE_PDL=use_pdl,
-    )
+        floor=floor,
+        use_pdl=use_pdl,
+        rows=rows,
+        block_h=block_h,
+        num_warps=num_warps,
+    )(k, k_mean, out)
     return out

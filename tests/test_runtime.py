@@ -231,3 +231,53 @@ def test_one_compilation_serves_every_rank_and_padding():
                 )
                 assert ref.bitwise_diff(out.cpu(), expected) is None, (world_size, rank, used)
     assert _runtime.first_launch_stats()[0] == before
+
+
+def _rows_summing_to(xs: torch.Tensor, dtype, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows r_0..r_{n-1} of ``dtype`` whose sequential fp32 sum is exactly x (greedy
+    residuals), for the xs where that works: ``(rows [n_rows, m], kept xs [m])``."""
+    rows, rest = [], xs.clone()
+    for _ in range(n_rows):
+        r = rest.to(dtype)
+        rows.append(r)
+        rest = rest - r.float()
+    rows = torch.stack(rows)
+    total = torch.zeros_like(xs)
+    for r in rows:
+        total = total + r.float()
+    ok = total == xs
+    return rows[:, ok], xs[ok]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_mean_uses_one_ieee_division(device, dtype):
+    """reference.global_k_mean divides once, IEEE, on every device: the sums chosen here are
+    ones where a reciprocal multiply (torch's CUDA shortcut for a Python-number divisor) is
+    1 ulp off; the CUDA reference was, against the kernel, on the H200 before."""
+    n = 7
+    # sums whose quotient lies next to a midpoint of the dtype's grid, so that 1 fp32 ulp
+    # of the quotient decides the rounding
+    grid = torch.linspace(1.0, 2.0, 40_001, dtype=torch.float64).float().to(dtype).unique()
+    mid = (grid[:-1].double() + grid[1:].double()) / 2
+    x = torch.cat([(mid * n).float(), torch.nextafter((mid * n).float(), torch.tensor(0.0))])
+    exact = (x.double() / n).float()
+    shortcut = x * torch.tensor(1.0 / n, dtype=torch.float32)
+    x = x[exact.to(dtype) != shortcut.to(dtype)]
+    rows, x = _rows_summing_to(x, dtype, n_rows=4)
+    x, rows = x[:64], rows[:, :64]
+    assert x.numel() == 64
+    k_full = torch.zeros(1, 2 * n, 1, 64, dtype=dtype)
+    k_full[0, :4, 0] = rows
+    got = ref.global_k_mean(k_full.to(device), world_size=2, used_sequence=n)[0, 0].cpu()
+    want = (x.double() / n).float().to(dtype)  # fp32 division exact via fp64 (53 >= 2*24+2)
+    assert torch.equal(got, want)

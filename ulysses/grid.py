@@ -252,6 +252,13 @@ def layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
     )
 
 
+# Caches built from these rules elsewhere (the eager call plans): cleared with the layouts.
+DEPENDENT_CACHES: list[dict] = []
+
+
 def clear_caches() -> None:
-    """Forget cached layouts (after patching a rule here, e.g. a planted fault)."""
+    """Forget cached layouts and every call plan built from them (after patching a rule here,
+    e.g. a planted fault)."""
     layout.cache_clear()
+    for cache in DEPENDENT_CACHES:
+        cache.clear()

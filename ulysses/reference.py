@@ -92,7 +92,9 @@ def global_k_mean(
     )
     for r in range(world_size):
         total += local_sum(shard(k_full, r, world_size), rank=r, used_sequence=used_sequence)
-    return (total / n).to(k_full.dtype)
+    # one IEEE division (torch on CUDA multiplies by a rounded reciprocal when the divisor is
+    # a Python number: 1 ulp off in rare cases, seen on the H200 in 1 of 7168 channels)
+    return ieee_div(total, float(n)).to(k_full.dtype)
 
 
 def global_mean_fp64(k_full: torch.Tensor, used_sequence: int | None = None) -> torch.Tensor:

@@ -23,12 +23,20 @@ import zlib
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from . import _ops, grid
 from . import _validate as v
-from .kernels._runtime import workspace
-from .kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE, payload_numel
-from .kernels.finalize_stats import MODE_FUSED, MODE_MEAN, MODE_MERGE
+from .kernels._runtime import stream_key, workspace
+from .kernels.block_stats import (
+    MINMAX_ALL,
+    MINMAX_BOUNDARY,
+    MINMAX_NONE,
+    LocalStats,
+    payload_numel,
+)
+from .kernels.finalize_stats import MODE_FUSED, MODE_MEAN, MODE_MERGE, prepare_finalize
+from .kernels.grouped_amax import prepare_grouped_amax
 
 __all__ = [
     "SmoothKStats",
@@ -245,10 +253,11 @@ class KStatsPart:
         )
         return payload
 
-    def finish(self, gathered: torch.Tensor) -> SmoothKStats:
+    def finalize_args(self) -> dict:
+        """The finalize kernel's arguments but the tensors and the mode."""
         lay, k = self.layout, self.k
         B, _, H, D = k.shape
-        common = dict(
+        return dict(
             dtype=k.dtype,
             B=B,
             H=H,
@@ -262,6 +271,10 @@ class KStatsPart:
             floor=grid.FLOOR,
             use_pdl=self.use_pdl,
         )
+
+    def finish(self, gathered: torch.Tensor) -> SmoothKStats:
+        lay, k = self.layout, self.k
+        common = self.finalize_args()
         if self.method == "fused":
             mean, partial, final = _ops.finalize_op(
                 gathered=gathered, minmax=self.minmax, mode=MODE_FUSED, **common
@@ -283,6 +296,140 @@ class KStatsPart:
             used_sequence=lay.used,
             group_size=lay.G,
         )
+
+
+def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
+    """A function ``gather(pg)`` that all_gathers ``inp`` into ``out`` on ``pg`` (the same
+    group each call), calling the backend directly: ``torch.distributed``'s Python wrapper
+    (argument checks, options object, coalescing bookkeeping) cost several microseconds a
+    call. The group is passed at each call, never kept (a kept reference delays the
+    group's teardown to interpreter exit, where gloo aborts)."""
+    if not hasattr(dist.ProcessGroup, "_allgather_base"):  # pragma: no cover - other torch
+
+        def gather_wrapped(pg):
+            _all_gather_single(out, inp, group=pg)
+
+        return gather_wrapped
+    opts = AllgatherOptions()
+    if hasattr(opts, "asyncOp"):  # a blocking call: the backend may use the current stream
+        opts.asyncOp = False
+
+    def gather(pg):
+        work = pg._allgather_base(out, inp, opts)
+        if work is not None:
+            work.wait()
+
+    return gather
+
+
+class _StatsPlan:
+    """One eager call signature of ``smooth_k_stats`` / ``global_k_mean``, prepared: its
+    launches bound to scratch buffers of this device and stream (payload, min/max, gathered),
+    so a call is the block-stats and chunk-sum launches, one all_gather, the finalize
+    launch(es) and the outputs' allocation, with no validation, layout or argument dicts."""
+
+    def __init__(self, part: KStatsPart, world_size: int):
+        k, lay, device = part.k, part.layout, part.k.device
+        B, _, H, D = k.shape
+        numel, n_mm = part.numel, (lay.n_slots if part.minmax_mode == MINMAX_ALL else 0)
+        self.method, self.lay, self.device, self.dtype = part.method, lay, device, k.dtype
+        self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay.n_slots)
+        payload = workspace("payload", numel, torch.float32, device)[:numel]
+        minmax = workspace("minmax", max(1, B * n_mm * 2 * H * D), k.dtype, device)
+        minmax = minmax[: B * n_mm * 2 * H * D].view(B, n_mm, 2, H, D)
+        self.local = LocalStats(
+            k.shape,
+            k.stride(),
+            device,
+            payload,
+            minmax,
+            minmax_mode=part.minmax_mode,
+            tag=part.tag,
+            use_pdl=part.use_pdl,
+            **lay.stats_args(),
+        )
+        gathered = workspace("gathered", world_size * numel, torch.float32, device)
+        gathered = gathered[: world_size * numel]
+        self.gather = all_gather_launcher(gathered, payload)
+        gathered = gathered.view(world_size, numel)
+        common = part.finalize_args()
+        if self.method == "fused":
+            self.finalize = prepare_finalize(gathered, minmax, mode=MODE_FUSED, **common)
+        else:
+            self.finalize = prepare_finalize(gathered, mode=MODE_MEAN, **common)
+        if self.method == "two_pass":
+            self.direct = workspace("amax_direct", B * H * lay.n_slots, torch.float32, device)
+            self.direct = self.direct[: B * H * lay.n_slots].view(B, H, lay.n_slots)
+            self.amax = prepare_grouped_amax(
+                k.shape, k.stride(), device, use_pdl=part.use_pdl, **lay.amax_args()
+            )
+            scratch_mean = workspace("merge_mean", B * H * D, k.dtype, device)
+            self.merge = prepare_finalize(
+                gathered,
+                mode=MODE_MERGE,
+                mean=scratch_mean[: B * H * D].view(B, H, D),
+                **common,
+            )
+
+    def __call__(self, k: torch.Tensor, pg):
+        self.local(k)
+        self.gather(pg)
+        device = self.device
+        mean = torch.empty(self.mean_shape, dtype=self.dtype, device=device)
+        if self.method is None:
+            self.finalize(mean)
+            return mean
+        part = torch.empty(self.amax_shape, dtype=torch.float32, device=device)
+        final = torch.empty(self.amax_shape, dtype=torch.float32, device=device)
+        if self.method == "fused":
+            self.finalize(mean, part, final)
+        else:
+            self.finalize(mean)
+            self.amax(k, mean, self.direct)
+            self.merge(self.direct, part, final)
+        lay = self.lay
+        return SmoothKStats(mean, part, final, lay.rank, lay.P, lay.used, lay.G)
+
+
+_PLANS: dict[tuple, _StatsPlan] = {}
+_MAX_PLANS = 256
+grid.DEPENDENT_CACHES.append(_PLANS)
+
+
+def _plan_key(k, group, used_sequence, enable_pdl, group_size, method, check_consistency):
+    """The eager fast path's key of a call, or None when the call must take the full path
+    (compiling, a tensor subclass, torch.distributed not initialized, the consistency check
+    forced on every call)."""
+    if type(k) is not torch.Tensor or check_consistency is not False or _ops.is_compiling():
+        return None
+    pg = dist.group.WORLD if group is None else group
+    if pg is None or type(pg) is not dist.ProcessGroup:
+        return None
+    return (k.shape, k.stride(), k.dtype, *_pg_key(pg), used_sequence, enable_pdl, group_size,
+            method, type(used_sequence), type(enable_pdl), type(group_size),
+            *stream_key(k.device)), pg  # fmt: skip
+
+
+def _run_planned(fn, k, group, used_sequence, enable_pdl, group_size, method, check_consistency):
+    found = _plan_key(k, group, used_sequence, enable_pdl, group_size, method, check_consistency)
+    if found is not None:
+        key, pg = found
+        try:
+            plan = _PLANS.get(key)
+        except TypeError:  # an unhashable argument: the full path names it
+            plan = None
+        if plan is not None and not k.data_ptr() & 15:
+            return plan(k, pg)
+    part, pg, world_size = _validated_part(
+        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
+    )
+    if found is None:  # compiling (traced ops and a functional collective), or forced checks
+        return part.finish(all_gather_payload(part.write(), pg, world_size))
+    plan = _StatsPlan(part, world_size)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan(k, pg)
 
 
 def _validated_part(
@@ -361,10 +508,7 @@ def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = No
             (2, 4, 6, 8), ``used_sequence`` outside [1, S], torch.distributed not initialized,
             CPU tensors on an NCCL group, ranks that disagree on the arguments.
     """
-    part, pg, world_size = _validated_part(
-        k, group, used_sequence, None, 64, None, False, "global_k_mean"
-    )
-    return part.finish(all_gather_payload(part.write(), pg, world_size))
+    return _run_planned("global_k_mean", k, group, used_sequence, None, 64, None, False)
 
 
 def smooth_k_stats(
@@ -400,7 +544,6 @@ def smooth_k_stats(
     Raises: as :func:`global_k_mean` and :func:`ulysses.k_grouped_amax`; ValueError for an
     unknown ``method``.
     """
-    part, pg, world_size = _validated_part(
-        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, "smooth_k_stats"
+    return _run_planned(
+        "smooth_k_stats", k, group, used_sequence, enable_pdl, group_size, method, check_consistency
     )
-    return part.finish(all_gather_payload(part.write(), pg, world_size))
