@@ -100,9 +100,24 @@ def call_exchange(case: cases_lowp.Case, inputs: Inputs) -> ulysses.LowpQKV:
     )
 
 
-def compare_all(run: CaseRun, case: cases_lowp.Case, inputs: Inputs, expected, got) -> None:
+def call_exchange_on_copies(case: cases_lowp.Case, inputs: Inputs) -> ulysses.LowpQKV:
+    """The same call again on copies of the shards at other addresses (same shapes and
+    strides): it runs the signature's cached eager plan, which must read the new tensors and
+    leave the first call's outputs alone."""
+    q, k, v = (
+        torch.empty_strided(s.size(), s.stride(), dtype=s.dtype, device=s.device).copy_(s)
+        for s in inputs.shards
+    )
+    return ulysses.exchange_qkv(
+        q, k, v, used_sequence=inputs.used, q_group=case.Gq, k_group=case.Gk
+    )
+
+
+def compare_all(run: CaseRun, case: cases_lowp.Case, inputs: Inputs, expected, got, again) -> None:
     for name, diff in compare_fields(got, expected).items():
         run.check(f"{name} == lowp_exchange_reference", diff)
+    for name, diff in compare_fields(again, expected).items():
+        run.check(f"second call (planned, copies): {name} == lowp_exchange_reference", diff)
     fields = (got.used_sequence, got.q_group, got.k_group)
     wanted = (inputs.used, case.Gq, case.Gk)
     run.check("fields", None if fields == wanted else f"got {fields}, expected {wanted}")
@@ -191,5 +206,6 @@ def run_case(ctx: Context, case, seed: int) -> CaseRun:
     run.collective("gather shards", lambda: check_gathered(run, inputs))
     expected = run.local("reference", lambda: expected_values(ctx, case, inputs))
     got = run.collective("exchange_qkv", lambda: call_exchange(case, inputs))
-    run.local("compare", lambda: compare_all(run, case, inputs, expected, got))
+    again = run.collective("exchange_qkv again", lambda: call_exchange_on_copies(case, inputs))
+    run.local("compare", lambda: compare_all(run, case, inputs, expected, got, again))
     return run

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import cdiv, gdc_launch_dependents, gdc_wait, launch, tile
+from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, tile
 
-__all__ = ["pack_qkv"]
+__all__ = ["pack_qkv", "prepare_pack"]
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
@@ -210,6 +210,83 @@ def _pack_kernel(
         gdc_launch_dependents()
 
 
+def prepare_pack(
+    shape: tuple[int, int, int, int],
+    strides: tuple[tuple[int, int, int, int], ...],
+    device: torch.device,
+    send: torch.Tensor,
+    *,
+    world_size: int,
+    row0: int,
+    q_group: int,
+    k_group: int,
+    n_sq: int,
+    n_sk: int,
+    row_bytes: int,
+    scale_bytes: int,
+    use_pdl: bool,
+    block_l: int | None = None,
+) -> Launch:
+    """The pack launch for q, k, v of this shape and ``strides`` (q's, k's, v's), writing
+    ``send``: call it with ``(q, k, v, amax_q, amax_k, k_mean, amax_v)``. Arguments as
+    :func:`pack_qkv`."""
+    B, L, H, D = shape
+    P = world_size
+    h = H // P
+    cb = 3 * B * h * D
+    assert H % P == 0 and all(s[3] == 1 for s in strides)
+    assert row_bytes == cb + scale_bytes and scale_bytes % 16 == 0
+    assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
+    assert send.dtype == torch.uint8 and send.numel() == P * L * row_bytes
+    cuda = device.type == "cuda"
+    block_l = block_l or (16 if cuda else min(64, L))  # the interpreter pays per row
+    n_rblocks = cdiv(L, block_l)
+    block_h, num_warps = tile(D, H, B * n_rblocks, device, elems=512, warps_per_sm=22)
+    n_code = B * n_rblocks * cdiv(H, block_h)
+    n_scales = P * B * h * (n_sq + n_sk)
+    block_n = 256 if cuda else 4096
+    (sqb, sql, sqh, _), (skb, skl, skh, _), (svb, svl, svh, _) = strides
+    return Launch(
+        _pack_kernel,
+        (n_code + cdiv(n_scales, block_n),),
+        device,
+        num_warps=num_warps,
+        use_pdl=use_pdl,
+        slots=("q_ptr", "k_ptr", "v_ptr", "amax_q_ptr", "amax_k_ptr", "mean_ptr", "amax_v_ptr"),
+        stride_qb=sqb,
+        stride_ql=sql,
+        stride_qh=sqh,
+        stride_kb=skb,
+        stride_kl=skl,
+        stride_kh=skh,
+        stride_vb=svb,
+        stride_vl=svl,
+        stride_vh=svh,
+        send_ptr=send,
+        send_f32_ptr=send.view(torch.float32),
+        L=L,
+        H=H,
+        h=h,
+        row0=row0,
+        n_slots_q=n_sq,
+        n_slots_k=n_sk,
+        n_rblocks=n_rblocks,
+        n_code=n_code,
+        n_scales=n_scales,
+        B=B,
+        D=D,
+        GQ=q_group,
+        GK=k_group,
+        ROW=row_bytes,
+        CB=cb,
+        E4=scale_bytes // 4,
+        BLOCK_H=block_h,
+        BLOCK_L=block_l,
+        BLOCK_N=block_n,
+        USE_PDL=use_pdl,
+    )
+
+
 def pack_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -236,66 +313,26 @@ def pack_qkv(
     ``3*B*h*D + scale_bytes``, ``scale_bytes`` a multiple of 16 holding the scale block.
     """
     B, L, H, D = q.shape
-    P = world_size
-    h = H // P
     n_sq, n_sk = amax_q.shape[-1], amax_k.shape[-1]
-    cb = 3 * B * h * D
-    assert H % P == 0 and k.shape == q.shape and v.shape == q.shape
+    assert k.shape == q.shape and v.shape == q.shape
     assert amax_q.shape == (B, H, n_sq) and amax_k.shape == (B, H, n_sk)
     assert amax_q.is_contiguous() and amax_k.is_contiguous() and amax_v.is_contiguous()
     assert k_mean.is_contiguous() and k_mean.shape == (B, H, D) and amax_v.shape == (B, H, D)
-    assert row_bytes == cb + scale_bytes and scale_bytes % 16 == 0
-    assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
-    send = torch.empty(P * L * row_bytes, dtype=torch.uint8, device=q.device)
-    block_l = block_l or (16 if q.is_cuda else min(64, L))  # the interpreter pays per row
-    n_rblocks = cdiv(L, block_l)
-    block_h, num_warps = tile(D, H, B * n_rblocks, q.device, elems=512, warps_per_sm=22)
-    n_code = B * n_rblocks * cdiv(H, block_h)
-    n_scales = P * B * h * (n_sq + n_sk)
-    block_n = 256 if q.is_cuda else 4096
-    launch(
-        _pack_kernel,
-        (n_code + cdiv(n_scales, block_n),),
+    send = torch.empty(world_size * L * row_bytes, dtype=torch.uint8, device=q.device)
+    prepare_pack(
+        q.shape,
+        (q.stride(), k.stride(), v.stride()),
         q.device,
-        num_warps=num_warps,
-        use_pdl=use_pdl,
-        q_ptr=q,
-        stride_qb=q.stride(0),
-        stride_ql=q.stride(1),
-        stride_qh=q.stride(2),
-        k_ptr=k,
-        stride_kb=k.stride(0),
-        stride_kl=k.stride(1),
-        stride_kh=k.stride(2),
-        v_ptr=v,
-        stride_vb=v.stride(0),
-        stride_vl=v.stride(1),
-        stride_vh=v.stride(2),
-        amax_q_ptr=amax_q,
-        amax_k_ptr=amax_k,
-        mean_ptr=k_mean,
-        amax_v_ptr=amax_v,
-        send_ptr=send,
-        send_f32_ptr=send.view(torch.float32),
-        L=L,
-        H=H,
-        h=h,
+        send,
+        world_size=world_size,
         row0=row0,
-        n_slots_q=n_sq,
-        n_slots_k=n_sk,
-        n_rblocks=n_rblocks,
-        n_code=n_code,
-        n_scales=n_scales,
-        B=B,
-        D=D,
-        GQ=q_group,
-        GK=k_group,
-        ROW=row_bytes,
-        CB=cb,
-        E4=scale_bytes // 4,
-        BLOCK_H=block_h,
-        BLOCK_L=block_l,
-        BLOCK_N=block_n,
-        USE_PDL=use_pdl,
-    )
+        q_group=q_group,
+        k_group=k_group,
+        n_sq=n_sq,
+        n_sk=n_sk,
+        row_bytes=row_bytes,
+        scale_bytes=scale_bytes,
+        use_pdl=use_pdl,
+        block_l=block_l,
+    )(q, k, v, amax_q, amax_k, k_mean, amax_v)
     return send

@@ -21,12 +21,16 @@ def _flush_buffer():
     return torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
 
 
-def cold_us(fn, name_filter, iters: int = 25) -> float:
+def cold_us(fn, name_filter, iters: int = 25, exclude: tuple[str, ...] = ()) -> float:
     """Median over ``iters`` calls of the summed duration of the CUDA kernels whose name
-    contains one of ``name_filter`` (a str or tuple), L2 flushed before every call."""
+    contains one of ``name_filter`` (a str or tuple; None: every kernel) and none of
+    ``exclude`` (case-insensitive), L2 flushed before every call."""
     from torch.profiler import ProfilerActivity, profile
 
+    if name_filter is None:
+        name_filter = ("",)
     filters = (name_filter,) if isinstance(name_filter, str) else tuple(name_filter)
+    excluded = tuple(x.lower() for x in exclude)
     flush = _flush_buffer()
     for _ in range(3):
         fn()
@@ -47,7 +51,11 @@ def cold_us(fn, name_filter, iters: int = 25) -> float:
                 per_call.append(current)
             current = 0.0
             continue
-        if current is not None and any(f in e.name for f in filters):
+        if (
+            current is not None
+            and any(f in e.name for f in filters)
+            and not any(x in e.name.lower() for x in excluded)
+        ):
             current += e.time_range.elapsed_us()
     if current is not None:
         per_call.append(current)

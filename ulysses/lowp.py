@@ -32,10 +32,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.distributed_c10d import AllToAllOptions
 
 from . import _ops, _validate, grid, stats
-from .kernels.lowp_pack import pack_qkv
-from .kernels.lowp_qv_stats import qv_payload_numel, qv_stats
+from .kernels._runtime import stream_key, workspace
+from .kernels.block_stats import LocalStats
+from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
+from .kernels.lowp_pack import pack_qkv, prepare_pack
+from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, qv_stats
 
 __all__ = ["LowpQKV", "exchange_qkv", "payload_bytes", "bf16_payload_bytes", "GROUP_SIZES"]
 
@@ -290,7 +294,22 @@ def exchange_qkv(
             torch.distributed not initialized or a world size not in (2, 4, 6, 8); ranks that
             disagree.
     """
+    key = _plan_key(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    if key is not None:
+        key, pg = key
+        try:
+            plan = _PLANS.get(key)
+        except TypeError:  # an unhashable argument: _prepare names it
+            plan = None
+        if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            return plan(q, k, v, pg)
     call = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    if key is not None:
+        plan = _ExchangePlan(call)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+        return plan(q, k, v, call.pg)
     payload, amax_q_partial = _local_stats(call)
     gathered = stats.all_gather_payload(payload, call.pg, call.P)  # [P, n_k + n_qv]
     k_stats, amax_q, amax_v = _finish_stats(call, gathered, amax_q_partial)
@@ -434,3 +453,162 @@ def _unpack(c: _Call, recv: torch.Tensor, k_stats, amax_v: torch.Tensor) -> Lowp
         q_group=c.q_group,
         k_group=c.k_group,
     )
+
+
+# ---- the eager fast path ----------------------------------------------------------------------
+
+
+def _all_to_all_launcher(send: torch.Tensor):
+    """``a2a(pg) -> recv``: ``all_to_all_single`` of ``send`` into a new tensor, calling the
+    backend directly (see ``stats.all_gather_launcher``)."""
+    if not hasattr(dist.ProcessGroup, "alltoall_base"):  # pragma: no cover - other torch
+
+        def a2a_wrapped(pg):
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=pg)
+            return recv
+
+        return a2a_wrapped
+    opts = AllToAllOptions()
+    if hasattr(opts, "asyncOp"):  # a blocking call: the backend may use the current stream
+        opts.asyncOp = False
+
+    def a2a(pg):
+        recv = torch.empty_like(send)
+        work = pg.alltoall_base(recv, send, [], [], opts)
+        if work is not None:
+            work.wait()
+        return recv
+
+    return a2a
+
+
+class _ExchangePlan:
+    """One eager call signature of :func:`exchange_qkv`, prepared (as ``stats._StatsPlan``):
+    the statistics, finalize and pack launches bound to scratch buffers of this device and
+    stream (payload, gathered, K's min/max, Q's partial amax, the send buffer); the receive
+    buffer is new each call (the returned q, k, v are views of it)."""
+
+    def __init__(self, c: _Call):
+        q, k, v = c.q, c.k, c.v
+        B, L, H, D = k.shape
+        dev, P, part, w = k.device, c.P, c.part, c.wire
+        lay_k, lay_q = part.layout, c.lay_q
+        n_k, n = part.numel, part.numel + qv_payload_numel(B, H, D)
+        payload = workspace("lowp_payload", n, torch.float32, dev)[:n]
+        gathered = workspace("lowp_gathered", P * n, torch.float32, dev)[: P * n]
+        self.gather = stats.all_gather_launcher(gathered, payload)
+        gathered = gathered.view(P, n)
+        n_mm = B * lay_k.n_slots * 2 * H * D
+        minmax = workspace("lowp_minmax", n_mm, k.dtype, dev)[:n_mm]
+        minmax = minmax.view(B, lay_k.n_slots, 2, H, D)
+        self.k_local = LocalStats(
+            k.shape,
+            k.stride(),
+            dev,
+            payload[:n_k],
+            minmax,
+            minmax_mode=part.minmax_mode,
+            tag=part.tag,
+            use_pdl=c.use_pdl,
+            **lay_k.stats_args(),
+        )
+        self.k_finalize = prepare_finalize(
+            gathered[:, :n_k], minmax, mode=MODE_FUSED, **part.finalize_args()
+        )
+        n_q = B * H * lay_q.n_slots
+        self.amax_q = workspace("lowp_amax_q", n_q, torch.float32, dev)[:n_q]
+        self.amax_q = self.amax_q.view(B, H, lay_q.n_slots)
+        self.qv = prepare_qv_stats(
+            q.shape,
+            q.stride(),
+            v.stride(),
+            dev,
+            payload[n_k:],
+            self.amax_q,
+            group_size=c.q_group,
+            row0=lay_q.row0,
+            n_slots=lay_q.n_slots,
+            n_touched=lay_q.n_touched,
+            tail_group=lay_q.tail_group,
+            live_end=lay_q.live_end,
+            floor=grid.FLOOR,
+            use_pdl=c.use_pdl,
+        )
+        self.bounds = gathered[:, n_k : n_k + 2 * B * H].reshape(P, B, H, 2)
+        self.v_bits = gathered[:, n_k + 2 * B * H :].reshape(P, B, H, D).view(torch.int32)
+        send = workspace("lowp_send", w.nbytes, torch.uint8, dev)[: w.nbytes]
+        self.pack = prepare_pack(
+            k.shape,
+            (q.stride(), k.stride(), v.stride()),
+            dev,
+            send,
+            world_size=P,
+            row0=c.rank * L,
+            q_group=c.q_group,
+            k_group=c.k_group,
+            n_sq=lay_q.n_slots,
+            n_sk=lay_k.n_slots,
+            row_bytes=w.row_bytes,
+            scale_bytes=w.scale_bytes,
+            use_pdl=c.use_pdl,
+        )
+        self.a2a = _all_to_all_launcher(send)
+        h = w.h
+        self.size, self.stride = (B, P * L, h, D), (3 * h * D, w.row_bytes, D, 1)
+        self.offsets = (0, h * D, 2 * h * D)
+        self.heads = slice(c.rank * h, (c.rank + 1) * h)
+        self.idx_q, self.idx_k = _scale_index(w, B, c.q_group, c.k_group, dev)
+        self.lay_q = lay_q
+        self.fields = (c.used_sequence, c.q_group, c.k_group)
+        self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay_k.n_slots)
+        self.dtype, self.device = k.dtype, dev
+
+    def __call__(self, q, k, v, pg) -> LowpQKV:
+        self.k_local(k)
+        self.qv(q, v)
+        self.gather(pg)
+        dev = self.device
+        mean = torch.empty(self.mean_shape, dtype=self.dtype, device=dev)
+        part = torch.empty(self.amax_shape, dtype=torch.float32, device=dev)
+        final = torch.empty(self.amax_shape, dtype=torch.float32, device=dev)
+        self.k_finalize(mean, part, final)
+        amax_q = _merge_q_boundaries(self.amax_q, self.bounds, self.lay_q)
+        amax_v = self.v_bits.amax(dim=0).view(torch.float32)  # int max: NaN above +Inf
+        self.pack(q, k, v, amax_q, final, mean, amax_v)
+        recv = self.a2a(pg)
+        codes = recv.view(torch.int8)
+        recv_f32 = recv.view(torch.float32)
+        size, stride, (oq, ok, ov) = self.size, self.stride, self.offsets
+        used, q_group, k_group = self.fields
+        return LowpQKV(
+            codes.as_strided(size, stride, oq),
+            codes.as_strided(size, stride, ok),
+            recv.view(FP8).as_strided(size, stride, ov),
+            recv_f32.take(self.idx_q),
+            recv_f32.take(self.idx_k),
+            _ieee_div(amax_v[:, self.heads], FP8_MAX),
+            mean[:, self.heads],
+            used,
+            q_group,
+            k_group,
+        )
+
+
+_PLANS: dict[tuple, _ExchangePlan] = {}
+_MAX_PLANS = 64
+grid.DEPENDENT_CACHES.append(_PLANS)
+
+
+def _plan_key(q, k, v, group, used_sequence, q_group, k_group, enable_pdl):
+    """The eager fast path's key of a call and its process group, or None (compiling, tensor
+    subclasses, torch.distributed not initialized: the full path)."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor) or _ops.is_compiling():
+        return None
+    pg = dist.group.WORLD if group is None else group
+    if pg is None or type(pg) is not dist.ProcessGroup:
+        return None
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, v.device, *stats._pg_key(pg), used_sequence, q_group, k_group,
+            enable_pdl, type(used_sequence), type(q_group), type(k_group), type(enable_pdl),
+            *stream_key(k.device)), pg  # fmt: skip
