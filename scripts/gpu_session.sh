@@ -12,10 +12,15 @@ if [[ " $* " == *" sweep "* ]]; then
 fi
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 scripts/bench_amax.py --csv "$out/bench_amax.csv" > "$out/bench_amax.log" 2>&1
 echo "bench_amax rc=$?" >> "$out/bench_amax.log"
-timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_smooth_k_stats.py --profile-host > "$out/bench_stats.log" 2>&1
-echo "bench_smooth_k_stats rc=$?" >> "$out/bench_stats.log"
-timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_lowp.py --out "$out/bench_lowp.csv" > "$out/bench_lowp.log" 2>&1
-echo "bench_lowp rc=$?" >> "$out/bench_lowp.log"
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$ngpu" -ge 2 ]; then
+  timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_smooth_k_stats.py --profile-host > "$out/bench_stats.log" 2>&1
+  echo "bench_smooth_k_stats rc=$?" >> "$out/bench_stats.log"
+  timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_lowp.py --out "$out/bench_lowp.csv" > "$out/bench_lowp.log" 2>&1
+  echo "bench_lowp rc=$?" >> "$out/bench_lowp.log"
+else
+  echo "skipped: bench_smooth_k_stats and bench_lowp need 2 GPUs (NCCL, one GPU per rank); this machine has $ngpu" | tee "$out/bench_stats.log" "$out/bench_lowp.log"
+fi
 [ -f "$out/sweep.log" ] && grep -v "^#\|Warn\|warn" "$out/sweep.log" | tail -6
 grep -E "^\||host|rc=|ceiling" "$out/bench_amax.log" | tail -16
 grep -E "^\||^#|rc=|Error" "$out/bench_stats.log" | tail -12
