@@ -137,7 +137,7 @@ harness_one() {
     backend=$(backend_for "$P")
     run_check "2$i" "harness_P$P" "$backend" "$limit" \
         "$PY" -m dist_tests.validate --world-sizes "$P" --out-dir "$out/harness_P$P" \
-        --timeout-s $((limit * 4 / 5)) --outer-timeout-s $((limit - 5)) "$@"
+        --timeout-s $((limit - 20)) --outer-timeout-s $((limit - 5)) "$@"
     summary="$out/harness_P$P/ws$P.json"
     if [ -f "$summary" ] && [ -f "$rows/2$i" ]; then
         backend=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['backend'])" "$summary")
