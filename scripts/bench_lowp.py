@@ -196,9 +196,7 @@ def main():
                 print(f"  {key:22s} {r[key]:10.1f} us")
             if "local kernels, device (cold)" in r:
                 dev_ratio = r["local kernels, device (cold)"] / r["cold read q,k,v, device"]
-                print(
-                    f"  device time: local kernels / cold read = {dev_ratio:.2f} (target <= 2.5)"
-                )
+                print(f"  device time: local kernels / cold read = {dev_ratio:.2f} (target <= 2.5)")
             ratio = r["local work"] / r["cold read q,k,v"]
             print(
                 f"  local work / cold read = {ratio:.2f} (target <= 2.5; H200 read floor "
