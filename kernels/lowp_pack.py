@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, tile
+from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, next_pow2, tile
 
 __all__ = ["pack_qkv", "prepare_pack"]
 
@@ -94,6 +94,7 @@ def _pack_kernel(
     GK: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HW_ROUND: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -111,42 +112,54 @@ def _pack_kernel(
 
         o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
         o_d = tl.arange(0, D)  # [D]
+        o_r = tl.arange(0, ROWS)  # [R]
         m_h = o_h < H
         m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
         o_hd = o_h[:, None] * D + o_d[None, :]  # [BH, D] in a contiguous [H, D] plane
         i_j = o_h // h  # destination rank of each head
         # byte offset of (destination, row 0, batch, tensor q, local head, d)
         o_dst = (i_j * L * ROW + (i_b * 3 * h + o_h - i_j * h) * D)[:, None] + o_d[None, :]
-        p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
-        p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
-        p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
+        o_dst = o_dst[None, :, :]  # [1, BH, D]
+        o_hq = o_h[:, None] * stride_qh + o_d[None, :]
+        o_hk = o_h[:, None] * stride_kh + o_d[None, :]
+        o_hv = o_h[:, None] * stride_vh + o_d[None, :]
+        p_q = q_ptr + i_b * stride_qb + o_hq[None, :, :]  # [1, BH, D]
+        p_k = k_ptr + i_b * stride_kb + o_hk[None, :, :]
+        p_v = v_ptr + i_b * stride_vb + o_hv[None, :, :]
 
         b_mean = tl.load(mean_ptr + i_b * H * D + o_hd, mask=m_hd, other=0.0).to(tl.float32)
+        b_mean = b_mean[None, :, :]
         b_av = tl.load(amax_v_ptr + i_b * H * D + o_hd, mask=m_hd, other=1.0)
-        b_iv = tl.math.div_rn(tl.full([BLOCK_H, D], 448.0, tl.float32), b_av)
-        b_vzero = b_av == 0.0
+        b_iv = tl.math.div_rn(tl.full([BLOCK_H, D], 448.0, tl.float32), b_av)[None, :, :]
+        b_vzero = (b_av == 0.0)[None, :, :]
 
-        for i_i in range(0, BLOCK_L):
-            i_row = i_rb * BLOCK_L + i_i
-            m_row = tl.where(i_row < L, m_hd, False)  # not `&`: the 3.9 interpreter widens it
-            m_rh = tl.where(i_row < L, m_h, False)
+        # ROWS rows at a time as [ROWS, BLOCK_H, D] tiles: the loads of q, k and v for a chunk
+        # are issued together, with wide per-thread accesses.
+        for i_c in range(0, BLOCK_L // ROWS):
+            i_row = i_rb * BLOCK_L + i_c * ROWS + o_r  # [R]
+            m_r = i_row < L
+            m_row = m_r[:, None, None] & m_hd[None, :, :]  # [R, BH, D]
+            m_rh = m_r[:, None] & m_h[None, :]  # [R, BH]
             i_sq = (row0 + i_row) // GQ - gq_first
             i_sk = (row0 + i_row) // GK - gk_first
-            p_dst = send_ptr + o_dst + i_row * ROW
+            o_row = i_row[:, None, None]
+            p_dst = send_ptr + o_dst + o_row * ROW
+            b_q = tl.load(p_q + o_row * stride_ql, mask=m_row, other=0.0)
+            b_k = tl.load(p_k + o_row * stride_kl, mask=m_row, other=0.0)
+            b_v = tl.load(p_v + o_row * stride_vl, mask=m_row, other=0.0)
+            o_aq = (i_b * H + o_h[None, :]) * n_slots_q + i_sq[:, None]  # [R, BH]
+            o_ak = (i_b * H + o_h[None, :]) * n_slots_k + i_sk[:, None]
+            b_aq = tl.load(amax_q_ptr + o_aq, mask=m_rh, other=1.0)
+            b_ak = tl.load(amax_k_ptr + o_ak, mask=m_rh, other=1.0)
             for t in tl.static_range(2):  # Q then K: int8 codes
                 if t == 0:
-                    b_a = tl.load(
-                        amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_sq, mask=m_rh, other=1.0
-                    )
-                    b_x = tl.load(p_q + i_row * stride_ql, mask=m_row, other=0.0).to(tl.float32)
+                    b_a = b_aq
+                    b_x = b_q.to(tl.float32)
                 else:
-                    b_a = tl.load(
-                        amax_k_ptr + (i_b * H + o_h) * n_slots_k + i_sk, mask=m_rh, other=1.0
-                    )
-                    b_x = tl.load(p_k + i_row * stride_kl, mask=m_row, other=0.0).to(tl.float32)
-                    b_x = b_x - b_mean
-                b_inv = tl.math.div_rn(tl.full([BLOCK_H], 127.0, tl.float32), b_a)  # [BH]
-                b_y = b_x * b_inv[:, None]
+                    b_a = b_ak
+                    b_x = b_k.to(tl.float32) - b_mean
+                b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_a)
+                b_y = b_x * b_inv[:, :, None]
                 b_y = tl.where(b_y > 127.0, 127.0, tl.where(b_y < -127.0, -127.0, b_y))
                 b_y = tl.where(b_y != b_y, 0.0, b_y)  # NaN -> code 0
                 if HW_ROUND:  # CUDA: cvt.rni (round half to even), no add after the multiply
@@ -167,8 +180,7 @@ def _pack_kernel(
                     p_dst + t * h * D, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_row
                 )
 
-            b_v = tl.load(p_v + i_row * stride_vl, mask=m_row, other=0.0).to(tl.float32)
-            b_y = b_v * b_iv
+            b_y = b_v.to(tl.float32) * b_iv
             b_y = tl.where(b_y > 448.0, 448.0, tl.where(b_y < -448.0, -448.0, b_y))
             if HW_ROUND:  # CUDA: cvt.rn.satfinite to e4m3 (round to nearest even)
                 b_code = b_y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
@@ -240,6 +252,9 @@ def prepare_pack(
     scale_bytes: int,
     use_pdl: bool,
     block_l: int | None = None,
+    rows: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
 ) -> Launch:
     """The pack launch for q, k, v of this shape and ``strides`` (q's, k's, v's), writing
     ``send``: call it with ``(q, k, v, amax_q, amax_k, k_mean, amax_v)``. Arguments as
@@ -253,9 +268,14 @@ def prepare_pack(
     assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
     assert send.dtype == torch.uint8 and send.numel() == P * L * row_bytes
     cuda = device.type == "cuda"
-    block_l = block_l or (16 if cuda else min(64, L))  # the interpreter pays per row
+    # A program packs BLOCK_L rows, ROWS (a power of two) at a time; the interpreter pays per
+    # operation, so it takes big tiles. Any tile gives the same bits.
+    rows = next_pow2(rows or (4 if cuda else min(16, L)))
+    block_l = rows * cdiv(block_l or (16 if cuda else min(64, L)), rows)
     n_rblocks = cdiv(L, block_l)
-    block_h, num_warps = tile(D, H, B * n_rblocks, device, elems=512, warps_per_sm=22)
+    auto_h, _ = tile(D, H, B * n_rblocks, device, elems=256, warps_per_sm=22)
+    block_h = next_pow2(block_h or auto_h)
+    num_warps = num_warps or (max(1, min(8, rows * block_h * D // 256)) if cuda else 1)
     n_code = B * n_rblocks * cdiv(H, block_h)
     n_scales = P * B * h * (n_sq + n_sk)
     block_n = 256 if cuda else 4096
@@ -296,6 +316,7 @@ def prepare_pack(
         E4=scale_bytes // 4,
         BLOCK_H=block_h,
         BLOCK_L=block_l,
+        ROWS=rows,
         BLOCK_N=block_n,
         HW_ROUND=cuda,
         USE_PDL=use_pdl,
@@ -319,6 +340,9 @@ def pack_qkv(
     scale_bytes: int,
     use_pdl: bool,
     block_l: int | None = None,
+    rows: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """The send buffer, uint8 [P * L * row_bytes] (see the module docstring).
 
@@ -349,5 +373,8 @@ def pack_qkv(
         scale_bytes=scale_bytes,
         use_pdl=use_pdl,
         block_l=block_l,
+        rows=rows,
+        block_h=block_h,
+        num_warps=num_warps,
     )(q, k, v, amax_q, amax_k, k_mean, amax_v)
     return send

@@ -17,6 +17,7 @@ import subprocess
 
 import torch
 import triton
+import triton.language as tl
 from _bench import cold_us, eager_us, read_ceiling_tbs
 
 import ulysses
@@ -35,6 +36,38 @@ SHAPES = [
 ]
 
 
+@triton.jit
+def _naive_amax_kernel(
+    k_ptr, m_ptr, out_ptr, L, H, NS, row0, s_b, s_l, s_h, G: tl.constexpr, D: tl.constexpr
+):
+    """The naive Triton kernel of issue 12: one program per (batch, slot, head), one row of
+    D channels at a time."""
+    pid = tl.program_id(0)
+    i_h = pid % H
+    i_s = (pid // H) % NS
+    i_b = pid // (H * NS)
+    g = row0 // G + i_s
+    lo = tl.maximum(g * G - row0, 0)
+    hi = tl.minimum((g + 1) * G - row0, L)
+    o_d = tl.arange(0, D)
+    mean = tl.load(m_ptr + (i_b * H + i_h) * D + o_d).to(tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for i in range(lo, hi):
+        x = tl.load(k_ptr + i_b * s_b + i * s_l + i_h * s_h + o_d).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(x - mean))
+    out = tl.where(hi > lo, tl.maximum(tl.max(acc, axis=0), 1e-7), 0.0)
+    tl.store(out_ptr + (i_b * H + i_h) * NS + i_s, out)
+
+
+def naive_amax(k, m, rank, P, G):
+    B, L, H, D = k.shape
+    ns = (L + 2 * G - 2) // G
+    out = torch.empty((B, H, ns), dtype=torch.float32, device=k.device)
+    sb, sl, sh, _ = k.stride()
+    _naive_amax_kernel[(B * ns * H,)](k, m, out, L, H, ns, rank * L, sb, sl, sh, G=G, D=D)
+    return out
+
+
 def torch_amax(k, m, rank, P, G):
     """A vectorized torch version (the torch.compile baseline): pad the shard onto whole
     global groups, then amax over (rows, D)."""
@@ -49,7 +82,7 @@ def torch_amax(k, m, rank, P, G):
     return out.transpose(1, 2)
 
 
-SWEEP_SHAPES = [SHAPES[0], SHAPES[3], SHAPES[6], SHAPES[7]]
+SWEEP_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[5], SHAPES[6], SHAPES[7]]
 
 
 def sweep():
@@ -58,7 +91,8 @@ def sweep():
 
     from ulysses import grid
 
-    print("# sweep: shape | rows | block_h | warps | cold us | auto")
+    print("# sweep: cold us per tile (rows, block_h, warps); every tile checked bit-identical")
+    table: dict[str, list[float]] = {}
     for B, L, H, D, P, r, G, dt in SWEEP_SHAPES:
         k = ulysses.testing.make_k_full(B, L, H, D, dt, "smooth", seed=1, device="cuda")
         m = k.float().mean(1).to(dt)
@@ -66,18 +100,81 @@ def sweep():
         kw = dict(lay.amax_args(), tail_group=-1, use_pdl=False)
         base = grouped_amax(k, m, **kw)
         auto = cold_us(lambda: grouped_amax(k, m, **kw), "_grouped_amax_kernel")
-        best = (auto, "auto")
-        for rows in (4, 8, 16, 32):
-            for bh in (1, 2, 4, 8):
-                for nw in (2, 4, 8):
-                    if bh > H or bh * D < 32 * nw:
+        found = []
+        for rows in (8, 16, 32):
+            for bh in (1, 2):
+                for nw in (1, 2, 4, 8):
+                    per_thread = rows * bh * D // (32 * nw)  # elements a thread loads a step
+                    if bh > H or not 4 <= per_thread <= 64:
                         continue
                     t = dict(kw, rows=rows, block_h=bh, num_warps=nw)
                     assert torch.equal(grouped_amax(k, m, **t), base)
                     us = cold_us(lambda t=t: grouped_amax(k, m, **t), "_grouped_amax_kernel")
-                    if us < best[0]:
-                        best = (us, f"rows={rows} block_h={bh} warps={nw}")
-        print(f"B{B} L{L} H{H} D{D} G{G}: auto {auto:.1f} us, best {best[0]:.1f} us ({best[1]})")
+                    found.append((us, f"rows={rows} block_h={bh} warps={nw}"))
+                    table.setdefault(f"rows={rows} block_h={bh} warps={nw} (D={D})", []).append(
+                        us / auto
+                    )
+        found.sort()
+        top = ", ".join(f"{us:.1f} {cfg}" for us, cfg in found[:4])
+        print(f"B{B} L{L} H{H} D{D} G{G}: auto {auto:.1f} us; best {top}", flush=True)
+    ranked = sorted((sum(v) / len(v), max(v), cfg) for cfg, v in table.items())
+    for mean, worst, cfg in ranked[:6]:
+        print(f"# overall: {cfg}: mean {mean:.3f}, worst {worst:.3f} of auto")
+
+
+def host_parts():
+    """Host microseconds of each step of an eager k_grouped_amax call at a tiny shape, back to
+    back (issue 12's 15 us target): where the per-call time goes."""
+    import time
+
+    from ulysses.kernels import _runtime
+
+    from ulysses import amax
+
+    k = ulysses.testing.make_k_full(1, 64, 1, 64, torch.bfloat16, "smooth", device="cuda")
+    m = k.float().mean(1).bfloat16()
+    call = lambda: ulysses.k_grouped_amax(k, m, rank=0, world_size=2)  # noqa: E731
+    call()
+    (plan,) = [p for key, p in amax._PLANS.items() if key[0] == k.shape]
+    out = torch.empty(plan.shape, dtype=torch.float32, device="cuda")
+    launch = plan.launch
+    run, function, metadata = next(iter(launch.entries.values()))
+    args = launch.args.copy()
+    for p_, t in zip(launch.positions, (k, m, out), strict=True):
+        args[p_] = t
+    index, g = launch.index, launch.g
+    stream = _runtime._raw_stream(index)
+
+    def raw():
+        run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args)
+
+    def key():
+        return (
+            k.shape, k.stride(), k.dtype, k.device, m.shape, m.stride(), m.dtype, m.device,
+            0, 2, None, None, 64, int, int, type(None), type(None), int,
+        )  # fmt: skip
+
+    def host_only(fn, n=20000):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n * 1e6
+
+    parts = [
+        ("whole call (eager, back to back)", eager_us(call, n=2000)),
+        ("prepared Launch(k, m, out)", eager_us(lambda: launch(k, m, out), n=2000)),
+        ("compiled launcher run() alone", eager_us(raw, n=2000)),
+        ("torch.empty of the output", host_only(lambda: torch.empty(plan.shape, device="cuda"))),
+        ("plan key tuple", host_only(key)),
+        ("_PLANS.get(key)", host_only(lambda: amax._PLANS.get(key()))),
+        ("3 x data_ptr()", host_only(lambda: (k.data_ptr(), m.data_ptr(), out.data_ptr()))),
+        ("torch.cuda.current_device()", host_only(torch.cuda.current_device)),
+        ("torch._C._cuda_getDevice()", host_only(torch._C._cuda_getDevice)),
+        ("current raw stream", host_only(lambda: _runtime._raw_stream(index))),
+    ]
+    torch.cuda.synchronize()
+    for name, us in parts:
+        print(f"# host part: {name}: {us:.2f} us")
 
 
 def main():
@@ -85,9 +182,13 @@ def main():
     ap.add_argument("--csv")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="tile sweep instead of the table")
+    ap.add_argument("--host-parts", action="store_true", help="host time of each call step")
     args = ap.parse_args()
     if args.sweep:
         sweep()
+        return
+    if args.host_parts:
+        host_parts()
         return
     shapes = SHAPES[:2] if args.quick else SHAPES
     commit = subprocess.run(
@@ -98,7 +199,16 @@ def main():
     print(f"# {info} commit {commit or os.environ.get('COMMIT', '?')} {datetime.date.today()}")
     print(f"# read ceiling (torch.sum 2 GiB bf16, cold): {ceiling:.2f} TB/s")
     rows = []
-    header = ("shape", "MB", "cold us", "% ceil", "compile cold us", "eager us", "eager/cold")
+    header = (
+        "shape",
+        "MB",
+        "cold us",
+        "% ceil",
+        "compile cold us",
+        "naive triton cold us",
+        "eager us",
+        "eager/cold",
+    )
     for B, L, H, D, P, r, G, dt in shapes:
         k = ulysses.testing.make_k_full(B, L, H, D, dt, "smooth", seed=1, device="cuda")
         m = k.float().mean(1).to(dt)
@@ -111,6 +221,8 @@ def main():
         assert torch.equal(ours(), ref), "ours != reference"
         same_c = torch.equal(compiled(k, m), ref)
         c_cold = cold_us(lambda: compiled(k, m), ("triton", "reduce"))
+        same_n = torch.equal(naive_amax(k, m, r, P, G), ref)
+        n_cold = cold_us(lambda: naive_amax(k, m, r, P, G), "_naive_amax_kernel")
         pct = mb * 1e6 / (cold * 1e-6) / (ceiling * 1e12) * 100
         name = f"B{B} L{L} H{H} D{D} P{P} r{r} G{G} {str(dt)[6:]}"
         row = (
@@ -119,6 +231,7 @@ def main():
             f"{cold:.1f}",
             f"{pct:.0f}%",
             f"{c_cold:.1f}{'' if same_c else '*'}",
+            f"{n_cold:.1f}{'' if same_n else '*'}",
             f"{eager:.1f}",
             f"{eager / cold:.2f}",
         )
@@ -151,7 +264,7 @@ def main():
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     for r_ in [header, tuple("-" * w for w in widths), *rows]:
         print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r_, widths, strict=True)) + " |")
-    print("(* torch.compile result differs from the reference)")
+    print("(* that provider's result differs from the reference)")
     if args.csv:
         new = not os.path.exists(args.csv)
         with open(args.csv, "a", newline="") as f:

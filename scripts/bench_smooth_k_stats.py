@@ -47,59 +47,77 @@ def kernels_us(fn, iters=20):
     return ours / iters, nccl / iters
 
 
-def profile_host(rank):
-    """Where the host time of an eager smooth_k_stats call goes (rank 0 prints)."""
-    import cProfile
-    import pstats
-
-    k = ulysses.testing.make_k_full(1, 4736, 56, 128, torch.bfloat16, "smooth", device="cuda")
-    for _ in range(20):
-        ulysses.smooth_k_stats(k)
-    torch.cuda.synchronize()
-    dist.barrier()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        ulysses.smooth_k_stats(k)
-    torch.cuda.synchronize()
-    prof.disable()
-    if rank == 0:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    dist.barrier()
-
-
 def parts(rank, P):
-    """Eager per-call time of each part of smooth_k_stats (68 MB), to see where it goes."""
+    """Where the time of an eager fused smooth_k_stats call goes (68 MB): the host time of
+    each step of the planned call (200 calls, no sync inside, so launches only queue), the
+    whole call eager, and a torch.profiler table of the host ops of 20 calls (rank 0)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
     from ulysses import stats
+    from ulysses.stats import SmoothKStats
 
     k = ulysses.testing.make_k_full(1, 4736, 56, 128, torch.bfloat16, "smooth", device="cuda")
-    part, pg, _ = stats.k_stats_part(k)
-    payload = part.write()
-    gathered = stats.all_gather_payload(payload, pg, P)
-    out = torch.empty(P * payload.numel(), device="cuda")
-    res = {}
-    for name, fn in (
-        ("validate+part", lambda: stats.k_stats_part(k)),
-        ("local kernels (3 launches)", lambda: part.write()),
-        ("all_gather, new output each call", lambda: stats.all_gather_payload(payload, pg, P)),
-        ("all_gather, same output", lambda: dist.all_gather_into_tensor(out, payload)),
-        ("finalize (1 launch)", lambda: part.finish(gathered)),
-        ("torch.empty x8", lambda: [torch.empty(1000, device="cuda") for _ in range(8)]),
-        ("whole call", lambda: ulysses.smooth_k_stats(k)),
-    ):
+    ulysses.smooth_k_stats(k)
+    (plan,) = [p for key, p in stats._PLANS.items() if key[0] == k.shape and p.method == "fused"]
+    pg = dist.group.WORLD
+    mean = torch.empty(plan.mean_shape, dtype=plan.dtype, device="cuda")
+    part = torch.empty(plan.amax_shape, dtype=torch.float32, device="cuda")
+    final = torch.empty(plan.amax_shape, dtype=torch.float32, device="cuda")
+    lay = plan.lay
+
+    def host_us(fn, n=200):
+        torch.cuda.synchronize()
         dist.barrier()
-        res[name] = eager_us(fn)
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        us = (time.perf_counter() - t) / n * 1e6
+        torch.cuda.synchronize()
+        return us
+
+    def empties():
+        torch.empty(plan.mean_shape, dtype=plan.dtype, device="cuda")
+        torch.empty(plan.amax_shape, dtype=torch.float32, device="cuda")
+        torch.empty(plan.amax_shape, dtype=torch.float32, device="cuda")
+
+    res = {
+        "host: plan key": host_us(
+            lambda: stats._plan_key(k, None, None, None, 64, "fused", False), 5000
+        ),
+        "host: local kernels (3 launches)": host_us(lambda: plan.local(k)),
+        "host: all_gather (backend call)": host_us(lambda: plan.gather(pg)),
+        "host: 3 x torch.empty": host_us(empties, 2000),
+        "host: finalize (1 launch)": host_us(lambda: plan.finalize(mean, part, final)),
+        "host: SmoothKStats(...)": host_us(
+            lambda: SmoothKStats(mean, part, final, lay.rank, lay.P, lay.used, lay.G), 5000
+        ),
+        "host: whole call": host_us(lambda: ulysses.smooth_k_stats(k)),
+    }
+    dist.barrier()
+    res["eager: whole call (back to back)"] = eager_us(lambda: ulysses.smooth_k_stats(k))
+    dist.barrier()
+    res["eager: all_gather alone (backend call)"] = eager_us(lambda: plan.gather(pg))
     t = torch.tensor(list(res.values()), device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         for name, us in zip(res, t.tolist(), strict=True):
-            print(f"# part: {name}: {us:.1f} us per call (eager, back to back, max over ranks)")
+            print(f"# part: {name}: {us:.1f} us per call (max over ranks)")
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            ulysses.smooth_k_stats(k)
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+    dist.barrier()
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--profile-host", action="store_true", help="cProfile 200 eager calls")
+    ap.add_argument("--profile-host", action="store_true", help="host time of each call step")
     args = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)

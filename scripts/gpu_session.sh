@@ -2,17 +2,24 @@
 # The benchmarks on a lent 2-GPU H200 machine in one call (device time is scarce); logs and CSV
 # go to OUTDIR. Correctness is `make gpu-check` (scripts/gpu_check.sh); this is timing only.
 #   bash scripts/gpu_session.sh OUTDIR [sweep]
+# sweep: first the tile sweeps (amax on GPU 0 and the exchange's kernels on GPU 1, at once).
 set -u
 out=${1:?outdir}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [[ " $* " == *" sweep "* ]]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/bench_amax.py --sweep > "$out/sweep.log" 2>&1
-  echo "sweep rc=$?" >> "$out/sweep.log"
+  last=$((ngpu - 1))
+  (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 scripts/bench_amax.py --sweep > "$out/sweep_amax.log" 2>&1
+   echo "sweep_amax rc=$?" >> "$out/sweep_amax.log") &
+  (CUDA_VISIBLE_DEVICES=$last timeout 300 python3 scripts/sweep_tiles.py > "$out/sweep_tiles.log" 2>&1
+   echo "sweep_tiles rc=$?" >> "$out/sweep_tiles.log") &
+  wait
 fi
+CUDA_VISIBLE_DEVICES=0 timeout 60 python3 scripts/bench_amax.py --host-parts > "$out/host_parts.log" 2>&1
+echo "host_parts rc=$?" >> "$out/host_parts.log"
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 scripts/bench_amax.py --csv "$out/bench_amax.csv" > "$out/bench_amax.log" 2>&1
 echo "bench_amax rc=$?" >> "$out/bench_amax.log"
-ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$ngpu" -ge 2 ]; then
   timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_smooth_k_stats.py --profile-host > "$out/bench_stats.log" 2>&1
   echo "bench_smooth_k_stats rc=$?" >> "$out/bench_stats.log"
@@ -21,7 +28,10 @@ if [ "$ngpu" -ge 2 ]; then
 else
   echo "skipped: bench_smooth_k_stats and bench_lowp need 2 GPUs (NCCL, one GPU per rank); this machine has $ngpu" | tee "$out/bench_stats.log" "$out/bench_lowp.log"
 fi
-[ -f "$out/sweep.log" ] && grep -v "^#\|Warn\|warn" "$out/sweep.log" | tail -6
+for f in sweep_amax sweep_tiles; do
+  [ -f "$out/$f.log" ] && grep -vE "Warn|warn|^\s*$" "$out/$f.log" | tail -12
+done
+grep -E "host part|rc=" "$out/host_parts.log"
 grep -E "^\||host|rc=|ceiling" "$out/bench_amax.log" | tail -16
-grep -E "^\||^#|rc=|Error" "$out/bench_stats.log" | tail -12
+grep -E "^\||^# |rc=|Error" "$out/bench_stats.log" | tail -14
 grep -vE "Warn|warn|^\s*$|\*\*\*|OMP_NUM" "$out/bench_lowp.log" | tail -25

@@ -115,6 +115,27 @@ def test_qv_stats_matches_reference(
         assert_bitwise(payload[B * H * 2 :].view(B, H, D), ref_v, f"rank {r} amax_v partial")
 
 
+@pytest.mark.parametrize(
+    "span,rows,block_h", [(1, 1, 1), (2, 2, 2), (3, 4, 4), (8, 16, 1), (5, 3, 8)]
+)
+def test_qv_stats_tile_does_not_change_bits(span, rows, block_h):
+    """Every tile (slots per program, rows per step, head block; sizes that are not powers of
+    two rounded up) gives the same Q partial amax and payload."""
+    P, L, h, D, B, Gq = 2, 50, 3, 32, 2, 16
+    H, S = h * P, L * P
+    used = _used("tail", L, P, Gq)
+    q, _, v = make_qkv_full(B, S, H, D, torch.float16, used=used, seed="qvtile", fused=True)
+    for r in range(P):
+        lay = grid.layout(r, L, P, Gq, used)
+        kw = dict(group_size=Gq, row0=lay.row0, n_slots=lay.n_slots, n_touched=lay.n_touched)
+        kw.update(tail_group=lay.tail_group, live_end=lay.live_end, floor=grid.FLOOR)
+        q_r, v_r = reference.shard(q, r, P), reference.shard(v, r, P)
+        base = qv_stats(q_r, v_r, use_pdl=False, **kw)
+        got = qv_stats(q_r, v_r, use_pdl=False, span=span, rows=rows, block_h=block_h, **kw)
+        for name, a, b in zip(("payload", "amax"), got, base, strict=True):
+            assert torch.equal(a, b), f"rank {r} {name}: span={span} rows={rows} block_h={block_h}"
+
+
 def _unpack_send(send, w, B, D):
     """Send buffer -> per destination: codes uint8 [B, 3, L, h, D], scales fp32 [NF]."""
     rows = send.view(w.P, w.L, w.row_bytes)
@@ -180,6 +201,35 @@ def test_pack_matches_reference(
                 got = part.view(B, h, n_s)[..., :n_t]
                 want = reference.ieee_div(final[:, heads, :n_t], 127.0)
                 assert_bitwise(got, want, f"rank {r} -> {j} {name} scales")
+
+
+@pytest.mark.parametrize(
+    "rows,block_l,block_h", [(1, 1, 1), (2, 8, 2), (4, 4, 4), (8, 24, 1), (16, 16, 8), (3, 5, 3)]
+)
+def test_pack_tile_does_not_change_bits(rows, block_l, block_h):
+    """Every tile (rows per step, rows per program, head block; masked rows and heads past
+    H included, sizes that are not powers of two rounded up) writes the same send buffer."""
+    P, L, h, D, B, Gq, Gk = 2, 50, 3, 32, 2, 16, 64
+    H, S = h * P, L * P
+    used = _used("tail", L, P, Gk)
+    q, k, v = make_qkv_full(B, S, H, D, torch.bfloat16, used=used, seed="tile", fused=True)
+    amax_q, k_mean, amax_k, amax_v = _global_stats(q, k, v, P=P, used=used, Gq=Gq, Gk=Gk)
+    w = lowp._wire(B, L, H, D, P, Gq, Gk)
+    for r in range(P):
+        args = (
+            reference.shard(q, r, P),
+            reference.shard(k, r, P),
+            reference.shard(v, r, P),
+            reference.merged_amax_shard(amax_q, rank=r, L=L, group_size=Gq),
+            reference.merged_amax_shard(amax_k, rank=r, L=L, group_size=Gk),
+            k_mean,
+            amax_v,
+        )
+        kw = dict(world_size=P, row0=r * L, q_group=Gq, k_group=Gk, use_pdl=False)
+        kw.update(row_bytes=w.row_bytes, scale_bytes=w.scale_bytes)
+        base = pack_qkv(*args, **kw)
+        got = pack_qkv(*args, **kw, rows=rows, block_l=block_l, block_h=block_h)
+        assert torch.equal(got, base), f"rank {r}: rows={rows} block_l={block_l} block_h={block_h}"
 
 
 def _fp8_grid_values() -> torch.Tensor:

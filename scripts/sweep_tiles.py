@@ -1,0 +1,132 @@
+"""Tile sweeps of the exchange's kernels on one GPU (issue 13): the pack kernel and the Q/V
+statistics kernel, at the exchange's benchmark shapes (P = 2 wire layout, bf16).
+
+    python scripts/sweep_tiles.py [--quick]
+
+Per shape and kernel: the cold device time (CUPTI, L2 flushed before each call, median of 25;
+scripts/_bench.py) of the default tile and of each swept tile, every swept tile first checked
+to give the default's bits. Prints the default, the best five and the read-only floor
+(one cold torch.sum of the tensors the kernel reads) to choose defaults from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+import triton
+from _bench import cold_us
+from ulysses.kernels.lowp_pack import pack_qkv
+from ulysses.kernels.lowp_qv_stats import qv_stats
+
+from ulysses import grid, lowp
+
+SHAPES = ((1, 4736, 56, 128), (1, 32768, 32, 128))
+P, GQ, GK = 2, 32, 64
+
+# (rows per step, head block, warps) x rows per program
+PACK_TILES = [
+    (r, bh, nw, bl)
+    for r, bh, nw in (
+        (1, 4, 4),  # the one-row tile of the previous kernel
+        (2, 2, 2),
+        (2, 2, 4),
+        (4, 1, 2),
+        (4, 1, 4),
+        (4, 2, 4),
+        (4, 2, 8),
+        (8, 1, 4),
+        (8, 1, 8),
+        (8, 2, 8),
+        (4, 4, 8),
+        (16, 1, 8),
+    )
+    for bl in (16, 32)
+    if bl >= r
+]
+# (slots per program, rows per step, head block, warps)
+QV_TILES = [
+    (span, r, bh, nw)
+    for span in (2, 4, 8)
+    for r in (8, 16, 32)
+    for bh, nw in ((1, 2), (1, 4), (2, 4))
+    if 4 <= r * bh * 128 // (32 * nw) <= 64
+]
+
+
+def _inputs(B, L, H, D):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn((B, L, H, D), generator=g, device="cuda").to(torch.bfloat16) for _ in range(3)
+    )
+    return q, k, v
+
+
+def _report(name, default_us, results, floor_us):
+    results.sort()
+    best = ", ".join(f"{us:.1f} {cfg}" for us, cfg in results[:5])
+    print(
+        f"{name}: default {default_us:.1f} us ({floor_us / default_us:.0%} of the read floor "
+        f"{floor_us:.1f} us); best: {best}",
+        flush=True,
+    )
+
+
+def sweep_pack(B, L, H, D, quick):
+    q, k, v = _inputs(B, L, H, D)
+    lay_q, lay_k = grid.layout(0, L, P, GQ, None), grid.layout(0, L, P, GK, None)
+    amax_q = q.float().abs().amax(dim=(1, 3))[..., None].expand(B, H, lay_q.n_slots).contiguous()
+    amax_k = k.float().abs().amax(dim=(1, 3))[..., None].expand(B, H, lay_k.n_slots).contiguous()
+    k_mean = torch.zeros((B, H, D), dtype=k.dtype, device="cuda")
+    amax_v = v.float().abs().amax(dim=1).contiguous()
+    w = lowp._wire(B, L, H, D, P, GQ, GK)
+    args = (q, k, v, amax_q, amax_k, k_mean, amax_v)
+    kw = dict(world_size=P, row0=0, q_group=GQ, k_group=GK, use_pdl=False)
+    kw.update(row_bytes=w.row_bytes, scale_bytes=w.scale_bytes)
+    base = pack_qkv(*args, **kw)
+    default = cold_us(lambda: pack_qkv(*args, **kw), "_pack_kernel")
+    floor = cold_us(lambda: (q.sum(), k.sum(), v.sum()), ("reduce", "Reduce"))
+    results = []
+    for r, bh, nw, bl in PACK_TILES[:4] if quick else PACK_TILES:
+        t = dict(kw, rows=r, block_h=bh, num_warps=nw, block_l=bl)
+        assert torch.equal(pack_qkv(*args, **t), base), t
+        us = cold_us(lambda t=t: pack_qkv(*args, **t), "_pack_kernel")
+        results.append((us, f"rows={r} block_h={bh} warps={nw} block_l={bl}"))
+    _report(f"pack B{B} L{L} H{H} D{D}", default, results, floor)
+
+
+def sweep_qv(B, L, H, D, quick):
+    q, _, v = _inputs(B, L, H, D)
+    lay = grid.layout(0, L, P, GQ, None)
+    kw = dict(group_size=GQ, row0=0, n_slots=lay.n_slots, n_touched=lay.n_touched)
+    kw.update(tail_group=-1, live_end=L * P, floor=grid.FLOOR, use_pdl=False)
+    base = qv_stats(q, v, **kw)
+    default = cold_us(lambda: qv_stats(q, v, **kw), "_qv_stats_kernel")
+    floor = cold_us(lambda: (q.sum(), v.sum()), ("reduce", "Reduce"))
+    results = []
+    for span, r, bh, nw in QV_TILES[:4] if quick else QV_TILES:
+        t = dict(kw, span=span, rows=r, block_h=bh, num_warps=nw)
+        got = qv_stats(q, v, **t)
+        assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True)), t
+        us = cold_us(lambda t=t: qv_stats(q, v, **t), "_qv_stats_kernel")
+        results.append((us, f"span={span} rows={r} block_h={bh} warps={nw}"))
+    _report(f"qv_stats B{B} L{L} H{H} D{D}", default, results, floor)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    print(
+        f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}"
+        f" {datetime.date.today()}; cold us (L2 flushed, CUPTI, median of 25)"
+    )
+    for shape in SHAPES[:1] if args.quick else SHAPES:
+        sweep_pack(*shape, args.quick)
+        sweep_qv(*shape, args.quick)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
