@@ -411,21 +411,46 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
         with _TRITON_LOCK, torch.cuda.device(index) if switch else contextlib.nullcontext():
             compiled = kernel[grid](*args, num_warps=num_warps, **extra)
         if entry is None and compiled is not None:
-            entry = _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            entry = _COMPILED[key] = _entry(compiled)
             _FIRST_LAUNCHES[0] += 1
             _FIRST_LAUNCHES[1] += time.perf_counter() - t0
         return entry
-    run, function, metadata = entry
+    fn, prefix = entry
     n = len(grid)
     g1 = grid[1] if n > 1 else 1
     g2 = grid[2] if n > 2 else 1
     if switch:
         with torch.cuda.device(index):
-            stream = _raw_stream(index)
-            run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args)
+            fn(grid[0], g1, g2, _raw_stream(index), *prefix, *args)
     else:
-        run(grid[0], g1, g2, _raw_stream(index), function, metadata, None, None, None, *args)
+        fn(grid[0], g1, g2, _raw_stream(index), *prefix, *args)
     return entry
+
+
+# Triton versions whose launcher object (``compiled.run``) was read and whose C launch function
+# takes (grid, stream, function, cooperative, pdl, global scratch, profile scratch, metadata,
+# launch metadata, enter hook, exit hook, *args): there a launch without scratch memory calls
+# the C function directly, skipping the launcher's Python frame (~2 us a launch on the H200
+# host). Any other version goes through ``compiled.run``.
+_DIRECT_LAUNCH_VERSIONS = ("3.6.",)
+
+
+def _entry(compiled) -> tuple:
+    """(callable, arguments between the stream and the kernel's own) of a compiled kernel."""
+    import triton
+
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    if (
+        triton.__version__.startswith(_DIRECT_LAUNCH_VERSIONS)
+        and callable(getattr(run, "launch", None))
+        and getattr(run, "global_scratch_size", 1) == 0
+        and getattr(run, "profile_scratch_size", 1) == 0
+        and hasattr(run, "launch_cooperative_grid")
+        and hasattr(run, "launch_pdl")
+    ):
+        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+        return run.launch, (function, coop, pdl, None, None, metadata, None, None, None)
+    return run, (function, metadata, None, None, None)
 
 
 class Launch:
@@ -511,16 +536,18 @@ class Launch:
             if entry is not None:
                 self.entries[bits] = entry
             return
-        run, function, metadata = entry
+        fn, prefix = entry
         g0, g1, g2 = self.g
-        if torch.cuda.current_device() != index:
+        if _current_device() != index:
             with torch.cuda.device(index):
-                run(g0, g1, g2, _raw_stream(index), function, metadata, None, None, None, *args)
+                fn(g0, g1, g2, _raw_stream(index), *prefix, *args)
         else:
-            run(g0, g1, g2, _raw_stream(index), function, metadata, None, None, None, *args)
+            fn(g0, g1, g2, _raw_stream(index), *prefix, *args)
 
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+# torch.cuda.current_device() without its Python wrapper (lazy init is done: a Launch exists)
+_current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None
 
 
 def launch(

@@ -1,7 +1,7 @@
 """Per-slot partial amax of |K - mean| on the global group grid (docs/CONTRACT.md §3).
 
 One program per (batch, slot, head block). It walks the rows of its slot that this rank
-owns as [ROWS, BLOCK_H, D] tiles (wide loads, a chunk's loads in flight together), and keeps
+owns, ROWS at a time (unrolled, so the loads of a chunk are in flight together), and keeps
 a running max in int32 bit space: for non-negative floats the IEEE bit pattern orders like
 the value, and a NaN with its sign cleared by ``abs`` sorts above +Inf, so an integer max
 propagates NaN and Inf with no extra test. Max is order-independent, so every tile shape and
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, next_pow2, tile
+from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, tile
 
 __all__ = ["grouped_amax", "prepare_grouped_amax"]
 
@@ -82,27 +82,28 @@ def _grouped_amax_kernel(
     p_mean = mean_ptr + i_b * H * D + o_h[:, None] * D + o_d[None, :]
     b_mean = tl.load(p_mean, mask=m_hd, other=0.0).to(tl.float32)  # [BH, D]
 
-    # The rows [lo, hi) are read ROWS at a time as one [ROWS, BLOCK_H, D] tile, so a thread
-    # issues wide (16-byte) loads and a chunk's loads are in flight together; rows past hi
-    # are masked out of the max.
-    o_r = tl.arange(0, ROWS)  # [R]
-    p_k = k_ptr + i_b * stride_kb + o_h[None, :, None] * stride_kh + o_d[None, None, :]
-    b_mean3 = b_mean[None, :, :]  # [1, BH, D]
-    b_acc = tl.zeros([ROWS, BLOCK_H, D], dtype=tl.int32)
-    for i_r in range(lo, hi, ROWS):
-        i_row = i_r + o_r  # [R]
-        m_k = (i_row < hi)[:, None, None] & m_hd[None, :, :]  # [R, BH, D]
-        b_k = tl.load(p_k + i_row[:, None, None] * stride_kl, mask=m_k, other=0.0)
-        b_bits = tl.abs(b_k.to(tl.float32) - b_mean3).to(tl.int32, bitcast=True)
-        b_acc = tl.maximum(b_acc, tl.where(m_k, b_bits, 0))
+    # Full chunks of ROWS rows need only the head mask (heads past H are never stored);
+    # the last hi - lo - n_full * ROWS rows are masked and selected explicitly.
+    p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
+    b_acc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
+    n_full = tl.maximum(hi - lo, 0) // ROWS
+    for i_c in range(0, n_full):
+        for j in tl.static_range(ROWS):
+            i_row = lo + i_c * ROWS + j
+            b_k = tl.load(p_k + i_row * stride_kl, mask=m_hd, other=0.0).to(tl.float32)
+            b_acc = tl.maximum(b_acc, tl.abs(b_k - b_mean).to(tl.int32, bitcast=True))
+    for j in tl.static_range(ROWS - 1):
+        i_row = lo + n_full * ROWS + j
+        m_row = tl.where(i_row < hi, m_hd, False)  # not `&`: the 3.9 interpreter widens it
+        b_k = tl.load(p_k + i_row * stride_kl, mask=m_row, other=0.0).to(tl.float32)
+        b_bits = tl.abs(b_k - b_mean).to(tl.int32, bitcast=True)
+        b_acc = tl.maximum(b_acc, tl.where(m_row, b_bits, 0))
 
     if USE_PDL:
         gdc_launch_dependents()
 
     floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
-    b_out = tl.maximum(tl.max(tl.max(b_acc, axis=0), axis=1), floor_bits).to(
-        tl.float32, bitcast=True
-    )
+    b_out = tl.maximum(tl.max(b_acc, axis=1), floor_bits).to(tl.float32, bitcast=True)
     b_out = tl.where(i_s < n_touched, b_out, 0.0)
     p_out = out_ptr + i_b * H * n_slots + o_h * n_slots + i_s
     tl.store(p_out, b_out, mask=m_h)
@@ -157,8 +158,8 @@ def prepare_grouped_amax(
         G=group_size,
         D=D,
         BLOCK_H=block_h,
-        # Any ROWS gives the same bits; the interpreter is faster with a short tile.
-        ROWS=next_pow2(rows or (8 if device.type == "cuda" else 4)),
+        # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
+        ROWS=rows or (8 if device.type == "cuda" else 4),
         USE_PDL=use_pdl,
     )
 

@@ -13,7 +13,8 @@ Programs ``[0, n_code)``: one per (batch, block of BLOCK_L rows, head block); pe
 * K: ``x = fp32(k) - fp32(mean)`` (one rounding), ``code = clamp(rne(x * div_rn(127, amax_k)))``;
 * V: ``y = clamp(fp32(v) * div_rn(448, amax_v), -448, 448)``, code = e4m3fn(y) rounded to
   nearest even; ``amax_v == 0`` gives +0, a NaN gives 0x7F; a NaN Q/K product gives 0.
-Programs ``[n_code, n_code + n_scale)``: the scale slots, ``div_rn(amax, 127)``.
+Programs ``[n_code, n_code + n_scale)``: the scale slots, ``div_rn(amax, 127)``, and 0 in the
+slots past the scale block, so every byte of the send buffer is written.
 
 Rounding (CUDA: the hardware conversions; the interpreter: integer arithmetic on the fp32
 bits, as its fp8 cast rounds ties up) is round-half-to-even on every backend, and no float
@@ -206,13 +207,16 @@ def _pack_kernel(
             b_code = tl.where(b_vzero, 0, b_code)
             tl.store(p_dst + 2 * h * D, b_code.to(tl.uint8), mask=m_row)
     else:
-        # scale slots: global index m over [P destinations][NF = B*h*(NSQ + NSK)]
+        # scale slots: global index m over [P destinations][L * E4 slots]; slot n < NF =
+        # B*h*(NSQ + NSK) of a destination holds a scale, the rest are written 0 so that no
+        # byte of the send buffer is left uninitialized (stale memory never crosses ranks).
         nf_q = B * h * n_slots_q
         nf = nf_q + B * h * n_slots_k
         o_m = (i_pid - n_code) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         m_m = o_m < n_scales
-        i_j_s = o_m // nf
-        i_n = o_m % nf
+        i_j_s = o_m // (L * E4)
+        i_n = o_m % (L * E4)
+        m_used = tl.where(i_n < nf, m_m, False)
         is_q = i_n < nf_q
         i_nk = i_n - nf_q
         i_b_s = tl.where(is_q, i_n // (h * n_slots_q), i_nk // (h * n_slots_k))
@@ -221,15 +225,16 @@ def _pack_kernel(
         i_hh = i_j_s * h + i_hl
         b_aq = tl.load(
             amax_q_ptr + (i_b_s * H + i_hh) * n_slots_q + i_s,
-            mask=tl.where(is_q, m_m, False),
+            mask=tl.where(is_q, m_used, False),
             other=1.0,
         )
         b_ak = tl.load(
             amax_k_ptr + (i_b_s * H + i_hh) * n_slots_k + i_s,
-            mask=tl.where(is_q, False, m_m),
+            mask=tl.where(is_q, False, m_used),
             other=1.0,
         )
         b_scale = tl.math.div_rn(tl.where(is_q, b_aq, b_ak), tl.full([BLOCK_N], 127.0, tl.float32))
+        b_scale = tl.where(m_used, b_scale, 0.0)
         o_f = (i_j_s * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
         tl.store(send_f32_ptr + o_f, b_scale, mask=m_m)
     if USE_PDL:
@@ -277,7 +282,7 @@ def prepare_pack(
     block_h = next_pow2(block_h or auto_h)
     num_warps = num_warps or (max(1, min(8, rows * block_h * D // 256)) if cuda else 1)
     n_code = B * n_rblocks * cdiv(H, block_h)
-    n_scales = P * B * h * (n_sq + n_sk)
+    n_scales = P * L * (scale_bytes // 4)  # every scale slot, used or not
     block_n = 256 if cuda else 4096
     (sqb, sql, sqh, _), (skb, skl, skh, _), (svb, svl, svh, _) = strides
     return Launch(

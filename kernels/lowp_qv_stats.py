@@ -1,7 +1,7 @@
 """One read of Q and V: Q's raw grouped amax per slot and V's per-channel amax (docs/CONTRACT.md §8).
 
 One program per (batch, span of SPAN slots, head block). For each slot of its span it walks
-this rank's rows of the global ``G``-row group as [ROWS, BLOCK_H, D] tiles, and keeps two running maxima in
+this rank's rows of the global ``G``-row group, ROWS at a time, and keeps two running maxima in
 int32 bit space (for non-negative floats the bit pattern orders like the value and a
 sign-cleared NaN sorts above +Inf, so an integer max propagates NaN and Inf):
 
@@ -73,19 +73,15 @@ def _qv_stats_kernel(
     o_d = tl.arange(0, D)  # [D]
     m_h = o_h < H
     m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
-    o_r = tl.arange(0, ROWS)  # [R]
-    m_hd3 = m_hd[None, :, :]  # [1, BH, D]
-    o_hq = o_h[:, None] * stride_qh + o_d[None, :]
-    o_hv = o_h[:, None] * stride_vh + o_d[None, :]
-    p_q = q_ptr + i_b * stride_qb + o_hq[None, :, :]  # [1, BH, D]
-    p_v = v_ptr + i_b * stride_vb + o_hv[None, :, :]
+    p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
+    p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
     live = live_end - row0  # local rows below this are live
     floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
 
     if USE_PDL:
         gdc_wait()
 
-    b_vacc = tl.zeros([ROWS, BLOCK_H, D], dtype=tl.int32)
+    b_vacc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
     for i_i in range(0, SPAN):
         i_s = i_sp * SPAN + i_i
         g = g_first + i_s
@@ -93,19 +89,31 @@ def _qv_stats_kernel(
         hi = tl.minimum(tl.maximum((g + 1) * G - row0, lo), L)  # surplus slots: no rows
         hi_q = tl.where(g == tail_group, tl.minimum(hi, live), hi)
         hi_v = tl.maximum(tl.minimum(hi, live), lo)
-        b_qacc = tl.zeros([ROWS, BLOCK_H, D], dtype=tl.int32)
-        # ROWS rows at a time as [ROWS, BLOCK_H, D] tiles (wide loads, a chunk's loads in
-        # flight together); Q counts rows below hi_q, V rows below hi_v.
-        for i_r in range(lo, hi, ROWS):
-            i_row = (i_r + o_r)[:, None, None]  # [R, 1, 1]
-            m_q = (i_row < hi_q) & m_hd3
-            m_v = (i_row < hi_v) & m_hd3
-            b_q = tl.load(p_q + i_row * stride_ql, mask=m_q, other=0.0).to(tl.float32)
-            b_v = tl.load(p_v + i_row * stride_vl, mask=m_v, other=0.0).to(tl.float32)
-            b_qacc = tl.maximum(b_qacc, tl.abs(b_q).to(tl.int32, bitcast=True))
-            b_vacc = tl.maximum(b_vacc, tl.abs(b_v).to(tl.int32, bitcast=True))
-        b_qmax = tl.max(b_qacc, axis=0)  # [BH, D]
-        b_out = tl.maximum(tl.max(b_qmax, axis=1), floor_bits).to(tl.float32, bitcast=True)
+        b_qacc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
+        # Rows [lo, lo + n_full*ROWS) count for both maxima: only the head mask. The rest is
+        # masked row by row (Q up to hi_q, V up to hi_v).
+        n_full = tl.maximum(tl.minimum(hi_q, hi_v) - lo, 0) // ROWS
+        for i_c in range(0, n_full):
+            for j in tl.static_range(ROWS):
+                i_row = lo + i_c * ROWS + j
+                b_q = tl.load(p_q + i_row * stride_ql, mask=m_hd, other=0.0).to(tl.float32)
+                b_v = tl.load(p_v + i_row * stride_vl, mask=m_hd, other=0.0).to(tl.float32)
+                b_qacc = tl.maximum(b_qacc, tl.abs(b_q).to(tl.int32, bitcast=True))
+                b_vacc = tl.maximum(b_vacc, tl.abs(b_v).to(tl.int32, bitcast=True))
+        for i_r in range(lo + n_full * ROWS, hi, ROWS):
+            for j in tl.static_range(ROWS):
+                i_row = i_r + j
+                m_q = tl.where(i_row < hi_q, m_hd, False)  # not `&`: the 3.9 interpreter widens
+                m_v = tl.where(i_row < hi_v, m_hd, False)
+                b_q = tl.load(p_q + i_row * stride_ql, mask=m_q, other=0.0).to(tl.float32)
+                b_v = tl.load(p_v + i_row * stride_vl, mask=m_v, other=0.0).to(tl.float32)
+                b_qacc = tl.maximum(
+                    b_qacc, tl.where(m_q, tl.abs(b_q).to(tl.int32, bitcast=True), 0)
+                )
+                b_vacc = tl.maximum(
+                    b_vacc, tl.where(m_v, tl.abs(b_v).to(tl.int32, bitcast=True), 0)
+                )
+        b_out = tl.maximum(tl.max(b_qacc, axis=1), floor_bits).to(tl.float32, bitcast=True)
         b_out = tl.where(i_s < n_touched, b_out, 0.0)
         m_s = tl.where(i_s < n_slots, m_h, False)
         tl.store(amax_ptr + i_b * H * n_slots + o_h * n_slots + i_s, b_out, mask=m_s)
@@ -116,7 +124,7 @@ def _qv_stats_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     p_vamax = vamax_ptr + i_b * H * D + o_h[:, None] * D + o_d[None, :]
-    tl.atomic_max(p_vamax, tl.max(b_vacc, axis=0), mask=m_hd, sem="relaxed")
+    tl.atomic_max(p_vamax, b_vacc, mask=m_hd, sem="relaxed")
 
 
 def qv_payload_numel(B: int, H: int, D: int) -> int:
@@ -159,11 +167,11 @@ def prepare_qv_stats(
     cuda = device.type == "cuda"
     # ~256 rows a program on CUDA (few atomics); the interpreter pays per program: longer spans
     span = span or (max(1, 256 // G) if cuda else max(1, 1024 // G))
-    rows = next_pow2(rows or (8 if cuda else 4))  # a [ROWS, BLOCK_H, D] tile per step
+    rows = rows or (8 if cuda else 4)
     n_spans = cdiv(n_slots, span)
-    auto_h, _ = tile(D, H, B * n_spans, device, elems=128, warps_per_sm=22)
+    auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=512, warps_per_sm=22)
     block_h = next_pow2(block_h or auto_h)
-    num_warps = num_warps or (max(1, min(8, rows * block_h * D // 512)) if cuda else 1)
+    num_warps = num_warps or auto_warps
     step = Launch(
         _qv_stats_kernel,
         (B * n_spans * cdiv(H, block_h),),
@@ -229,6 +237,8 @@ def qv_stats(
     first and last touched slot [B, H, 2], then V's channel amax over the live rows
     (global row < ``live_end``) [B, H, D]. Pass ``payload`` (a contiguous fp32 slice of a
     larger buffer) to have it written in place. Grid values come from ``ulysses.grid.layout``.
+    ``span``/``rows``/``block_h``/``num_warps`` override the tile (any choice gives the same
+    bits).
     """
     B, L, H, D = q.shape
     assert v.shape == q.shape

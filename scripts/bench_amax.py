@@ -138,7 +138,7 @@ def host_parts():
     (plan,) = [p for key, p in amax._PLANS.items() if key[0] == k.shape]
     out = torch.empty(plan.shape, dtype=torch.float32, device="cuda")
     launch = plan.launch
-    run, function, metadata = next(iter(launch.entries.values()))
+    fn, prefix = next(iter(launch.entries.values()))
     args = launch.args.copy()
     for p_, t in zip(launch.positions, (k, m, out), strict=True):
         args[p_] = t
@@ -146,7 +146,7 @@ def host_parts():
     stream = _runtime._raw_stream(index)
 
     def raw():
-        run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args)
+        fn(g[0], g[1], g[2], stream, *prefix, *args)
 
     def key():
         return (
@@ -163,7 +163,7 @@ def host_parts():
     parts = [
         ("whole call (eager, back to back)", eager_us(call, n=2000)),
         ("prepared Launch(k, m, out)", eager_us(lambda: launch(k, m, out), n=2000)),
-        ("compiled launcher run() alone", eager_us(raw, n=2000)),
+        ("compiled kernel's launcher alone", eager_us(raw, n=2000)),
         ("torch.empty of the output", host_only(lambda: torch.empty(plan.shape, device="cuda"))),
         ("plan key tuple", host_only(key)),
         ("_PLANS.get(key)", host_only(lambda: amax._PLANS.get(key()))),

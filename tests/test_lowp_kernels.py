@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ulysses.kernels.lowp_pack import pack_qkv
+from ulysses.kernels.lowp_pack import pack_qkv, prepare_pack
 from ulysses.kernels.lowp_qv_stats import qv_stats
 
 from ulysses import grid, lowp, reference
@@ -119,8 +119,8 @@ def test_qv_stats_matches_reference(
     "span,rows,block_h", [(1, 1, 1), (2, 2, 2), (3, 4, 4), (8, 16, 1), (5, 3, 8)]
 )
 def test_qv_stats_tile_does_not_change_bits(span, rows, block_h):
-    """Every tile (slots per program, rows per step, head block; sizes that are not powers of
-    two rounded up) gives the same Q partial amax and payload."""
+    """Every tile (slots per program, rows unrolled per step, head block, a head block that is
+    not a power of two rounded up) gives the same Q partial amax and payload."""
     P, L, h, D, B, Gq = 2, 50, 3, 32, 2, 16
     H, S = h * P, L * P
     used = _used("tail", L, P, Gq)
@@ -230,6 +230,41 @@ def test_pack_tile_does_not_change_bits(rows, block_l, block_h):
         base = pack_qkv(*args, **kw)
         got = pack_qkv(*args, **kw, rows=rows, block_l=block_l, block_h=block_h)
         assert torch.equal(got, base), f"rank {r}: rows={rows} block_l={block_l} block_h={block_h}"
+
+
+def test_pack_writes_every_byte():
+    """The send buffer holds no stale memory: packed into buffers pre-filled with two
+    different byte patterns, the results are equal (scale slots past the scale block are 0)."""
+    P, L, h, D, B, Gq, Gk = 2, 50, 3, 32, 2, 16, 64
+    H, S = h * P, L * P
+    q, k, v = make_qkv_full(B, S, H, D, torch.bfloat16, seed="every")
+    amax_q, k_mean, amax_k, amax_v = _global_stats(q, k, v, P=P, used=None, Gq=Gq, Gk=Gk)
+    w = lowp._wire(B, L, H, D, P, Gq, Gk)
+    assert w.scale_bytes // 4 * L > B * h * (w.n_sq + w.n_sk)  # unused slots exist
+    r = 1
+    shards = [reference.shard(t, r, P) for t in (q, k, v)]
+    final_q = reference.merged_amax_shard(amax_q, rank=r, L=L, group_size=Gq)
+    final_k = reference.merged_amax_shard(amax_k, rank=r, L=L, group_size=Gk)
+    sends = []
+    for fill in (0xAA, 0x55):
+        send = torch.full((P * L * w.row_bytes,), fill, dtype=torch.uint8)
+        prepare_pack(
+            shards[0].shape,
+            tuple(t.stride() for t in shards),
+            send.device,
+            send,
+            world_size=P,
+            row0=r * L,
+            q_group=Gq,
+            k_group=Gk,
+            n_sq=w.n_sq,
+            n_sk=w.n_sk,
+            row_bytes=w.row_bytes,
+            scale_bytes=w.scale_bytes,
+            use_pdl=False,
+        )(*shards, final_q, final_k, k_mean, amax_v)
+        sends.append(send)
+    assert torch.equal(sends[0], sends[1])
 
 
 def _fp8_grid_values() -> torch.Tensor:

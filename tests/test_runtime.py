@@ -233,6 +233,68 @@ def test_one_compilation_serves_every_rank_and_padding():
     assert _runtime.first_launch_stats()[0] == before
 
 
+class _FakeLauncher:
+    """Stands in for Triton's launcher object (``compiled.run``)."""
+
+    def __init__(self, global_scratch_size=0, profile_scratch_size=0):
+        self.global_scratch_size = global_scratch_size
+        self.profile_scratch_size = profile_scratch_size
+        self.launch_cooperative_grid = False
+        self.launch_pdl = True
+
+    def launch(self, *args):
+        return args
+
+    def __call__(self, *args):
+        return ("wrapped", *args)
+
+
+class _FakeCompiled:
+    def __init__(self, run):
+        self.run, self.function, self.packed_metadata = run, "function", (4, 1, 0)
+
+
+@pytest.mark.parametrize("version", ["3.6.0", "3.9.1", "3.5.1"])
+@pytest.mark.parametrize("scratch", [(0, 0), (64, 0), (0, 64)])
+def test_direct_launch_only_where_its_layout_is_known(monkeypatch, version, scratch):
+    """The C launch function is called directly only on a verified Triton version and for a
+    kernel without scratch memory; its arguments are then the launcher's own, in order."""
+    monkeypatch.setattr(triton, "__version__", version)
+    run = _FakeLauncher(*scratch)
+    fn, prefix = _runtime._entry(_FakeCompiled(run))
+    if version.startswith("3.6.") and scratch == (0, 0):
+        assert fn == run.launch
+        assert fn(1, 2, 3, "stream", *prefix, "a0") == (
+            (1, 2, 3, "stream", "function", False, True, None, None, (4, 1, 0))
+            + (None, None, None, "a0")
+        )
+    else:
+        assert fn is run
+        assert prefix == ("function", (4, 1, 0), None, None, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prepared_launch_calls_the_c_launcher_on_triton_36():
+    """On the GPU's Triton (3.6) the eager path reaches the compiled kernel's C launch
+    function directly (and the result stays right)."""
+    k, k_mean = _case(H=3, L=70)
+    kc, mc = k.cuda(), k_mean.cuda()
+    out = ulysses.k_grouped_amax(kc, mc, rank=1, world_size=2)
+    out = ulysses.k_grouped_amax(kc, mc, rank=1, world_size=2)
+    expected = ref.grouped_amax_shard(k, k_mean, rank=1, world_size=2)
+    assert ref.bitwise_diff(out.cpu(), expected) is None
+    from ulysses import amax
+
+    (plan,) = [
+        p
+        for key, p in amax._PLANS.items()
+        if key[0] == kc.shape and key[3].type == "cuda" and key[8:11] == (1, 2, None)
+    ]
+    fn, _ = next(iter(plan.launch.entries.values()))
+    direct = triton.__version__.startswith(_runtime._DIRECT_LAUNCH_VERSIONS)
+    assert (getattr(fn, "__name__", "") == "launch") == direct, (triton.__version__, fn)
+
+
 def _rows_summing_to(xs: torch.Tensor, dtype, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows r_0..r_{n-1} of ``dtype`` whose sequential fp32 sum is exactly x (greedy
     residuals), for the xs where that works: ``(rows [n_rows, m], kept xs [m])``."""
