@@ -1,7 +1,7 @@
 """Tile sweeps of the exchange's kernels on one GPU (issue 13): the pack kernel and the Q/V
 statistics kernel, at the exchange's benchmark shapes (P = 2 wire layout, bf16).
 
-    python scripts/sweep_tiles.py [--quick]
+    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both]
 
 Per shape and kernel: the cold device time (CUPTI, L2 flushed before each call, median of 25;
 scripts/_bench.py) of the default tile and of each swept tile, every swept tile first checked
@@ -45,13 +45,12 @@ PACK_TILES = [
     for bl in (16, 32)
     if bl >= r
 ]
-# (slots per program, rows per step, head block, warps)
+# (slots per program, rows unrolled per step, head block, warps)
 QV_TILES = [
     (span, r, bh, nw)
     for span in (2, 4, 8)
-    for r in (8, 16, 32)
-    for bh, nw in ((1, 2), (1, 4), (2, 4))
-    if 4 <= r * bh * 128 // (32 * nw) <= 64
+    for r in (8, 16)
+    for bh, nw in ((1, 1), (1, 2), (2, 2), (4, 4))
 ]
 
 
@@ -117,14 +116,17 @@ def sweep_qv(B, L, H, D, quick):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kernel", choices=("pack", "qv", "both"), default="both")
     args = ap.parse_args()
     print(
         f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}"
         f" {datetime.date.today()}; cold us (L2 flushed, CUPTI, median of 25)"
     )
     for shape in SHAPES[:1] if args.quick else SHAPES:
-        sweep_pack(*shape, args.quick)
-        sweep_qv(*shape, args.quick)
+        if args.kernel in ("pack", "both"):
+            sweep_pack(*shape, args.quick)
+        if args.kernel in ("qv", "both"):
+            sweep_qv(*shape, args.quick)
         torch.cuda.empty_cache()
 
 
