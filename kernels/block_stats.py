@@ -21,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..grid import SUM_BLOCK
-from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, tile, workspace
-from .block_sum_reduce import prepare_block_sum_reduce
+from ..grid import SUM_BLOCK, SUPER_BLOCK
+from ._runtime import Launch, cdiv, counters, gdc_launch_dependents, gdc_wait, tile, workspace
 
 __all__ = [
     "local_stats",
@@ -35,6 +34,7 @@ __all__ = [
 ]
 
 SUM_BLOCK_C = tl.constexpr(SUM_BLOCK)
+SUPER_C = tl.constexpr(SUPER_BLOCK)
 MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 
 
@@ -43,6 +43,7 @@ MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 # dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
 # alignment lets the loads and stores vectorize.
 _NOT_SPECIALIZED = [
+    "tag_last",
     "L",
     "H",
     "row0",
@@ -65,6 +66,11 @@ def _block_stats_kernel(
     sum_ptr,
     mm_ptr,
     bnd_ptr,
+    sup_ptr,
+    cnt_ptr,
+    payload_ptr,
+    tag_last,
+    tag,
     L,
     H,
     row0,
@@ -193,6 +199,53 @@ def _block_stats_kernel(
                 MINMAX,
             )
 
+    # ---- the ordered sum of the block sums, finished by the last programs (no second launch)
+    # The association is fixed by global positions (docs/DESIGN.md "Mean"): the blocks of each
+    # 16-block superblock of the GLOBAL grid in order from +0.0, then the superblocks in order
+    # from +0.0. Per column (batch, head block) one counter per superblock counts the blocks
+    # stored; the program that completes a superblock sums it, and the one that completes
+    # the last superblock of its column sums the superblock sums into the payload. A CTA
+    # barrier then an acq_rel atomic publish a program's stores; the reducers read with
+    # .cg (L2, never a stale L1 line). Reducers put their counters back to 0 for the next
+    # launch, so one zeroed buffer per stream serves every launch.
+    gb0 = span0 // SUM_BLOCK_C  # first global block of this span (a span never straddles
+    j_lo = tl.maximum(gb0 - block_first, 0)  # a superblock: 1024 is a multiple of SPAN)
+    j_hi = tl.minimum(gb0 + SPAN // SUM_BLOCK_C - block_first, n_blocks)
+    off = block_first % SUPER_C
+    n_super = (off + n_blocks + SUPER_C - 1) // SUPER_C
+    i_c = gb0 // SUPER_C - block_first // SUPER_C  # this span's superblock, local index
+    p_cnt = cnt_ptr + (i_b * n_hblocks + i_hb) * (n_super + 1)
+    c_lo = tl.maximum(i_c * SUPER_C - off, 0)  # the rank's blocks of superblock i_c
+    c_hi = tl.minimum((i_c + 1) * SUPER_C - off, n_blocks)
+    tl.debug_barrier()
+    n_done = tl.atomic_add(p_cnt + i_c, (j_hi - j_lo).to(tl.int32), sem="acq_rel")
+    if n_done + (j_hi - j_lo) == c_hi - c_lo:
+        tl.store(p_cnt + i_c, 0)
+        p_sum = sum_ptr + i_b * n_blocks * H * D + o_hd
+        b_acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+        for u in tl.static_range(SUPER_C):
+            m_u = tl.where(c_lo + u < c_hi, m_hd, False)
+            b_x = tl.load(p_sum + (c_lo + u) * H * D, mask=m_u, other=0.0, cache_modifier=".cg")
+            b_acc = tl.where(m_u, b_acc + b_x, b_acc)
+        tl.store(sup_ptr + (i_b * n_super + i_c) * H * D + o_hd, b_acc, mask=m_hd)
+        tl.debug_barrier()
+        n_sup = tl.atomic_add(p_cnt + n_super, 1, sem="acq_rel")
+        if n_sup + 1 == n_super:
+            tl.store(p_cnt + n_super, 0)
+            p_sup = sup_ptr + i_b * n_super * H * D + o_hd
+            b_tot = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+            for c0 in range(0, n_super, SUPER_C):
+                for u in tl.static_range(SUPER_C):
+                    m_u = tl.where(c0 + u < n_super, m_hd, False)
+                    b_x = tl.load(
+                        p_sup + (c0 + u) * H * D, mask=m_u, other=0.0, cache_modifier=".cg"
+                    )
+                    b_tot = tl.where(m_u, b_tot + b_x, b_tot)
+            tl.store(payload_ptr + 1 + i_b * H * D + o_hd, b_tot, mask=m_hd)
+    if i_pid == 0:  # the call tag at both ends of the payload
+        tl.store(payload_ptr, tag)
+        tl.store(payload_ptr + tag_last, tag)
+
 
 @triton.jit
 def _store_minmax(
@@ -232,11 +285,11 @@ def _store_minmax(
 
 
 class LocalStats:
-    """The launches of :func:`local_stats` for one shard shape, bound to ``payload`` and
-    ``minmax``: ``local(k)`` runs them (the block-stats kernel, then the two ordered
-    chunk sums). Built once per call signature by the eager fast path of ``ulysses``."""
+    """The launch of :func:`local_stats` for one shard shape, bound to ``payload`` and
+    ``minmax``: ``local(k)`` runs it (one block-stats kernel, which also finishes the ordered
+    sum). Built once per call signature by the eager fast path of ``ulysses``."""
 
-    __slots__ = ("stats", "sums")
+    __slots__ = ("stats",)
 
     def __init__(
         self,
@@ -280,6 +333,9 @@ class LocalStats:
         auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=256)
         block_h = block_h or auto_h
         n_hblocks = cdiv(H, block_h)
+        n_super = (block_first % SUPER_BLOCK + n_blocks + SUPER_BLOCK - 1) // SUPER_BLOCK
+        supers = workspace("super_sums", B * n_super * H * D, torch.float32, device)
+        cnt = counters(B * n_hblocks * (n_super + 1), device)
         self.stats = Launch(
             _block_stats_kernel,
             (B * n_spans * n_hblocks,),
@@ -293,6 +349,11 @@ class LocalStats:
             sum_ptr=block_sums,
             mm_ptr=minmax if n_mm else block_sums,  # never written without MINMAX_ALL
             bnd_ptr=payload[1 + bhd :] if minmax_mode != MINMAX_NONE else block_sums,
+            sup_ptr=supers,
+            cnt_ptr=cnt,
+            payload_ptr=payload,
+            tag_last=numel - 1,
+            tag=float(tag),
             L=L,
             H=H,
             row0=row0,
@@ -311,15 +372,9 @@ class LocalStats:
             MINMAX=minmax_mode,
             USE_PDL=use_pdl,
         )
-        self.sums = prepare_block_sum_reduce(
-            block_sums, payload, first_block=block_first, tag=tag, use_pdl=use_pdl
-        )
 
     def __call__(self, k: torch.Tensor) -> None:
         self.stats(k)
-        first, second = self.sums
-        first()
-        second()
 
 
 def local_stats(

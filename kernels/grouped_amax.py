@@ -132,8 +132,11 @@ def prepare_grouped_amax(
     B, L, H, D = shape
     stride_kb, stride_kl, stride_kh, stride_kd = strides
     assert stride_kd == 1
-    auto_h, auto_warps = tile(D, H, B * n_slots, device, elems=128, warps_per_sm=22)
+    auto_h, _ = tile(D, H, B * n_slots, device, elems=128, warps_per_sm=22)
     block_h = block_h or auto_h
+    # one warp per 128 elements of the tile: the cold sweep of 2026-11-30 (session 4,
+    # docs/BENCHMARKS.md) measured 1 warp 1-4% faster than 2 at every D=128 shape
+    auto_warps = max(1, block_h * D // 128) if device.type == "cuda" else 1
     n_hblocks = cdiv(H, block_h)
     return Launch(
         _grouped_amax_kernel,

@@ -273,12 +273,14 @@ def prepare_pack(
     assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
     assert send.dtype == torch.uint8 and send.numel() == P * L * row_bytes
     cuda = device.type == "cuda"
-    # A program packs BLOCK_L rows, ROWS (a power of two) at a time; the interpreter pays per
+    # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
+    # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
+    # tile (the cold sweep of session 4, docs/BENCHMARKS.md). The interpreter pays per
     # operation, so it takes big tiles. Any tile gives the same bits.
     rows = next_pow2(rows or (4 if cuda else min(16, L)))
-    block_l = rows * cdiv(block_l or (16 if cuda else min(64, L)), rows)
+    block_l = rows * cdiv(block_l or (32 if cuda else min(64, L)), rows)
     n_rblocks = cdiv(L, block_l)
-    auto_h, _ = tile(D, H, B * n_rblocks, device, elems=256, warps_per_sm=22)
+    auto_h, _ = tile(D, H, B * n_rblocks, device, elems=128, warps_per_sm=22)
     block_h = next_pow2(block_h or auto_h)
     num_warps = num_warps or (max(1, min(8, rows * block_h * D // 256)) if cuda else 1)
     n_code = B * n_rblocks * cdiv(H, block_h)

@@ -166,10 +166,13 @@ def prepare_qv_stats(
     vamax = vamax_f32.view(torch.int32)
     cuda = device.type == "cuda"
     # ~256 rows a program on CUDA (few atomics); the interpreter pays per program: longer spans
-    span = span or (max(1, 256 // G) if cuda else max(1, 1024 // G))
-    rows = rows or (8 if cuda else 4)
+    # CUDA: ~128 rows a program, 16 rows unrolled, [128 / D heads, D] tiles with 2 warps (the
+    # cold sweep of session 4: 43.5 us against 68.2 with 256 rows, 8 rows and 512-element
+    # tiles at 68 MB; docs/BENCHMARKS.md). The interpreter pays per program: longer spans.
+    span = span or (max(1, 128 // G) if cuda else max(1, 1024 // G))
+    rows = rows or (16 if cuda else 4)
     n_spans = cdiv(n_slots, span)
-    auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=512, warps_per_sm=22)
+    auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=128, warps_per_sm=22)
     block_h = next_pow2(block_h or auto_h)
     num_warps = num_warps or auto_warps
     step = Launch(
