@@ -136,6 +136,62 @@ def test_qv_stats_tile_does_not_change_bits(span, rows, block_h):
             assert torch.equal(a, b), f"rank {r} {name}: span={span} rows={rows} block_h={block_h}"
 
 
+@pytest.mark.parametrize(
+    "P,L,G,used,rank",
+    [
+        (2, 50, 32, None, 1),
+        (4, 10, 32, None, 2),
+        (8, 5, 64, 33, 3),
+        (6, 20, 16, 100, 5),
+        (2, 64, 32, None, 0),
+    ],
+)
+def test_lowp_finish_matches_the_torch_ops(P, L, G, used, rank, assert_bitwise):
+    """The post-gather kernel (Q boundary merge over every rank touching the group, V amax
+    over ranks, v_scale) gives the bits of the full path's torch ops, groups spread over up to
+    P ranks, NaN and Inf included."""
+    from ulysses.kernels.lowp_finish import prepare_lowp_finish
+
+    B, H, D = 2, 2 * P, 16
+    lay = grid.layout(rank, L, P, G, used)
+    n_k = 7  # K's part of the payload: ignored here
+    n = n_k + B * H * (2 + D)
+    g = torch.Generator().manual_seed(P * 100 + L)
+    gathered = torch.rand((P, n), generator=g) * 4
+    gathered[0, n_k + 3] = float("nan")
+    gathered[P - 1, n_k + 2 * B * H + 5] = float("inf")
+    gathered[P - 1, n_k + 2 * B * H + 6] = float("nan")
+    partial = torch.rand((B, H, lay.n_slots), generator=g) + 1
+    bounds = gathered[:, n_k : n_k + 2 * B * H].reshape(P, B, H, 2)
+    # as qv_stats writes them: this rank's boundary slots are its first and last touched slot
+    bounds[rank, ..., 0] = partial[..., 0]
+    bounds[rank, ..., 1] = partial[..., lay.n_touched - 1]
+    partial[1, 0, 0] = float("nan")
+    bounds[rank, 1, 0, 0] = float("nan")
+    want_q = lowp._merge_q_boundaries(partial, bounds, lay)
+    bits = gathered[:, n_k + 2 * B * H :].reshape(P, B, H, D).view(torch.int32)
+    want_v = bits.amax(dim=0).view(torch.float32)
+    h = H // P
+    want_scale = reference.ieee_div(want_v[:, rank * h : (rank + 1) * h], 448.0)
+    amax_q, amax_v = partial.clone(), torch.empty(B, H, D)
+    v_scale = torch.full((B, h, D), float("nan"))
+    prepare_lowp_finish(
+        gathered,
+        amax_q,
+        amax_v,
+        first_sources=lay.first_sources,
+        last_sources=lay.last_sources,
+        n_touched=lay.n_touched,
+        q_off=n_k,
+        v_off=n_k + 2 * B * H,
+        rank=rank,
+        world_size=P,
+    )(v_scale)
+    assert_bitwise(amax_q, want_q, "amax_q merged")
+    assert_bitwise(amax_v, want_v, "amax_v")
+    assert_bitwise(v_scale, want_scale, "v_scale")
+
+
 def _unpack_send(send, w, B, D):
     """Send buffer -> per destination: codes uint8 [B, 3, L, h, D], scales fp32 [NF]."""
     rows = send.view(w.P, w.L, w.row_bytes)

@@ -38,6 +38,7 @@ from . import _ops, _validate, grid, stats
 from .kernels._runtime import stream_key, workspace
 from .kernels.block_stats import LocalStats
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
+from .kernels.lowp_finish import prepare_lowp_finish
 from .kernels.lowp_pack import pack_qkv, prepare_pack
 from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, qv_stats
 
@@ -535,8 +536,22 @@ class _ExchangePlan:
             floor=grid.FLOOR,
             use_pdl=c.use_pdl,
         )
-        self.bounds = gathered[:, n_k : n_k + 2 * B * H].reshape(P, B, H, 2)
-        self.v_bits = gathered[:, n_k + 2 * B * H :].reshape(P, B, H, D).view(torch.int32)
+        # Q's boundary merge, V's amax over ranks and v_scale in one launch (kernels/lowp_finish)
+        self.amax_v = workspace("lowp_amax_v", B * H * D, torch.float32, dev)[: B * H * D]
+        self.amax_v = self.amax_v.view(B, H, D)
+        self.finish = prepare_lowp_finish(
+            gathered,
+            self.amax_q,
+            self.amax_v,
+            first_sources=lay_q.first_sources,
+            last_sources=lay_q.last_sources,
+            n_touched=lay_q.n_touched,
+            q_off=n_k,
+            v_off=n_k + 2 * B * H,
+            rank=c.rank,
+            world_size=P,
+        )
+        self.v_scale_shape = (B, H // P, D)
         send = workspace("lowp_send", w.nbytes, torch.uint8, dev)[: w.nbytes]
         self.pack = prepare_pack(
             k.shape,
@@ -559,7 +574,6 @@ class _ExchangePlan:
         self.offsets = (0, h * D, 2 * h * D)
         self.heads = slice(c.rank * h, (c.rank + 1) * h)
         self.idx_q, self.idx_k = _scale_index(w, B, c.q_group, c.k_group, dev)
-        self.lay_q = lay_q
         self.fields = (c.used_sequence, c.q_group, c.k_group)
         self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay_k.n_slots)
         self.dtype, self.device = k.dtype, dev
@@ -573,9 +587,9 @@ class _ExchangePlan:
         part = torch.empty(self.amax_shape, dtype=torch.float32, device=dev)
         final = torch.empty(self.amax_shape, dtype=torch.float32, device=dev)
         self.k_finalize(mean, part, final)
-        amax_q = _merge_q_boundaries(self.amax_q, self.bounds, self.lay_q)
-        amax_v = self.v_bits.amax(dim=0).view(torch.float32)  # int max: NaN above +Inf
-        self.pack(q, k, v, amax_q, final, mean, amax_v)
+        v_scale = torch.empty(self.v_scale_shape, dtype=torch.float32, device=dev)
+        self.finish(v_scale)  # merges Q's boundary slots in self.amax_q, writes self.amax_v
+        self.pack(q, k, v, self.amax_q, final, mean, self.amax_v)
         recv = self.a2a(pg)
         codes = recv.view(torch.int8)
         recv_f32 = recv.view(torch.float32)
@@ -587,7 +601,7 @@ class _ExchangePlan:
             recv.view(FP8).as_strided(size, stride, ov),
             recv_f32.take(self.idx_q),
             recv_f32.take(self.idx_k),
-            _ieee_div(amax_v[:, self.heads], FP8_MAX),
+            v_scale,
             mean[:, self.heads],
             used,
             q_group,

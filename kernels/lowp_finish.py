@@ -1,0 +1,145 @@
+"""After the exchange's statistics all_gather, one launch for what Q and V need (docs/CONTRACT.md §8).
+
+``gathered`` fp32 [P, n] holds every rank's payload; at column ``q_off`` its Q boundary slots
+[B, H, 2] (first, last touched slot) and at ``v_off`` its V channel amax [B, H, D]. Programs
+split the flat [B, H, D] elements (and the same offsets of the [B, H] Q entries):
+
+* V: ``amax_v = max over ranks`` of the int32 bits (non-negative floats order like their bits
+  and a NaN sorts above +Inf, so NaN propagates), and for this rank's heads
+  ``v_scale = div_rn(amax_v, 448)``;
+* Q: this rank's first and last touched slot take the max over every rank that touches their
+  group (``src`` lists them as ``rank * 2 + (0 first | 1 last)``, -1 padding), written in
+  place into this rank's partial amax [B, H, NS].
+
+The same bits as the torch ops of ``ulysses.lowp._finish_stats`` (the full path).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import Launch, cdiv
+
+__all__ = ["prepare_lowp_finish", "MAX_SOURCES"]
+
+MAX_SOURCES = 16  # ranks touching one group: at most P (<= 8) in the supported world sizes
+
+_NOT_SPECIALIZED = ["n_bhd", "n_bh", "n_slots", "n_touched", "H", "h", "head0", "q_off", "v_off"]
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+def _lowp_finish_kernel(
+    gathered_ptr,
+    stride_p,
+    src_ptr,
+    amax_q_ptr,
+    amax_v_ptr,
+    v_scale_ptr,
+    n_bhd,
+    n_bh,
+    n_slots,
+    n_touched,
+    H,
+    h,
+    head0,
+    q_off,
+    v_off,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    N_SRC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    o_e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m_e = o_e < n_bhd
+    b_bits = tl.zeros([BLOCK], dtype=tl.int32)
+    for p in tl.static_range(P):
+        b_x = tl.load(gathered_ptr + p * stride_p + v_off + o_e, mask=m_e, other=0.0)
+        b_bits = tl.maximum(b_bits, b_x.to(tl.int32, bitcast=True))
+    b_amax = b_bits.to(tl.float32, bitcast=True)
+    tl.store(amax_v_ptr + o_e, b_amax, mask=m_e)
+    i_h = (o_e // D) % H
+    i_b = o_e // (H * D)
+    m_local = tl.where((i_h >= head0) & (i_h < head0 + h), m_e, False)
+    b_scale = tl.math.div_rn(b_amax, tl.full([BLOCK], 448.0, tl.float32))
+    o_scale = (i_b * h + i_h - head0) * D + o_e % D
+    tl.store(v_scale_ptr + o_scale, b_scale, mask=m_local)
+
+    # Q: entries (b, h) = o_e < B*H; first touched slot, then the last (the same slot when only
+    # one is touched: the last merge wins, as in the torch ops)
+    m_q = o_e < n_bh
+    for which in tl.static_range(2):
+        b_m = tl.zeros([BLOCK], dtype=tl.int32)
+        for i in tl.static_range(N_SRC):
+            code = tl.load(src_ptr + which * N_SRC + i)
+            m_src = tl.where(code >= 0, m_q, False)
+            b_x = tl.load(
+                gathered_ptr + (code // 2) * stride_p + q_off + o_e * 2 + code % 2,
+                mask=m_src,
+                other=0.0,
+            )
+            b_m = tl.maximum(b_m, b_x.to(tl.int32, bitcast=True))
+        slot = which * (n_touched - 1)
+        tl.store(amax_q_ptr + o_e * n_slots + slot, b_m.to(tl.float32, bitcast=True), mask=m_q)
+
+
+def prepare_lowp_finish(
+    gathered: torch.Tensor,
+    amax_q: torch.Tensor,
+    amax_v: torch.Tensor,
+    *,
+    first_sources: tuple,
+    last_sources: tuple,
+    n_touched: int,
+    q_off: int,
+    v_off: int,
+    rank: int,
+    world_size: int,
+) -> Launch:
+    """The launch for these buffers: call it with ``(v_scale,)``, fp32 [B, H/P, D].
+
+    ``gathered`` fp32 [P, n] (row stride n or more, unit column stride); ``amax_q`` fp32
+    [B, H, NS] contiguous, this rank's Q partial amax, merged in place; ``amax_v`` fp32
+    [B, H, D] contiguous, written. ``first_sources`` / ``last_sources``: ``(rank, end)``
+    pairs and ``n_touched`` (``ulysses.grid.Layout``), ``q_off`` / ``v_off``: columns of the Q boundary slots and
+    V amax in ``gathered``."""
+    P = world_size
+    B, H, n_slots = amax_q.shape
+    D = amax_v.shape[-1]
+    assert gathered.shape[0] == P and gathered.stride(1) == 1 and gathered.dtype == torch.float32
+    assert amax_q.is_contiguous() and amax_v.is_contiguous() and amax_v.shape == (B, H, D)
+    assert 1 <= len(first_sources) <= MAX_SOURCES and 1 <= len(last_sources) <= MAX_SOURCES
+    assert H % P == 0
+    src = torch.full((2, MAX_SOURCES), -1, dtype=torch.int32)
+    for row, sources in enumerate((first_sources, last_sources)):
+        for i, (q, end) in enumerate(sources):
+            src[row, i] = q * 2 + end
+    n_bhd = B * H * D
+    block = 1024 if gathered.device.type == "cuda" else 4096
+    h = H // P
+    return Launch(
+        _lowp_finish_kernel,
+        (cdiv(n_bhd, block),),
+        gathered.device,
+        num_warps=4,
+        slots=("v_scale_ptr",),
+        gathered_ptr=gathered,
+        stride_p=gathered.stride(0),
+        src_ptr=src.to(gathered.device),
+        amax_q_ptr=amax_q,
+        amax_v_ptr=amax_v,
+        n_bhd=n_bhd,
+        n_bh=B * H,
+        n_slots=n_slots,
+        n_touched=n_touched,
+        H=H,
+        h=h,
+        head0=rank * h,
+        q_off=q_off,
+        v_off=v_off,
+        P=P,
+        D=D,
+        N_SRC=MAX_SOURCES,
+        BLOCK=block,
+    )
