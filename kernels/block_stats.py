@@ -222,29 +222,31 @@ def _block_stats_kernel(
     if n_done + (j_hi - j_lo) == c_hi - c_lo:
         tl.store(p_cnt + i_c, 0)
         p_sum = sum_ptr + i_b * n_blocks * H * D + o_hd
-        b_acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-        for u in tl.static_range(SUPER_C):
-            m_u = tl.where(c_lo + u < c_hi, m_hd, False)
-            b_x = tl.load(p_sum + (c_lo + u) * H * D, mask=m_u, other=0.0, cache_modifier=".cg")
-            b_acc = tl.where(m_u, b_acc + b_x, b_acc)
+        b_acc = _ordered_sum(p_sum, c_lo, c_hi, H * D, m_hd, BLOCK_H, D)
         tl.store(sup_ptr + (i_b * n_super + i_c) * H * D + o_hd, b_acc, mask=m_hd)
         tl.debug_barrier()
         n_sup = tl.atomic_add(p_cnt + n_super, 1, sem="acq_rel")
         if n_sup + 1 == n_super:
             tl.store(p_cnt + n_super, 0)
             p_sup = sup_ptr + i_b * n_super * H * D + o_hd
-            b_tot = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-            for c0 in range(0, n_super, SUPER_C):
-                for u in tl.static_range(SUPER_C):
-                    m_u = tl.where(c0 + u < n_super, m_hd, False)
-                    b_x = tl.load(
-                        p_sup + (c0 + u) * H * D, mask=m_u, other=0.0, cache_modifier=".cg"
-                    )
-                    b_tot = tl.where(m_u, b_tot + b_x, b_tot)
+            b_tot = _ordered_sum(p_sup, 0, n_super, H * D, m_hd, BLOCK_H, D)
             tl.store(payload_ptr + 1 + i_b * H * D + o_hd, b_tot, mask=m_hd)
     if i_pid == 0:  # the call tag at both ends of the payload
         tl.store(payload_ptr, tag)
         tl.store(payload_ptr + tag_last, tag)
+
+
+@triton.jit
+def _ordered_sum(p, j0, j1, step, m_hd, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """sum_{j0 <= j < j1, in order, from +0.0} of the [BLOCK_H, D] tiles at p + j * step, read
+    from L2 (.cg: written by other programs of this launch), four loads in flight a step."""
+    b_acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    for j in range(j0, j1, 4):
+        for u in tl.static_range(4):
+            m_u = tl.where(j + u < j1, m_hd, False)
+            b_x = tl.load(p + (j + u) * step, mask=m_u, other=0.0, cache_modifier=".cg")
+            b_acc = tl.where(m_u, b_acc + b_x, b_acc)
+    return b_acc
 
 
 @triton.jit

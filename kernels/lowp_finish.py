@@ -24,9 +24,21 @@ from ._runtime import Launch, cdiv
 
 __all__ = ["prepare_lowp_finish", "MAX_SOURCES"]
 
-MAX_SOURCES = 16  # ranks touching one group: at most P (<= 8) in the supported world sizes
+MAX_SOURCES = 8  # ranks touching one group: at most P (<= 8, the largest supported world size)
 
-_NOT_SPECIALIZED = ["n_bhd", "n_bh", "n_slots", "n_touched", "H", "h", "head0", "q_off", "v_off"]
+_NOT_SPECIALIZED = [
+    "n_bhd",
+    "n_bh",
+    "n_slots",
+    "n_touched",
+    "H",
+    "h",
+    "head0",
+    "q_off",
+    "v_off",
+    "P",
+    "D",
+]
 
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
@@ -46,15 +58,15 @@ def _lowp_finish_kernel(
     head0,
     q_off,
     v_off,
-    P: tl.constexpr,
-    D: tl.constexpr,
+    P,
+    D,
     N_SRC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     o_e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_e = o_e < n_bhd
     b_bits = tl.zeros([BLOCK], dtype=tl.int32)
-    for p in tl.static_range(P):
+    for p in range(0, P):
         b_x = tl.load(gathered_ptr + p * stride_p + v_off + o_e, mask=m_e, other=0.0)
         b_bits = tl.maximum(b_bits, b_x.to(tl.int32, bitcast=True))
     b_amax = b_bits.to(tl.float32, bitcast=True)

@@ -50,10 +50,8 @@ def kernels_us(fn, iters=20):
 def parts(rank, P):
     """Where the time of an eager fused smooth_k_stats call goes (68 MB): the host time of
     each step of the planned call (200 calls, no sync inside, so launches only queue), the
-    whole call eager, and a torch.profiler table of the host ops of 20 calls (rank 0)."""
+    whole call eager (max over ranks; rank 0 prints)."""
     import time
-
-    from torch.profiler import ProfilerActivity, profile
 
     from ulysses import stats
     from ulysses.stats import SmoothKStats
@@ -104,13 +102,6 @@ def parts(rank, P):
     if rank == 0:
         for name, us in zip(res, t.tolist(), strict=True):
             print(f"# part: {name}: {us:.1f} us per call (max over ranks)")
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            ulysses.smooth_k_stats(k)
-        torch.cuda.synchronize()
-    if rank == 0:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
     dist.barrier()
 
 
