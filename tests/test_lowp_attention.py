@@ -15,7 +15,10 @@ EXAMPLE = ROOT / "examples" / "ulysses_lowp_attention.py"
 
 
 def _run(P: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+    # gloo on CPU as documented: the GPU suite's switch (ULYSSES_TEST_DEVICE=cuda) would send
+    # every rank's launches to one GPU, compiling each kernel per rank (the example runs on
+    # NCCL GPUs in its own gpu-check row)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ULYSSES_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     cmd += [str(P), str(EXAMPLE), *args]
