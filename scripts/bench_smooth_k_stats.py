@@ -84,7 +84,7 @@ def parts(rank, P):
         "host: plan key": host_us(
             lambda: stats._plan_key(k, None, None, None, 64, "fused", False), 5000
         ),
-        "host: local kernels (3 launches)": host_us(lambda: plan.local(k)),
+        "host: local stats kernel (1 launch)": host_us(lambda: plan.local(k)),
         "host: all_gather (backend call)": host_us(lambda: plan.gather(pg)),
         "host: 3 x torch.empty": host_us(empties, 2000),
         "host: finalize (1 launch)": host_us(lambda: plan.finalize(mean, part, final)),
