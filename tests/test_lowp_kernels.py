@@ -192,6 +192,19 @@ def test_lowp_finish_matches_the_torch_ops(P, L, G, used, rank, assert_bitwise):
     assert_bitwise(v_scale, want_scale, "v_scale")
 
 
+def _pack_kw(w, r: int, Gq: int, Gk: int) -> dict:
+    """The pack kernel's keyword arguments for rank r of the wire layout w."""
+    return dict(
+        world_size=w.P,
+        row0=r * w.L,
+        q_group=Gq,
+        k_group=Gk,
+        row_bytes=w.row_bytes,
+        scale_bytes=w.scale_bytes,
+        use_pdl=False,
+    )
+
+
 def _unpack_send(send, w, B, D):
     """Send buffer -> per destination: codes uint8 [B, 3, L, h, D], scales fp32 [NF]."""
     rows = send.view(w.P, w.L, w.row_bytes)
@@ -232,13 +245,7 @@ def test_pack_matches_reference(
             final_k,
             k_mean,
             amax_v,
-            world_size=P,
-            row0=r * L,
-            q_group=Gq,
-            k_group=Gk,
-            row_bytes=w.row_bytes,
-            scale_bytes=w.scale_bytes,
-            use_pdl=False,
+            **_pack_kw(w, r, Gq, Gk),
         )
         assert send.numel() == lowp.payload_bytes(B, L, H, D, P, Gq, Gk)
         codes, scales = _unpack_send(send, w, B, D)
@@ -281,8 +288,7 @@ def test_pack_tile_does_not_change_bits(rows, block_l, block_h):
             k_mean,
             amax_v,
         )
-        kw = dict(world_size=P, row0=r * L, q_group=Gq, k_group=Gk, use_pdl=False)
-        kw.update(row_bytes=w.row_bytes, scale_bytes=w.scale_bytes)
+        kw = _pack_kw(w, r, Gq, Gk)
         base = pack_qkv(*args, **kw)
         got = pack_qkv(*args, **kw, rows=rows, block_l=block_l, block_h=block_h)
         assert torch.equal(got, base), f"rank {r}: rows={rows} block_l={block_l} block_h={block_h}"
@@ -309,15 +315,9 @@ def test_pack_writes_every_byte():
             tuple(t.stride() for t in shards),
             send.device,
             send,
-            world_size=P,
-            row0=r * L,
-            q_group=Gq,
-            k_group=Gk,
             n_sq=w.n_sq,
             n_sk=w.n_sk,
-            row_bytes=w.row_bytes,
-            scale_bytes=w.scale_bytes,
-            use_pdl=False,
+            **_pack_kw(w, r, Gq, Gk),
         )(*shards, final_q, final_k, k_mean, amax_v)
         sends.append(send)
     assert torch.equal(sends[0], sends[1])
