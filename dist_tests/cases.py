@@ -93,9 +93,13 @@ _TAIL_KINDS = {
 }
 
 
-def resolve_used(kind: str, L: int, world_size: int, G: int) -> int | None:
-    """The ``used_sequence`` of a used kind at this world size (the same on every rank)."""
-    S = L * world_size
+NOT_SHARED = object()  # shared_used's answer for a kind a suite resolves itself
+
+
+def shared_used(kind: str, S: int, G: int, groups: str) -> int | None | object:
+    """The used kinds every suite resolves alike: ``none`` (None), ``S``, ``one`` (1) and
+    ``mulG``, the largest multiple of G below S (``groups`` names G in the error); any other
+    kind gives NOT_SHARED."""
     if kind == "none":
         return None
     if kind == "S":
@@ -105,7 +109,16 @@ def resolve_used(kind: str, L: int, world_size: int, G: int) -> int | None:
     if kind == "mulG":
         used = ((S - 1) // G) * G
         if used < G:
-            raise SetupError(f"used_mulG needs S > G, got S={S} G={G}")
+            raise SetupError(f"used_mulG needs S > {groups}, got S={S} {groups}={G}")
+        return used
+    return NOT_SHARED
+
+
+def resolve_used(kind: str, L: int, world_size: int, G: int) -> int | None:
+    """The ``used_sequence`` of a used kind at this world size (the same on every rank)."""
+    S = L * world_size
+    used = shared_used(kind, S, G, "G")
+    if used is not NOT_SHARED:
         return used
     if kind not in _TAIL_KINDS:
         raise SetupError(f"unknown used kind {kind!r}; expected one of {USED_KINDS}")

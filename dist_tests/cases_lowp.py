@@ -43,7 +43,7 @@ import torch
 from ulysses import testing
 
 from ._dist import SetupError
-from .cases import DTYPES, case_seed
+from .cases import DTYPES, NOT_SHARED, case_seed, shared_used
 
 USED_KINDS = ("none", "S", "mulG", "tail", "early", "one")
 SPECIALS = ("", "nan", "zero_v")
@@ -99,16 +99,8 @@ def resolve_used(kind: str, L: int, world_size: int, Gq: int, Gk: int) -> int | 
     """The ``used_sequence`` of a used kind at this world size (the same on every rank)."""
     S = L * world_size
     G_small, G_big = min(Gq, Gk), max(Gq, Gk)
-    if kind == "none":
-        return None
-    if kind == "S":
-        return S
-    if kind == "one":
-        return 1
-    if kind == "mulG":
-        used = ((S - 1) // G_big) * G_big
-        if used < G_big:
-            raise SetupError(f"used_mulG needs S > max(Gq, Gk), got S={S} Gq={Gq} Gk={Gk}")
+    used = shared_used(kind, S, G_big, "max(Gq, Gk)")
+    if used is not NOT_SHARED:
         return used
     if kind in ("tail", "early"):
         rank = world_size - 1 if kind == "tail" else world_size // 2 - 1
