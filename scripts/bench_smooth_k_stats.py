@@ -93,10 +93,52 @@ def parts(rank, P):
         ),
         "host: whole call": host_us(lambda: ulysses.smooth_k_stats(k)),
     }
+    # experiment: one flat allocation and three views instead of three torch.empty
+    n_mean = plan.mean_shape[0] * plan.mean_shape[1] * plan.mean_shape[2]
+    n_amax = plan.amax_shape[0] * plan.amax_shape[1] * plan.amax_shape[2]
+
+    def one_empty():
+        flat = torch.empty(n_mean + 2 * n_amax, dtype=torch.float32, device="cuda")
+        flat[:n_amax].view(plan.amax_shape)
+        flat[n_amax : 2 * n_amax].view(plan.amax_shape)
+        flat[2 * n_amax :].view(torch.bfloat16)[:n_mean].view(plan.mean_shape)
+
+    res["host: 1 x torch.empty + 3 views"] = host_us(one_empty, 2000)
+    # experiment: the all_gather captured once in a CUDA graph, replayed per call
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plan.gather(pg)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        plan.gather(pg)
+        graph.capture_end()
+    torch.cuda.synchronize()
+    res["host: all_gather as graph replay"] = host_us(graph.replay)
     dist.barrier()
     res["eager: whole call (back to back)"] = eager_us(lambda: ulysses.smooth_k_stats(k))
     dist.barrier()
     res["eager: all_gather alone (backend call)"] = eager_us(lambda: plan.gather(pg))
+    dist.barrier()
+    res["eager: all_gather alone (graph replay)"] = eager_us(graph.replay)
+    dist.barrier()
+
+    def graphed_call():
+        plan.local(k)
+        graph.replay()
+        plan.finalize(mean, part, final)
+
+    res["eager: local + graphed gather + finalize"] = eager_us(graphed_call)
+    res["host: local + graphed gather + finalize"] = host_us(graphed_call)
+    dist.barrier()
+    res["eager: global_k_mean (back to back)"] = eager_us(lambda: ulysses.global_k_mean(k))
+    res["host: global_k_mean whole call"] = host_us(lambda: ulysses.global_k_mean(k))
+    dist.barrier()
+    res["graph: global_k_mean"] = graph_us(lambda: ulysses.global_k_mean(k))
+    dist.barrier()
     t = torch.tensor(list(res.values()), device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
@@ -135,14 +177,14 @@ def main():
         for name, fn in (("gather", gather), ("fused", fused), ("two_pass", two), ("mean", mean)):
             dist.barrier()
             res[name] = eager_us(fn)
-        for name, fn in (("gather_g", gather), ("fused_g", fused)):
+        for name, fn in (("gather_g", gather), ("fused_g", fused), ("mean_g", mean)):
             dist.barrier()
             res[name] = graph_us(fn)
         dist.barrier()
         ours_k, nccl_k = kernels_us(fused)
         t = torch.tensor([read, *res.values(), ours_k, nccl_k], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        read, g, f, tp, m, gg, fg, ok, nk = t.tolist()
+        read, g, f, tp, m, gg, fg, mg, ok, nk = t.tolist()
         rows.append(
             (
                 f"B{B} L{L} H{H} D{D} ({mb:.0f} MB)",
@@ -155,6 +197,8 @@ def main():
                 gg,
                 fg,
                 fg / (read + gg),
+                mg,
+                m / mg,
                 ok,
                 nk,
             )
@@ -175,6 +219,8 @@ def main():
             "all_gather graph",
             "fused graph",
             "graph ratio",
+            "global_k_mean graph",
+            "global_k_mean eager/graph",
             "our kernels (warm)",
             "nccl kernel",
         )
@@ -186,7 +232,8 @@ def main():
                 + " | ".join(
                     r[0:1]
                     + tuple(
-                        f"{x:.1f}" if i not in (5, 8) else f"{x:.2f}" for i, x in enumerate(r[1:])
+                        f"{x:.1f}" if i not in (5, 8, 10) else f"{x:.2f}"
+                        for i, x in enumerate(r[1:])
                     )
                 )
                 + " |"
