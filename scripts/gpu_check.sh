@@ -7,7 +7,7 @@
 # Runs from the checkout (PYTHONPATH is set to it; nothing needs installing) with $PYTHON
 # (default python3). Three lanes run in parallel, each check with its own timeout, all within
 # one budget:
-#   lane 1  (a) the unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 tests (on the
+#   lane 1  (a) the unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 --timeout 240 tests (on the
 #           last GPU), without the torchrun tests (UNIT_CUDA_IGNORED: they would inherit the
 #           CUDA switch, and the harness rows run their suites on the GPUs)
 #   lane 2  (b) the harness --large at P = 2, 4, 6, 8 (dist_tests.validate), every suite
@@ -121,7 +121,7 @@ lane_unit() {
         echo "[gpu_check] unit_tests_cuda: ignoring $UNIT_CUDA_IGNORED: torchrun tests that" \
             "would inherit ULYSSES_TEST_DEVICE=cuda; the harness rows (harness_P*) run their suites"
         CUDA_VISIBLE_DEVICES=$gpu ULYSSES_TEST_DEVICE=cuda run_check 1 unit_tests_cuda "cuda:$gpu" \
-            "$(limit_for 480)" "$PY" -m pytest -n 8 -rfEs -p no:cacheprovider "${ignore[@]}" tests
+            "$(limit_for 480)" "$PY" -m pytest -n 8 -rfEs -p no:cacheprovider --timeout 240 "${ignore[@]}" tests
     else
         run_check 1 unit_tests "cpu" "$(limit_for 480)" \
             "$PY" -m pytest -n auto -p no:cacheprovider tests

@@ -22,7 +22,11 @@ def _run(P: int, *args: str) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     cmd += [str(P), str(EXAMPLE), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as e:  # fail with what the ranks printed, not a hang
+        out = (e.stdout or b"")[-3000:], (e.stderr or b"")[-3000:]
+        raise AssertionError(f"{EXAMPLE.name} ran past 180 s (2 ranks, gloo/CPU): {out}") from e
 
 
 def _tail(proc) -> str:
