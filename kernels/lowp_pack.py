@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from ._quant import int8_code
 from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, next_pow2, tile
 
 __all__ = ["pack_qkv", "prepare_pack"]
@@ -54,11 +54,6 @@ _NOT_SPECIALIZED = [
     "n_code",
     "n_scales",
     "B",
-    "shift",
-    "q_whole_lo",
-    "q_whole_hi",
-    "tail_group_q",
-    "live_end",
 ]
 
 
@@ -95,11 +90,6 @@ def _pack_kernel(
     ROW,
     CB,
     E4,
-    shift,
-    q_whole_lo,
-    q_whole_hi,
-    tail_group_q,
-    live_end,
     D: tl.constexpr,
     GQ: tl.constexpr,
     GK: tl.constexpr,
@@ -108,8 +98,6 @@ def _pack_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HW_ROUND: tl.constexpr,
-    Q_ONCE: tl.constexpr,
-    FLOOR: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
@@ -146,69 +134,49 @@ def _pack_kernel(
         b_iv = tl.math.div_rn(tl.full([BLOCK_H, D], 448.0, tl.float32), b_av)[None, :, :]
         b_vzero = (b_av == 0.0)[None, :, :]
 
-        # Q_ONCE: the blocks follow the global Q grid (BLOCK_L == GQ, block i_rb is Q slot
-        # i_rb, its first row at local i_rb * GQ - shift), and Q is read here only: a group
-        # this rank holds whole gets its amax from the [GQ, BLOCK_H, D] tile in registers
-        # (exactly the statistics kernel's max: live rows of the tail group, the floor) and
-        # its scale slots are written here; a straddling group takes the merged amax.
-        i_base = i_rb * BLOCK_L - shift
-        if Q_ONCE:
-            o_g = i_base + tl.arange(0, BLOCK_L)  # [GQ] local rows of the group
-            m_g = (o_g >= 0) & (o_g < L)
-            m_gq = m_g[:, None, None] & m_hd[None, :, :]  # [GQ, BH, D]
-            b_qg = tl.load(p_q + o_g[:, None, None] * stride_ql, mask=m_gq, other=0.0)
-            b_qg = b_qg.to(tl.float32)
-            g = gq_first + i_rb
-            whole = (i_rb >= q_whole_lo) & (i_rb < q_whole_hi)
-            m_live = tl.where(g == tail_group_q, row0 + o_g < live_end, True)
-            m_am = tl.where(m_live[:, None, None], m_gq, False)
-            b_qbits = tl.where(m_am, tl.abs(b_qg).to(tl.int32, bitcast=True), 0)
-            b_qbits = tl.max(tl.max(b_qbits, axis=2), axis=0)  # [BH]
-            q_floor = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
-            b_qown = tl.maximum(b_qbits, q_floor).to(tl.float32, bitcast=True)
-            b_qmerged = tl.load(
-                amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_rb,
-                mask=tl.where(whole, False, m_h),
-                other=1.0,
-            )
-            b_qa = tl.where(whole, b_qown, b_qmerged)  # [BH]
-            b_qinv = tl.math.div_rn(tl.full([BLOCK_H], 127.0, tl.float32), b_qa)
-            b_qcode = int8_code(b_qg, b_qinv[None, :, None], HW_ROUND)
-            p_gdst = send_ptr + o_dst + o_g[:, None, None] * ROW
-            tl.store(p_gdst, b_qcode.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_gq)
-            # the scale slot n = (b, local head, slot) of each head's destination
-            i_qn = (i_b * h + o_h - i_j * h) * n_slots_q + i_rb  # [BH]
-            o_qf = (i_j * L * ROW + (i_qn // E4) * ROW + CB) // 4 + i_qn % E4
-            b_qscale = tl.math.div_rn(b_qown, tl.full([BLOCK_H], 127.0, tl.float32))
-            tl.store(send_f32_ptr + o_qf, b_qscale, mask=tl.where(whole, m_h, False))
-
-        # ROWS rows at a time as [ROWS, BLOCK_H, D] tiles: the loads of q (unless Q_ONCE), k
-        # and v for a chunk are issued together, with wide per-thread accesses.
+        # ROWS rows at a time as [ROWS, BLOCK_H, D] tiles: the loads of q, k and v for a chunk
+        # are issued together, with wide per-thread accesses.
         for i_c in range(0, BLOCK_L // ROWS):
-            i_row = i_base + i_c * ROWS + o_r  # [R]
-            m_r = (i_row >= 0) & (i_row < L)
+            i_row = i_rb * BLOCK_L + i_c * ROWS + o_r  # [R]
+            m_r = i_row < L
             m_row = m_r[:, None, None] & m_hd[None, :, :]  # [R, BH, D]
             m_rh = m_r[:, None] & m_h[None, :]  # [R, BH]
             i_sq = (row0 + i_row) // GQ - gq_first
             i_sk = (row0 + i_row) // GK - gk_first
             o_row = i_row[:, None, None]
             p_dst = send_ptr + o_dst + o_row * ROW
-            if not Q_ONCE:
-                b_q = tl.load(p_q + o_row * stride_ql, mask=m_row, other=0.0)
+            b_q = tl.load(p_q + o_row * stride_ql, mask=m_row, other=0.0)
             b_k = tl.load(p_k + o_row * stride_kl, mask=m_row, other=0.0)
             b_v = tl.load(p_v + o_row * stride_vl, mask=m_row, other=0.0)
             o_aq = (i_b * H + o_h[None, :]) * n_slots_q + i_sq[:, None]  # [R, BH]
             o_ak = (i_b * H + o_h[None, :]) * n_slots_k + i_sk[:, None]
+            b_aq = tl.load(amax_q_ptr + o_aq, mask=m_rh, other=1.0)
             b_ak = tl.load(amax_k_ptr + o_ak, mask=m_rh, other=1.0)
-            for t in tl.static_range(1 if Q_ONCE else 0, 2):  # Q then K: int8 codes
+            for t in tl.static_range(2):  # Q then K: int8 codes
                 if t == 0:
-                    b_a = tl.load(amax_q_ptr + o_aq, mask=m_rh, other=1.0)
+                    b_a = b_aq
                     b_x = b_q.to(tl.float32)
                 else:
                     b_a = b_ak
                     b_x = b_k.to(tl.float32) - b_mean
                 b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_a)
-                b_code = int8_code(b_x, b_inv[:, :, None], HW_ROUND)
+                b_y = b_x * b_inv[:, :, None]
+                b_y = tl.where(b_y > 127.0, 127.0, tl.where(b_y < -127.0, -127.0, b_y))
+                b_y = tl.where(b_y != b_y, 0.0, b_y)  # NaN -> code 0
+                if HW_ROUND:  # CUDA: cvt.rni (round half to even), no add after the multiply
+                    b_code = libdevice.rint(b_y).to(tl.int32)
+                else:
+                    # rne(|y|) for |y| <= 127: |y| = man * 2^-sh with a 24-bit man, sh >= 17
+                    b_bits = b_y.to(tl.int32, bitcast=True)
+                    b_mag = b_bits & 0x7FFFFFFF
+                    b_man = (b_mag & 0x7FFFFF) | 0x800000
+                    b_sh = tl.minimum(150 - (b_mag >> 23), 25)  # 25: |y| < 0.5, 0, subnormal
+                    b_int = b_man >> b_sh
+                    b_rem = b_man & ((1 << b_sh) - 1)
+                    b_half = 1 << (b_sh - 1)
+                    b_up = (b_rem > b_half) | ((b_rem == b_half) & ((b_int & 1) == 1))
+                    b_int = b_int + b_up.to(tl.int32)
+                    b_code = tl.where(b_bits < 0, -b_int, b_int)
                 tl.store(
                     p_dst + t * h * D, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_row
                 )
@@ -268,9 +236,7 @@ def _pack_kernel(
         b_scale = tl.math.div_rn(tl.where(is_q, b_aq, b_ak), tl.full([BLOCK_N], 127.0, tl.float32))
         b_scale = tl.where(m_used, b_scale, 0.0)
         o_f = (i_j_s * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
-        # Q_ONCE: the slots of the Q groups held whole are the code programs' to write
-        m_own = is_q & (i_s >= q_whole_lo) & (i_s < q_whole_hi) & (i_n < nf)
-        tl.store(send_f32_ptr + o_f, b_scale, mask=tl.where(m_own, False, m_m))
+        tl.store(send_f32_ptr + o_f, b_scale, mask=m_m)
     if USE_PDL:
         gdc_launch_dependents()
 
@@ -290,7 +256,6 @@ def prepare_pack(
     row_bytes: int,
     scale_bytes: int,
     use_pdl: bool,
-    q_once: tuple[int, int, int, int] | None = None,
     block_l: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -298,12 +263,7 @@ def prepare_pack(
 ) -> Launch:
     """The pack launch for q, k, v of this shape and ``strides`` (q's, k's, v's), writing
     ``send``: call it with ``(q, k, v, amax_q, amax_k, k_mean, amax_v)``. Arguments as
-    :func:`pack_qkv`.
-
-    ``q_once=(n_touched_q, tail_group_q, live_end, floor)`` (the Q grid's layout values)
-    reads Q here only: the amax of each Q group this rank holds whole comes from its rows
-    (``amax_q`` is then read only at the straddling first/last slots, which the statistics
-    kernel and the merge still fill). See :func:`q_once_fits` for when it applies."""
+    :func:`pack_qkv`."""
     B, L, H, D = shape
     P = world_size
     h = H // P
@@ -313,34 +273,16 @@ def prepare_pack(
     assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
     assert send.dtype == torch.uint8 and send.numel() == P * L * row_bytes
     cuda = device.type == "cuda"
-    block_h = _block_h(shape, device, block_h)
-    if q_once is not None:
-        # One program per Q group: BLOCK_L = GQ rows, the Q tile [GQ, BLOCK_H, D] whole in
-        # registers (64 elements a thread at most), K and V ROWS rows a step (256 elements
-        # a warp, as below).
-        assert q_group * block_h * D <= _Q_TILE_MAX
-        n_touched_q, tail_group_q, live_end, floor = q_once
-        shift = row0 % q_group
-        block_l = q_group
-        num_warps = num_warps or (max(2, min(8, q_group * block_h * D // 2048)) if cuda else 1)
-        rows = min(
-            q_group, next_pow2(rows or (max(1, num_warps * 256 // (block_h * D)) if cuda else 16))
-        )
-        n_rblocks = cdiv(L + shift, block_l)
-        assert n_rblocks == n_touched_q
-        q_whole_lo = 0 if shift == 0 else 1
-        q_whole_hi = max(q_whole_lo, (row0 + L) // q_group - row0 // q_group)
-    else:
-        # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at
-        # a time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H,
-        # D] tile (the cold sweep of session 4, docs/BENCHMARKS.md). The interpreter pays per
-        # operation, so it takes big tiles. Any tile gives the same bits.
-        rows = next_pow2(rows or (4 if cuda else min(16, L)))
-        block_l = rows * cdiv(block_l or (32 if cuda else min(64, L)), rows)
-        num_warps = num_warps or (max(1, min(8, rows * block_h * D // 256)) if cuda else 1)
-        n_rblocks = cdiv(L, block_l)
-        shift = q_whole_lo = q_whole_hi = live_end = 0
-        tail_group_q, floor = -1, 0.0
+    # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
+    # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
+    # tile (the cold sweep of session 4, docs/BENCHMARKS.md). The interpreter pays per
+    # operation, so it takes big tiles. Any tile gives the same bits.
+    rows = next_pow2(rows or (4 if cuda else min(16, L)))
+    block_l = rows * cdiv(block_l or (32 if cuda else min(64, L)), rows)
+    n_rblocks = cdiv(L, block_l)
+    auto_h, _ = tile(D, H, B * n_rblocks, device, elems=128, warps_per_sm=22)
+    block_h = next_pow2(block_h or auto_h)
+    num_warps = num_warps or (max(1, min(8, rows * block_h * D // 256)) if cuda else 1)
     n_code = B * n_rblocks * cdiv(H, block_h)
     n_scales = P * L * (scale_bytes // 4)  # every scale slot, used or not
     block_n = 256 if cuda else 4096
@@ -379,42 +321,13 @@ def prepare_pack(
         ROW=row_bytes,
         CB=cb,
         E4=scale_bytes // 4,
-        shift=shift,
-        q_whole_lo=q_whole_lo,
-        q_whole_hi=q_whole_hi,
-        tail_group_q=tail_group_q,
-        live_end=live_end,
         BLOCK_H=block_h,
         BLOCK_L=block_l,
         ROWS=rows,
         BLOCK_N=block_n,
         HW_ROUND=cuda,
-        Q_ONCE=q_once is not None,
-        FLOOR=floor,
         USE_PDL=use_pdl,
     )
-
-
-# The largest Q tile [GQ, BLOCK_H, D] the q_once path holds in registers: 64 elements a
-# thread with 8 warps.
-_Q_TILE_MAX = 16384
-
-
-def _block_h(shape: tuple[int, int, int, int], device: torch.device, block_h: int | None) -> int:
-    B, L, H, D = shape
-    auto_h, _ = tile(D, H, B * cdiv(L, 32), device, elems=128, warps_per_sm=22)
-    return next_pow2(block_h or auto_h)
-
-
-def q_once_fits(
-    shape: tuple[int, int, int, int],
-    device: torch.device,
-    q_group: int,
-    block_h: int | None = None,
-) -> bool:
-    """Whether :func:`prepare_pack` can take ``q_once`` for q of this shape: the Q group's
-    tile ``[q_group, BLOCK_H, D]`` fits in registers."""
-    return q_group * _block_h(shape, device, block_h) * shape[3] <= _Q_TILE_MAX
 
 
 def pack_qkv(
