@@ -2,7 +2,7 @@
 # One device call that checks a candidate change and times it (device time is scarce):
 #   bash scripts/gpu_explore.sh OUTDIR
 # 1. at once: unit tests on CUDA, $UNIT_TESTS (default: the exchange's; last GPU) | a
-#    one-GPU script, $SWEEP (default: sweep_tiles.py --kernel pack-q-once; GPU 0)
+#    one-GPU script, $SWEEP (default: sweep_tiles.py --kernel pack; GPU 0)
 # 2. bench_lowp and (unless SKIP_STATS=1) bench_smooth_k_stats --profile-host (NCCL, 2 GPUs)
 # 3. with the time left (of 540 s): the harness's lowp suite at P = 2 with --large
 # Logs in OUTDIR; a short summary on stdout.
@@ -15,7 +15,7 @@ last=$(($(python3 -c "import torch; print(torch.cuda.device_count())") - 1))
 (CUDA_VISIBLE_DEVICES=$last ULYSSES_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -n 6 -p no:cacheprovider \
     --timeout 150 -rfEs ${UNIT_TESTS:-tests/test_lowp_kernels.py tests/test_lowp_attention.py} > "$out/unit_cuda.log" 2>&1
  echo "unit_cuda rc=$? at ${SECONDS}s" >> "$out/unit_cuda.log") &
-(CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/${SWEEP:-sweep_tiles.py --kernel pack-q-once} > "$out/sweep.log" 2>&1
+(CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/${SWEEP:-sweep_tiles.py --kernel pack} > "$out/sweep.log" 2>&1
  echo "sweep rc=$? at ${SECONDS}s" >> "$out/sweep.log") &
 wait
 timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_lowp.py --out "$out/bench_lowp.csv" > "$out/bench_lowp.log" 2>&1

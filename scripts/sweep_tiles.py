@@ -1,7 +1,7 @@
 """Tile sweeps of the exchange's kernels on one GPU (issue 13): the pack kernel and the Q/V
 statistics kernel, at the exchange's benchmark shapes (P = 2 wire layout, bf16).
 
-    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both|pack-q-once]
+    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both]
 
 Per shape and kernel: the cold device time (CUPTI, L2 flushed before each call, median of 25;
 scripts/_bench.py) of the default tile and of each swept tile, every swept tile first checked
@@ -17,7 +17,7 @@ import datetime
 import torch
 import triton
 from _bench import cold_us
-from ulysses.kernels.lowp_pack import pack_qkv, prepare_pack
+from ulysses.kernels.lowp_pack import pack_qkv
 from ulysses.kernels.lowp_qv_stats import qv_stats
 
 from ulysses import grid, lowp
@@ -95,42 +95,6 @@ def sweep_pack(B, L, H, D, quick):
     _report(f"pack B{B} L{L} H{H} D{D}", default, results, floor)
 
 
-def sweep_pack_q_once(B, L, H, D, quick):
-    """The pack kernel with Q read once (one program per Q group, the Q tile in registers)."""
-    q, k, v = _inputs(B, L, H, D)
-    lay_q, lay_k = grid.layout(0, L, P, GQ, None), grid.layout(0, L, P, GK, None)
-    amax_q = torch.ones((B, H, lay_q.n_slots), device="cuda")  # read at no slot: all whole
-    amax_k = k.float().abs().amax(dim=(1, 3))[..., None].expand(B, H, lay_k.n_slots).contiguous()
-    k_mean = torch.zeros((B, H, D), dtype=k.dtype, device="cuda")
-    amax_v = v.float().abs().amax(dim=1).contiguous()
-    w = lowp._wire(B, L, H, D, P, GQ, GK)
-    args = (q, k, v, amax_q, amax_k, k_mean, amax_v)
-    kw = dict(world_size=P, row0=0, q_group=GQ, k_group=GK, use_pdl=False)
-    kw.update(row_bytes=w.row_bytes, scale_bytes=w.scale_bytes, n_sq=w.n_sq, n_sk=w.n_sk)
-    kw.update(q_once=(lay_q.n_touched, -1, L * P, grid.FLOOR))
-
-    def run(**tile):
-        send = torch.empty(w.nbytes, dtype=torch.uint8, device="cuda")
-        launch = prepare_pack(q.shape, (q.stride(),) * 3, q.device, send, **kw, **tile)
-        return send, lambda: launch(*args)
-
-    base, call = run()
-    call()
-    default = cold_us(call, "_pack_kernel")
-    floor = cold_us(lambda: (q.sum(), k.sum(), v.sum()), ("reduce", "Reduce"))
-    results = []
-    tiles = [(r, bh, nw) for bh in (1, 2) for nw in (2, 4, 8) for r in (2, 4, 8, 16)]
-    for r, bh, nw in tiles[:3] if quick else tiles:
-        if GQ * bh * D > 16384 or r * bh * D // (32 * nw) < 2:
-            continue
-        send, call = run(rows=r, block_h=bh, num_warps=nw)
-        call()
-        assert torch.equal(send, base), (r, bh, nw)
-        us = cold_us(call, "_pack_kernel")
-        results.append((us, f"rows={r} block_h={bh} warps={nw}"))
-    _report(f"pack q_once B{B} L{L} H{H} D{D}", default, results, floor)
-
-
 def sweep_qv(B, L, H, D, quick):
     q, _, v = _inputs(B, L, H, D)
     lay = grid.layout(0, L, P, GQ, None)
@@ -152,7 +116,7 @@ def sweep_qv(B, L, H, D, quick):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--kernel", choices=("pack", "qv", "both", "pack-q-once"), default="both")
+    ap.add_argument("--kernel", choices=("pack", "qv", "both"), default="both")
     args = ap.parse_args()
     print(
         f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}"
@@ -161,8 +125,6 @@ def main():
     for shape in SHAPES[:1] if args.quick else SHAPES:
         if args.kernel in ("pack", "both"):
             sweep_pack(*shape, args.quick)
-        if args.kernel == "pack-q-once":
-            sweep_pack_q_once(*shape, args.quick)
         if args.kernel in ("qv", "both"):
             sweep_qv(*shape, args.quick)
         torch.cuda.empty_cache()
