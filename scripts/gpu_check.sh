@@ -121,7 +121,7 @@ lane_unit() {
         echo "[gpu_check] unit_tests_cuda: ignoring $UNIT_CUDA_IGNORED: torchrun tests that" \
             "would inherit ULYSSES_TEST_DEVICE=cuda; the harness rows (harness_P*) run their suites"
         CUDA_VISIBLE_DEVICES=$gpu ULYSSES_TEST_DEVICE=cuda run_check 1 unit_tests_cuda "cuda:$gpu" \
-            "$(limit_for 480)" "$PY" -m pytest -n 8 -rfEs -p no:cacheprovider --timeout 240 --durations 25 "${ignore[@]}" tests
+            "$(limit_for 480)" "$PY" -m pytest -n 8 -rfEs -p no:cacheprovider --timeout 200 -o timeout_method=thread --durations 25 "${ignore[@]}" tests
     else
         run_check 1 unit_tests "cpu" "$(limit_for 480)" \
             "$PY" -m pytest -n auto -p no:cacheprovider tests
