@@ -7,7 +7,7 @@
 # Runs from the checkout (PYTHONPATH is set to it; nothing needs installing) with $PYTHON
 # (default python3). Three lanes run in parallel, each check with its own timeout, all within
 # one budget:
-#   lane 1  (a) the unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 --timeout 240 tests (on the
+#   lane 1  (a) the unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 tests, 200 s a test (on the
 #           last GPU), without the torchrun tests (UNIT_CUDA_IGNORED: they would inherit the
 #           CUDA switch, and the harness rows run their suites on the GPUs)
 #   lane 2  (b) the harness --large at P = 2, 4, 6, 8 (dist_tests.validate), every suite
