@@ -48,6 +48,7 @@ __all__ = [
     "first_launch_stats",
     "Launch",
     "stream_key",
+    "compiled_for_gpu",
 ]
 
 HAS_GDC = gdc_wait is not None
@@ -186,6 +187,15 @@ def _route_jit_calls_and_fix_loop_bounds() -> None:
 _MIRROR_TO_CUDA = os.environ.get("ULYSSES_TEST_DEVICE", "").lower() == "cuda"
 
 
+def compiled_for_gpu(device: torch.device) -> bool:
+    """Whether launches on ``device`` run compiled on a GPU: CUDA tensors, and CPU tensors
+    under the test mirror. Every launch setting (tiles, warps, unrolls, rounding path) keys
+    on this, not on ``device.type``: the mirror must compile what ships. Compiling the
+    interpreter's big one-warp tiles instead stalled the GPU unit suite for minutes a test
+    (session 6: a pack tile of 16 x 32 x 128 elements on one warp)."""
+    return device.type == "cuda" or (_MIRROR_TO_CUDA and device.type == "cpu")
+
+
 def _launch_mirrored(kernel, grid: tuple, num_warps: int, kwargs: dict) -> None:
     storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     mirrored = {}
@@ -290,7 +300,7 @@ def tile(
     * CPU (the interpreter pays per operation, not per element): the biggest tile up to 4096
       elements, one "warp".
     """
-    cuda = device.type == "cuda"
+    cuda = compiled_for_gpu(device)
     key = (D, H, programs_per_hblock, cuda and sm_count(device), elems, warps_per_sm, max_warps)
     found = _TILES.get(key)
     if found is not None:

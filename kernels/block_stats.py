@@ -22,7 +22,16 @@ import triton
 import triton.language as tl
 
 from ..grid import SUM_BLOCK, SUPER_BLOCK
-from ._runtime import Launch, cdiv, counters, gdc_launch_dependents, gdc_wait, tile, workspace
+from ._runtime import (
+    Launch,
+    cdiv,
+    compiled_for_gpu,
+    counters,
+    gdc_launch_dependents,
+    gdc_wait,
+    tile,
+    workspace,
+)
 
 __all__ = [
     "local_stats",
@@ -331,7 +340,7 @@ class LocalStats:
         block_sums = block_sums.view(B, n_blocks, H, D)
         n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
         assert minmax.shape == (B, n_mm, 2, H, D)
-        cuda = device.type == "cuda"
+        cuda = compiled_for_gpu(device)
         auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=256)
         block_h = block_h or auto_h
         n_hblocks = cdiv(H, block_h)

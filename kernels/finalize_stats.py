@@ -28,6 +28,7 @@ import triton.language as tl
 from ._runtime import (
     Launch,
     cdiv,
+    compiled_for_gpu,
     gdc_launch_dependents,
     gdc_wait,
     next_pow2,
@@ -222,7 +223,7 @@ def prepare_finalize(
     n_amax = n_slots if mode != MODE_MEAN else 0
     if mode == MODE_FUSED:
         assert minmax is not None and minmax.shape == (B, n_slots, 2, H, D)
-    cuda = device.type == "cuda"
+    cuda = compiled_for_gpu(device)
     block_h, num_warps = tile(D, H, B, device, elems=2048)
     n_hblocks = cdiv(H, block_h)
     n_prog_slots = max(n_amax, 1)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, tile
+from ._runtime import Launch, cdiv, compiled_for_gpu, gdc_launch_dependents, gdc_wait, tile
 
 __all__ = ["grouped_amax", "prepare_grouped_amax"]
 
@@ -136,7 +136,8 @@ def prepare_grouped_amax(
     block_h = block_h or auto_h
     # one warp per 128 elements of the tile: the cold sweep of 2026-11-30 (session 4,
     # docs/BENCHMARKS.md) measured 1 warp 1-4% faster than 2 at every D=128 shape
-    auto_warps = max(1, block_h * D // 128) if device.type == "cuda" else 1
+    cuda = compiled_for_gpu(device)
+    auto_warps = max(1, block_h * D // 128) if cuda else 1
     n_hblocks = cdiv(H, block_h)
     return Launch(
         _grouped_amax_kernel,
@@ -162,7 +163,7 @@ def prepare_grouped_amax(
         D=D,
         BLOCK_H=block_h,
         # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
-        ROWS=rows or (8 if device.type == "cuda" else 4),
+        ROWS=rows or (8 if cuda else 4),
         USE_PDL=use_pdl,
     )
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv
+from ._runtime import Launch, cdiv, compiled_for_gpu
 
 __all__ = ["prepare_lowp_finish", "MAX_SOURCES"]
 
@@ -128,7 +128,7 @@ def prepare_lowp_finish(
         for i, (q, end) in enumerate(sources):
             src[row, i] = q * 2 + end
     n_bhd = B * H * D
-    block = 1024 if gathered.device.type == "cuda" else 4096
+    block = 1024 if compiled_for_gpu(gathered.device) else 4096
     h = H // P
     return Launch(
         _lowp_finish_kernel,

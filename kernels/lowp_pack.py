@@ -28,7 +28,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, next_pow2, tile
+from ._runtime import (
+    Launch,
+    cdiv,
+    compiled_for_gpu,
+    gdc_launch_dependents,
+    gdc_wait,
+    next_pow2,
+    tile,
+)
 
 __all__ = ["pack_qkv", "prepare_pack"]
 
@@ -272,7 +280,7 @@ def prepare_pack(
     assert row_bytes == cb + scale_bytes and scale_bytes % 16 == 0
     assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
     assert send.dtype == torch.uint8 and send.numel() == P * L * row_bytes
-    cuda = device.type == "cuda"
+    cuda = compiled_for_gpu(device)
     # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
     # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
     # tile (the cold sweep of session 4, docs/BENCHMARKS.md). The interpreter pays per

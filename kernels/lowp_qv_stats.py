@@ -21,7 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, gdc_launch_dependents, gdc_wait, next_pow2, tile
+from ._runtime import (
+    Launch,
+    cdiv,
+    compiled_for_gpu,
+    gdc_launch_dependents,
+    gdc_wait,
+    next_pow2,
+    tile,
+)
 
 __all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats"]
 
@@ -164,7 +172,7 @@ def prepare_qv_stats(
     assert payload.dtype == torch.float32 and payload.is_contiguous() and payload.numel() == numel
     vamax_f32 = payload[B * H * 2 :]
     vamax = vamax_f32.view(torch.int32)
-    cuda = device.type == "cuda"
+    cuda = compiled_for_gpu(device)
     # ~256 rows a program on CUDA (few atomics); the interpreter pays per program: longer spans
     # CUDA: ~128 rows a program, 16 rows unrolled, [128 / D heads, D] tiles with 2 warps (the
     # cold sweep of session 4: 43.5 us against 68.2 with 256 rows, 8 rows and 512-element

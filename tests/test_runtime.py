@@ -343,3 +343,40 @@ def test_reference_mean_uses_one_ieee_division(device, dtype):
     got = ref.global_k_mean(k_full.to(device), world_size=2, used_sequence=n)[0, 0].cpu()
     want = (x.double() / n).float().to(dtype)  # fp32 division exact via fp64 (53 >= 2*24+2)
     assert torch.equal(got, want)
+
+
+def test_cuda_mirror_compiles_the_cuda_launch_settings(monkeypatch):
+    """Under the test mirror (ULYSSES_TEST_DEVICE=cuda) a launch on CPU tensors must take the
+    settings a CUDA launch takes: the mirror exists to check the compiled kernels as they
+    ship. With the interpreter's settings the GPU unit suite compiled one-warp tiles of up to
+    64K elements and stalled for minutes a test."""
+    from ulysses.kernels import lowp_pack
+
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(_runtime, "_TILES", {})
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    shape, strides = (1, 592, 56, 128), (592 * 56 * 128, 56 * 128, 128, 1)
+    args = dict(group_size=64, row0=592, n_slots=10, g_first=9, n_touched=10, tail_group=-1,
+                tail_end=0, floor=0.0, use_pdl=False)  # fmt: skip
+
+    def settings(device):
+        amax = grouped_amax_module.prepare_grouped_amax(shape, strides, device, **args)
+        P, L, h, D = 8, 592, 7, 128
+        scale_bytes = 16 * -(-(3 * 4 * h) // 16)
+        row_bytes = 3 * h * D + scale_bytes
+        send = torch.zeros(P * L * row_bytes, dtype=torch.uint8)
+        pack = lowp_pack.prepare_pack(
+            (1, L, 56, D), (strides,) * 3, device, send, world_size=P, row0=L, q_group=32,
+            k_group=64, n_sq=L // 32 + 2, n_sk=L // 64 + 2, row_bytes=row_bytes,
+            scale_bytes=scale_bytes, use_pdl=False,
+        )  # fmt: skip
+        return [(x.grid, x.num_warps, [a for a in x.args if not isinstance(a, torch.Tensor)])
+                for x in (amax, pack)]  # fmt: skip
+
+    monkeypatch.setattr(_runtime, "_MIRROR_TO_CUDA", False)
+    assert not _runtime.compiled_for_gpu(cpu)
+    interpreted = settings(cpu)
+    assert interpreted != settings(gpu)  # else this test could not tell the two apart
+    monkeypatch.setattr(_runtime, "_MIRROR_TO_CUDA", True)
+    assert _runtime.compiled_for_gpu(cpu) and _runtime.compiled_for_gpu(gpu)
+    assert settings(cpu) == settings(gpu)
