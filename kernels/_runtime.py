@@ -25,6 +25,8 @@ import threading
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 try:  # Triton >= 3.4 exposes grid dependency control (programmatic dependent launch).
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -49,9 +51,22 @@ __all__ = [
     "Launch",
     "stream_key",
     "compiled_for_gpu",
+    "load_streamed",
 ]
 
 HAS_GDC = gdc_wait is not None
+
+
+@triton.jit
+def load_streamed(p, mask, other, EVICT: tl.constexpr):
+    """``tl.load``; with ``EVICT`` the lines are marked first for eviction from L2 (data read
+    once by this launch). Same values either way: a hint for the memory system only."""
+    if EVICT:
+        return tl.load(p, mask=mask, other=other, eviction_policy="evict_first")
+    else:
+        return tl.load(p, mask=mask, other=other)
+
+
 # Held by CPU (interpreted) launches and by CUDA compilations: the interpreter patches module
 # globals that the compiler reads.
 _TRITON_LOCK = threading.RLock()

@@ -29,6 +29,7 @@ from ._runtime import (
     counters,
     gdc_launch_dependents,
     gdc_wait,
+    load_streamed,
     tile,
     workspace,
 )
@@ -96,6 +97,7 @@ def _block_stats_kernel(
     ROWS: tl.constexpr,
     MINMAX: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
     SPAN: tl.constexpr = G if G > 64 else 64
@@ -137,7 +139,7 @@ def _block_stats_kernel(
         for i_c in range(0, n_full):
             for j in tl.static_range(ROWS):
                 i_row = lo + i_c * ROWS + j
-                b_k = tl.load(p_k + i_row * stride_kl, mask=m_hd, other=0.0).to(tl.float32)
+                b_k = load_streamed(p_k + i_row * stride_kl, m_hd, 0.0, EVICT).to(tl.float32)
                 b_sum += b_k
                 if MINMAX != 0:
                     b_min = tl.minimum(b_min, b_k)
@@ -147,7 +149,7 @@ def _block_stats_kernel(
             for j in tl.static_range(ROWS):
                 i_row = i_r + j
                 m_row = tl.where(i_row < hi, m_hd, False)  # not `&`: the 3.9 interpreter widens it
-                b_k = tl.load(p_k + i_row * stride_kl, mask=m_row, other=0.0).to(tl.float32)
+                b_k = load_streamed(p_k + i_row * stride_kl, m_row, 0.0, EVICT).to(tl.float32)
                 b_sum += tl.where(i_row < live_end, b_k, 0.0)
                 if MINMAX != 0:
                     m_mm = tl.where(i_row < hi_mm, m_row, False)
@@ -325,6 +327,7 @@ class LocalStats:
         rows: int | None = None,
         block_h: int | None = None,
         num_warps: int | None = None,
+        evict: bool = False,
     ) -> None:
         B, L, H, D = shape
         G = group_size
@@ -382,6 +385,7 @@ class LocalStats:
             ROWS=rows or ((8 if D >= 128 else 16) if cuda else 4),
             MINMAX=minmax_mode,
             USE_PDL=use_pdl,
+            EVICT=evict,
         )
 
     def __call__(self, k: torch.Tensor) -> None:
@@ -407,6 +411,7 @@ def local_stats(
     rows: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
+    evict: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One read of the shard ``k`` [B, L, H, D]: ``(payload, minmax)``.
 
@@ -446,6 +451,7 @@ def local_stats(
         rows=rows,
         block_h=block_h,
         num_warps=num_warps,
+        evict=evict,
     )(k)
     return payload, minmax
 

@@ -34,6 +34,7 @@ from ._runtime import (
     compiled_for_gpu,
     gdc_launch_dependents,
     gdc_wait,
+    load_streamed,
     next_pow2,
     tile,
 )
@@ -107,6 +108,7 @@ def _pack_kernel(
     BLOCK_N: tl.constexpr,
     HW_ROUND: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
     if USE_PDL:
@@ -153,9 +155,9 @@ def _pack_kernel(
             i_sk = (row0 + i_row) // GK - gk_first
             o_row = i_row[:, None, None]
             p_dst = send_ptr + o_dst + o_row * ROW
-            b_q = tl.load(p_q + o_row * stride_ql, mask=m_row, other=0.0)
-            b_k = tl.load(p_k + o_row * stride_kl, mask=m_row, other=0.0)
-            b_v = tl.load(p_v + o_row * stride_vl, mask=m_row, other=0.0)
+            b_q = load_streamed(p_q + o_row * stride_ql, m_row, 0.0, EVICT)
+            b_k = load_streamed(p_k + o_row * stride_kl, m_row, 0.0, EVICT)
+            b_v = load_streamed(p_v + o_row * stride_vl, m_row, 0.0, EVICT)
             o_aq = (i_b * H + o_h[None, :]) * n_slots_q + i_sq[:, None]  # [R, BH]
             o_ak = (i_b * H + o_h[None, :]) * n_slots_k + i_sk[:, None]
             b_aq = tl.load(amax_q_ptr + o_aq, mask=m_rh, other=1.0)
@@ -268,6 +270,7 @@ def prepare_pack(
     rows: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
+    evict: bool = False,
 ) -> Launch:
     """The pack launch for q, k, v of this shape and ``strides`` (q's, k's, v's), writing
     ``send``: call it with ``(q, k, v, amax_q, amax_k, k_mean, amax_v)``. Arguments as
@@ -335,6 +338,7 @@ def prepare_pack(
         BLOCK_N=block_n,
         HW_ROUND=cuda,
         USE_PDL=use_pdl,
+        EVICT=evict,
     )
 
 
@@ -358,6 +362,7 @@ def pack_qkv(
     rows: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
+    evict: bool = False,
 ) -> torch.Tensor:
     """The send buffer, uint8 [P * L * row_bytes] (see the module docstring).
 
@@ -391,5 +396,6 @@ def pack_qkv(
         rows=rows,
         block_h=block_h,
         num_warps=num_warps,
+        evict=evict,
     )(q, k, v, amax_q, amax_k, k_mean, amax_v)
     return send

@@ -27,6 +27,7 @@ from ._runtime import (
     compiled_for_gpu,
     gdc_launch_dependents,
     gdc_wait,
+    load_streamed,
     next_pow2,
     tile,
 )
@@ -69,6 +70,7 @@ def _qv_stats_kernel(
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
     n_hblocks = tl.cdiv(H, BLOCK_H)
     g_first = row0 // G
@@ -104,8 +106,8 @@ def _qv_stats_kernel(
         for i_c in range(0, n_full):
             for j in tl.static_range(ROWS):
                 i_row = lo + i_c * ROWS + j
-                b_q = tl.load(p_q + i_row * stride_ql, mask=m_hd, other=0.0).to(tl.float32)
-                b_v = tl.load(p_v + i_row * stride_vl, mask=m_hd, other=0.0).to(tl.float32)
+                b_q = load_streamed(p_q + i_row * stride_ql, m_hd, 0.0, EVICT).to(tl.float32)
+                b_v = load_streamed(p_v + i_row * stride_vl, m_hd, 0.0, EVICT).to(tl.float32)
                 b_qacc = tl.maximum(b_qacc, tl.abs(b_q).to(tl.int32, bitcast=True))
                 b_vacc = tl.maximum(b_vacc, tl.abs(b_v).to(tl.int32, bitcast=True))
         for i_r in range(lo + n_full * ROWS, hi, ROWS):
@@ -113,8 +115,8 @@ def _qv_stats_kernel(
                 i_row = i_r + j
                 m_q = tl.where(i_row < hi_q, m_hd, False)  # not `&`: the 3.9 interpreter widens
                 m_v = tl.where(i_row < hi_v, m_hd, False)
-                b_q = tl.load(p_q + i_row * stride_ql, mask=m_q, other=0.0).to(tl.float32)
-                b_v = tl.load(p_v + i_row * stride_vl, mask=m_v, other=0.0).to(tl.float32)
+                b_q = load_streamed(p_q + i_row * stride_ql, m_q, 0.0, EVICT).to(tl.float32)
+                b_v = load_streamed(p_v + i_row * stride_vl, m_v, 0.0, EVICT).to(tl.float32)
                 b_qacc = tl.maximum(
                     b_qacc, tl.where(m_q, tl.abs(b_q).to(tl.int32, bitcast=True), 0)
                 )
@@ -160,6 +162,7 @@ def prepare_qv_stats(
     rows: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
+    evict: bool = False,
 ):
     """The launch of :func:`qv_stats` bound to ``payload`` and ``amax``: returns
     ``run(q, v)``, which zeroes V's amax block (the atomic max starts from +0.0) and
@@ -214,6 +217,7 @@ def prepare_qv_stats(
         ROWS=rows,
         FLOOR=floor,
         USE_PDL=use_pdl,
+        EVICT=evict,
     )
 
     def run(q: torch.Tensor, v: torch.Tensor) -> None:
@@ -240,6 +244,7 @@ def qv_stats(
     rows: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
+    evict: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One read of the shards ``q``, ``v`` [B, L, H, D]: ``(payload, amax_q_partial)``.
 
@@ -275,5 +280,6 @@ def qv_stats(
         rows=rows,
         block_h=block_h,
         num_warps=num_warps,
+        evict=evict,
     )(q, v)
     return payload, amax

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks a candidate change and times it (device time is scarce):
 #   bash scripts/gpu_explore.sh OUTDIR
-# 1. at once: unit tests on CUDA, $UNIT_TESTS (default: the exchange's; last GPU) | a
+# 1. at once: unit tests on CUDA, $UNIT_TESTS (default: the exchange's; last GPU; at most
+#    $UNIT_TIMEOUT s, default 200) | a
 #    one-GPU script, $SWEEP (default: sweep_tiles.py --kernel pack; GPU 0)
 # 2. bench_lowp and (unless SKIP_STATS=1) bench_smooth_k_stats --profile-host (NCCL, 2 GPUs)
 # 3. with the time left (of 540 s): the harness's lowp suite at P = 2 with --large
@@ -12,8 +13,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/scripts
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 last=$(($(python3 -c "import torch; print(torch.cuda.device_count())") - 1))
-(CUDA_VISIBLE_DEVICES=$last ULYSSES_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -n 6 -p no:cacheprovider \
-    --timeout 150 -rfEs ${UNIT_TESTS:-tests/test_lowp_kernels.py tests/test_lowp_attention.py} > "$out/unit_cuda.log" 2>&1
+(CUDA_VISIBLE_DEVICES=$last ULYSSES_TEST_DEVICE=cuda timeout ${UNIT_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider \
+    --timeout 150 -o timeout_method=thread --durations 15 -rfEs ${UNIT_TESTS:-tests/test_lowp_kernels.py tests/test_lowp_attention.py} > "$out/unit_cuda.log" 2>&1
  echo "unit_cuda rc=$? at ${SECONDS}s" >> "$out/unit_cuda.log") &
 (CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/${SWEEP:-sweep_tiles.py --kernel pack} > "$out/sweep.log" 2>&1
  echo "sweep rc=$? at ${SECONDS}s" >> "$out/sweep.log") &
@@ -30,7 +31,7 @@ if [ "$left" -gt 60 ]; then
       --timeout-s $((left - 15)) --outer-timeout-s $((left - 5)) > "$out/harness_lowp_P2.log" 2>&1
   echo "harness lowp P2 rc=$? at ${SECONDS}s" >> "$out/harness_lowp_P2.log"
 fi
-grep -E "passed|failed|FAILED|ERROR|rc=" "$out/unit_cuda.log" | tail -8
+grep -E "passed|failed|FAILED|ERROR|rc=|Timeout|^[0-9.]+s call" "$out/unit_cuda.log" | tail -24
 grep -vE "Warn|warn|^\s*$" "$out/sweep.log" | tail -8
 grep -vE "Warn|warn|^\s*$|\*\*\*|OMP_NUM" "$out/bench_lowp.log" | tail -46
 [ -f "$out/bench_stats.log" ] && grep -E "^\||^# |rc=|Error" "$out/bench_stats.log" | tail -26
