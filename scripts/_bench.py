@@ -63,6 +63,49 @@ def cold_us(fn, name_filter, iters: int = 25, exclude: tuple[str, ...] = ()) -> 
     return statistics.median(marks) if marks else float("nan")
 
 
+def _short(name: str) -> str:
+    """A kernel's name without template arguments or signature (``void at::native::
+    vectorized_elementwise_kernel<4, FillFunctor<float>...>`` -> ``...elementwise_kernel
+    [FillFunctor]``)."""
+    name = name.replace("(anonymous namespace)::", "")
+    base = name.split("<", 1)[0].split("(", 1)[0].replace("void ", "").split("::")[-1]
+    for functor in ("FillFunctor", "index_put", "take", "gather", "copy"):
+        if functor in name and functor not in base:
+            return f"{base} [{functor}]"
+    return base
+
+
+def cold_breakdown(fn, iters: int = 25, exclude: tuple[str, ...] = ("nccl",)) -> dict:
+    """Per kernel (short name): the median over ``iters`` cold calls (L2 flushed before each)
+    of its summed CUPTI duration in a call; kernels whose name contains one of ``exclude``
+    (case-insensitive) are left out. The parts of :func:`cold_us`'s total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = _flush_buffer()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA"),
+        key=lambda e: e.time_range.start,
+    )
+    calls: list[dict] = []
+    for e in events:
+        if "FillFunctor<int>" in e.name:
+            calls.append({})
+            continue
+        if calls and not any(x in e.name.lower() for x in exclude):
+            key = _short(e.name)
+            calls[-1][key] = calls[-1].get(key, 0.0) + e.time_range.elapsed_us()
+    names = sorted({k for c in calls for k in c})
+    return {k: statistics.median(c.get(k, 0.0) for c in calls) for k in names}
+
+
 def eager_us(fn, n: int = 100, repeats: int = 5) -> float:
     """Best of ``repeats`` of (wall time of ``n`` back-to-back calls + one sync) / n."""
     for _ in range(5):

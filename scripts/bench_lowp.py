@@ -130,6 +130,14 @@ def bench_shape(B, L, H, D, timer: Timer, dev, P, rank) -> dict:
             lambda: lowp.exchange_qkv(q, k, v),
             ("_block_stats", "_qv_stats", "_finalize"),
         )
+        from _bench import cold_breakdown
+
+        dist.barrier()
+        parts = cold_breakdown(lambda: lowp.exchange_qkv(q, k, v))
+        names = [None] * P
+        dist.all_gather_object(names, sorted(parts))  # the same keys on every rank
+        for name in sorted(set().union(*names)):
+            r[f"  kernel {name}"] = parts.get(name, 0.0)
         r["cold read q,k,v, device"] = cold_us(
             lambda: (q.sum(), k.sum(), v.sum()), ("reduce", "Reduce")
         )

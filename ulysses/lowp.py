@@ -203,12 +203,13 @@ def _ieee_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
     return t / torch.full((), divisor, dtype=t.dtype, device=t.device)
 
 
-_INDEX: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_INDEX: dict[tuple, tuple] = {}
 
 
 def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
-    """fp32 element indices [B, h, n_groups] of the receive buffer holding each global group's
-    Q and K scale: the slot of the FIRST rank touching the group (the others hold equal bits)."""
+    """(index, q shape, k shape): the fp32 element indices of the receive buffer holding each
+    global group's Q scale ([B, h, n_q_groups], flattened) then K scale ([B, h, n_k_groups]):
+    the slot of the FIRST rank touching the group (the others hold equal bits)."""
     key = (w, B, q_group, k_group, device)
     found = _INDEX.get(key)
     if found is not None:
@@ -225,8 +226,18 @@ def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
         n = first_n + bh * n_slots + slot  # [B, h, n_groups] within the sender's block
         byte = sender * L * w.row_bytes + (n // e4) * w.row_bytes + w.code_bytes + (n % e4) * 4
         out.append((byte // 4).to(device))
-    found = _INDEX[key] = (out[0], out[1])
+    # one index for both (one gather kernel a call): Q's scales, then K's
+    index = torch.cat([out[0].flatten(), out[1].flatten()])
+    found = _INDEX[key] = (index, out[0].shape, out[1].shape)
     return found
+
+
+def _scales(recv: torch.Tensor, index: torch.Tensor, q_shape, k_shape) -> tuple:
+    """(q_scale, k_scale) gathered from the receive buffer by one ``take``: two contiguous
+    views of one new tensor."""
+    both = recv.view(torch.float32).take(index)
+    n_q = q_shape.numel()
+    return both[:n_q].view(q_shape), both[n_q:].view(k_shape)
 
 
 def _all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
@@ -440,14 +451,13 @@ def _unpack(c: _Call, recv: torch.Tensor, k_stats, amax_v: torch.Tensor) -> Lowp
     size, stride = (B, c.P * L, h, D), (3 * h * D, w.row_bytes, D, 1)
     codes = recv.view(torch.int8)
     heads = slice(c.rank * h, (c.rank + 1) * h)
-    idx_q, idx_k = _scale_index(w, B, c.q_group, c.k_group, recv.device)
-    recv_f32 = recv.view(torch.float32)
+    q_scale, k_scale = _scales(recv, *_scale_index(w, B, c.q_group, c.k_group, recv.device))
     return LowpQKV(
         q=codes.as_strided(size, stride, 0),
         k=codes.as_strided(size, stride, h * D),
         v=recv.view(FP8).as_strided(size, stride, 2 * h * D),
-        q_scale=recv_f32.take(idx_q),
-        k_scale=recv_f32.take(idx_k),
+        q_scale=q_scale,
+        k_scale=k_scale,
         v_scale=_ieee_div(amax_v[:, heads], FP8_MAX),
         k_mean=k_stats.k_mean_global[:, heads],
         used_sequence=c.used_sequence,
@@ -573,7 +583,7 @@ class _ExchangePlan:
         self.size, self.stride = (B, P * L, h, D), (3 * h * D, w.row_bytes, D, 1)
         self.offsets = (0, h * D, 2 * h * D)
         self.heads = slice(c.rank * h, (c.rank + 1) * h)
-        self.idx_q, self.idx_k = _scale_index(w, B, c.q_group, c.k_group, dev)
+        self.scale_index = _scale_index(w, B, c.q_group, c.k_group, dev)
         self.fields = (c.used_sequence, c.q_group, c.k_group)
         self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay_k.n_slots)
         self.dtype, self.device = k.dtype, dev
@@ -592,15 +602,15 @@ class _ExchangePlan:
         self.pack(q, k, v, self.amax_q, final, mean, self.amax_v)
         recv = self.a2a(pg)
         codes = recv.view(torch.int8)
-        recv_f32 = recv.view(torch.float32)
         size, stride, (oq, ok, ov) = self.size, self.stride, self.offsets
         used, q_group, k_group = self.fields
+        q_scale, k_scale = _scales(recv, *self.scale_index)
         return LowpQKV(
             codes.as_strided(size, stride, oq),
             codes.as_strided(size, stride, ok),
             recv.view(FP8).as_strided(size, stride, ov),
-            recv_f32.take(self.idx_q),
-            recv_f32.take(self.idx_k),
+            q_scale,
+            k_scale,
             v_scale,
             mean[:, self.heads],
             used,
