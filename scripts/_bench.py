@@ -78,7 +78,8 @@ def _short(name: str) -> str:
 def cold_breakdown(fn, iters: int = 25, exclude: tuple[str, ...] = ("nccl",)) -> dict:
     """Per kernel (short name): the median over ``iters`` cold calls (L2 flushed before each)
     of its summed CUPTI duration in a call; kernels whose name contains one of ``exclude``
-    (case-insensitive) are left out. The parts of :func:`cold_us`'s total."""
+    (case-insensitive) are left out. Medians per kernel: their sum is close to, not equal
+    to, :func:`cold_us`'s median of the totals."""
     from torch.profiler import ProfilerActivity, profile
 
     flush = _flush_buffer()
@@ -94,12 +95,13 @@ def cold_breakdown(fn, iters: int = 25, exclude: tuple[str, ...] = ("nccl",)) ->
         (e for e in prof.events() if e.device_type.name == "CUDA"),
         key=lambda e: e.time_range.start,
     )
+    excluded = tuple(x.lower() for x in exclude)
     calls: list[dict] = []
     for e in events:
         if "FillFunctor<int>" in e.name:
             calls.append({})
             continue
-        if calls and not any(x in e.name.lower() for x in exclude):
+        if calls and not any(x in e.name.lower() for x in excluded):
             key = _short(e.name)
             calls[-1][key] = calls[-1].get(key, 0.0) + e.time_range.elapsed_us()
     names = sorted({k for c in calls for k in c})

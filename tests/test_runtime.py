@@ -14,8 +14,11 @@ import torch
 import triton
 from ulysses.kernels import _runtime
 from ulysses.kernels import grouped_amax as grouped_amax_module
+from ulysses.kernels import lowp_qv_stats as qv_stats_module
+from ulysses.kernels.lowp_qv_stats import qv_payload_numel
 
 import ulysses
+from ulysses import grid
 from ulysses import reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -350,9 +353,10 @@ def test_cuda_mirror_compiles_the_cuda_launch_settings(monkeypatch):
     settings a CUDA launch takes: the mirror exists to check the compiled kernels as they
     ship. With the interpreter's settings the GPU unit suite compiled one-warp tiles of up to
     64K elements and stalled for minutes a test."""
-    from ulysses.kernels import lowp_pack
+    from ulysses.kernels import finalize_stats, lowp_pack
 
     monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(finalize_stats, "sm_count", lambda device: 132)
     monkeypatch.setattr(_runtime, "_TILES", {})
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     shape, strides = (1, 592, 56, 128), (592 * 56 * 128, 56 * 128, 128, 1)
@@ -370,13 +374,86 @@ def test_cuda_mirror_compiles_the_cuda_launch_settings(monkeypatch):
             k_group=64, n_sq=L // 32 + 2, n_sk=L // 64 + 2, row_bytes=row_bytes,
             scale_bytes=scale_bytes, use_pdl=False,
         )  # fmt: skip
-        return [(x.grid, x.num_warps, [a for a in x.args if not isinstance(a, torch.Tensor)])
-                for x in (amax, pack)]  # fmt: skip
+        lay = grid.layout(1, L, P, 32, None)
+        qv = qv_stats_module.prepare_qv_stats(
+            (1, L, 56, D), strides, strides, device, torch.zeros(qv_payload_numel(1, 56, D)),
+            torch.zeros(1, 56, lay.n_slots), group_size=32, row0=L, n_slots=lay.n_slots,
+            n_touched=lay.n_touched, tail_group=-1, live_end=P * L, floor=0.0, use_pdl=False,
+        ).__closure__  # fmt: skip
+        (step,) = [c.cell_contents for c in qv if isinstance(c.cell_contents, _runtime.Launch)]
+        return [_settings(x) for x in (amax, pack, step)]
 
     monkeypatch.setattr(_runtime, "_MIRROR_TO_CUDA", False)
     assert not _runtime.compiled_for_gpu(cpu)
     interpreted = settings(cpu)
-    assert interpreted != settings(gpu)  # else this test could not tell the two apart
+    assert all(a != b for a, b in zip(interpreted, settings(gpu), strict=True))
+    cpu_only = _cpu_device_settings()
     monkeypatch.setattr(_runtime, "_MIRROR_TO_CUDA", True)
     assert _runtime.compiled_for_gpu(cpu) and _runtime.compiled_for_gpu(gpu)
     assert settings(cpu) == settings(gpu)
+    # kernels whose launch is built from CPU buffers only (no CUDA here to build the other
+    # side): the mirror must change every one of their settings' sets
+    mirrored = _cpu_device_settings()
+    for name in cpu_only:
+        assert cpu_only[name] != mirrored[name], f"{name}: the mirror kept the CPU settings"
+
+
+def _settings(launch) -> tuple:
+    """A prepared launch's grid, warps and non-tensor arguments."""
+    return (
+        launch.grid,
+        launch.num_warps,
+        [a for a in launch.args if not isinstance(a, torch.Tensor)],
+    )
+
+
+def _cpu_device_settings() -> dict:
+    """The block-stats, finalize and lowp_finish launches for a CPU buffer at a D=128 shape."""
+    from ulysses.kernels.block_stats import MINMAX_ALL, LocalStats, payload_numel
+    from ulysses.kernels.finalize_stats import MODE_FUSED, prepare_finalize
+    from ulysses.kernels.lowp_finish import prepare_lowp_finish
+
+    _runtime._TILES.clear()
+    B, L, H, D, P = 1, 592, 56, 128, 8
+    lay = grid.layout(1, L, P, 64, None)
+    cpu = torch.device("cpu")
+    payload = torch.zeros(payload_numel(B, H, D, MINMAX_ALL))
+    minmax = torch.zeros(B, lay.n_slots, 2, H, D, dtype=torch.bfloat16)
+    stats = LocalStats(
+        (B, L, H, D), (L * H * D, H * D, D, 1), cpu, payload, minmax, **lay.stats_args(),
+        minmax_mode=MINMAX_ALL, tag=1.0, use_pdl=False,
+    )  # fmt: skip
+    gathered = torch.zeros(P, payload.numel() + B * H * (2 + D))
+    fin = prepare_finalize(
+        gathered[:, : payload.numel()], minmax, mode=MODE_FUSED, dtype=torch.bfloat16, B=B, H=H,
+        D=D, n_slots=lay.n_slots, n_touched=lay.n_touched, divisor=lay.divisor, tag=1.0,
+        first_sources=[q * 2 + e for q, e in lay.first_sources],
+        last_sources=[q * 2 + e for q, e in lay.last_sources], floor=0.0, use_pdl=False,
+    )  # fmt: skip
+    lay_q = grid.layout(1, L, P, 32, None)
+    finish = prepare_lowp_finish(
+        gathered, torch.zeros(B, H, lay_q.n_slots), torch.zeros(B, H, D),
+        first_sources=lay_q.first_sources, last_sources=lay_q.last_sources,
+        n_touched=lay_q.n_touched, q_off=payload.numel(), v_off=payload.numel() + 2 * B * H,
+        rank=1, world_size=P,
+    )  # fmt: skip
+    return {"block_stats": _settings(stats.stats), "finalize": _settings(fin),
+            "lowp_finish": _settings(finish)}  # fmt: skip
+
+
+def test_kernel_modules_choose_settings_through_compiled_for_gpu():
+    """The kernels' host code decides CUDA-or-interpreter settings with
+    ``_runtime.compiled_for_gpu`` only (the mirror relies on it); a ``device.type`` test there
+    would give the mirror the interpreter's settings again."""
+    import pathlib
+    import re
+
+    kernels = pathlib.Path(_runtime.__file__).parent
+    found = []
+    for path in sorted(kernels.glob("*.py")):
+        if path.name == "_runtime.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\.type\s*[!=]=|\.is_cuda\b", line):
+                found.append(f"{path.name}:{i}: {line.strip()}")
+    assert not found, "device tests outside compiled_for_gpu:\n" + "\n".join(found)
