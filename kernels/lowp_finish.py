@@ -20,9 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, compiled_for_gpu
+from ._runtime import Launch, cdiv, compiled_for_gpu, gdc_wait
+from .finalize_stats import _NOT_SPECIALIZED as _FIN_NOT_SPECIALIZED
+from .finalize_stats import MODE_FUSED, _finalize_kernel
 
-__all__ = ["prepare_lowp_finish", "MAX_SOURCES"]
+__all__ = ["prepare_lowp_finish", "prepare_post_gather", "MAX_SOURCES"]
 
 MAX_SOURCES = 8  # ranks touching one group: at most P (<= 8, the largest supported world size)
 
@@ -43,8 +45,9 @@ _NOT_SPECIALIZED = [
 ]
 
 
-@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
-def _lowp_finish_kernel(
+@triton.jit
+def _lowp_finish_body(
+    i_prog,
     gathered_ptr,
     stride_p,
     first_mask,
@@ -66,7 +69,7 @@ def _lowp_finish_kernel(
     N_CODES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    o_e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    o_e = i_prog.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_e = o_e < n_bhd
     b_bits = tl.zeros([BLOCK], dtype=tl.int32)
     for p in range(0, P):
@@ -99,6 +102,212 @@ def _lowp_finish_kernel(
             b_m = tl.maximum(b_m, b_x.to(tl.int32, bitcast=True))
         slot = which * (n_touched - 1)
         tl.store(amax_q_ptr + o_e * n_slots + slot, b_m.to(tl.float32, bitcast=True), mask=m_q)
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+def _lowp_finish_kernel(
+    gathered_ptr,
+    stride_p,
+    first_mask,
+    last_mask,
+    amax_q_ptr,
+    amax_v_ptr,
+    v_scale_ptr,
+    n_bhd,
+    n_bh,
+    n_slots,
+    n_touched,
+    H,
+    h,
+    head0,
+    q_off,
+    v_off,
+    P,
+    D,
+    N_CODES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    _lowp_finish_body(
+        tl.program_id(0),
+        gathered_ptr,
+        stride_p,
+        first_mask,
+        last_mask,
+        amax_q_ptr,
+        amax_v_ptr,
+        v_scale_ptr,
+        n_bhd,
+        n_bh,
+        n_slots,
+        n_touched,
+        H,
+        h,
+        head0,
+        q_off,
+        v_off,
+        P,
+        D,
+        N_CODES,
+        BLOCK,
+    )
+
+
+_FUSED_NOT_SPECIALIZED = _FIN_NOT_SPECIALIZED + [
+    "n_fin",
+    "first_mask",
+    "last_mask",
+    "lf_n_bhd",
+    "lf_n_bh",
+    "lf_n_slots",
+    "lf_n_touched",
+    "h",
+    "head0",
+    "q_off",
+    "v_off",
+]
+
+
+@triton.jit(do_not_specialize=_FUSED_NOT_SPECIALIZED)
+def _post_gather_kernel(
+    gathered_ptr,
+    mm_ptr,
+    part_in_ptr,
+    mean_ptr,
+    part_ptr,
+    final_ptr,
+    src_ptr,
+    N,
+    stride_p,
+    tag,
+    H,
+    P,
+    bhd,
+    n_slots,
+    n_touched,
+    n_hblocks,
+    n_chunks,
+    slots_per_program,
+    n_src_first,
+    n_src_last,
+    divisor,
+    n_fin,
+    first_mask,
+    last_mask,
+    amax_q_ptr,
+    amax_v_ptr,
+    v_scale_ptr,
+    lf_n_bhd,
+    lf_n_bh,
+    lf_n_slots,
+    lf_n_touched,
+    h,
+    head0,
+    q_off,
+    v_off,
+    FLOOR: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    MODE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    N_CODES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The exchange after its all_gather in ONE launch: programs [0, n_fin) are K's finalize
+    (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. A small launch
+    after a collective is bound by its cold latency, not its bytes: two of them cost 13.9 us
+    at 68 MB (session 6), one costs about the longer of the two."""
+    i_pid = tl.program_id(0)
+    if i_pid < n_fin:
+        _finalize_kernel(
+            gathered_ptr,
+            mm_ptr,
+            part_in_ptr,
+            mean_ptr,
+            part_ptr,
+            final_ptr,
+            src_ptr,
+            N,
+            stride_p,
+            tag,
+            H,
+            P,
+            bhd,
+            n_slots,
+            n_touched,
+            n_hblocks,
+            n_chunks,
+            slots_per_program,
+            n_src_first,
+            n_src_last,
+            divisor,
+            FLOOR,
+            D,
+            BLOCK_H,
+            BLOCK_P,
+            MODE,
+            USE_PDL,
+        )
+    else:
+        if USE_PDL:
+            gdc_wait()
+        _lowp_finish_body(
+            i_pid - n_fin,
+            gathered_ptr,
+            stride_p,
+            first_mask,
+            last_mask,
+            amax_q_ptr,
+            amax_v_ptr,
+            v_scale_ptr,
+            lf_n_bhd,
+            lf_n_bh,
+            lf_n_slots,
+            lf_n_touched,
+            H,
+            h,
+            head0,
+            q_off,
+            v_off,
+            P,
+            D,
+            N_CODES,
+            BLOCK,
+        )
+
+
+# lowp_finish's argument -> the fused kernel's (the shared ones keep their name)
+_RENAMED = {"n_bhd": "lf_n_bhd", "n_bh": "lf_n_bh", "n_slots": "lf_n_slots",
+            "n_touched": "lf_n_touched"}  # fmt: skip
+_SHARED = ("gathered_ptr", "stride_p", "H", "P", "D")
+
+
+def prepare_post_gather(finalize: Launch, finish: Launch) -> Launch:
+    """One launch doing what the prepared K ``finalize`` (MODE_FUSED, slots ``(mean, part,
+    final)``) and this module's ``finish`` (slot ``(v_scale,)``) do, on the same buffers: call
+    it with ``(mean, part, final, v_scale)``. Both must read the same gathered buffer."""
+    fin = dict(zip(finalize.names, finalize.args, strict=True))
+    lf = dict(zip(finish.names, finish.args, strict=True))
+    assert finalize.kernel is _finalize_kernel and finish.kernel is _lowp_finish_kernel
+    assert fin["MODE"] == MODE_FUSED and len(finalize.grid) == len(finish.grid) == 1
+    g_fin, g_lf = fin["gathered_ptr"], lf["gathered_ptr"]
+    assert g_fin.data_ptr() == g_lf.data_ptr() and fin["stride_p"] == lf["stride_p"]
+    assert all(fin[n] == lf[n] for n in ("H", "P", "D")), "finalize and finish disagree"
+    fixed = {n: v for n, v in fin.items() if n not in ("mean_ptr", "part_ptr", "final_ptr")}
+    for name, value in lf.items():
+        if name in _SHARED or name == "v_scale_ptr":
+            continue
+        fixed[_RENAMED.get(name, name)] = value
+    return Launch(
+        _post_gather_kernel,
+        (finalize.grid[0] + finish.grid[0],),
+        finalize.device,
+        num_warps=finalize.num_warps,
+        use_pdl=finalize.use_pdl,
+        slots=("mean_ptr", "part_ptr", "final_ptr", "v_scale_ptr"),
+        n_fin=finalize.grid[0],
+        **fixed,
+    )
 
 
 def prepare_lowp_finish(

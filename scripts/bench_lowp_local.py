@@ -36,9 +36,12 @@ def local_chain(plan, q, k, v, recv):
     mean = torch.empty(plan.mean_shape, dtype=plan.dtype, device=dev)
     part = torch.empty(plan.amax_shape, dtype=torch.float32, device=dev)
     final = torch.empty(plan.amax_shape, dtype=torch.float32, device=dev)
-    plan.k_finalize(mean, part, final)
     v_scale = torch.empty(plan.v_scale_shape, dtype=torch.float32, device=dev)
-    plan.finish(v_scale)
+    if hasattr(plan, "post"):  # one launch after the gather
+        plan.post(mean, part, final, v_scale)
+    else:
+        plan.k_finalize(mean, part, final)
+        plan.finish(v_scale)
     plan.pack(q, k, v, plan.amax_q, final, mean, plan.amax_v)
     return lowp._scales(recv, *plan.scale_index)
 

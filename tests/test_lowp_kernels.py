@@ -13,6 +13,7 @@ import torch
 from ulysses.kernels.lowp_pack import pack_qkv, prepare_pack
 from ulysses.kernels.lowp_qv_stats import qv_stats
 
+import ulysses
 from ulysses import grid, lowp, reference
 from ulysses.testing import make_qkv_full
 
@@ -190,6 +191,67 @@ def test_lowp_finish_matches_the_torch_ops(P, L, G, used, rank, assert_bitwise):
     assert_bitwise(amax_q, want_q, "amax_q merged")
     assert_bitwise(amax_v, want_v, "amax_v")
     assert_bitwise(v_scale, want_scale, "v_scale")
+
+
+@pytest.mark.parametrize(
+    "P,L,G,used,rank",
+    [(2, 70, 32, None, 1), (4, 20, 16, 70, 2), (8, 9, 32, 50, 0), (6, 40, 64, None, 5)],
+)
+def test_post_gather_launch_equals_the_two_launches(P, L, G, used, rank, assert_bitwise):
+    """The exchange's one post-gather launch (K's finalize and the Q/V finish as one grid)
+    writes exactly what the two separate launches write: K's mean, partial and final amax,
+    Q's merged amax, V's amax and v_scale, from real K payloads of every rank."""
+    from ulysses.kernels.block_stats import MINMAX_ALL, local_stats
+    from ulysses.kernels.finalize_stats import MODE_FUSED, prepare_finalize
+    from ulysses.kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
+
+    B, H, D = 2, 2 * P, 16
+    S = L * P
+    k_full = ulysses.testing.make_k_full(B, S, H, D, torch.bfloat16, "smooth", used=used, seed=P)
+    lay = grid.layout(rank, L, P, G, used)
+    payloads, minmax = [], None
+    for r in range(P):
+        lr = grid.layout(r, L, P, G, used)
+        pay, mm = local_stats(
+            k_full[:, r * L : (r + 1) * L], **lr.stats_args(), minmax_mode=MINMAX_ALL,
+            tag=3.0, use_pdl=False,
+        )  # fmt: skip
+        payloads.append(pay)
+        minmax = mm if r == rank else minmax
+    n_k = payloads[0].numel()
+    g = torch.Generator().manual_seed(P * 10 + L)
+    qv = torch.rand((P, B * H * (2 + D)), generator=g) * 4
+    qv[P - 1, 2 * B * H + 1] = float("nan")
+    gathered = torch.cat([torch.stack(payloads), qv], dim=1).contiguous()
+    fin_args = dict(
+        dtype=torch.bfloat16, B=B, H=H, D=D, n_slots=lay.n_slots, n_touched=lay.n_touched,
+        divisor=lay.divisor, tag=3.0, first_sources=[q * 2 + e for q, e in lay.first_sources],
+        last_sources=[q * 2 + e for q, e in lay.last_sources], floor=grid.FLOOR, use_pdl=False,
+    )  # fmt: skip
+    partial = torch.rand((B, H, lay.n_slots), generator=g) + 1
+    h = H // P
+    outs = []
+    for fused in (False, True):
+        amax_q, amax_v = partial.clone(), torch.empty(B, H, D)
+        mean = torch.empty(B, H, D, dtype=torch.bfloat16)
+        part, final = torch.empty(B, H, lay.n_slots), torch.empty(B, H, lay.n_slots)
+        v_scale = torch.empty(B, h, D)
+        fin = prepare_finalize(gathered[:, :n_k], minmax, mode=MODE_FUSED, **fin_args)
+        finish = prepare_lowp_finish(
+            gathered, amax_q, amax_v, first_sources=lay.first_sources,
+            last_sources=lay.last_sources, n_touched=lay.n_touched, q_off=n_k,
+            v_off=n_k + 2 * B * H, rank=rank, world_size=P,
+        )  # fmt: skip
+        if fused:
+            prepare_post_gather(fin, finish)(mean, part, final, v_scale)
+        else:
+            fin(mean, part, final)
+            finish(v_scale)
+        outs.append((mean, part, final, amax_q, amax_v, v_scale))
+    names = ("k_mean", "amax_partial", "amax_final", "amax_q", "amax_v", "v_scale")
+    for name, two, one in zip(names, outs[0], outs[1], strict=True):
+        assert_bitwise(one, two, name)
+    assert not torch.isnan(outs[1][0]).any()  # real payloads: the tags agree, no NaN mean
 
 
 def _pack_kw(w, r: int, Gq: int, Gk: int) -> dict:

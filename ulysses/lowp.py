@@ -38,7 +38,7 @@ from . import _ops, _validate, grid, stats
 from .kernels._runtime import stream_key, workspace
 from .kernels.block_stats import LocalStats
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
-from .kernels.lowp_finish import prepare_lowp_finish
+from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
 from .kernels.lowp_pack import pack_qkv, prepare_pack
 from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, qv_stats
 
@@ -524,7 +524,7 @@ class _ExchangePlan:
             use_pdl=c.use_pdl,
             **lay_k.stats_args(),
         )
-        self.k_finalize = prepare_finalize(
+        k_finalize = prepare_finalize(
             gathered[:, :n_k], minmax, mode=MODE_FUSED, **part.finalize_args()
         )
         n_q = B * H * lay_q.n_slots
@@ -549,7 +549,7 @@ class _ExchangePlan:
         # Q's boundary merge, V's amax over ranks and v_scale in one launch (kernels/lowp_finish)
         self.amax_v = workspace("lowp_amax_v", B * H * D, torch.float32, dev)[: B * H * D]
         self.amax_v = self.amax_v.view(B, H, D)
-        self.finish = prepare_lowp_finish(
+        finish = prepare_lowp_finish(
             gathered,
             self.amax_q,
             self.amax_v,
@@ -561,6 +561,7 @@ class _ExchangePlan:
             rank=c.rank,
             world_size=P,
         )
+        self.post = prepare_post_gather(k_finalize, finish)
         self.v_scale_shape = (B, H // P, D)
         send = workspace("lowp_send", w.nbytes, torch.uint8, dev)[: w.nbytes]
         self.pack = prepare_pack(
@@ -596,9 +597,9 @@ class _ExchangePlan:
         mean = torch.empty(self.mean_shape, dtype=self.dtype, device=dev)
         part = torch.empty(self.amax_shape, dtype=torch.float32, device=dev)
         final = torch.empty(self.amax_shape, dtype=torch.float32, device=dev)
-        self.k_finalize(mean, part, final)
         v_scale = torch.empty(self.v_scale_shape, dtype=torch.float32, device=dev)
-        self.finish(v_scale)  # merges Q's boundary slots in self.amax_q, writes self.amax_v
+        # K's finalize, then Q's boundary merge (in self.amax_q) and V's amax: one launch
+        self.post(mean, part, final, v_scale)
         self.pack(q, k, v, self.amax_q, final, mean, self.amax_v)
         recv = self.a2a(pg)
         codes = recv.view(torch.int8)
