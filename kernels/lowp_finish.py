@@ -1,4 +1,4 @@
-"""After the exchange's statistics all_gather, one launch for what Q and V need (docs/CONTRACT.md §8).
+"""After the exchange's statistics all_gather: what Q and V need (docs/CONTRACT.md §8).
 
 ``gathered`` fp32 [P, n] holds every rank's payload; at column ``q_off`` its Q boundary slots
 [B, H, 2] (first, last touched slot) and at ``v_off`` its V channel amax [B, H, D]. Programs
@@ -12,6 +12,10 @@ split the flat [B, H, D] elements (and the same offsets of the [B, H] Q entries)
   does not depend on the order), written in place into this rank's partial amax [B, H, NS].
 
 The same bits as the torch ops of ``ulysses.lowp._finish_stats`` (the full path).
+
+The exchange's eager plan runs this work and K's finalize (kernels/finalize_stats.py) as ONE
+launch, ``_post_gather_kernel`` (``prepare_post_gather``): the first programs of its grid are
+the finalize's, the rest this module's.
 """
 
 from __future__ import annotations
@@ -214,9 +218,10 @@ def _post_gather_kernel(
     BLOCK: tl.constexpr,
 ):
     """The exchange after its all_gather in ONE launch: programs [0, n_fin) are K's finalize
-    (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. A small launch
-    after a collective is bound by its cold latency, not its bytes: two of them cost 13.9 us
-    at 68 MB (session 6), one costs about the longer of the two."""
+    (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. Small launches
+    after a collective are bound by their cold latency, not their bytes: as two launches they
+    cost 6.7 + 7.2 us at 68 MB (session 6, one H200); one launch runs both sets of programs
+    at once."""
     i_pid = tl.program_id(0)
     if i_pid < n_fin:
         _finalize_kernel(
@@ -302,7 +307,7 @@ def prepare_post_gather(finalize: Launch, finish: Launch) -> Launch:
         _post_gather_kernel,
         (finalize.grid[0] + finish.grid[0],),
         finalize.device,
-        num_warps=finalize.num_warps,
+        num_warps=max(finalize.num_warps, finish.num_warps),
         use_pdl=finalize.use_pdl,
         slots=("mean_ptr", "part_ptr", "final_ptr", "v_scale_ptr"),
         n_fin=finalize.grid[0],

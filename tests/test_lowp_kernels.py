@@ -195,7 +195,7 @@ def test_lowp_finish_matches_the_torch_ops(P, L, G, used, rank, assert_bitwise):
 
 @pytest.mark.parametrize(
     "P,L,G,used,rank",
-    [(2, 70, 32, None, 1), (4, 20, 16, 70, 2), (8, 9, 32, 50, 0), (6, 40, 64, None, 5)],
+    [(2, 70, 32, None, 1), (4, 20, 16, 70, 2), (8, 40, 32, 200, 0), (6, 40, 64, None, 5)],
 )
 def test_post_gather_launch_equals_the_two_launches(P, L, G, used, rank, assert_bitwise):
     """The exchange's one post-gather launch (K's finalize and the Q/V finish as one grid)
@@ -209,6 +209,8 @@ def test_post_gather_launch_equals_the_two_launches(P, L, G, used, rank, assert_
     S = L * P
     k_full = ulysses.testing.make_k_full(B, S, H, D, torch.bfloat16, "smooth", used=used, seed=P)
     lay = grid.layout(rank, L, P, G, used)
+    lay_q = grid.layout(rank, L, P, {16: 32, 32: 16, 64: 32}[G], used)  # Q's grid differs
+    assert (lay_q.n_slots, lay_q.n_touched) != (lay.n_slots, lay.n_touched)
     payloads, minmax = [], None
     for r in range(P):
         lr = grid.layout(r, L, P, G, used)
@@ -228,7 +230,7 @@ def test_post_gather_launch_equals_the_two_launches(P, L, G, used, rank, assert_
         divisor=lay.divisor, tag=3.0, first_sources=[q * 2 + e for q, e in lay.first_sources],
         last_sources=[q * 2 + e for q, e in lay.last_sources], floor=grid.FLOOR, use_pdl=False,
     )  # fmt: skip
-    partial = torch.rand((B, H, lay.n_slots), generator=g) + 1
+    partial = torch.rand((B, H, lay_q.n_slots), generator=g) + 1
     h = H // P
     outs = []
     for fused in (False, True):
@@ -238,8 +240,8 @@ def test_post_gather_launch_equals_the_two_launches(P, L, G, used, rank, assert_
         v_scale = torch.empty(B, h, D)
         fin = prepare_finalize(gathered[:, :n_k], minmax, mode=MODE_FUSED, **fin_args)
         finish = prepare_lowp_finish(
-            gathered, amax_q, amax_v, first_sources=lay.first_sources,
-            last_sources=lay.last_sources, n_touched=lay.n_touched, q_off=n_k,
+            gathered, amax_q, amax_v, first_sources=lay_q.first_sources,
+            last_sources=lay_q.last_sources, n_touched=lay_q.n_touched, q_off=n_k,
             v_off=n_k + 2 * B * H, rank=rank, world_size=P,
         )  # fmt: skip
         if fused:
@@ -252,6 +254,23 @@ def test_post_gather_launch_equals_the_two_launches(P, L, G, used, rank, assert_
     for name, two, one in zip(names, outs[0], outs[1], strict=True):
         assert_bitwise(one, two, name)
     assert not torch.isnan(outs[1][0]).any()  # real payloads: the tags agree, no NaN mean
+
+
+@pytest.mark.parametrize("L,H", [(48, 2), (64, 4), (50, 6)])
+def test_scales_are_views_with_aligned_starts(L, H):
+    """q_scale and k_scale come from one gather of the receive buffer; each starts 16-byte
+    aligned (as a tensor of its own would) whatever B * h * NSq is, and holds the index's
+    elements."""
+    B, D, P = 1, 16, 2
+    w = lowp._wire(B, L, H, D, P, 32, 64)
+    index, q_shape, k_shape = lowp._scale_index(w, B, 32, 64, torch.device("cpu"))
+    recv_f32 = torch.arange(w.nbytes // 4, dtype=torch.float32)
+    q_scale, k_scale = lowp._scales(recv_f32.view(torch.uint8), index, q_shape, k_shape)
+    assert q_scale.shape == q_shape and k_scale.shape == k_shape
+    assert q_scale.data_ptr() % 16 == 0 and k_scale.data_ptr() % 16 == 0
+    n_q, n_k = q_shape.numel(), k_shape.numel()
+    assert torch.equal(q_scale.flatten(), recv_f32[index[:n_q]])
+    assert torch.equal(k_scale.flatten(), recv_f32[index[-n_k:]])
 
 
 def _pack_kw(w, r: int, Gq: int, Gk: int) -> dict:

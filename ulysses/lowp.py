@@ -227,17 +227,20 @@ def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
         byte = sender * L * w.row_bytes + (n // e4) * w.row_bytes + w.code_bytes + (n % e4) * 4
         out.append((byte // 4).to(device))
     # one index for both (one gather kernel a call): Q's scales, then K's
-    index = torch.cat([out[0].flatten(), out[1].flatten()])
+    # Q's part padded to a multiple of 4 fp32 so that k_scale starts 16-byte aligned (as a
+    # tensor of its own would): a TMA descriptor or a vectorized load may need it
+    pad = -out[0].numel() % 4
+    index = torch.cat([out[0].flatten(), out[0].flatten()[:1].expand(pad), out[1].flatten()])
     found = _INDEX[key] = (index, out[0].shape, out[1].shape)
     return found
 
 
 def _scales(recv: torch.Tensor, index: torch.Tensor, q_shape, k_shape) -> tuple:
     """(q_scale, k_scale) gathered from the receive buffer by one ``take``: two contiguous
-    views of one new tensor."""
+    views of one new tensor, each starting 16-byte aligned."""
     both = recv.view(torch.float32).take(index)
-    n_q = q_shape.numel()
-    return both[:n_q].view(q_shape), both[n_q:].view(k_shape)
+    n_q, n_k = q_shape.numel(), k_shape.numel()
+    return both[:n_q].view(q_shape), both[index.numel() - n_k :].view(k_shape)
 
 
 def _all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
@@ -546,7 +549,8 @@ class _ExchangePlan:
             floor=grid.FLOOR,
             use_pdl=c.use_pdl,
         )
-        # Q's boundary merge, V's amax over ranks and v_scale in one launch (kernels/lowp_finish)
+        # Q's boundary merge, V's amax over ranks and v_scale (kernels/lowp_finish), launched
+        # with K's finalize as one grid (prepare_post_gather)
         self.amax_v = workspace("lowp_amax_v", B * H * D, torch.float32, dev)[: B * H * D]
         self.amax_v = self.amax_v.view(B, H, D)
         finish = prepare_lowp_finish(
