@@ -33,6 +33,8 @@
 #   GPU_CHECK_QUICK=1      tiny settings, for a CPU machine: a few unit tests, one harness
 #                          case per suite and world size
 #   GPU_CHECK_WORLD_SIZES  harness world sizes (default "2 4 6 8"; quick: "2")
+#   GPU_CHECK_SUITES       harness suites (default: all; e.g. "lowp" to recheck the exchange
+#                          only). A run with it set is a partial check: its table says so.
 set -u -o pipefail
 
 out=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -58,6 +60,7 @@ else
 fi
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD 2>/dev/null || commit="$commit (with local changes)"
+if [ -n "${GPU_CHECK_SUITES:-}" ]; then commit="$commit; harness suites: $GPU_CHECK_SUITES only (a partial check)"; fi
 echo "gpu_check: $device; $versions; commit $commit; budget ${budget} s; quick=$quick; logs in $out"
 
 # backend of P ranks: $ULYSSES_BACKEND when set, else the best one here (what "auto" picks)
@@ -155,6 +158,8 @@ lane_harness() {
     local i=0 P extra=() first=1
     if [ "$ngpu" -gt 0 ]; then extra=(--large); fi
     if [ "$quick" = 1 ]; then extra+=(--cases smooth_k/L1-H3-D128,lowp/L1-); fi
+    # shellcheck disable=SC2206 # the suite names are words
+    if [ -n "${GPU_CHECK_SUITES:-}" ]; then extra+=(--suite ${GPU_CHECK_SUITES}); fi
     for P in $world_sizes; do
         i=$((i + 1))
         if [ "$first" = 1 ] && [ "$(nproc)" -lt 32 ]; then
