@@ -21,16 +21,11 @@ def _flush_buffer():
     return torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
 
 
-def cold_us(fn, name_filter, iters: int = 25, exclude: tuple[str, ...] = ()) -> float:
-    """Median over ``iters`` calls of the summed duration of the CUDA kernels whose name
-    contains one of ``name_filter`` (a str or tuple; None: every kernel) and none of
-    ``exclude`` (case-insensitive), L2 flushed before every call."""
+def _cold_calls(fn, iters: int) -> list[list]:
+    """The CUDA kernels (profiler events) of each of ``iters`` calls of ``fn``, L2 flushed
+    before every call: the int32 fill of the flush marks where a call starts."""
     from torch.profiler import ProfilerActivity, profile
 
-    if name_filter is None:
-        name_filter = ("",)
-    filters = (name_filter,) if isinstance(name_filter, str) else tuple(name_filter)
-    excluded = tuple(x.lower() for x in exclude)
     flush = _flush_buffer()
     for _ in range(3):
         fn()
@@ -44,21 +39,31 @@ def cold_us(fn, name_filter, iters: int = 25, exclude: tuple[str, ...] = ()) -> 
         (e for e in prof.events() if e.device_type.name == "CUDA"),
         key=lambda e: e.time_range.start,
     )
-    per_call, current = [], None
+    calls: list[list] = []
     for e in events:
-        if "FillFunctor<int>" in e.name:  # the int32 flush marks the start of a call
-            if current is not None:
-                per_call.append(current)
-            current = 0.0
-            continue
-        if (
-            current is not None
-            and any(f in e.name for f in filters)
-            and not any(x in e.name.lower() for x in excluded)
-        ):
-            current += e.time_range.elapsed_us()
-    if current is not None:
-        per_call.append(current)
+        if "FillFunctor<int>" in e.name:
+            calls.append([])
+        elif calls:
+            calls[-1].append(e)
+    return calls
+
+
+def cold_us(fn, name_filter, iters: int = 25, exclude: tuple[str, ...] = ()) -> float:
+    """Median over ``iters`` calls of the summed duration of the CUDA kernels whose name
+    contains one of ``name_filter`` (a str or tuple; None: every kernel) and none of
+    ``exclude`` (case-insensitive), L2 flushed before every call."""
+    if name_filter is None:
+        name_filter = ("",)
+    filters = (name_filter,) if isinstance(name_filter, str) else tuple(name_filter)
+    excluded = tuple(x.lower() for x in exclude)
+    per_call = [
+        sum(
+            e.time_range.elapsed_us()
+            for e in call
+            if any(f in e.name for f in filters) and not any(x in e.name.lower() for x in excluded)
+        )
+        for call in _cold_calls(fn, iters)
+    ]
     marks = [t for t in per_call if t > 0]
     return statistics.median(marks) if marks else float("nan")
 
@@ -80,30 +85,15 @@ def cold_breakdown(fn, iters: int = 25, exclude: tuple[str, ...] = ("nccl",)) ->
     of its summed CUPTI duration in a call; kernels whose name contains one of ``exclude``
     (case-insensitive) are left out. Medians per kernel: their sum is close to, not equal
     to, :func:`cold_us`'s median of the totals."""
-    from torch.profiler import ProfilerActivity, profile
-
-    flush = _flush_buffer()
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
-    events = sorted(
-        (e for e in prof.events() if e.device_type.name == "CUDA"),
-        key=lambda e: e.time_range.start,
-    )
     excluded = tuple(x.lower() for x in exclude)
     calls: list[dict] = []
-    for e in events:
-        if "FillFunctor<int>" in e.name:
-            calls.append({})
-            continue
-        if calls and not any(x in e.name.lower() for x in excluded):
-            key = _short(e.name)
-            calls[-1][key] = calls[-1].get(key, 0.0) + e.time_range.elapsed_us()
+    for call in _cold_calls(fn, iters):
+        parts: dict = {}
+        for e in call:
+            if not any(x in e.name.lower() for x in excluded):
+                key = _short(e.name)
+                parts[key] = parts.get(key, 0.0) + e.time_range.elapsed_us()
+        calls.append(parts)
     names = sorted({k for c in calls for k in c})
     return {k: statistics.median(c.get(k, 0.0) for c in calls) for k in names}
 
