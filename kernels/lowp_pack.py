@@ -75,6 +75,82 @@ _NOT_SPECIALIZED = [
 ]
 
 
+@triton.jit
+def _pack_q_group(
+    i_q,
+    q_ptr,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    amax_q_ptr,
+    send_ptr,
+    send_f32_ptr,
+    L,
+    H,
+    h,
+    row0,
+    n_slots_q,
+    n_qgroups,
+    shift,
+    q_whole_lo,
+    q_whole_hi,
+    tail_group_q,
+    live_end,
+    ROW,
+    CB,
+    E4,
+    D: tl.constexpr,
+    GQ: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HW_ROUND: tl.constexpr,
+    FLOOR: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    """Q_ONCE program ``i_q`` of the pack launch: one per (batch, Q group this rank touches,
+    head block). The group's [GQ, BLOCK_H, D] tile is read once, in one go. A group this
+    rank holds whole takes its amax from the tile (the statistics kernel's value: the tail
+    group's live rows only, then the floor) and writes its own scale slots; a group that
+    straddles ranks takes the merged amax from ``amax_q``."""
+    n_hblocks = tl.cdiv(H, BLOCK_H)
+    i_hb = i_q % n_hblocks
+    i_g = (i_q // n_hblocks) % n_qgroups  # slot of amax_q
+    i_b = i_q // (n_hblocks * n_qgroups)
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    o_d = tl.arange(0, D)  # [D]
+    m_h = o_h < H
+    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+    i_j = o_h // h  # destination rank of each head
+    o_g = i_g * GQ - shift + tl.arange(0, GQ)  # [GQ] local rows of the group
+    m_g = (o_g >= 0) & (o_g < L)
+    m_gq = m_g[:, None, None] & m_hd[None, :, :]  # [GQ, BH, D]
+    o_hq = o_h[:, None] * stride_qh + o_d[None, :]
+    p_g = q_ptr + i_b * stride_qb + o_g[:, None, None] * stride_ql + o_hq[None, :, :]
+    b_q = load_streamed(p_g, m_gq, 0.0, EVICT).to(tl.float32)
+    whole = (i_g >= q_whole_lo) & (i_g < q_whole_hi)
+    m_live = tl.where(row0 // GQ + i_g == tail_group_q, row0 + o_g < live_end, True)
+    m_am = tl.where(m_live[:, None, None], m_gq, False)
+    b_bits = tl.where(m_am, tl.abs(b_q).to(tl.int32, bitcast=True), 0)
+    b_bits = tl.max(tl.max(b_bits, axis=2), axis=0)  # [BH]
+    floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
+    b_own = tl.maximum(b_bits, floor_bits).to(tl.float32, bitcast=True)
+    b_merged = tl.load(
+        amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_g,
+        mask=tl.where(whole, False, m_h),
+        other=1.0,
+    )
+    b_a = tl.where(whole, b_own, b_merged)
+    b_inv = tl.math.div_rn(tl.full([BLOCK_H], 127.0, tl.float32), b_a)
+    b_code = int8_code(b_q, b_inv[None, :, None], HW_ROUND)
+    o_dst = (i_j * L * ROW + (i_b * 3 * h + o_h - i_j * h) * D)[:, None] + o_d[None, :]
+    p_gdst = send_ptr + o_dst[None, :, :] + o_g[:, None, None] * ROW
+    tl.store(p_gdst, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_gq)
+    # scale slot n = (batch, local head, slot) of each head's destination
+    i_n = (i_b * h + o_h - i_j * h) * n_slots_q + i_g  # [BH]
+    o_f = (i_j * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
+    b_scale = tl.math.div_rn(b_own, tl.full([BLOCK_H], 127.0, tl.float32))
+    tl.store(send_f32_ptr + o_f, b_scale, mask=tl.where(whole, m_h, False))
+
+
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _pack_kernel(
     q_ptr,
@@ -220,50 +296,36 @@ def _pack_kernel(
             tl.store(p_dst + 2 * h * D, b_code.to(tl.uint8), mask=m_row)
     elif i_pid < n_code + n_qcode:
         if Q_ONCE:
-            # One program per (batch, Q group this rank touches, head block): the group's
-            # [GQ, BLOCK_H, D] tile is read once, in one go. A group this rank holds whole
-            # takes its amax from the tile (the statistics kernel's value: the tail group's
-            # live rows, then the floor) and writes its own scale slots; a group that
-            # straddles ranks takes the merged amax.
-            n_hblocks = tl.cdiv(H, BLOCK_H)
-            i_q = i_pid - n_code
-            i_hb = i_q % n_hblocks
-            i_g = (i_q // n_hblocks) % n_qgroups  # slot of amax_q
-            i_b = i_q // (n_hblocks * n_qgroups)
-            o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-            o_d = tl.arange(0, D)  # [D]
-            m_h = o_h < H
-            m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
-            i_j = o_h // h  # destination rank of each head
-            o_g = i_g * GQ - shift + tl.arange(0, GQ)  # [GQ] local rows of the group
-            m_g = (o_g >= 0) & (o_g < L)
-            m_gq = m_g[:, None, None] & m_hd[None, :, :]  # [GQ, BH, D]
-            o_hq = o_h[:, None] * stride_qh + o_d[None, :]
-            p_g = q_ptr + i_b * stride_qb + o_g[:, None, None] * stride_ql + o_hq[None, :, :]
-            b_q = load_streamed(p_g, m_gq, 0.0, EVICT).to(tl.float32)
-            whole = (i_g >= q_whole_lo) & (i_g < q_whole_hi)
-            m_live = tl.where(row0 // GQ + i_g == tail_group_q, row0 + o_g < live_end, True)
-            m_am = tl.where(m_live[:, None, None], m_gq, False)
-            b_bits = tl.where(m_am, tl.abs(b_q).to(tl.int32, bitcast=True), 0)
-            b_bits = tl.max(tl.max(b_bits, axis=2), axis=0)  # [BH]
-            floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
-            b_own = tl.maximum(b_bits, floor_bits).to(tl.float32, bitcast=True)
-            b_merged = tl.load(
-                amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_g,
-                mask=tl.where(whole, False, m_h),
-                other=1.0,
+            _pack_q_group(
+                i_pid - n_code,
+                q_ptr,
+                stride_qb,
+                stride_ql,
+                stride_qh,
+                amax_q_ptr,
+                send_ptr,
+                send_f32_ptr,
+                L,
+                H,
+                h,
+                row0,
+                n_slots_q,
+                n_qgroups,
+                shift,
+                q_whole_lo,
+                q_whole_hi,
+                tail_group_q,
+                live_end,
+                ROW,
+                CB,
+                E4,
+                D,
+                GQ,
+                BLOCK_H,
+                HW_ROUND,
+                FLOOR,
+                EVICT,
             )
-            b_a = tl.where(whole, b_own, b_merged)
-            b_inv = tl.math.div_rn(tl.full([BLOCK_H], 127.0, tl.float32), b_a)
-            b_code = int8_code(b_q, b_inv[None, :, None], HW_ROUND)
-            o_dst = (i_j * L * ROW + (i_b * 3 * h + o_h - i_j * h) * D)[:, None] + o_d[None, :]
-            p_gdst = send_ptr + o_dst[None, :, :] + o_g[:, None, None] * ROW
-            tl.store(p_gdst, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_gq)
-            # scale slot n = (batch, local head, slot) of each head's destination
-            i_n = (i_b * h + o_h - i_j * h) * n_slots_q + i_g  # [BH]
-            o_f = (i_j * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
-            b_scale = tl.math.div_rn(b_own, tl.full([BLOCK_H], 127.0, tl.float32))
-            tl.store(send_f32_ptr + o_f, b_scale, mask=tl.where(whole, m_h, False))
     else:
         # scale slots: global index m over [P destinations][L * E4 slots]; slot n < NF =
         # B*h*(NSQ + NSK) of a destination holds a scale, the rest are written 0 so that no
