@@ -201,10 +201,16 @@ def _pack_kernel(
     HW_ROUND: tl.constexpr,
     Q_ONCE: tl.constexpr,
     FLOOR: tl.constexpr,
+    REVERSE: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
+    if REVERSE:  # the code programs last rows first (the scale programs stay last)
+        if i_pid < n_code:
+            i_pid = n_code - 1 - i_pid
+        elif i_pid < n_code + n_qcode:
+            i_pid = 2 * n_code + n_qcode - 1 - i_pid
     if USE_PDL:
         gdc_wait()
     if i_pid < n_code:
@@ -384,6 +390,7 @@ def prepare_pack(
     block_h: int | None = None,
     num_warps: int | None = None,
     evict: bool = False,
+    reverse: bool = False,
 ) -> Launch:
     """The pack launch for q, k, v of this shape and ``strides`` (q's, k's, v's), writing
     ``send``: call it with ``(q, k, v, amax_q, amax_k, k_mean, amax_v)``. Arguments as
@@ -480,6 +487,7 @@ def prepare_pack(
         HW_ROUND=cuda,
         Q_ONCE=q_once is not None,
         FLOOR=floor,
+        REVERSE=reverse,
         USE_PDL=use_pdl,
         EVICT=evict,
     )

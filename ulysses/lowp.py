@@ -503,7 +503,10 @@ class _ExchangePlan:
     stream (payload, gathered, K's min/max, Q's partial amax, the send buffer); the receive
     buffer is new each call (the returned q, k, v are views of it)."""
 
-    def __init__(self, c: _Call):
+    def __init__(self, c: _Call, tiles: dict | None = None):
+        # ``tiles`` (benchmarks only): {"q_once": bool, "qv": {...}, "pack": {...}}, launch
+        # settings that override the defaults; every choice gives the same bits
+        tiles = tiles or {}
         q, k, v = c.q, c.k, c.v
         B, L, H, D = k.shape
         dev, P, part, w = k.device, c.P, c.part, c.wire
@@ -533,7 +536,7 @@ class _ExchangePlan:
         # Q read once, by the pack kernel, where its group tile fits in registers; then the
         # statistics kernel reads Q only for the first and last touched slot
         q_once = None
-        if q_once_fits(k.shape, dev, c.q_group):
+        if tiles.get("q_once", True) and q_once_fits(k.shape, dev, c.q_group):
             q_once = QOnce(lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR)
         n_q = B * H * lay_q.n_slots
         self.amax_q = workspace("lowp_amax_q", n_q, torch.float32, dev)[:n_q]
@@ -554,6 +557,7 @@ class _ExchangePlan:
             floor=grid.FLOOR,
             use_pdl=c.use_pdl,
             q_boundary_only=q_once is not None,
+            **tiles.get("qv", {}),
         )
         # Q's boundary merge, V's amax over ranks and v_scale (kernels/lowp_finish), launched
         # with K's finalize as one grid (prepare_post_gather)
@@ -589,6 +593,7 @@ class _ExchangePlan:
             scale_bytes=w.scale_bytes,
             use_pdl=c.use_pdl,
             q_once=q_once,
+            **tiles.get("pack", {}),
         )
         self.a2a = _all_to_all_launcher(send)
         h = w.h
