@@ -1,8 +1,8 @@
 """Experiment (issue 13, local work <= 2.5 x a cold read at 268 MB): reading Q once, measured
 where it counts, in the exchange's chain of local kernels. One GPU, two ranks over gloo (as
-``bench_lowp_local.py``); rank 0 times variant plans of the same call. Each variant first runs one whole
-exchange (both ranks), whose send buffer must equal the first variant's byte for byte; the
-timed chain then reuses the statistics that call gathered. Not the product.
+``bench_lowp_local.py``); rank 0 times variant plans of the same call. Each variant first
+runs one whole exchange (both ranks), whose send buffer must equal the first variant's byte
+for byte; the timed chain then reuses the statistics that call gathered. Not the product.
 
     torchrun --standalone --nproc-per-node 2 scripts/exp_q_once_chain.py
 
