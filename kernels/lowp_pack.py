@@ -13,8 +13,13 @@ Programs ``[0, n_code)``: one per (batch, block of BLOCK_L rows, head block); pe
 * K: ``x = fp32(k) - fp32(mean)`` (one rounding), ``code = clamp(rne(x * div_rn(127, amax_k)))``;
 * V: ``y = clamp(fp32(v) * div_rn(448, amax_v), -448, 448)``, code = e4m3fn(y) rounded to
   nearest even; ``amax_v == 0`` gives +0, a NaN gives 0x7F; a NaN Q/K product gives 0.
-Programs ``[n_code, n_code + n_scale)``: the scale slots, ``div_rn(amax, 127)``, and 0 in the
-slots past the scale block, so every byte of the send buffer is written.
+With ``q_once`` (the eager plan's default where a Q group's tile fits in registers) the
+programs ``[0, n_code)`` pack K and V only, and programs ``[n_code, n_code + n_qcode)``, one per
+(batch, Q group, head block), read each Q group once: a group this rank holds whole gets its
+amax from that tile (and writes its scale slots), a straddling one reads the merged amax. Q is
+then read once in the whole exchange; the statistics kernel reads only its boundary slots.
+The last programs write the scale slots, ``div_rn(amax, 127)``, and 0 in the slots past the
+scale block, so every byte of the send buffer is written.
 
 Rounding (CUDA: the hardware conversions; the interpreter: integer arithmetic on the fp32
 bits, as its fp8 cast rounds ties up) is round-half-to-even on every backend, and no float
@@ -201,16 +206,10 @@ def _pack_kernel(
     HW_ROUND: tl.constexpr,
     Q_ONCE: tl.constexpr,
     FLOOR: tl.constexpr,
-    REVERSE: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
-    if REVERSE:  # the code programs last rows first (the scale programs stay last)
-        if i_pid < n_code:
-            i_pid = n_code - 1 - i_pid
-        elif i_pid < n_code + n_qcode:
-            i_pid = 2 * n_code + n_qcode - 1 - i_pid
     if USE_PDL:
         gdc_wait()
     if i_pid < n_code:
@@ -390,7 +389,6 @@ def prepare_pack(
     block_h: int | None = None,
     num_warps: int | None = None,
     evict: bool = False,
-    reverse: bool = False,
 ) -> Launch:
     """The pack launch for q, k, v of this shape and ``strides`` (q's, k's, v's), writing
     ``send``: call it with ``(q, k, v, amax_q, amax_k, k_mean, amax_v)``. Arguments as
@@ -413,13 +411,15 @@ def prepare_pack(
     block_h = _block_h(shape, device, block_h)
     # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
     # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
-    # tile (the cold sweep of session 4, docs/BENCHMARKS.md); with q_once, enough warps
-    # for a Q group's tile (32 elements a thread), rows to match. The interpreter pays per
-    # operation, so it takes big tiles. Any tile gives the same bits.
+    # tile (the cold sweep of session 4, docs/BENCHMARKS.md). With q_once: one warp per
+    # 1024 elements of a Q group's tile (32 a thread), K/V rows for 8 elements a thread and
+    # tensor, 64 rows a program (session 7's chain sweep, docs/BENCHMARKS.md). The
+    # interpreter pays per operation, so it takes big tiles. Any tile gives the same bits.
     if q_once is not None and cuda:
         assert q_once_fits(shape, device, q_group, block_h)
         num_warps = num_warps or max(2, min(8, q_group * block_h * D // 1024))
-        rows = rows or max(1, num_warps * 256 // (2 * block_h * D))
+        rows = rows or max(1, num_warps * 256 // (block_h * D))
+        block_l = block_l or 64
     rows = next_pow2(rows or (4 if cuda else min(16, L)))
     block_l = rows * cdiv(block_l or (32 if cuda else min(64, L)), rows)
     n_rblocks = cdiv(L, block_l)
@@ -487,7 +487,6 @@ def prepare_pack(
         HW_ROUND=cuda,
         Q_ONCE=q_once is not None,
         FLOOR=floor,
-        REVERSE=reverse,
         USE_PDL=use_pdl,
         EVICT=evict,
     )

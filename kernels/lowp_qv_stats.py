@@ -11,6 +11,9 @@ sign-cleared NaN sorts above +Inf, so an integer max propagates NaN and Inf):
   then one relaxed ``atomic_max`` into the payload (max is order-independent, so the atomics
   are deterministic).
 
+With ``q_boundary_only`` (when the pack kernel reads Q once) Q is read for the first and last
+touched slot only, the ones that can straddle ranks; the other slots of ``amax`` are not written.
+
 The payload (fp32, sent in the statistics all_gather) is ``[Q first/last touched slot
 [B, H, 2] | V amax [B, H, D]]``; the full Q partial [B, H, NS] stays local.
 """
@@ -194,15 +197,21 @@ def prepare_qv_stats(
     vamax_f32 = payload[B * H * 2 :]
     vamax = vamax_f32.view(torch.int32)
     cuda = compiled_for_gpu(device)
-    # ~256 rows a program on CUDA (few atomics); the interpreter pays per program: longer spans
     # CUDA: ~128 rows a program, 16 rows unrolled, [128 / D heads, D] tiles with 2 warps (the
     # cold sweep of session 4: 43.5 us against 68.2 with 256 rows, 8 rows and 512-element
     # tiles at 68 MB; docs/BENCHMARKS.md). The interpreter pays per program: longer spans.
+    # q_boundary_only (V and two Q slots): 64-row programs with one warp per 128-element
+    # tile (session 7's chain sweep: 29.9 / 75.3 us at 68 / 268 MB against 36.7 / 115.1 with
+    # the two-read tile).
+    if cuda and q_boundary_only:
+        span = span or max(1, 64 // G)
     span = span or (max(1, 128 // G) if cuda else max(1, 1024 // G))
     rows = rows or (16 if cuda else 4)
     n_spans = cdiv(n_slots, span)
     auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=128, warps_per_sm=22)
     block_h = next_pow2(block_h or auto_h)
+    if cuda and q_boundary_only:
+        auto_warps = max(1, block_h * D // 128)
     num_warps = num_warps or auto_warps
     step = Launch(
         _qv_stats_kernel,

@@ -26,25 +26,12 @@ from ulysses import lowp
 from ulysses.testing import make_k_full
 
 VARIANTS = {
-    "two-read (session 6)": {"q_once": False},
-    "two-read, pack reversed": {"q_once": False, "pack": {"reverse": True}},
-    "q_once default": {},
-    "q_once pack r8 w4 bl64, qv s4 r16 w2": {
-        "pack": {"rows": 8, "num_warps": 4, "block_l": 64},
-        "qv": {"span": 4, "rows": 16, "block_h": 1, "num_warps": 2},
-    },
-    "q_once pack r8 w4 bl64, qv s2 r16 w1": {
-        "pack": {"rows": 8, "num_warps": 4, "block_l": 64},
-        "qv": {"span": 2, "rows": 16, "block_h": 1, "num_warps": 1},
-    },
-    "q_once pack r8 w4 bl64 reversed, qv s2 r16 w1": {
-        "pack": {"rows": 8, "num_warps": 4, "block_l": 64, "reverse": True},
-        "qv": {"span": 2, "rows": 16, "block_h": 1, "num_warps": 1},
-    },
-    "q_once pack r16 w2 bl64, qv s2 r16 w1": {
-        "pack": {"rows": 16, "num_warps": 2, "block_l": 64},
-        "qv": {"span": 2, "rows": 16, "block_h": 1, "num_warps": 1},
-    },
+    "two-read (session 6's plan)": {"q_once": False},
+    "q_once (session 7's defaults)": {},
+    "q_once, pack 32 rows a program": {"pack": {"block_l": 32}},
+    "q_once, pack 2 warps": {"pack": {"num_warps": 2, "rows": 8}},
+    "q_once, qv 32 rows unrolled": {"qv": {"rows": 32}},
+    "q_once, qv 128-row programs": {"qv": {"span": 4}},
 }
 
 
