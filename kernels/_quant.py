@@ -31,3 +31,12 @@ def int8_code(b_x, b_inv, HW_ROUND: tl.constexpr):
         b_int = b_int + b_up.to(tl.int32)
         b_code = tl.where(b_bits < 0, -b_int, b_int)
     return b_code
+
+
+@triton.jit
+def canonical_nan_bits(b_bits):
+    """int32 bits of non-negative floats (|x|) with every NaN as 0x7FC00000. A max over such
+    bits propagates NaN, but which NaN depends on how the launch converted its bf16/fp16
+    input (compiled tiles differ); one NaN keeps the result's bits independent of the launch
+    configuration (docs/CONTRACT.md: identical bits for every configuration)."""
+    return tl.where(b_bits > 0x7F800000, 0x7FC00000, b_bits)

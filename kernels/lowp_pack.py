@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant import int8_code
+from ._quant import canonical_nan_bits, int8_code
 from ._runtime import (
     Launch,
     cdiv,
@@ -137,7 +137,7 @@ def _pack_q_group(
     b_bits = tl.where(m_am, tl.abs(b_q).to(tl.int32, bitcast=True), 0)
     b_bits = tl.max(tl.max(b_bits, axis=2), axis=0)  # [BH]
     floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
-    b_own = tl.maximum(b_bits, floor_bits).to(tl.float32, bitcast=True)
+    b_own = tl.maximum(canonical_nan_bits(b_bits), floor_bits).to(tl.float32, bitcast=True)
     b_merged = tl.load(
         amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_g,
         mask=tl.where(whole, False, m_h),

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._quant import canonical_nan_bits
 from ._runtime import (
     Launch,
     cdiv,
@@ -141,7 +142,8 @@ def _qv_stats_kernel(
                 b_vacc = tl.maximum(
                     b_vacc, tl.where(m_v, tl.abs(b_v).to(tl.int32, bitcast=True), 0)
                 )
-        b_out = tl.maximum(tl.max(b_qacc, axis=1), floor_bits).to(tl.float32, bitcast=True)
+        b_out = canonical_nan_bits(tl.max(b_qacc, axis=1))
+        b_out = tl.maximum(b_out, floor_bits).to(tl.float32, bitcast=True)
         b_out = tl.where(i_s < n_touched, b_out, 0.0)
         m_s = tl.where((i_s < n_slots) & ((i_s < q_skip_lo) | (i_s >= q_skip_hi)), m_h, False)
         tl.store(amax_ptr + i_b * H * n_slots + o_h * n_slots + i_s, b_out, mask=m_s)
@@ -152,7 +154,7 @@ def _qv_stats_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     p_vamax = vamax_ptr + i_b * H * D + o_h[:, None] * D + o_d[None, :]
-    tl.atomic_max(p_vamax, b_vacc, mask=m_hd, sem="relaxed")
+    tl.atomic_max(p_vamax, canonical_nan_bits(b_vacc), mask=m_hd, sem="relaxed")
 
 
 def qv_payload_numel(B: int, H: int, D: int) -> int:
