@@ -13,8 +13,13 @@ Programs ``[0, n_code)``: one per (batch, block of BLOCK_L rows, head block); pe
 * K: ``x = fp32(k) - fp32(mean)`` (one rounding), ``code = clamp(rne(x * div_rn(127, amax_k)))``;
 * V: ``y = clamp(fp32(v) * div_rn(448, amax_v), -448, 448)``, code = e4m3fn(y) rounded to
   nearest even; ``amax_v == 0`` gives +0, a NaN gives 0x7F; a NaN Q/K product gives 0.
-Programs ``[n_code, n_code + n_scale)``: the scale slots, ``div_rn(amax, 127)``, and 0 in the
-slots past the scale block, so every byte of the send buffer is written.
+With ``q_once`` (the eager plan's default where a Q group's tile fits in registers) the
+programs ``[0, n_code)`` pack K and V only, and programs ``[n_code, n_code + n_qcode)``, one per
+(batch, Q group, head block), read each Q group once: a group this rank holds whole gets its
+amax from that tile (and writes its scale slots), a straddling one reads the merged amax. Q is
+then read once in the whole exchange; the statistics kernel reads only its boundary slots.
+The last programs write the scale slots, ``div_rn(amax, 127)``, and 0 in the slots past the
+scale block, so every byte of the send buffer is written.
 
 Rounding (CUDA: the hardware conversions; the interpreter: integer arithmetic on the fp32
 bits, as its fp8 cast rounds ties up) is round-half-to-even on every backend, and no float
@@ -23,11 +28,13 @@ add follows a multiply, so fp contraction (FMA) on CUDA cannot skip the product'
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from ._quant import canonical_nan_bits, int8_code
 from ._runtime import (
     Launch,
     cdiv,
@@ -39,7 +46,7 @@ from ._runtime import (
     tile,
 )
 
-__all__ = ["pack_qkv", "prepare_pack"]
+__all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 
 # CUDA rounds with the hardware conversions (cvt.rni for int8, cvt.rn.satfinite for e4m3,
 # both round-half-to-even), the interpreter by integer arithmetic on the fp32 bits (its fp8
@@ -61,9 +68,92 @@ _NOT_SPECIALIZED = [
     "n_slots_k",
     "n_rblocks",
     "n_code",
+    "n_qcode",
     "n_scales",
     "B",
+    "shift",
+    "n_qgroups",
+    "q_whole_lo",
+    "q_whole_hi",
+    "tail_group_q",
+    "live_end",
 ]
+
+
+@triton.jit
+def _pack_q_group(
+    i_q,
+    q_ptr,
+    stride_qb,
+    stride_ql,
+    stride_qh,
+    amax_q_ptr,
+    send_ptr,
+    send_f32_ptr,
+    L,
+    H,
+    h,
+    row0,
+    n_slots_q,
+    n_qgroups,
+    shift,
+    q_whole_lo,
+    q_whole_hi,
+    tail_group_q,
+    live_end,
+    ROW,
+    CB,
+    E4,
+    D: tl.constexpr,
+    GQ: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HW_ROUND: tl.constexpr,
+    FLOOR: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    """Q_ONCE program ``i_q`` of the pack launch: one per (batch, Q group this rank touches,
+    head block). The group's [GQ, BLOCK_H, D] tile is read once, in one go. A group this
+    rank holds whole takes its amax from the tile (the statistics kernel's value: the tail
+    group's live rows only, then the floor) and writes its own scale slots; a group that
+    straddles ranks takes the merged amax from ``amax_q``."""
+    n_hblocks = tl.cdiv(H, BLOCK_H)
+    i_hb = i_q % n_hblocks
+    i_g = (i_q // n_hblocks) % n_qgroups  # slot of amax_q
+    i_b = i_q // (n_hblocks * n_qgroups)
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+    o_d = tl.arange(0, D)  # [D]
+    m_h = o_h < H
+    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+    i_j = o_h // h  # destination rank of each head
+    o_g = i_g * GQ - shift + tl.arange(0, GQ)  # [GQ] local rows of the group
+    m_g = (o_g >= 0) & (o_g < L)
+    m_gq = m_g[:, None, None] & m_hd[None, :, :]  # [GQ, BH, D]
+    o_hq = o_h[:, None] * stride_qh + o_d[None, :]
+    p_g = q_ptr + i_b * stride_qb + o_g[:, None, None] * stride_ql + o_hq[None, :, :]
+    b_q = load_streamed(p_g, m_gq, 0.0, EVICT).to(tl.float32)
+    whole = (i_g >= q_whole_lo) & (i_g < q_whole_hi)
+    m_live = tl.where(row0 // GQ + i_g == tail_group_q, row0 + o_g < live_end, True)
+    m_am = tl.where(m_live[:, None, None], m_gq, False)
+    b_bits = tl.where(m_am, tl.abs(b_q).to(tl.int32, bitcast=True), 0)
+    b_bits = tl.max(tl.max(b_bits, axis=2), axis=0)  # [BH]
+    floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
+    b_own = tl.maximum(canonical_nan_bits(b_bits), floor_bits).to(tl.float32, bitcast=True)
+    b_merged = tl.load(
+        amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_g,
+        mask=tl.where(whole, False, m_h),
+        other=1.0,
+    )
+    b_a = tl.where(whole, b_own, b_merged)
+    b_inv = tl.math.div_rn(tl.full([BLOCK_H], 127.0, tl.float32), b_a)
+    b_code = int8_code(b_q, b_inv[None, :, None], HW_ROUND)
+    o_dst = (i_j * L * ROW + (i_b * 3 * h + o_h - i_j * h) * D)[:, None] + o_d[None, :]
+    p_gdst = send_ptr + o_dst[None, :, :] + o_g[:, None, None] * ROW
+    tl.store(p_gdst, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_gq)
+    # scale slot n = (batch, local head, slot) of each head's destination
+    i_n = (i_b * h + o_h - i_j * h) * n_slots_q + i_g  # [BH]
+    o_f = (i_j * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
+    b_scale = tl.math.div_rn(b_own, tl.full([BLOCK_H], 127.0, tl.float32))
+    tl.store(send_f32_ptr + o_f, b_scale, mask=tl.where(whole, m_h, False))
 
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
@@ -94,11 +184,18 @@ def _pack_kernel(
     n_slots_k,
     n_rblocks,
     n_code,
+    n_qcode,
     n_scales,
     B,
     ROW,
     CB,
     E4,
+    shift,
+    n_qgroups,
+    q_whole_lo,
+    q_whole_hi,
+    tail_group_q,
+    live_end,
     D: tl.constexpr,
     GQ: tl.constexpr,
     GK: tl.constexpr,
@@ -107,6 +204,8 @@ def _pack_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HW_ROUND: tl.constexpr,
+    Q_ONCE: tl.constexpr,
+    FLOOR: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
 ):
@@ -155,38 +254,22 @@ def _pack_kernel(
             i_sk = (row0 + i_row) // GK - gk_first
             o_row = i_row[:, None, None]
             p_dst = send_ptr + o_dst + o_row * ROW
-            b_q = load_streamed(p_q + o_row * stride_ql, m_row, 0.0, EVICT)
+            if not Q_ONCE:
+                b_q = load_streamed(p_q + o_row * stride_ql, m_row, 0.0, EVICT)
             b_k = load_streamed(p_k + o_row * stride_kl, m_row, 0.0, EVICT)
             b_v = load_streamed(p_v + o_row * stride_vl, m_row, 0.0, EVICT)
             o_aq = (i_b * H + o_h[None, :]) * n_slots_q + i_sq[:, None]  # [R, BH]
             o_ak = (i_b * H + o_h[None, :]) * n_slots_k + i_sk[:, None]
-            b_aq = tl.load(amax_q_ptr + o_aq, mask=m_rh, other=1.0)
             b_ak = tl.load(amax_k_ptr + o_ak, mask=m_rh, other=1.0)
-            for t in tl.static_range(2):  # Q then K: int8 codes
+            for t in tl.static_range(1 if Q_ONCE else 0, 2):  # Q (unless Q_ONCE), K: int8
                 if t == 0:
-                    b_a = b_aq
+                    b_a = tl.load(amax_q_ptr + o_aq, mask=m_rh, other=1.0)
                     b_x = b_q.to(tl.float32)
                 else:
                     b_a = b_ak
                     b_x = b_k.to(tl.float32) - b_mean
                 b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_a)
-                b_y = b_x * b_inv[:, :, None]
-                b_y = tl.where(b_y > 127.0, 127.0, tl.where(b_y < -127.0, -127.0, b_y))
-                b_y = tl.where(b_y != b_y, 0.0, b_y)  # NaN -> code 0
-                if HW_ROUND:  # CUDA: cvt.rni (round half to even), no add after the multiply
-                    b_code = libdevice.rint(b_y).to(tl.int32)
-                else:
-                    # rne(|y|) for |y| <= 127: |y| = man * 2^-sh with a 24-bit man, sh >= 17
-                    b_bits = b_y.to(tl.int32, bitcast=True)
-                    b_mag = b_bits & 0x7FFFFFFF
-                    b_man = (b_mag & 0x7FFFFF) | 0x800000
-                    b_sh = tl.minimum(150 - (b_mag >> 23), 25)  # 25: |y| < 0.5, 0, subnormal
-                    b_int = b_man >> b_sh
-                    b_rem = b_man & ((1 << b_sh) - 1)
-                    b_half = 1 << (b_sh - 1)
-                    b_up = (b_rem > b_half) | ((b_rem == b_half) & ((b_int & 1) == 1))
-                    b_int = b_int + b_up.to(tl.int32)
-                    b_code = tl.where(b_bits < 0, -b_int, b_int)
+                b_code = int8_code(b_x, b_inv[:, :, None], HW_ROUND)
                 tl.store(
                     p_dst + t * h * D, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_row
                 )
@@ -216,13 +299,45 @@ def _pack_kernel(
             b_code = tl.where(b_y != b_y, 0x7F, b_code)
             b_code = tl.where(b_vzero, 0, b_code)
             tl.store(p_dst + 2 * h * D, b_code.to(tl.uint8), mask=m_row)
+    elif i_pid < n_code + n_qcode:
+        if Q_ONCE:
+            _pack_q_group(
+                i_pid - n_code,
+                q_ptr,
+                stride_qb,
+                stride_ql,
+                stride_qh,
+                amax_q_ptr,
+                send_ptr,
+                send_f32_ptr,
+                L,
+                H,
+                h,
+                row0,
+                n_slots_q,
+                n_qgroups,
+                shift,
+                q_whole_lo,
+                q_whole_hi,
+                tail_group_q,
+                live_end,
+                ROW,
+                CB,
+                E4,
+                D,
+                GQ,
+                BLOCK_H,
+                HW_ROUND,
+                FLOOR,
+                EVICT,
+            )
     else:
         # scale slots: global index m over [P destinations][L * E4 slots]; slot n < NF =
         # B*h*(NSQ + NSK) of a destination holds a scale, the rest are written 0 so that no
         # byte of the send buffer is left uninitialized (stale memory never crosses ranks).
         nf_q = B * h * n_slots_q
         nf = nf_q + B * h * n_slots_k
-        o_m = (i_pid - n_code) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        o_m = (i_pid - n_code - n_qcode) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         m_m = o_m < n_scales
         i_j_s = o_m // (L * E4)
         i_n = o_m % (L * E4)
@@ -246,7 +361,9 @@ def _pack_kernel(
         b_scale = tl.math.div_rn(tl.where(is_q, b_aq, b_ak), tl.full([BLOCK_N], 127.0, tl.float32))
         b_scale = tl.where(m_used, b_scale, 0.0)
         o_f = (i_j_s * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
-        tl.store(send_f32_ptr + o_f, b_scale, mask=m_m)
+        # Q_ONCE: the slots of Q groups held whole are written by their Q programs
+        m_own = is_q & (i_s >= q_whole_lo) & (i_s < q_whole_hi) & (i_n < nf)
+        tl.store(send_f32_ptr + o_f, b_scale, mask=tl.where(m_own, False, m_m))
     if USE_PDL:
         gdc_launch_dependents()
 
@@ -266,6 +383,7 @@ def prepare_pack(
     row_bytes: int,
     scale_bytes: int,
     use_pdl: bool,
+    q_once: QOnce | None = None,
     block_l: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -274,7 +392,13 @@ def prepare_pack(
 ) -> Launch:
     """The pack launch for q, k, v of this shape and ``strides`` (q's, k's, v's), writing
     ``send``: call it with ``(q, k, v, amax_q, amax_k, k_mean, amax_v)``. Arguments as
-    :func:`pack_qkv`."""
+    :func:`pack_qkv`.
+
+    ``q_once`` (the Q grid's values, :class:`QOnce`) reads Q here only: one program per Q
+    group derives the amax of each group this rank holds whole from the rows it quantizes
+    and writes those scale slots; ``amax_q`` is then read only at the first and last touched
+    slot (the statistics kernel's ``q_boundary_only`` and the merge fill those). Take it
+    where :func:`q_once_fits`."""
     B, L, H, D = shape
     P = world_size
     h = H // P
@@ -284,23 +408,40 @@ def prepare_pack(
     assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
     assert send.dtype == torch.uint8 and send.numel() == P * L * row_bytes
     cuda = compiled_for_gpu(device)
+    block_h = _block_h(shape, device, block_h)
     # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
     # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
-    # tile (the cold sweep of session 4, docs/BENCHMARKS.md). The interpreter pays per
-    # operation, so it takes big tiles. Any tile gives the same bits.
+    # tile (the cold sweep of session 4, docs/BENCHMARKS.md). With q_once: one warp per
+    # 1024 elements of a Q group's tile (32 a thread), K/V rows for 8 elements a thread and
+    # tensor, 64 rows a program (session 7's chain sweep, docs/BENCHMARKS.md). The
+    # interpreter pays per operation, so it takes big tiles. Any tile gives the same bits.
+    if q_once is not None and cuda:
+        assert q_once_fits(shape, device, q_group, block_h)
+        num_warps = num_warps or max(2, min(8, q_group * block_h * D // 1024))
+        rows = rows or max(1, num_warps * 256 // (block_h * D))
+        block_l = block_l or 64
     rows = next_pow2(rows or (4 if cuda else min(16, L)))
     block_l = rows * cdiv(block_l or (32 if cuda else min(64, L)), rows)
     n_rblocks = cdiv(L, block_l)
-    auto_h, _ = tile(D, H, B * n_rblocks, device, elems=128, warps_per_sm=22)
-    block_h = next_pow2(block_h or auto_h)
     num_warps = num_warps or (max(1, min(8, rows * block_h * D // 256)) if cuda else 1)
     n_code = B * n_rblocks * cdiv(H, block_h)
+    shift = row0 % q_group
+    if q_once is not None:
+        n_qgroups = cdiv(L + shift, q_group)
+        assert n_qgroups == q_once.n_touched
+        n_qcode = B * n_qgroups * cdiv(H, block_h)
+        q_whole_lo = 0 if shift == 0 else 1
+        q_whole_hi = max(q_whole_lo, (row0 + L) // q_group - row0 // q_group)
+        tail_group_q, live_end, floor = q_once.tail_group, q_once.live_end, q_once.floor
+    else:
+        n_qgroups = n_qcode = q_whole_lo = q_whole_hi = live_end = 0
+        tail_group_q, floor = -1, 0.0
     n_scales = P * L * (scale_bytes // 4)  # every scale slot, used or not
     block_n = 256 if cuda else 4096
     (sqb, sql, sqh, _), (skb, skl, skh, _), (svb, svl, svh, _) = strides
     return Launch(
         _pack_kernel,
-        (n_code + cdiv(n_scales, block_n),),
+        (n_code + n_qcode + cdiv(n_scales, block_n),),
         device,
         num_warps=num_warps,
         use_pdl=use_pdl,
@@ -324,6 +465,7 @@ def prepare_pack(
         n_slots_k=n_sk,
         n_rblocks=n_rblocks,
         n_code=n_code,
+        n_qcode=n_qcode,
         n_scales=n_scales,
         B=B,
         D=D,
@@ -332,14 +474,58 @@ def prepare_pack(
         ROW=row_bytes,
         CB=cb,
         E4=scale_bytes // 4,
+        shift=shift,
+        n_qgroups=n_qgroups,
+        q_whole_lo=q_whole_lo,
+        q_whole_hi=q_whole_hi,
+        tail_group_q=tail_group_q,
+        live_end=live_end,
         BLOCK_H=block_h,
         BLOCK_L=block_l,
         ROWS=rows,
         BLOCK_N=block_n,
         HW_ROUND=cuda,
+        Q_ONCE=q_once is not None,
+        FLOOR=floor,
         USE_PDL=use_pdl,
         EVICT=evict,
     )
+
+
+class QOnce(NamedTuple):
+    """The Q grid's values :func:`prepare_pack` needs to read Q once (``ulysses.grid.layout``
+    of the Q grid): slots this rank touches, the tail group (-1: none), the end of the live
+    rows (global), the amax floor."""
+
+    n_touched: int
+    tail_group: int
+    live_end: int
+    floor: float
+
+
+# The largest Q group tile [GQ, BLOCK_H, D] that the q_once programs hold in registers
+# (32 elements a thread with 8 warps).
+_Q_TILE_MAX = 8192
+
+
+def _block_h(shape: tuple[int, int, int, int], device: torch.device, block_h: int | None) -> int:
+    B, L, H, D = shape
+    auto_h, _ = tile(D, H, B * cdiv(L, 32), device, elems=128, warps_per_sm=22)
+    return next_pow2(block_h or auto_h)
+
+
+def q_once_fits(
+    shape: tuple[int, int, int, int],
+    device: torch.device,
+    q_group: int,
+    block_h: int | None = None,
+) -> bool:
+    """Whether :func:`prepare_pack` can take ``q_once`` for q of this shape: on a GPU, the
+    Q group's tile ``[q_group, BLOCK_H, D]`` fits in registers (the interpreter has no such
+    limit)."""
+    if not compiled_for_gpu(device):
+        return True
+    return q_group * _block_h(shape, device, block_h) * shape[3] <= _Q_TILE_MAX
 
 
 def pack_qkv(

@@ -11,6 +11,9 @@ sign-cleared NaN sorts above +Inf, so an integer max propagates NaN and Inf):
   then one relaxed ``atomic_max`` into the payload (max is order-independent, so the atomics
   are deterministic).
 
+With ``q_boundary_only`` (when the pack kernel reads Q once) Q is read for the first and last
+touched slot only, the ones that can straddle ranks; the other slots of ``amax`` are not written.
+
 The payload (fp32, sent in the statistics all_gather) is ``[Q first/last touched slot
 [B, H, 2] | V amax [B, H, D]]``; the full Q partial [B, H, NS] stays local.
 """
@@ -21,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._quant import canonical_nan_bits
 from ._runtime import (
     Launch,
     cdiv,
@@ -39,7 +43,18 @@ __all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats"]
 # serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
 # dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
 # alignment lets the loads and stores vectorize.
-_NOT_SPECIALIZED = ["L", "H", "row0", "n_slots", "n_touched", "n_spans", "tail_group", "live_end"]
+_NOT_SPECIALIZED = [
+    "L",
+    "H",
+    "row0",
+    "n_slots",
+    "n_touched",
+    "n_spans",
+    "tail_group",
+    "live_end",
+    "q_skip_lo",
+    "q_skip_hi",
+]
 
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
@@ -63,6 +78,8 @@ def _qv_stats_kernel(
     n_spans,
     tail_group,
     live_end,
+    q_skip_lo,
+    q_skip_hi,
     FLOOR: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -100,20 +117,22 @@ def _qv_stats_kernel(
         hi_q = tl.where(g == tail_group, tl.minimum(hi, live), hi)
         hi_v = tl.maximum(tl.minimum(hi, live), lo)
         b_qacc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
+        # Slots in [q_skip_lo, q_skip_hi) (groups the pack kernel reads Q for itself): no Q
+        m_hq = tl.where((i_s >= q_skip_lo) & (i_s < q_skip_hi), False, m_hd)
         # Rows [lo, lo + n_full*ROWS) count for both maxima: only the head mask. The rest is
         # masked row by row (Q up to hi_q, V up to hi_v).
         n_full = tl.maximum(tl.minimum(hi_q, hi_v) - lo, 0) // ROWS
         for i_c in range(0, n_full):
             for j in tl.static_range(ROWS):
                 i_row = lo + i_c * ROWS + j
-                b_q = load_streamed(p_q + i_row * stride_ql, m_hd, 0.0, EVICT).to(tl.float32)
+                b_q = load_streamed(p_q + i_row * stride_ql, m_hq, 0.0, EVICT).to(tl.float32)
                 b_v = load_streamed(p_v + i_row * stride_vl, m_hd, 0.0, EVICT).to(tl.float32)
                 b_qacc = tl.maximum(b_qacc, tl.abs(b_q).to(tl.int32, bitcast=True))
                 b_vacc = tl.maximum(b_vacc, tl.abs(b_v).to(tl.int32, bitcast=True))
         for i_r in range(lo + n_full * ROWS, hi, ROWS):
             for j in tl.static_range(ROWS):
                 i_row = i_r + j
-                m_q = tl.where(i_row < hi_q, m_hd, False)  # not `&`: the 3.9 interpreter widens
+                m_q = tl.where(i_row < hi_q, m_hq, False)  # not `&`: the 3.9 interpreter widens
                 m_v = tl.where(i_row < hi_v, m_hd, False)
                 b_q = load_streamed(p_q + i_row * stride_ql, m_q, 0.0, EVICT).to(tl.float32)
                 b_v = load_streamed(p_v + i_row * stride_vl, m_v, 0.0, EVICT).to(tl.float32)
@@ -123,9 +142,10 @@ def _qv_stats_kernel(
                 b_vacc = tl.maximum(
                     b_vacc, tl.where(m_v, tl.abs(b_v).to(tl.int32, bitcast=True), 0)
                 )
-        b_out = tl.maximum(tl.max(b_qacc, axis=1), floor_bits).to(tl.float32, bitcast=True)
+        b_out = canonical_nan_bits(tl.max(b_qacc, axis=1))
+        b_out = tl.maximum(b_out, floor_bits).to(tl.float32, bitcast=True)
         b_out = tl.where(i_s < n_touched, b_out, 0.0)
-        m_s = tl.where(i_s < n_slots, m_h, False)
+        m_s = tl.where((i_s < n_slots) & ((i_s < q_skip_lo) | (i_s >= q_skip_hi)), m_h, False)
         tl.store(amax_ptr + i_b * H * n_slots + o_h * n_slots + i_s, b_out, mask=m_s)
         p_bound = payload_ptr + (i_b * H + o_h) * 2
         tl.store(p_bound, b_out, mask=tl.where(i_s == 0, m_h, False))
@@ -134,7 +154,7 @@ def _qv_stats_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     p_vamax = vamax_ptr + i_b * H * D + o_h[:, None] * D + o_d[None, :]
-    tl.atomic_max(p_vamax, b_vacc, mask=m_hd, sem="relaxed")
+    tl.atomic_max(p_vamax, canonical_nan_bits(b_vacc), mask=m_hd, sem="relaxed")
 
 
 def qv_payload_numel(B: int, H: int, D: int) -> int:
@@ -158,6 +178,7 @@ def prepare_qv_stats(
     live_end: int,
     floor: float,
     use_pdl: bool,
+    q_boundary_only: bool = False,
     span: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -166,7 +187,9 @@ def prepare_qv_stats(
 ):
     """The launch of :func:`qv_stats` bound to ``payload`` and ``amax``: returns
     ``run(q, v)``, which zeroes V's amax block (the atomic max starts from +0.0) and
-    launches the kernel."""
+    launches the kernel. ``q_boundary_only``: Q's amax for the first and last touched slot
+    only (the pack kernel's ``q_once`` derives the others from the rows it reads); the other
+    slots of ``amax`` are left as they are."""
     B, L, H, D = shape
     G = group_size
     assert q_strides[3] == 1 and v_strides[3] == 1
@@ -176,15 +199,21 @@ def prepare_qv_stats(
     vamax_f32 = payload[B * H * 2 :]
     vamax = vamax_f32.view(torch.int32)
     cuda = compiled_for_gpu(device)
-    # ~256 rows a program on CUDA (few atomics); the interpreter pays per program: longer spans
     # CUDA: ~128 rows a program, 16 rows unrolled, [128 / D heads, D] tiles with 2 warps (the
     # cold sweep of session 4: 43.5 us against 68.2 with 256 rows, 8 rows and 512-element
     # tiles at 68 MB; docs/BENCHMARKS.md). The interpreter pays per program: longer spans.
+    # q_boundary_only (V and two Q slots): 64-row programs with one warp per 128-element
+    # tile (session 7's chain sweep: 29.9 / 75.3 us at 68 / 268 MB against 36.7 / 115.1 with
+    # the two-read tile).
+    if cuda and q_boundary_only:
+        span = span or max(1, 64 // G)
     span = span or (max(1, 128 // G) if cuda else max(1, 1024 // G))
     rows = rows or (16 if cuda else 4)
     n_spans = cdiv(n_slots, span)
     auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=128, warps_per_sm=22)
     block_h = next_pow2(block_h or auto_h)
+    if cuda and q_boundary_only:
+        auto_warps = max(1, block_h * D // 128)
     num_warps = num_warps or auto_warps
     step = Launch(
         _qv_stats_kernel,
@@ -210,6 +239,8 @@ def prepare_qv_stats(
         n_spans=n_spans,
         tail_group=tail_group,
         live_end=live_end,
+        q_skip_lo=1 if q_boundary_only else 0,
+        q_skip_hi=n_touched - 1 if q_boundary_only else 0,
         G=G,
         D=D,
         SPAN=span,
@@ -240,6 +271,7 @@ def qv_stats(
     live_end: int,
     floor: float,
     use_pdl: bool,
+    q_boundary_only: bool = False,
     span: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -277,6 +309,7 @@ def qv_stats(
         live_end=live_end,
         floor=floor,
         use_pdl=use_pdl,
+        q_boundary_only=q_boundary_only,
         span=span,
         rows=rows,
         block_h=block_h,

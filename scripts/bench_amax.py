@@ -82,10 +82,10 @@ def torch_amax(k, m, rank, P, G):
     return out.transpose(1, 2)
 
 
-SWEEP_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[5], SHAPES[6], SHAPES[7]]
+SWEEP_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[7]]
 
 
-def sweep():
+def sweep(only: list[int] | None = None):
     """Cold time of the amax kernel per tile (ROWS, BLOCK_H, num_warps); same bits for all."""
     from ulysses.kernels.grouped_amax import grouped_amax
 
@@ -93,7 +93,7 @@ def sweep():
 
     print("# sweep: cold us per tile (rows, block_h, warps); every tile checked bit-identical")
     table: dict[str, list[float]] = {}
-    for B, L, H, D, P, r, G, dt in SWEEP_SHAPES:
+    for B, L, H, D, P, r, G, dt in [SHAPES[i] for i in only] if only else SWEEP_SHAPES:
         k = ulysses.testing.make_k_full(B, L, H, D, dt, "smooth", seed=1, device="cuda")
         m = k.float().mean(1).to(dt)
         lay = grid.layout(r, L, P, G, None)
@@ -183,9 +183,12 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="tile sweep instead of the table")
     ap.add_argument("--host-parts", action="store_true", help="host time of each call step")
+    ap.add_argument(
+        "--sweep-shape", type=int, action="append", help="--sweep: only SHAPES[i] (repeatable)"
+    )
     args = ap.parse_args()
     if args.sweep:
-        sweep()
+        sweep(args.sweep_shape)
         return
     if args.host_parts:
         host_parts()

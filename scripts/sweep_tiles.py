@@ -1,12 +1,16 @@
 """Tile sweeps of the exchange's kernels on one GPU (issue 13): the pack kernel and the Q/V
 statistics kernel, at the exchange's benchmark shapes (P = 2 wire layout, bf16).
 
-    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both]
+    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both|q-once]
 
 Per shape and kernel: the cold device time (CUPTI, L2 flushed before each call, median of 25;
 scripts/_bench.py) of the default tile and of each swept tile, every swept tile first checked
 to give the default's bits. Prints the default, the best five and the read-only floor
 (one cold torch.sum of the tensors the kernel reads) to choose defaults from.
+
+``--kernel q-once``: reading Q once (the plan's default where it fits): the pack kernel's
+``q_once`` tiles against the two-read pack, and the Q/V statistics kernel's
+``q_boundary_only`` tiles against the full one; each checked to give the same bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import datetime
 import torch
 import triton
 from _bench import cold_us
-from ulysses.kernels.lowp_pack import pack_qkv
+from ulysses.kernels.lowp_pack import QOnce, pack_qkv, prepare_pack
 from ulysses.kernels.lowp_qv_stats import qv_stats
 
 from ulysses import grid, lowp
@@ -51,6 +55,14 @@ QV_TILES = [
     for span in (2, 4, 8)
     for r in (8, 16)
     for bh, nw in ((1, 1), (1, 2), (2, 2), (4, 4))
+]
+
+
+# q_once pack: (rows per step, warps, rows per program); head block 1 at D = 128
+Q_ONCE_TILES = [(r, nw, bl) for nw in (2, 4, 8) for r in (4, 8, 16) for bl in (32, 64)]
+# q_boundary_only statistics: (slots per program, rows unrolled, head block, warps)
+QV_BOUND_TILES = [
+    (span, r, bh, nw) for span in (2, 4, 8) for r in (16, 32) for bh, nw in ((1, 1), (1, 2), (1, 4))
 ]
 
 
@@ -113,10 +125,66 @@ def sweep_qv(B, L, H, D, quick):
     _report(f"qv_stats B{B} L{L} H{H} D{D}", default, results, floor)
 
 
+def sweep_q_once(B, L, H, D, quick):
+    q, k, v = _inputs(B, L, H, D)
+    lay_q, lay_k = grid.layout(0, L, P, GQ, None), grid.layout(0, L, P, GK, None)
+    kw_qv = dict(group_size=GQ, row0=0, n_slots=lay_q.n_slots, n_touched=lay_q.n_touched)
+    kw_qv.update(tail_group=lay_q.tail_group, live_end=lay_q.live_end, floor=grid.FLOOR)
+    kw_qv.update(use_pdl=False)
+    payload, amax_q = qv_stats(q, v, **kw_qv)  # Q's true group amax (all groups whole here)
+    full = cold_us(lambda: qv_stats(q, v, **kw_qv), "_qv_stats_kernel")
+    ends = [0, lay_q.n_touched - 1]
+    results = []
+    for span, r, bh, nw in QV_BOUND_TILES[:3] if quick else QV_BOUND_TILES:
+        t = dict(kw_qv, span=span, rows=r, block_h=bh, num_warps=nw, q_boundary_only=True)
+        got_p, got_a = qv_stats(q, v, **t)
+        assert torch.equal(got_p, payload) and torch.equal(got_a[..., ends], amax_q[..., ends])
+        us = cold_us(lambda t=t: qv_stats(q, v, **t), "_qv_stats_kernel")
+        results.append((us, f"span={span} rows={r} block_h={bh} warps={nw}"))
+    floor_v = cold_us(lambda: v.sum(), ("reduce", "Reduce"))
+    _report(
+        f"qv_stats q_boundary_only B{B} L{L} H{H} D{D} (full: {full:.1f})", full, results, floor_v
+    )
+
+    amax_k = k.float().abs().amax(dim=(1, 3))[..., None].expand(B, H, lay_k.n_slots).contiguous()
+    k_mean = k.float().mean(dim=1).to(k.dtype)
+    amax_v = v.float().abs().amax(dim=1).contiguous()
+    w = lowp._wire(B, L, H, D, P, GQ, GK)
+    args = (q, k, v, amax_q, amax_k, k_mean, amax_v)
+    kw = dict(world_size=P, row0=0, q_group=GQ, k_group=GK, use_pdl=False)
+    kw.update(row_bytes=w.row_bytes, scale_bytes=w.scale_bytes)
+    base = pack_qkv(*args, **kw)
+    two_read = cold_us(lambda: pack_qkv(*args, **kw), "_pack_kernel")
+    send = torch.empty_like(base)
+    once = QOnce(lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR)
+    results = []
+    for r, nw, bl in [(None, None, None)] + (Q_ONCE_TILES[:3] if quick else Q_ONCE_TILES):
+        launch = prepare_pack(
+            q.shape,
+            (q.stride(), k.stride(), v.stride()),
+            q.device,
+            send,
+            n_sq=lay_q.n_slots,
+            n_sk=lay_k.n_slots,
+            q_once=once,
+            rows=r,
+            num_warps=nw,
+            block_l=bl,
+            **kw,
+        )
+        send.fill_(0xA5)
+        launch(*args)
+        assert torch.equal(send, base), (r, nw, bl)
+        us = cold_us(lambda launch=launch: launch(*args), "_pack_kernel")
+        results.append((us, f"rows={r} warps={nw} block_l={bl}"))
+    floor = cold_us(lambda: (q.sum(), k.sum(), v.sum()), ("reduce", "Reduce"))
+    _report(f"pack q_once B{B} L{L} H{H} D{D} (two-read: {two_read:.1f})", two_read, results, floor)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--kernel", choices=("pack", "qv", "both"), default="both")
+    ap.add_argument("--kernel", choices=("pack", "qv", "both", "q-once"), default="both")
     args = ap.parse_args()
     print(
         f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}"
@@ -127,6 +195,8 @@ def main():
             sweep_pack(*shape, args.quick)
         if args.kernel in ("qv", "both"):
             sweep_qv(*shape, args.quick)
+        if args.kernel == "q-once":
+            sweep_q_once(*shape, args.quick)
         torch.cuda.empty_cache()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ulysses.kernels.lowp_pack import pack_qkv, prepare_pack
+from ulysses.kernels.lowp_pack import QOnce, pack_qkv, prepare_pack
 from ulysses.kernels.lowp_qv_stats import qv_stats
 
 import ulysses
@@ -404,6 +404,91 @@ def test_pack_writes_every_byte():
     assert torch.equal(sends[0], sends[1])
 
 
+@pytest.mark.parametrize(
+    "P,L,Gq,used_kind,rank,special",
+    [
+        (2, 50, 16, "tail", 1, ""),  # straddling first and last slot, the tail inside
+        (4, 20, 32, "none", 1, ""),  # one group over several ranks: nothing whole
+        (2, 64, 32, "none", 0, "nan"),  # aligned: every group whole, NaN/Inf in Q
+        (4, 33, 16, "early", 3, ""),  # all padding
+        (2, 96, 32, "mulG", 1, ""),  # aligned start, the tail group ends at a group edge
+        (6, 40, 16, "tail", 2, "nan"),
+    ],
+)
+def test_pack_q_once_gives_the_same_send_buffer(P, L, Gq, used_kind, rank, special):
+    """Q read once: the pack kernel derives the amax of every Q group this rank holds whole
+    from the rows it reads, and writes those scale slots itself. The send buffer equals the
+    two-read path's byte for byte, with the whole groups' slots of ``amax_q`` poisoned (so
+    they are provably not read), and the statistics kernel's boundary-only mode gives the
+    same payload and boundary slots."""
+    from ulysses.kernels.lowp_qv_stats import prepare_qv_stats
+
+    h, D, B, Gk = 2, 32, 2, 64
+    H, S = h * P, L * P
+    used = _used(used_kind, L, P, max(Gq, Gk))
+    q, k, v = make_qkv_full(B, S, H, D, torch.bfloat16, used=used, seed="once")
+    _plant_specials(q, k, v, special)
+    if used is not None:
+        q[:, used:] = 1000.0  # padding rows must not enter the tail group's amax
+    amax_q, k_mean, amax_k, amax_v = _global_stats(q, k, v, P=P, used=used, Gq=Gq, Gk=Gk)
+    w = lowp._wire(B, L, H, D, P, Gq, Gk)
+    lay = grid.layout(rank, L, P, Gq, used)
+    shards = [reference.shard(t, rank, P) for t in (q, k, v)]
+    final_q = reference.merged_amax_shard(amax_q, rank=rank, L=L, group_size=Gq)
+    final_k = reference.merged_amax_shard(amax_k, rank=rank, L=L, group_size=Gk)
+    want = pack_qkv(*shards, final_q, final_k, k_mean, amax_v, **_pack_kw(w, rank, Gq, Gk))
+
+    row0 = rank * L
+    whole = [
+        s
+        for s in range(lay.n_touched)
+        if (lay.g_first + s) * Gq >= row0 and (lay.g_first + s + 1) * Gq <= row0 + L
+    ]
+    poisoned = final_q.clone()
+    poisoned[:, :, whole] = 3.0e38
+    send = torch.full((w.nbytes,), 0xA5, dtype=torch.uint8)
+    q_once = QOnce(lay.n_touched, lay.tail_group, lay.live_end, grid.FLOOR)
+    prepare_pack(
+        shards[0].shape,
+        tuple(t.stride() for t in shards),
+        send.device,
+        send,
+        n_sq=w.n_sq,
+        n_sk=w.n_sk,
+        q_once=q_once,
+        **_pack_kw(w, rank, Gq, Gk),
+    )(*shards, poisoned, final_k, k_mean, amax_v)
+    assert torch.equal(send, want)
+
+    def stats(boundary_only):
+        payload, amax = torch.empty(B * H * (2 + D)), torch.full((B, H, lay.n_slots), -1.0)
+        prepare_qv_stats(
+            shards[0].shape,
+            shards[0].stride(),
+            shards[2].stride(),
+            send.device,
+            payload,
+            amax,
+            group_size=Gq,
+            row0=lay.row0,
+            n_slots=lay.n_slots,
+            n_touched=lay.n_touched,
+            tail_group=lay.tail_group,
+            live_end=lay.live_end,
+            floor=grid.FLOOR,
+            use_pdl=False,
+            q_boundary_only=boundary_only,
+        )(shards[0], shards[2])
+        return payload, amax
+
+    (p_all, a_all), (p_bound, a_bound) = stats(False), stats(True)
+    assert torch.equal(p_bound.view(torch.int32), p_all.view(torch.int32))
+    ends = sorted({0, lay.n_touched - 1})
+    assert torch.equal(a_bound[:, :, ends].view(torch.int32), a_all[:, :, ends].view(torch.int32))
+    skipped = a_bound[:, :, 1 : lay.n_touched - 1]
+    assert bool((skipped == -1.0).all())  # not written: the pack kernel's to derive
+
+
 def _fp8_grid_values() -> torch.Tensor:
     """Every finite e4m3fn value, every midpoint between neighbours (the ties), and values one
     fp16 ulp either side of each midpoint; both signs."""
@@ -569,3 +654,32 @@ def test_dequantize_matches_reference_and_bounds(assert_bitwise):
     assert ((dk.float() - centred).abs() <= k_row_scale * 0.5 + 1e-3).all()
     v_h = v[:, :, heads].float()
     assert ((dv.float() - v_h).abs() <= v_h.abs() * 2**-4 + 2**-9 * ref["v_scale"][:, None]).all()
+
+
+@pytest.mark.parametrize("boundary_only", [False, True])
+def test_qv_stats_nan_is_one_nan_whatever_its_payload(boundary_only):
+    """A NaN in Q or V gives the statistics one NaN, 0x7FC00000, whatever the input NaN's
+    payload and sign: the bits cannot depend on how a launch converts bf16 to fp32 (compiled
+    tiles differ there; the CUDA mirror of this suite saw 0x7FFF0000 against 0x7FC00000)."""
+    P, L, h, D, B, Gq = 2, 64, 2, 32, 1, 32
+    H = h * P
+    q, _, v = make_qkv_full(B, L * P, H, D, torch.bfloat16, seed="nanbits")
+    q, v = reference.shard(q, 0, P).clone(), reference.shard(v, 0, P).clone()
+    q.view(torch.int16)[0, 3, 1, 5] = 0x7FA1  # a NaN with an odd payload
+    q.view(torch.int16)[0, L - 2, 2, 0] = -0x001D  # 0xFFE3: a negative NaN
+    v.view(torch.int16)[0, 10, 3, 7] = 0x7F81  # a signalling-style payload
+    lay = grid.layout(0, L, P, Gq, None)
+    kw = dict(group_size=Gq, row0=0, n_slots=lay.n_slots, n_touched=lay.n_touched)
+    kw.update(tail_group=lay.tail_group, live_end=lay.live_end, floor=grid.FLOOR)
+    payload, amax = qv_stats(q, v, use_pdl=False, q_boundary_only=boundary_only, **kw)
+    bits = payload.view(torch.int32)
+    q_bound = bits[: B * H * 2].view(B, H, 2)
+    v_amax = bits[B * H * 2 :].view(B, H, D)
+    canonical = 0x7FC00000
+    assert q_bound[0, 1, 0].item() == canonical  # slot 0 (first touched) of head 1
+    assert q_bound[0, 2, 1].item() == canonical  # the last touched slot of head 2
+    assert v_amax[0, 3, 7].item() == canonical
+    assert amax.view(torch.int32)[0, 1, 0].item() == canonical
+    others = torch.ones_like(v_amax, dtype=torch.bool)
+    others[0, 3, 7] = False
+    assert not torch.isnan(payload[B * H * 2 :].view(B, H, D)[others]).any()

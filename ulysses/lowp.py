@@ -39,7 +39,7 @@ from .kernels._runtime import stream_key, workspace
 from .kernels.block_stats import LocalStats
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
 from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
-from .kernels.lowp_pack import pack_qkv, prepare_pack
+from .kernels.lowp_pack import QOnce, pack_qkv, prepare_pack, q_once_fits
 from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, qv_stats
 
 __all__ = ["LowpQKV", "exchange_qkv", "payload_bytes", "bf16_payload_bytes", "GROUP_SIZES"]
@@ -503,7 +503,10 @@ class _ExchangePlan:
     stream (payload, gathered, K's min/max, Q's partial amax, the send buffer); the receive
     buffer is new each call (the returned q, k, v are views of it)."""
 
-    def __init__(self, c: _Call):
+    def __init__(self, c: _Call, tiles: dict | None = None):
+        # ``tiles`` (benchmarks only): {"q_once": bool, "qv": {...}, "pack": {...}}, launch
+        # settings that override the defaults; every choice gives the same bits
+        tiles = tiles or {}
         q, k, v = c.q, c.k, c.v
         B, L, H, D = k.shape
         dev, P, part, w = k.device, c.P, c.part, c.wire
@@ -530,6 +533,11 @@ class _ExchangePlan:
         k_finalize = prepare_finalize(
             gathered[:, :n_k], minmax, mode=MODE_FUSED, **part.finalize_args()
         )
+        # Q read once, by the pack kernel, where its group tile fits in registers; then the
+        # statistics kernel reads Q only for the first and last touched slot
+        q_once = None
+        if tiles.get("q_once", True) and q_once_fits(k.shape, dev, c.q_group):
+            q_once = QOnce(lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR)
         n_q = B * H * lay_q.n_slots
         self.amax_q = workspace("lowp_amax_q", n_q, torch.float32, dev)[:n_q]
         self.amax_q = self.amax_q.view(B, H, lay_q.n_slots)
@@ -548,6 +556,8 @@ class _ExchangePlan:
             live_end=lay_q.live_end,
             floor=grid.FLOOR,
             use_pdl=c.use_pdl,
+            q_boundary_only=q_once is not None,
+            **tiles.get("qv", {}),
         )
         # Q's boundary merge, V's amax over ranks and v_scale (kernels/lowp_finish), launched
         # with K's finalize as one grid (prepare_post_gather)
@@ -582,6 +592,8 @@ class _ExchangePlan:
             row_bytes=w.row_bytes,
             scale_bytes=w.scale_bytes,
             use_pdl=c.use_pdl,
+            q_once=q_once,
+            **tiles.get("pack", {}),
         )
         self.a2a = _all_to_all_launcher(send)
         h = w.h
