@@ -412,8 +412,8 @@ def prepare_pack(
     # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
     # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
     # tile (the cold sweep of session 4, docs/BENCHMARKS.md). With q_once: one warp per
-    # 1024 elements of a Q group's tile (32 a thread), K/V rows for 8 elements a thread and
-    # tensor, 64 rows a program (session 7's chain sweep, docs/BENCHMARKS.md). The
+    # 1024 elements of a Q group's tile (32 a thread; at least 2 warps), K/V rows for 8
+    # elements a thread and tensor, 64 rows a program (session 7's chain sweep, docs/BENCHMARKS.md). The
     # interpreter pays per operation, so it takes big tiles. Any tile gives the same bits.
     if q_once is not None and cuda:
         assert q_once_fits(shape, device, q_group, block_h)

@@ -11,8 +11,9 @@ sign-cleared NaN sorts above +Inf, so an integer max propagates NaN and Inf):
   then one relaxed ``atomic_max`` into the payload (max is order-independent, so the atomics
   are deterministic).
 
-With ``q_boundary_only`` (when the pack kernel reads Q once) Q is read for the first and last
-touched slot only, the ones that can straddle ranks; the other slots of ``amax`` are not written.
+With ``q_boundary_only`` (when the pack kernel reads Q once; :func:`prepare_qv_stats` only) Q
+is read for the first and last touched slot alone, the ones that can straddle ranks: slots
+``[1, n_touched - 1)`` of ``amax`` are not written (surplus slots are still 0).
 
 The payload (fp32, sent in the statistics all_gather) is ``[Q first/last touched slot
 [B, H, 2] | V amax [B, H, D]]``; the full Q partial [B, H, NS] stays local.
@@ -188,8 +189,8 @@ def prepare_qv_stats(
     """The launch of :func:`qv_stats` bound to ``payload`` and ``amax``: returns
     ``run(q, v)``, which zeroes V's amax block (the atomic max starts from +0.0) and
     launches the kernel. ``q_boundary_only``: Q's amax for the first and last touched slot
-    only (the pack kernel's ``q_once`` derives the others from the rows it reads); the other
-    slots of ``amax`` are left as they are."""
+    only (the pack kernel's ``q_once`` derives the others from the rows it reads): slots
+    ``[1, n_touched - 1)`` of ``amax`` are left as they are (surplus slots are still 0)."""
     B, L, H, D = shape
     G = group_size
     assert q_strides[3] == 1 and v_strides[3] == 1
@@ -271,7 +272,6 @@ def qv_stats(
     live_end: int,
     floor: float,
     use_pdl: bool,
-    q_boundary_only: bool = False,
     span: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -309,7 +309,6 @@ def qv_stats(
         live_end=live_end,
         floor=floor,
         use_pdl=use_pdl,
-        q_boundary_only=q_boundary_only,
         span=span,
         rows=rows,
         block_h=block_h,

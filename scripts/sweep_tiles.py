@@ -22,7 +22,7 @@ import torch
 import triton
 from _bench import cold_us
 from ulysses.kernels.lowp_pack import QOnce, pack_qkv, prepare_pack
-from ulysses.kernels.lowp_qv_stats import qv_stats
+from ulysses.kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, qv_stats
 
 from ulysses import grid, lowp
 
@@ -125,6 +125,17 @@ def sweep_qv(B, L, H, D, quick):
     _report(f"qv_stats B{B} L{L} H{H} D{D}", default, results, floor)
 
 
+def _qv_boundary_only(q, v, **kw):
+    """The statistics kernel in its q_boundary_only mode: (payload, amax)."""
+    B, L, H, D = q.shape
+    payload = torch.empty(qv_payload_numel(B, H, D), dtype=torch.float32, device=q.device)
+    amax = torch.zeros((B, H, kw["n_slots"]), dtype=torch.float32, device=q.device)
+    prepare_qv_stats(
+        q.shape, q.stride(), v.stride(), q.device, payload, amax, q_boundary_only=True, **kw
+    )(q, v)
+    return payload, amax
+
+
 def sweep_q_once(B, L, H, D, quick):
     q, k, v = _inputs(B, L, H, D)
     lay_q, lay_k = grid.layout(0, L, P, GQ, None), grid.layout(0, L, P, GK, None)
@@ -136,10 +147,10 @@ def sweep_q_once(B, L, H, D, quick):
     ends = [0, lay_q.n_touched - 1]
     results = []
     for span, r, bh, nw in QV_BOUND_TILES[:3] if quick else QV_BOUND_TILES:
-        t = dict(kw_qv, span=span, rows=r, block_h=bh, num_warps=nw, q_boundary_only=True)
-        got_p, got_a = qv_stats(q, v, **t)
+        t = dict(kw_qv, span=span, rows=r, block_h=bh, num_warps=nw)
+        got_p, got_a = _qv_boundary_only(q, v, **t)
         assert torch.equal(got_p, payload) and torch.equal(got_a[..., ends], amax_q[..., ends])
-        us = cold_us(lambda t=t: qv_stats(q, v, **t), "_qv_stats_kernel")
+        us = cold_us(lambda t=t: _qv_boundary_only(q, v, **t), "_qv_stats_kernel")
         results.append((us, f"span={span} rows={r} block_h={bh} warps={nw}"))
     floor_v = cold_us(lambda: v.sum(), ("reduce", "Reduce"))
     _report(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ulysses.kernels.lowp_pack import QOnce, pack_qkv, prepare_pack
-from ulysses.kernels.lowp_qv_stats import qv_stats
+from ulysses.kernels.lowp_qv_stats import prepare_qv_stats, qv_stats
 
 import ulysses
 from ulysses import grid, lowp, reference
@@ -405,45 +405,55 @@ def test_pack_writes_every_byte():
 
 
 @pytest.mark.parametrize(
-    "P,L,Gq,used_kind,rank,special",
+    "P,L,Gq,used_kind,rank,special,block_h",
     [
-        (2, 50, 16, "tail", 1, ""),  # straddling first and last slot, the tail inside
-        (4, 20, 32, "none", 1, ""),  # one group over several ranks: nothing whole
-        (2, 64, 32, "none", 0, "nan"),  # aligned: every group whole, NaN/Inf in Q
-        (4, 33, 16, "early", 3, ""),  # all padding
-        (2, 96, 32, "mulG", 1, ""),  # aligned start, the tail group ends at a group edge
-        (6, 40, 16, "tail", 2, "nan"),
+        (2, 50, 16, "tail", 1, "", None),  # straddling first and last slot, the tail inside
+        (4, 20, 32, "none", 1, "", None),  # one group over several ranks: nothing whole
+        (2, 64, 32, "none", 0, "nan", None),  # aligned: every group whole, NaN/Inf in Q
+        (4, 33, 16, "early", 3, "", None),  # all padding
+        (2, 96, 32, "mulG", 1, "", None),  # aligned start, the tail group ends at a group edge
+        (6, 40, 16, "tail", 2, "nan", 4),  # three head blocks (H = 12)
+        (8, 30, 64, "none", 3, "fused", 8),  # Gq = 64, fused q/k/v views, two head blocks
+        (2, 16, 32, "none", 0, "", None),  # one slot touched, not whole
+        (2, 32, 32, "none", 1, "", 2),  # one slot touched, whole
     ],
 )
-def test_pack_q_once_gives_the_same_send_buffer(P, L, Gq, used_kind, rank, special):
+def test_pack_q_once_gives_the_same_send_buffer(P, L, Gq, used_kind, rank, special, block_h):
     """Q read once: the pack kernel derives the amax of every Q group this rank holds whole
     from the rows it reads, and writes those scale slots itself. The send buffer equals the
     two-read path's byte for byte, with the whole groups' slots of ``amax_q`` poisoned (so
     they are provably not read), and the statistics kernel's boundary-only mode gives the
-    same payload and boundary slots."""
+    same payload and boundary slots. "nan" also plants a NaN of an odd payload in a group
+    the rank holds whole: its scale must be the one NaN of the statistics (0x7FC00000)."""
     from ulysses.kernels.lowp_qv_stats import prepare_qv_stats
 
     h, D, B, Gk = 2, 32, 2, 64
     H, S = h * P, L * P
     used = _used(used_kind, L, P, max(Gq, Gk))
-    q, k, v = make_qkv_full(B, S, H, D, torch.bfloat16, used=used, seed="once")
-    _plant_specials(q, k, v, special)
-    if used is not None:
-        q[:, used:] = 1000.0  # padding rows must not enter the tail group's amax
-    amax_q, k_mean, amax_k, amax_v = _global_stats(q, k, v, P=P, used=used, Gq=Gq, Gk=Gk)
-    w = lowp._wire(B, L, H, D, P, Gq, Gk)
     lay = grid.layout(rank, L, P, Gq, used)
-    shards = [reference.shard(t, rank, P) for t in (q, k, v)]
-    final_q = reference.merged_amax_shard(amax_q, rank=rank, L=L, group_size=Gq)
-    final_k = reference.merged_amax_shard(amax_k, rank=rank, L=L, group_size=Gk)
-    want = pack_qkv(*shards, final_q, final_k, k_mean, amax_v, **_pack_kw(w, rank, Gq, Gk))
-
     row0 = rank * L
     whole = [
         s
         for s in range(lay.n_touched)
         if (lay.g_first + s) * Gq >= row0 and (lay.g_first + s + 1) * Gq <= row0 + L
     ]
+    fused = special == "fused"
+    q, k, v = make_qkv_full(B, S, H, D, torch.bfloat16, used=used, seed="once", fused=fused)
+    _plant_specials(q, k, v, special)
+    if special == "nan" and whole:
+        odd_nan = torch.tensor([0x7FA1], dtype=torch.int16).view(torch.bfloat16)[0]
+        q[0, (lay.g_first + whole[0]) * Gq + 1, 1, 3] = odd_nan
+    if used is not None:
+        q[:, used:] = 1000.0  # padding rows must not enter the tail group's amax
+    amax_q, k_mean, amax_k, amax_v = _global_stats(q, k, v, P=P, used=used, Gq=Gq, Gk=Gk)
+    w = lowp._wire(B, L, H, D, P, Gq, Gk)
+    shards = [reference.shard(t, rank, P) for t in (q, k, v)]
+    final_q = reference.merged_amax_shard(amax_q, rank=rank, L=L, group_size=Gq)
+    one_nan = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
+    final_q = torch.where(final_q.isnan(), one_nan, final_q)  # the statistics' one NaN
+    final_k = reference.merged_amax_shard(amax_k, rank=rank, L=L, group_size=Gk)
+    want = pack_qkv(*shards, final_q, final_k, k_mean, amax_v, **_pack_kw(w, rank, Gq, Gk))
+
     poisoned = final_q.clone()
     poisoned[:, :, whole] = 3.0e38
     send = torch.full((w.nbytes,), 0xA5, dtype=torch.uint8)
@@ -456,6 +466,7 @@ def test_pack_q_once_gives_the_same_send_buffer(P, L, Gq, used_kind, rank, speci
         n_sq=w.n_sq,
         n_sk=w.n_sk,
         q_once=q_once,
+        block_h=block_h,
         **_pack_kw(w, rank, Gq, Gk),
     )(*shards, poisoned, final_k, k_mean, amax_v)
     assert torch.equal(send, want)
@@ -671,7 +682,19 @@ def test_qv_stats_nan_is_one_nan_whatever_its_payload(boundary_only):
     lay = grid.layout(0, L, P, Gq, None)
     kw = dict(group_size=Gq, row0=0, n_slots=lay.n_slots, n_touched=lay.n_touched)
     kw.update(tail_group=lay.tail_group, live_end=lay.live_end, floor=grid.FLOOR)
-    payload, amax = qv_stats(q, v, use_pdl=False, q_boundary_only=boundary_only, **kw)
+    payload = torch.empty(B * H * (2 + D))
+    amax = torch.zeros((B, H, lay.n_slots))
+    prepare_qv_stats(
+        q.shape,
+        q.stride(),
+        v.stride(),
+        q.device,
+        payload,
+        amax,
+        use_pdl=False,
+        q_boundary_only=boundary_only,
+        **kw,
+    )(q, v)
     bits = payload.view(torch.int32)
     q_bound = bits[: B * H * 2].view(B, H, 2)
     v_amax = bits[B * H * 2 :].view(B, H, D)
