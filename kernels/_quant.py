@@ -38,5 +38,5 @@ def canonical_nan_bits(b_bits):
     """int32 bits of non-negative floats (|x|) with every NaN as 0x7FC00000. A max over such
     bits propagates NaN, but which NaN depends on how the launch converted its bf16/fp16
     input (compiled tiles differ); one NaN keeps the result's bits independent of the launch
-    configuration (docs/CONTRACT.md: identical bits for every configuration)."""
+    configuration (docs/CONTRACT.md §3: the same bits for every launch configuration)."""
     return tl.where(b_bits > 0x7F800000, 0x7FC00000, b_bits)
