@@ -35,6 +35,12 @@
 #   GPU_CHECK_WORLD_SIZES  harness world sizes (default "2 4 6 8"; quick: "2")
 #   GPU_CHECK_SUITES       harness suites (default: all; e.g. "lowp" to recheck the exchange
 #                          only). A run with it set is a partial check: its table says so.
+#   GPU_CHECK_CACHE_OUT    a folder: after the run, Triton's compile cache is saved there as
+#                          triton_cache.tgz.part00, part01, ... (15 MiB each)
+#   GPU_CHECK_CACHE_IN     a folder holding such parts: restored before the run. A cold
+#                          one-GPU machine spends most of a check compiling (each harness rank
+#                          compiles the same kernels); a check split over two device calls can
+#                          carry the first call's cache into the second (README).
 set -u -o pipefail
 
 out=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -62,6 +68,16 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD 2>/dev/null || commit="$commit (with local changes)"
 if [ -n "${GPU_CHECK_SUITES:-}" ]; then commit="$commit; harness suites: $GPU_CHECK_SUITES only (a partial check)"; fi
 echo "gpu_check: $device; $versions; commit $commit; budget ${budget} s; quick=$quick; logs in $out"
+
+tcache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -n "${GPU_CHECK_CACHE_IN:-}" ]; then
+    if ls "$GPU_CHECK_CACHE_IN"/triton_cache.tgz.part* >/dev/null 2>&1; then
+        mkdir -p "$tcache" && cat "$GPU_CHECK_CACHE_IN"/triton_cache.tgz.part* | tar xzf - -C "$tcache" &&
+            echo "gpu_check: Triton cache restored from $GPU_CHECK_CACHE_IN ($(find "$tcache" -type f | wc -l) files in $tcache)"
+    else
+        echo "gpu_check: GPU_CHECK_CACHE_IN=$GPU_CHECK_CACHE_IN holds no triton_cache.tgz.part*; starting cold"
+    fi
+fi
 
 # backend of P ranks: $ULYSSES_BACKEND when set, else the best one here (what "auto" picks)
 backend_for() {
@@ -251,3 +267,14 @@ with open(table_path, "w") as f:
     f.write(text + "\n")
 sys.exit(1 if failed or not rows else 0)
 EOF
+status=$?
+if [ -n "${GPU_CHECK_CACHE_OUT:-}" ]; then
+    if [ -d "$tcache" ]; then
+        mkdir -p "$GPU_CHECK_CACHE_OUT" && rm -f "$GPU_CHECK_CACHE_OUT"/triton_cache.tgz.part* &&
+            tar czf - -C "$tcache" . | split -b 15m -d - "$GPU_CHECK_CACHE_OUT/triton_cache.tgz.part" &&
+            echo "gpu_check: Triton cache saved to $GPU_CHECK_CACHE_OUT: $(ls "$GPU_CHECK_CACHE_OUT" | tr '\n' ' ')"
+    else
+        echo "gpu_check: no Triton cache at $tcache to save"
+    fi
+fi
+exit $status
