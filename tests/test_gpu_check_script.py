@@ -1,0 +1,51 @@
+"""scripts/gpu_check.sh's Triton cache hand-over (GPU_CHECK_CACHE_OUT / GPU_CHECK_CACHE_IN),
+on CPU: a one-GPU check split over two device calls carries the first call's compile cache
+into the second. The script runs in its quick CPU mode with a tiny budget; only the cache
+plumbing is checked here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(tmp_path: Path, name: str, env: dict) -> str:
+    full = dict(os.environ, GPU_CHECK_QUICK="1", GPU_CHECK_BUDGET_S="15", PYTHON=sys.executable)
+    full.update(env)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / name)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.stdout + proc.stderr
+
+
+def test_triton_cache_is_saved_in_parts_and_restored(tmp_path):
+    src, dst, parts = tmp_path / "cache_src", tmp_path / "cache_dst", tmp_path / "parts"
+    (src / "ab").mkdir(parents=True)
+    blob = os.urandom(17 * 2**20)  # incompressible: more than one 15 MiB part
+    (src / "ab" / "kernel.cubin").write_bytes(blob)
+    (src / "ab" / "kernel.json").write_text("{}")
+    out = _run(tmp_path, "first", {"TRITON_CACHE_DIR": str(src), "GPU_CHECK_CACHE_OUT": str(parts)})
+    saved = sorted(p.name for p in parts.iterdir())
+    assert saved == ["triton_cache.tgz.part00", "triton_cache.tgz.part01"], out
+    assert all((parts / n).stat().st_size <= 15 * 2**20 for n in saved)
+
+    out = _run(tmp_path, "second", {"TRITON_CACHE_DIR": str(dst), "GPU_CHECK_CACHE_IN": str(parts)})
+    assert "Triton cache restored" in out, out
+    assert (dst / "ab" / "kernel.cubin").read_bytes() == blob
+    assert (dst / "ab" / "kernel.json").read_text() == "{}"
+
+
+def test_missing_cache_parts_start_cold(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cache = tmp_path / "cache"
+    out = _run(tmp_path, "run", {"TRITON_CACHE_DIR": str(cache), "GPU_CHECK_CACHE_IN": str(empty)})
+    assert "holds no triton_cache.tgz.part*; starting cold" in out, out
