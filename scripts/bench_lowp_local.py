@@ -46,6 +46,15 @@ def local_chain(plan, q, k, v, recv):
     return lowp._scales(recv, *plan.scale_index)
 
 
+def rank_inputs(B, L, H, D, rank, dev):
+    """This rank's q, k, v shards (bf16): randn q and v, a smooth K (a per-channel offset)."""
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn((B, L, H, D), generator=g).bfloat16().to(dev)
+    k = make_k_full(B, L, H, D, torch.bfloat16, "smooth", seed=rank, spread=1.0, device=dev)
+    v = torch.randn((B, L, H, D), generator=g).bfloat16().to(dev)
+    return q, k, v
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", action="append", default=None, help="B,L,H,D (repeatable)")
@@ -62,10 +71,7 @@ def main():
             f"(gloo, one GPU); cold µs (L2 flushed, CUPTI, median of 25)"
         )
     for B, L, H, D in shapes:
-        g = torch.Generator().manual_seed(rank)
-        q = torch.randn((B, L, H, D), generator=g).bfloat16().to(dev)
-        k = make_k_full(B, L, H, D, torch.bfloat16, "smooth", seed=rank, spread=1.0, device=dev)
-        v = torch.randn((B, L, H, D), generator=g).bfloat16().to(dev)
+        q, k, v = rank_inputs(B, L, H, D, rank, dev)
         out = lowp.exchange_qkv(q, k, v)  # builds the plan
         torch.cuda.synchronize()
         dist.barrier()

@@ -20,10 +20,9 @@ import torch.distributed as dist
 import triton
 from _bench import cold_breakdown, cold_us
 from bench_lowp import SHAPES
-from bench_lowp_local import local_chain
+from bench_lowp_local import local_chain, rank_inputs
 
 from ulysses import lowp
-from ulysses.testing import make_k_full
 
 VARIANTS = {
     "two-read (session 6's plan)": {"q_once": False},
@@ -46,10 +45,7 @@ def main():
             f"{triton.__version__}, {datetime.date.today()}; P={P} (gloo, one GPU); cold µs"
         )
     for B, L, H, D in SHAPES:
-        g = torch.Generator().manual_seed(rank)
-        q = torch.randn((B, L, H, D), generator=g).bfloat16().to(dev)
-        k = make_k_full(B, L, H, D, torch.bfloat16, "smooth", seed=rank, spread=1.0, device=dev)
-        v = torch.randn((B, L, H, D), generator=g).bfloat16().to(dev)
+        q, k, v = rank_inputs(B, L, H, D, rank, dev)
         plans, sends = {}, {}
         for name, tiles in VARIANTS.items():  # every rank: _prepare checks that ranks agree
             call = lowp._prepare(q, k, v, None, None, 32, 64, None)
