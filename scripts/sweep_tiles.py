@@ -84,17 +84,25 @@ def _report(name, default_us, results, floor_us):
     )
 
 
-def sweep_pack(B, L, H, D, quick):
-    q, k, v = _inputs(B, L, H, D)
-    lay_q, lay_k = grid.layout(0, L, P, GQ, None), grid.layout(0, L, P, GK, None)
-    amax_q = q.float().abs().amax(dim=(1, 3))[..., None].expand(B, H, lay_q.n_slots).contiguous()
-    amax_k = k.float().abs().amax(dim=(1, 3))[..., None].expand(B, H, lay_k.n_slots).contiguous()
-    k_mean = torch.zeros((B, H, D), dtype=k.dtype, device="cuda")
+def _pack_inputs(q, k, v, amax_q):
+    """The pack kernel's tensor arguments (given Q's amax; K's per head, the real K mean, V's
+    per channel) and keywords, rank 0 of the P = 2 wire layout."""
+    B, L, H, D = q.shape
+    n_sk = grid.layout(0, L, P, GK, None).n_slots
+    amax_k = k.float().abs().amax(dim=(1, 3))[..., None].expand(B, H, n_sk).contiguous()
+    k_mean = k.float().mean(dim=1).to(k.dtype)
     amax_v = v.float().abs().amax(dim=1).contiguous()
     w = lowp._wire(B, L, H, D, P, GQ, GK)
-    args = (q, k, v, amax_q, amax_k, k_mean, amax_v)
     kw = dict(world_size=P, row0=0, q_group=GQ, k_group=GK, use_pdl=False)
     kw.update(row_bytes=w.row_bytes, scale_bytes=w.scale_bytes)
+    return (q, k, v, amax_q, amax_k, k_mean, amax_v), kw
+
+
+def sweep_pack(B, L, H, D, quick):
+    q, k, v = _inputs(B, L, H, D)
+    lay_q = grid.layout(0, L, P, GQ, None)
+    amax_q = q.float().abs().amax(dim=(1, 3))[..., None].expand(B, H, lay_q.n_slots).contiguous()
+    args, kw = _pack_inputs(q, k, v, amax_q)
     base = pack_qkv(*args, **kw)
     default = cold_us(lambda: pack_qkv(*args, **kw), "_pack_kernel")
     floor = cold_us(lambda: (q.sum(), k.sum(), v.sum()), ("reduce", "Reduce"))
@@ -157,13 +165,7 @@ def sweep_q_once(B, L, H, D, quick):
         f"qv_stats q_boundary_only B{B} L{L} H{H} D{D} (full: {full:.1f})", full, results, floor_v
     )
 
-    amax_k = k.float().abs().amax(dim=(1, 3))[..., None].expand(B, H, lay_k.n_slots).contiguous()
-    k_mean = k.float().mean(dim=1).to(k.dtype)
-    amax_v = v.float().abs().amax(dim=1).contiguous()
-    w = lowp._wire(B, L, H, D, P, GQ, GK)
-    args = (q, k, v, amax_q, amax_k, k_mean, amax_v)
-    kw = dict(world_size=P, row0=0, q_group=GQ, k_group=GK, use_pdl=False)
-    kw.update(row_bytes=w.row_bytes, scale_bytes=w.scale_bytes)
+    args, kw = _pack_inputs(q, k, v, amax_q)
     base = pack_qkv(*args, **kw)
     two_read = cold_us(lambda: pack_qkv(*args, **kw), "_pack_kernel")
     send = torch.empty_like(base)
