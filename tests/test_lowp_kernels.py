@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ulysses.kernels import lowp_pack
 from ulysses.kernels.lowp_pack import QOnce, pack_qkv, prepare_pack
 from ulysses.kernels.lowp_qv_stats import prepare_qv_stats, qv_stats
 
@@ -413,7 +414,7 @@ def test_pack_writes_every_byte():
         (4, 33, 16, "early", 3, "", None),  # all padding
         (2, 96, 32, "mulG", 1, "", None),  # aligned start, the tail group ends at a group edge
         (6, 40, 16, "tail", 2, "nan", 4),  # three head blocks (H = 12)
-        (8, 30, 64, "none", 3, "fused", 8),  # Gq = 64, fused q/k/v views, two head blocks
+        (8, 30, 64, "none", 3, "fused", 4),  # Gq = 64, fused q/k/v views, four head blocks
         (2, 16, 32, "none", 0, "", None),  # one slot touched, not whole
         (2, 32, 32, "none", 1, "", 2),  # one slot touched, whole
     ],
@@ -428,6 +429,9 @@ def test_pack_q_once_gives_the_same_send_buffer(P, L, Gq, used_kind, rank, speci
     from ulysses.kernels.lowp_qv_stats import prepare_qv_stats
 
     h, D, B, Gk = 2, 32, 2, 64
+    # Every case runs compiled too (the GPU suite), where q_once takes a Q tile of at most
+    # _Q_TILE_MAX elements: a bigger one here would pass on CPU and stop the GPU suite.
+    assert block_h is None or Gq * block_h * D <= lowp_pack._Q_TILE_MAX
     H, S = h * P, L * P
     used = _used(used_kind, L, P, max(Gq, Gk))
     lay = grid.layout(rank, L, P, Gq, used)
