@@ -14,7 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path: Path, name: str, env: dict) -> str:
-    full = dict(os.environ, GPU_CHECK_QUICK="1", GPU_CHECK_BUDGET_S="15", PYTHON=sys.executable)
+    # The script's own GPU_CHECK_* settings stay out: this suite also runs inside a
+    # gpu_check run (its unit lane), whose GPU_CHECK_CACHE_IN would otherwise restore that
+    # run's cache into these (seen on the device, session 8).
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
+    full = dict(inherited, GPU_CHECK_QUICK="1", GPU_CHECK_BUDGET_S="15", PYTHON=sys.executable)
     full.update(env)
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / name)],
