@@ -47,7 +47,7 @@ TORCH_INDEX_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(TORCH_INDEX_U
 NEEDED := torch triton numpy ulysses pytest xdist pytest_timeout hypothesis ruff
 
 .PHONY: setup check-python install test validate validate-large gpu-check lint format bench \
-	wheel-check clean-venv
+	wheel-check clean-venv compile-check
 
 $(VENV)/.ulysses-ready: pyproject.toml
 	@if [ ! -x "$(VENV)/bin/python" ]; then \
@@ -126,6 +126,12 @@ validate-large: $(READY)
 GPU_PYTHON := $(if $(PYTHON_DEFAULTED),$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3),$(PYTHON))
 gpu-check:
 	PYTHON="$(GPU_PYTHON)" bash scripts/gpu_check.sh $(OUT)
+
+# Compile every kernel for sm90 with the installed Triton, no GPU needed: the specializations
+# the kernel tests make the package launch with its compiled settings (scripts/compile_sm90.py;
+# tests/test_compile_sm90.py runs it in `make test`). Prints registers and local memory a kernel.
+compile-check: $(READY)
+	"$(PYTHON)" scripts/compile_sm90.py
 
 # Build a wheel, install it with $(TORCH_SPEC) into a new venv outside the clone, run a first
 # CPU call there (tests/test_packaging.py, the test that `make test` skips).

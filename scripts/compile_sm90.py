@@ -1,0 +1,293 @@
+"""Compile every Triton kernel of the package for a GPU, on a machine without one, at the
+specializations the package launches, with the Triton installed here.
+
+    python scripts/compile_sm90.py [--arch 90] [--json FILE] [--jobs N] [PYTEST_ARGS ...]
+
+Why: CI has no GPU. It runs the kernels in Triton's interpreter, which never compiles them, and
+it has a newer Triton than the GPU machines (Triton 3.6). A kernel that the interpreter runs
+but the compiler of some Triton version refuses (Triton 3.6 wanted one type per name across the
+branches of an ``if``; one refused a nested helper) only showed up on a GPU. This script
+compiles what ships (through ptxas to a cubin) with whichever Triton it finds.
+
+How:
+1. Record. pytest runs in this process (default: the kernel test files below; or
+   PYTEST_ARGS) with every launch on CPU tensors taking the compiled path's settings (tiles,
+   warps, rounding path: kernels/_runtime.py's test mirror) and *recorded instead of run*.
+   Nothing executes, so the tests' own checks fail and are ignored here: they are only the
+   drivers that make the package plan its launches, as it does on a GPU.
+2. Compile. Each distinct specialization (kernel, constexprs, argument types, ints equal to
+   1, 16-divisible ints and 16-byte aligned pointers, num_warps) is compiled for
+   ``sm_<arch>`` with ``triton.compile`` in fresh processes with an empty Triton cache (each
+   one really compiles here, and its seconds are the compiler's). The cubin's resource usage
+   (``cuobjdump``, shipped with Triton) gives the registers and local memory of each.
+
+Prints one row per kernel (specializations, compile seconds, the most registers and local
+memory of any of them) and every failure in full. Exit status 1 if any compilation failed or a
+kernel of ``KERNELS`` was never launched (the drivers must cover the whole package), 2 if the
+drivers could not run at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every kernel the package launches (module in ulysses.kernels, jit function). A kernel added
+# to the package goes here, and the drivers must launch it.
+KERNELS = (
+    ("grouped_amax", "_grouped_amax_kernel"),
+    ("block_stats", "_block_stats_kernel"),
+    ("finalize_stats", "_finalize_kernel"),
+    ("lowp_qv_stats", "_qv_stats_kernel"),
+    ("lowp_pack", "_pack_kernel"),
+    ("lowp_finish", "_lowp_finish_kernel"),
+    ("lowp_finish", "_post_gather_kernel"),
+)
+DRIVERS = ("tests/test_amax.py", "tests/test_block_stats.py", "tests/test_lowp_kernels.py")
+_TYPES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    "float64": "fp64",
+    "int8": "i8",
+    "int16": "i16",
+    "int32": "i32",
+    "int64": "i64",
+    "uint8": "u8",
+    "bool": "i1",
+    "float8_e4m3fn": "fp8e4nv",
+    "float8_e5m2": "fp8e5",
+}
+
+
+def specialization(kernel, num_warps: int, kwargs: dict) -> dict:
+    """What Triton's JIT specializes one launch on, as plain data: the signature (``*bf16``,
+    ``i32``, ``constexpr``...), the constexpr values (ints equal to 1 among them) and the
+    16-divisible arguments, for :func:`compile_one`."""
+    import torch
+    from ulysses.kernels import _runtime
+
+    names, modes = _runtime._params(kernel)
+    signature, constexprs, divisible = [], [], []
+    for i, (name, mode) in enumerate(zip(names, modes, strict=True)):
+        value = kwargs[name]
+        if mode == _runtime._CONSTEXPR or value is None:
+            signature.append("constexpr")
+            constexprs.append([i, value])
+        elif isinstance(value, torch.Tensor):
+            signature.append("*" + _TYPES[str(value.dtype).removeprefix("torch.")])
+            if value.data_ptr() % 16 == 0:
+                divisible.append(i)
+        elif isinstance(value, bool):
+            signature.append("i1")
+        elif isinstance(value, int):
+            specialized = mode == _runtime._SPECIALIZED
+            if specialized and value == 1:
+                signature.append("constexpr")
+                constexprs.append([i, 1])
+                continue
+            signature.append("i32" if -(2**31) <= value < 2**31 else "i64")
+            if specialized and value % 16 == 0:
+                divisible.append(i)
+        elif isinstance(value, float):
+            signature.append("fp32")
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: argument {name} of type {type(value)}")
+    return {
+        "module": kernel.fn.__module__,
+        "kernel": kernel.fn.__name__,
+        "num_warps": num_warps,
+        "signature": signature,
+        "constexprs": constexprs,
+        "divisible": divisible,
+    }
+
+
+def record(pytest_args: list[str]) -> tuple[list[dict], int]:
+    """Run pytest with ``pytest_args`` in this process, every launch on CPU tensors taking
+    the compiled settings and recorded instead of run. Returns (distinct specializations,
+    pytest's exit code)."""
+    import pytest
+    from ulysses.kernels import _runtime, finalize_stats
+
+    seen: dict[str, dict] = {}
+
+    def recorded(kernel, grid, num_warps, kwargs):
+        spec = specialization(kernel, num_warps, kwargs)
+        seen.setdefault(json.dumps(spec, sort_keys=True), spec)
+
+    class Recorder:
+        def pytest_configure(self, config):
+            _runtime._MIRROR_TO_CUDA = True  # CPU tensors take the compiled settings
+            _runtime._launch_mirrored = recorded  # ... and are recorded, not run
+            # the settings read the GPU's multiprocessor count: an H200's
+            _runtime.sm_count = finalize_stats.sm_count = lambda device: 132
+
+    args = [*pytest_args, "-q", "--tb=no", "--no-header", "-p", "no:cacheprovider", "-rN"]
+    args += ["-W", "ignore"]
+    print("compile_sm90: recording the launches of pytest " + " ".join(pytest_args))
+    print("compile_sm90: (nothing runs, so the tests' own pass/fail below means nothing)")
+    code = pytest.main(args, plugins=[Recorder()])
+    return list(seen.values()), int(code)
+
+
+def _cuobjdump() -> str | None:
+    """Triton's own cuobjdump (its wheel carries one), which reads the resource usage of a
+    cubin; None if absent."""
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(path) if os.access(path, os.X_OK) else None
+
+
+def compile_one(spec: dict, arch: int = 90) -> dict:
+    """Compile one recorded specialization for ``sm_<arch>``: ``{"ok", "seconds", "error",
+    "registers", "local_bytes"}`` (the last two from the cubin's resource usage, read with
+    ``cuobjdump``; None without it). Local bytes (stack and local memory a thread) above 0
+    mean the kernel spills registers."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+    signature = dict(zip(fn.arg_names, spec["signature"], strict=True))
+    constexprs = {(i,): v for i, v in spec["constexprs"]}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
+    t0 = time.perf_counter()
+    result = {"ok": False, "seconds": 0.0, "error": None, "registers": None, "local_bytes": None}
+    try:
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs),
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": spec["num_warps"]},
+        )
+    except Exception:
+        result["error"] = traceback.format_exc(limit=-3)
+        result["seconds"] = time.perf_counter() - t0
+        return result
+    result["ok"] = True
+    result["seconds"] = time.perf_counter() - t0
+    cuobjdump, cubin = _cuobjdump(), compiled.asm.get("cubin")
+    if cuobjdump and cubin:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "k.cubin"
+            path.write_bytes(cubin)
+            out = subprocess.run(
+                [cuobjdump, "--dump-resource-usage", str(path)],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+        usage = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", out.stdout)
+        if usage:
+            result["registers"] = int(usage.group(1))
+            result["local_bytes"] = int(usage.group(2)) + int(usage.group(3))
+    return result
+
+
+def _compile_indexed(item):
+    i, spec, arch = item
+    return i, compile_one(spec, arch)
+
+
+def compile_all(specs: list[dict], arch: int, jobs: int) -> list[dict]:
+    """:func:`compile_one` for each spec, in ``jobs`` fresh processes (no interpreter state
+    of the recording run reaches the compiler) sharing an empty Triton cache."""
+    import multiprocessing
+
+    items = [(i, s, arch) for i, s in enumerate(specs)]
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache  # read by the spawned processes
+        try:
+            ctx = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=ctx) as pool:
+                results = dict(pool.map(_compile_indexed, items))
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_CACHE_DIR")
+            else:
+                os.environ["TRITON_CACHE_DIR"] = saved
+    return [results[i] for i in range(len(specs))]
+
+
+def report(specs: list[dict], results: list[dict], arch: int) -> tuple[str, list[str]]:
+    """The table (one row per kernel) and the problems: failed compilations, and kernels of
+    ``KERNELS`` never launched."""
+    import triton
+
+    rows, problems = {}, []
+    for spec, res in zip(specs, results, strict=True):
+        row = rows.setdefault(
+            spec["kernel"], {"n": 0, "failed": 0, "s": 0.0, "regs": 0, "local": 0}
+        )
+        row["n"] += 1
+        row["s"] += res["seconds"]
+        row["regs"] = max(row["regs"], res["registers"] or 0)
+        row["local"] = max(row["local"], res["local_bytes"] or 0)
+        if not res["ok"]:
+            row["failed"] += 1
+            problems.append(
+                f"{spec['kernel']} (num_warps {spec['num_warps']}, constexprs "
+                f"{spec['constexprs']}) does not compile for sm_{arch}:\n{res['error']}"
+            )
+    for module, name in KERNELS:
+        if name not in rows:
+            problems.append(f"{module}.{name} was never launched by the drivers")
+    lines = [
+        f"Triton {triton.__version__}, sm_{arch}, resource usage: "
+        f"{'cuobjdump' if _cuobjdump() else 'not read (no cuobjdump)'}",
+        "| kernel | specializations | failed | compile s | max registers | max local bytes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in sorted(rows.items()):
+        lines.append(
+            f"| {name} | {r['n']} | {r['failed']} | {r['s']:.1f} | {r['regs'] or '-'} | "
+            f"{r['local'] if _cuobjdump() else '-'} |"
+        )
+    return "\n".join(lines), problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
+    parser.add_argument("--json", help="write the specializations and results here")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("pytest_args", nargs="*", help=f"drivers (default: {' '.join(DRIVERS)})")
+    args = parser.parse_args(argv)
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))
+    t0 = time.perf_counter()
+    specs, code = record(args.pytest_args or [str(ROOT / d) for d in DRIVERS])
+    if code not in (0, 1):  # 0/1: the tests ran (their verdicts mean nothing here)
+        print(f"compile_sm90: the drivers did not run (pytest exit code {code})")
+        return 2
+    recorded_s = time.perf_counter() - t0
+    results = compile_all(specs, args.arch, args.jobs)
+    table, problems = report(specs, results, args.arch)
+    compiled_s = time.perf_counter() - t0 - recorded_s
+    print(
+        f"\ncompile_sm90: {len(specs)} specializations recorded in {recorded_s:.0f} s, "
+        f"compiled in {compiled_s:.0f} s ({args.jobs} jobs)"
+    )
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"specs": specs, "results": results}, indent=1))
+    for p in problems:
+        print(f"\nPROBLEM: {p}")
+    print(f"\ncompile_sm90: {'FAILED' if problems else 'all compiled'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Every kernel compiles for sm90 with the Triton installed here (scripts/compile_sm90.py).
+
+CI has no GPU and a newer Triton than the GPU machines; the interpreter it runs the kernels
+in never compiles them. This compiles every specialization the kernel tests make the package
+launch with the compiled settings, through ptxas, on CPU. The GPU suite covers Triton 3.6 on
+a device; this covers whichever Triton CI installs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("compile_sm90", ROOT / "scripts" / "compile_sm90.py")
+compile_sm90 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compile_sm90)
+
+_PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+needs_ptxas = pytest.mark.skipif(
+    not os.access(_PTXAS, os.X_OK), reason=f"this Triton has no ptxas at {_PTXAS}"
+)
+
+
+@needs_ptxas
+def test_every_kernel_compiles_for_sm90():
+    """The whole script in a fresh process (recording rewires the launch path of the process
+    it runs in): every specialization compiles, and every kernel of the package was launched."""
+    env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--jobs", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    for _, name in compile_sm90.KERNELS:
+        row = [line for line in out.splitlines() if line.startswith(f"| {name} |")]
+        assert row and row[0].split("|")[3].strip() == "0", (name, row, out[-3000:])
+
+
+@triton.jit
+def _mixed_types_kernel(x_ptr, n):
+    # Runs in the interpreter; the compiler refuses a name bound to a float in one branch and
+    # an int in the other (the class of error Triton 3.6 raised in session 3's pack kernel).
+    if n > 0:
+        b_v = tl.load(x_ptr)
+    else:
+        b_v = 0
+    tl.store(x_ptr, b_v)
+
+
+@needs_ptxas
+def test_a_kernel_that_does_not_compile_is_reported():
+    import torch
+
+    x = torch.zeros(4)
+    spec = compile_sm90.specialization(_mixed_types_kernel, 1, {"x_ptr": x, "n": 3})
+    assert spec["signature"] == ["*fp32", "i32"]
+    result = compile_sm90.compile_one(spec)
+    assert not result["ok"] and result["error"], result
+    table, problems = compile_sm90.report([spec], [result], 90)
+    assert any("_mixed_types_kernel" in p and "does not compile" in p for p in problems)
+    assert "| _mixed_types_kernel | 1 | 1 |" in table
+
+
+def test_a_kernel_never_launched_is_reported():
+    """The drivers must reach every kernel of the package: one missing is a problem."""
+    _, problems = compile_sm90.report([], [], 90)
+    missing = {p.split(" was never launched")[0] for p in problems}
+    assert missing == {f"{m}.{k}" for m, k in compile_sm90.KERNELS}
+
+
+def test_specialization_follows_triton():
+    """Ints equal to 1 become constexprs, 16-divisible ints and aligned pointers get the
+    divisibility attribute, and a do_not_specialize int gets neither."""
+    import torch
+    from ulysses.kernels.lowp_finish import _post_gather_kernel
+
+    names = _post_gather_kernel.arg_names
+
+    def spec_with(**values):
+        kwargs = {n: 32 for n in names}
+        kwargs.update({n: torch.zeros(8) for n in names if n.endswith("_ptr")})
+        kwargs.update(FLOOR=1e-7, D=16, BLOCK_H=16, BLOCK_P=8, MODE=1, USE_PDL=False)
+        kwargs.update(N_CODES=4, BLOCK=1024, divisor=3.0, **values)
+        spec = compile_sm90.specialization(_post_gather_kernel, 4, kwargs)
+        sig = dict(zip(names, spec["signature"], strict=True))
+        return (
+            sig,
+            {names[i]: v for i, v in spec["constexprs"]},
+            {names[i] for i in spec["divisible"]},
+        )
+
+    sig, constexprs, divisible = spec_with(tag=1, n_chunks=1)
+    assert sig["gathered_ptr"] == "*fp32" and "gathered_ptr" in divisible
+    assert sig["divisor"] == "fp32"
+    assert constexprs["BLOCK"] == 1024 and constexprs["USE_PDL"] is False
+    assert sig["tag"] == "constexpr" and constexprs["tag"] == 1  # specialized, equal to 1
+    assert sig["n_chunks"] == "i32" and "n_chunks" not in divisible  # do_not_specialize
+    assert sig["N"] == "i32" and "N" not in divisible  # do_not_specialize, 32
+    sig, constexprs, divisible = spec_with(tag=48)
+    assert sig["tag"] == "i32" and "tag" in divisible  # specialized, 16-divisible
+    sig, constexprs, divisible = spec_with(tag=2**33 + 16)
+    assert sig["tag"] == "i64"
+    unaligned = torch.zeros(9)[1:]
+    sig, constexprs, divisible = spec_with(mm_ptr=unaligned)
+    assert sig["mm_ptr"] == "*fp32" and "mm_ptr" not in divisible
