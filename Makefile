@@ -128,10 +128,11 @@ gpu-check:
 	PYTHON="$(GPU_PYTHON)" bash scripts/gpu_check.sh $(OUT)
 
 # Compile every kernel for sm90 with the installed Triton, no GPU needed: the specializations
-# the kernel tests make the package launch with its compiled settings (scripts/compile_sm90.py;
-# tests/test_compile_sm90.py runs it in `make test`). Prints registers and local memory a kernel.
+# that the kernel tests and the public calls at the benchmark shapes make the package launch
+# with its compiled settings (scripts/compile_sm90.py; tests/test_compile_sm90.py runs it in
+# `make test`). Prints registers and local memory a kernel.
 compile-check: $(READY)
-	"$(PYTHON)" scripts/compile_sm90.py
+	"$(PYTHON)" scripts/compile_sm90.py --shapes
 
 # Build a wheel, install it with $(TORCH_SPEC) into a new venv outside the clone, run a first
 # CPU call there (tests/test_packaging.py, the test that `make test` skips).

@@ -1,7 +1,7 @@
 """Compile every Triton kernel of the package for a GPU, on a machine without one, at the
 specializations the package launches, with the Triton installed here.
 
-    python scripts/compile_sm90.py [--arch 90] [--json FILE] [--jobs N] [PYTEST_ARGS ...]
+    python scripts/compile_sm90.py [--shapes] [--arch 90] [--json FILE] [--jobs N] [PYTEST_ARGS ...]
 
 Why: CI has no GPU. It runs the kernels in Triton's interpreter, which never compiles them, and
 it has a newer Triton than the GPU machines (Triton 3.6). A kernel that the interpreter runs
@@ -14,7 +14,10 @@ How:
    PYTEST_ARGS) with every launch on CPU tensors taking the compiled path's settings (tiles,
    warps, rounding path: kernels/_runtime.py's test mirror) and *recorded instead of run*.
    Nothing executes, so the tests' own checks fail and are ignored here: they are only the
-   drivers that make the package plan its launches, as it does on a GPU.
+   drivers that make the package plan its launches, as it does on a GPU. With ``--shapes``,
+   the public calls (``global_k_mean``, ``k_grouped_amax``, ``smooth_k_stats`` both methods,
+   ``exchange_qkv``) also run the same way at the benchmark shapes (``SHAPES``), P ranks
+   under torchrun with gloo on CPU: the plans' own tile choices at the sizes that ship.
 2. Compile. Each distinct specialization (kernel, constexprs, argument types, ints equal to
    1, 16-divisible ints and 16-byte aligned pointers, num_warps) is compiled for
    ``sm_<arch>`` with ``triton.compile`` in fresh processes with an empty Triton cache (each
@@ -115,25 +118,32 @@ def specialization(kernel, num_warps: int, kwargs: dict) -> dict:
     }
 
 
-def record(pytest_args: list[str]) -> tuple[list[dict], int]:
-    """Run pytest with ``pytest_args`` in this process, every launch on CPU tensors taking
-    the compiled settings and recorded instead of run. Returns (distinct specializations,
-    pytest's exit code)."""
-    import pytest
+def _install_recorder(seen: dict[str, dict]) -> None:
+    """From now on, in this process: launches on CPU tensors take the compiled settings and
+    are recorded into ``seen`` instead of run."""
     from ulysses.kernels import _runtime, finalize_stats
-
-    seen: dict[str, dict] = {}
 
     def recorded(kernel, grid, num_warps, kwargs):
         spec = specialization(kernel, num_warps, kwargs)
         seen.setdefault(json.dumps(spec, sort_keys=True), spec)
 
+    _runtime._MIRROR_TO_CUDA = True  # CPU tensors take the compiled settings
+    _runtime._launch_mirrored = recorded  # ... and are recorded, not run
+    # the settings read the GPU's multiprocessor count: an H200's
+    _runtime.sm_count = finalize_stats.sm_count = lambda device: 132
+
+
+def record(pytest_args: list[str]) -> tuple[list[dict], int]:
+    """Run pytest with ``pytest_args`` in this process, every launch on CPU tensors taking
+    the compiled settings and recorded instead of run. Returns (distinct specializations,
+    pytest's exit code)."""
+    import pytest
+
+    seen: dict[str, dict] = {}
+
     class Recorder:
         def pytest_configure(self, config):
-            _runtime._MIRROR_TO_CUDA = True  # CPU tensors take the compiled settings
-            _runtime._launch_mirrored = recorded  # ... and are recorded, not run
-            # the settings read the GPU's multiprocessor count: an H200's
-            _runtime.sm_count = finalize_stats.sm_count = lambda device: 132
+            _install_recorder(seen)
 
     args = [*pytest_args, "-q", "--tb=no", "--no-header", "-p", "no:cacheprovider", "-rN"]
     args += ["-W", "ignore"]
@@ -141,6 +151,66 @@ def record(pytest_args: list[str]) -> tuple[list[dict], int]:
     print("compile_sm90: (nothing runs, so the tests' own pass/fail below means nothing)")
     code = pytest.main(args, plugins=[Recorder()])
     return list(seen.values()), int(code)
+
+
+def record_rank(out: str, shapes: list[tuple[int, int, int, int]]) -> None:
+    """One rank of ``--shapes`` (under torchrun, gloo on CPU): the public calls at each
+    per-rank shape, bf16 and fp16, launches recorded (not run: the values do not matter),
+    written to ``out.rank<r>``."""
+    import torch
+    import torch.distributed as dist
+
+    import ulysses
+
+    dist.init_process_group("gloo")
+    rank, P = dist.get_rank(), dist.get_world_size()
+    seen: dict[str, dict] = {}
+    _install_recorder(seen)
+    for B, L, H, D in shapes:
+        for dtype in (torch.bfloat16, torch.float16):
+            q, k, v = (torch.zeros(B, L, H, D, dtype=dtype) for _ in range(3))
+            mean = ulysses.global_k_mean(k)
+            for G in (64, 128):
+                ulysses.k_grouped_amax(k, mean, rank=rank, world_size=P, group_size=G)
+                for method in ("fused", "two_pass"):
+                    ulysses.smooth_k_stats(k, group_size=G, method=method)
+            for q_group, k_group in ((32, 64), (64, 128)):
+                ulysses.exchange_qkv(q, k, v, q_group=q_group, k_group=k_group)
+            del q, k, v
+    Path(f"{out}.rank{rank}").write_text(json.dumps(list(seen.values())))
+    dist.destroy_process_group()
+
+
+def record_shapes(shapes_by_p: dict[int, list]) -> tuple[list[dict], str]:
+    """:func:`record_rank` under ``torchrun --standalone`` for each world size; the distinct
+    specializations of all ranks, and "" or what went wrong."""
+    seen: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for P, shapes in shapes_by_p.items():
+            out = str(Path(tmp) / f"p{P}")
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(P),
+                str(Path(__file__).resolve()),
+                "--record-rank",
+                out,
+            ]
+            cmd += ["--shape=" + ",".join(map(str, s)) for s in shapes]  # fmt: skip
+            print(f"compile_sm90: recording the public calls at P = {P}, shapes {shapes}")
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if proc.returncode:
+                return (
+                    [],
+                    f"the shape drivers at P = {P} failed:\n{(proc.stdout + proc.stderr)[-4000:]}",
+                )
+            for r in range(P):
+                for spec in json.loads(Path(f"{out}.rank{r}").read_text()):
+                    seen.setdefault(json.dumps(spec, sort_keys=True), spec)
+    return list(seen.values()), ""
 
 
 def _cuobjdump() -> str | None:
@@ -258,20 +328,45 @@ def report(specs: list[dict], results: list[dict], arch: int) -> tuple[str, list
     return "\n".join(lines), problems
 
 
+# The deployment and benchmark shapes per rank (docs/BENCHMARKS.md), by world size: 68 MB a
+# tensor at P = 2 and 8, 268 MB at P = 2.
+SHAPES = {2: [(1, 4736, 56, 128), (1, 32768, 32, 128)], 8: [(1, 4736, 56, 128)]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
     parser.add_argument("--json", help="write the specializations and results here")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--shapes",
+        action="store_true",
+        help="also record the public calls at the benchmark shapes (SHAPES) under torchrun "
+        "(gloo on CPU; a few GB of memory)",
+    )
+    parser.add_argument("--record-rank", help=argparse.SUPPRESS)  # one rank of --shapes
+    parser.add_argument("--shape", action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("pytest_args", nargs="*", help=f"drivers (default: {' '.join(DRIVERS)})")
     args = parser.parse_args(argv)
-    os.chdir(ROOT)
     sys.path.insert(0, str(ROOT))
+    if args.record_rank:
+        record_rank(args.record_rank, [tuple(int(x) for x in s.split(",")) for s in args.shape])
+        return 0
+    os.chdir(ROOT)
     t0 = time.perf_counter()
     specs, code = record(args.pytest_args or [str(ROOT / d) for d in DRIVERS])
     if code not in (0, 1):  # 0/1: the tests ran (their verdicts mean nothing here)
         print(f"compile_sm90: the drivers did not run (pytest exit code {code})")
         return 2
+    if args.shapes:
+        more, error = record_shapes(SHAPES)
+        if error:
+            print(f"compile_sm90: {error}")
+            return 2
+        keys = {json.dumps(s, sort_keys=True) for s in specs}
+        new = [s for s in more if json.dumps(s, sort_keys=True) not in keys]
+        print(f"compile_sm90: the shapes added {len(new)} specializations to {len(specs)}")
+        specs += new
     recorded_s = time.perf_counter() - t0
     results = compile_all(specs, args.arch, args.jobs)
     table, problems = report(specs, results, args.arch)

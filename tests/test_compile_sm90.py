@@ -1,9 +1,10 @@
 """Every kernel compiles for sm90 with the Triton installed here (scripts/compile_sm90.py).
 
 CI has no GPU and a newer Triton than the GPU machines; the interpreter it runs the kernels
-in never compiles them. This compiles every specialization the kernel tests make the package
-launch with the compiled settings, through ptxas, on CPU. The GPU suite covers Triton 3.6 on
-a device; this covers whichever Triton CI installs."""
+in never compiles them. This compiles, through ptxas, on CPU, every specialization that the
+kernel tests and the public calls at the benchmark shapes make the package launch with its
+compiled settings. The GPU suite covers Triton 3.6 on a device; this covers whichever Triton
+CI installs."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ needs_ptxas = pytest.mark.skipif(
 @needs_ptxas
 def test_every_kernel_compiles_for_sm90():
     """The whole script in a fresh process (recording rewires the launch path of the process
-    it runs in): every specialization compiles, and every kernel of the package was launched."""
+    it runs in), the kernel tests and the public calls at the benchmark shapes (P = 2 and 8
+    under torchrun) as drivers: every specialization compiles, and every kernel of the
+    package was launched."""
     env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--jobs", "2"],
+        [sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--shapes", "--jobs", "2"],
         env=env,
         capture_output=True,
         text=True,
@@ -42,6 +45,7 @@ def test_every_kernel_compiles_for_sm90():
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
+    assert "compile_sm90: the shapes added" in out, out[-3000:]
     for _, name in compile_sm90.KERNELS:
         row = [line for line in out.splitlines() if line.startswith(f"| {name} |")]
         assert row and row[0].split("|")[3].strip() == "0", (name, row, out[-3000:])
