@@ -18,6 +18,10 @@ How:
    the public calls (``global_k_mean``, ``k_grouped_amax``, ``smooth_k_stats`` both methods,
    ``exchange_qkv``) also run the same way at the benchmark shapes (``SHAPES``), P ranks
    under torchrun with gloo on CPU: the plans' own tile choices at the sizes that ship.
+   Limits: a driver test stops at its first failed check, so what it would launch after
+   that is not recorded (each kernel must still be launched at least once, and ``--shapes``
+   adds the plans' real launches); a CPU launch never takes PDL, so each launch with a
+   ``USE_PDL`` constexpr is recorded with it off and on.
 2. Compile. Each distinct specialization (kernel, constexprs, argument types, ints equal to
    1, 16-divisible ints and 16-byte aligned pointers, num_warps) is compiled for
    ``sm_<arch>`` with ``triton.compile`` in fresh processes with an empty Triton cache (each
@@ -118,14 +122,28 @@ def specialization(kernel, num_warps: int, kwargs: dict) -> dict:
     }
 
 
+# What the recorder could not turn into a specialization (reported as problems: a launch
+# dropped silently would leave a kernel variant uncompiled).
+RECORD_ERRORS: list[str] = []
+
+
 def _install_recorder(seen: dict[str, dict]) -> None:
     """From now on, in this process: launches on CPU tensors take the compiled settings and
-    are recorded into ``seen`` instead of run."""
+    are recorded into ``seen`` instead of run. A CPU launch never takes PDL, which an sm90 GPU
+    takes by default (``enable_pdl=None``): a launch with a ``USE_PDL`` constexpr is recorded
+    with it off and on, where this Triton has grid dependency control."""
     from ulysses.kernels import _runtime, finalize_stats
 
     def recorded(kernel, grid, num_warps, kwargs):
-        spec = specialization(kernel, num_warps, kwargs)
-        seen.setdefault(json.dumps(spec, sort_keys=True), spec)
+        try:
+            variants = [kwargs]
+            if _runtime.HAS_GDC and kwargs.get("USE_PDL") is False:
+                variants.append(dict(kwargs, USE_PDL=True))
+            for kw in variants:
+                spec = specialization(kernel, num_warps, kw)
+                seen.setdefault(json.dumps(spec, sort_keys=True), spec)
+        except Exception as e:  # reported by main(); the driver goes on
+            RECORD_ERRORS.append(f"{getattr(kernel, '__name__', kernel)}: {e!r}")
 
     _runtime._MIRROR_TO_CUDA = True  # CPU tensors take the compiled settings
     _runtime._launch_mirrored = recorded  # ... and are recorded, not run
@@ -177,7 +195,9 @@ def record_rank(out: str, shapes: list[tuple[int, int, int, int]]) -> None:
             for q_group, k_group in ((32, 64), (64, 128)):
                 ulysses.exchange_qkv(q, k, v, q_group=q_group, k_group=k_group)
             del q, k, v
-    Path(f"{out}.rank{rank}").write_text(json.dumps(list(seen.values())))
+    Path(f"{out}.rank{rank}").write_text(
+        json.dumps({"specs": list(seen.values()), "errors": RECORD_ERRORS})
+    )
     dist.destroy_process_group()
 
 
@@ -201,14 +221,16 @@ def record_shapes(shapes_by_p: dict[int, list]) -> tuple[list[dict], str]:
             ]
             cmd += ["--shape=" + ",".join(map(str, s)) for s in shapes]  # fmt: skip
             print(f"compile_sm90: recording the public calls at P = {P}, shapes {shapes}")
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if proc.returncode:
                 return (
                     [],
                     f"the shape drivers at P = {P} failed:\n{(proc.stdout + proc.stderr)[-4000:]}",
                 )
             for r in range(P):
-                for spec in json.loads(Path(f"{out}.rank{r}").read_text()):
+                found = json.loads(Path(f"{out}.rank{r}").read_text())
+                RECORD_ERRORS.extend(f"P = {P}, rank {r}: {e}" for e in found["errors"])
+                for spec in found["specs"]:
                     seen.setdefault(json.dumps(spec, sort_keys=True), spec)
     return list(seen.values()), ""
 
@@ -231,13 +253,13 @@ def compile_one(spec: dict, arch: int = 90) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-    signature = dict(zip(fn.arg_names, spec["signature"], strict=True))
-    constexprs = {(i,): v for i, v in spec["constexprs"]}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
     t0 = time.perf_counter()
     result = {"ok": False, "seconds": 0.0, "error": None, "registers": None, "local_bytes": None}
     try:
+        fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+        signature = dict(zip(fn.arg_names, spec["signature"], strict=True))
+        constexprs = {(i,): v for i, v in spec["constexprs"]}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
         compiled = triton.compile(
             ASTSource(fn, signature, constexprs, attrs),
             target=GPUTarget("cuda", arch, 32),
@@ -311,6 +333,7 @@ def report(specs: list[dict], results: list[dict], arch: int) -> tuple[str, list
                 f"{spec['kernel']} (num_warps {spec['num_warps']}, constexprs "
                 f"{spec['constexprs']}) does not compile for sm_{arch}:\n{res['error']}"
             )
+    problems += [f"the recorder dropped a launch: {e}" for e in RECORD_ERRORS]
     for module, name in KERNELS:
         if name not in rows:
             problems.append(f"{module}.{name} was never launched by the drivers")

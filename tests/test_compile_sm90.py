@@ -8,7 +8,9 @@ CI installs."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -30,18 +32,19 @@ needs_ptxas = pytest.mark.skipif(
 
 
 @needs_ptxas
-def test_every_kernel_compiles_for_sm90():
+def test_every_kernel_compiles_for_sm90(tmp_path):
     """The whole script in a fresh process (recording rewires the launch path of the process
     it runs in), the kernel tests and the public calls at the benchmark shapes (P = 2 and 8
     under torchrun) as drivers: every specialization compiles, and every kernel of the
     package was launched."""
     env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--shapes", "--jobs", "2"],
+        [sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--shapes", "--jobs", "2"]
+        + ["--json", str(tmp_path / "specs.json")],
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=780,  # below pytest-timeout's 900 s, so a hang still shows the output
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -49,6 +52,19 @@ def test_every_kernel_compiles_for_sm90():
     for _, name in compile_sm90.KERNELS:
         row = [line for line in out.splitlines() if line.startswith(f"| {name} |")]
         assert row and row[0].split("|")[3].strip() == "0", (name, row, out[-3000:])
+    # an sm90 GPU launches with PDL by default: every kernel that has the switch was compiled
+    # with it on (where this Triton has grid dependency control) and off
+    from ulysses.kernels import _runtime
+
+    found = json.loads((tmp_path / "specs.json").read_text())
+    pdl = {}
+    for spec, result in zip(found["specs"], found["results"], strict=True):
+        fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+        if "USE_PDL" in fn.arg_names:
+            value = dict(spec["constexprs"])[fn.arg_names.index("USE_PDL")]
+            pdl.setdefault(spec["kernel"], set()).add(value)
+            assert result["ok"], spec
+    assert pdl and all(v == ({False, True} if _runtime.HAS_GDC else {False}) for v in pdl.values())
 
 
 @triton.jit
@@ -70,7 +86,7 @@ def test_a_kernel_that_does_not_compile_is_reported():
     spec = compile_sm90.specialization(_mixed_types_kernel, 1, {"x_ptr": x, "n": 3})
     assert spec["signature"] == ["*fp32", "i32"]
     result = compile_sm90.compile_one(spec)
-    assert not result["ok"] and result["error"], result
+    assert not result["ok"] and "Mismatched type" in result["error"], result
     table, problems = compile_sm90.report([spec], [result], 90)
     assert any("_mixed_types_kernel" in p and "does not compile" in p for p in problems)
     assert "| _mixed_types_kernel | 1 | 1 |" in table
