@@ -130,9 +130,11 @@ gpu-check:
 # Compile every kernel for sm90 with the installed Triton, no GPU needed: the specializations
 # that the kernel tests and the public calls at the benchmark shapes make the package launch
 # with its compiled settings (scripts/compile_sm90.py; tests/test_compile_sm90.py runs it in
-# `make test`). Prints registers and local memory a kernel.
+# `make test`). Prints registers and local memory a kernel; fails on a compile error or a
+# spill. --fusion-diff compiles each one again with FP fusion on: what pinning it off costs.
+COMPILE_CHECK_ARGS ?= --shapes --fusion-diff
 compile-check: $(READY)
-	"$(PYTHON)" scripts/compile_sm90.py --shapes
+	"$(PYTHON)" scripts/compile_sm90.py $(COMPILE_CHECK_ARGS)
 
 # Build a wheel, install it with $(TORCH_SPEC) into a new venv outside the clone, run a first
 # CPU call there (tests/test_packaging.py, the test that `make test` skips).

@@ -52,6 +52,7 @@ __all__ = [
     "stream_key",
     "compiled_for_gpu",
     "load_streamed",
+    "COMPILE_OPTIONS",
 ]
 
 HAS_GDC = gdc_wait is not None
@@ -342,6 +343,18 @@ def tile(
 
 # ---- CUDA: cached compiled kernels --------------------------------------------------------
 
+# Compiler options every compiled launch of the package pins, whatever the Triton version's
+# defaults and the environment say:
+#
+# * ``enable_fp_fusion=False``: no multiply-add contraction (ptxas gets ``--fmad=false``).
+#   The contract is bit-identity to torch ops rounded one at a time (docs/CONTRACT.md), and
+#   Triton's default flips from fusion on (<= 3.9, which warns about it) to off (3.10); with
+#   it pinned, neither the version nor TRITON_DEFAULT_FP_FUSION changes a bit. It costs
+#   nothing today: every specialization the package launches compiles to the same SASS with
+#   fusion on and off, with Triton 3.6 and 3.9 (``scripts/compile_sm90.py --fusion-diff``,
+#   docs/BENCHMARKS.md session 9).
+COMPILE_OPTIONS: dict[str, object] = {"enable_fp_fusion": False}
+
 _PARAMS: dict[object, tuple[tuple[str, ...], tuple[int, ...]]] = {}
 _CONSTEXPR, _SPECIALIZED, _NOT_SPECIALIZED = 0, 1, 2
 # first launches of each specialization: [count, seconds] (Triton's JIT: compile or disk cache)
@@ -434,7 +447,7 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
         extra = {"launch_pdl": True} if use_pdl else {}
         t0 = time.perf_counter()
         with _TRITON_LOCK, torch.cuda.device(index) if switch else contextlib.nullcontext():
-            compiled = kernel[grid](*args, num_warps=num_warps, **extra)
+            compiled = kernel[grid](*args, num_warps=num_warps, **COMPILE_OPTIONS, **extra)
         if entry is None and compiled is not None:
             entry = _COMPILED[key] = _entry(compiled)
             _FIRST_LAUNCHES[0] += 1

@@ -28,7 +28,7 @@ from ._runtime import Launch, cdiv, compiled_for_gpu, gdc_wait
 from .finalize_stats import _NOT_SPECIALIZED as _FIN_NOT_SPECIALIZED
 from .finalize_stats import MODE_FUSED, _finalize_kernel
 
-__all__ = ["prepare_lowp_finish", "prepare_post_gather", "MAX_SOURCES"]
+__all__ = ["prepare_lowp_finish", "prepare_post_gather", "finish_tile", "MAX_SOURCES"]
 
 MAX_SOURCES = 8  # ranks touching one group: at most P (<= 8, the largest supported world size)
 
@@ -315,6 +315,19 @@ def prepare_post_gather(finalize: Launch, finish: Launch) -> Launch:
     )
 
 
+def finish_tile(compiled: bool) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the Q/V finish programs. Compiled: 512 elements on 4 warps, four
+    elements a thread. Each element keeps the V max, its scale and the Q merges of up to
+    N_CODES = 2P sources live, so eight elements a thread (BLOCK 1024, 4 warps, sessions 4-8)
+    needed 193 registers at P = 8 with Triton 3.6 and spilled with Triton 3.9 (255 registers,
+    8 bytes a thread); 512 on 4 warps needs 157 / 114 and spills on neither, at every P
+    (compiled for sm90 on CPU, docs/BENCHMARKS.md session 9; ``scripts/compile_sm90.py``
+    fails on any spill). 1024 on 8 warps spilled with 3.6 (40 bytes at P = 8). The kernel
+    is bound by its cold latency (a few us), not its bytes. Interpreted: one big block (the
+    interpreter pays per operation, not per element)."""
+    return (512, 4) if compiled else (4096, 4)
+
+
 def prepare_lowp_finish(
     gathered: torch.Tensor,
     amax_q: torch.Tensor,
@@ -348,13 +361,13 @@ def prepare_lowp_finish(
             assert 0 <= q < P and end in (0, 1), sources
             masks[row] |= 1 << (q * 2 + end)
     n_bhd = B * H * D
-    block = 1024 if compiled_for_gpu(gathered.device) else 4096
+    block, num_warps = finish_tile(compiled_for_gpu(gathered.device))
     h = H // P
     return Launch(
         _lowp_finish_kernel,
         (cdiv(n_bhd, block),),
         gathered.device,
-        num_warps=4,
+        num_warps=num_warps,
         slots=("v_scale_ptr",),
         gathered_ptr=gathered,
         stride_p=gathered.stride(0),

@@ -28,10 +28,16 @@ How:
    one really compiles here, and its seconds are the compiler's). The cubin's resource usage
    (``cuobjdump``, shipped with Triton) gives the registers and local memory of each.
 
+Every compilation takes the options every compiled launch of the package pins
+(``kernels/_runtime.py`` ``COMPILE_OPTIONS``: FP fusion off). With ``--fusion-diff`` each
+specialization is compiled again with fusion on, and the table counts those whose SASS
+differs: what the pin costs with this Triton (nothing, where none differs).
+
 Prints one row per kernel (specializations, compile seconds, the most registers and local
-memory of any of them) and every failure in full. Exit status 1 if any compilation failed or a
-kernel of ``KERNELS`` was never launched (the drivers must cover the whole package), 2 if the
-drivers could not run at all.
+memory of any of them) and every failure in full. Exit status 1 if any compilation failed, any
+specialization spills registers (local memory above 0 bytes a thread), or a kernel of
+``KERNELS`` was never launched (the drivers must cover the whole package), 2 if the drivers
+could not run at all.
 """
 
 from __future__ import annotations
@@ -244,60 +250,92 @@ def _cuobjdump() -> str | None:
     return str(path) if os.access(path, os.X_OK) else None
 
 
-def compile_one(spec: dict, arch: int = 90) -> dict:
-    """Compile one recorded specialization for ``sm_<arch>``: ``{"ok", "seconds", "error",
-    "registers", "local_bytes"}`` (the last two from the cubin's resource usage, read with
-    ``cuobjdump``; None without it). Local bytes (stack and local memory a thread) above 0
-    mean the kernel spills registers."""
+def _compile(spec: dict, arch: int, **options):
+    """``triton.compile`` of one recorded specialization for ``sm_<arch>`` with the
+    package's pinned options (``_runtime.COMPILE_OPTIONS``, as every compiled launch), then
+    ``options``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from ulysses.kernels import _runtime
 
-    t0 = time.perf_counter()
-    result = {"ok": False, "seconds": 0.0, "error": None, "registers": None, "local_bytes": None}
-    try:
-        fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-        signature = dict(zip(fn.arg_names, spec["signature"], strict=True))
-        constexprs = {(i,): v for i, v in spec["constexprs"]}
-        attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
-        compiled = triton.compile(
-            ASTSource(fn, signature, constexprs, attrs),
-            target=GPUTarget("cuda", arch, 32),
-            options={"num_warps": spec["num_warps"]},
+    fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+    signature = dict(zip(fn.arg_names, spec["signature"], strict=True))
+    constexprs = {(i,): v for i, v in spec["constexprs"]}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
+    return triton.compile(
+        ASTSource(fn, signature, constexprs, attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": spec["num_warps"], **_runtime.COMPILE_OPTIONS, **options},
+    )
+
+
+def _cubin_tool(cubin: bytes, *flags: str) -> str:
+    """cuobjdump ``flags`` on a cubin: its output ("" without cuobjdump)."""
+    cuobjdump = _cuobjdump()
+    if not cuobjdump or not cubin:
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run(
+            [cuobjdump, *flags, str(path)], capture_output=True, text=True, timeout=120
         )
+    return out.stdout
+
+
+def _sass(cubin: bytes) -> list[str]:
+    """The instructions of a cubin (addresses and encodings dropped), for comparison."""
+    lines = []
+    for line in _cubin_tool(cubin, "-sass").splitlines():
+        if re.search(r"/\*[0-9a-f]{4}\*/", line):
+            lines.append(re.sub(r"/\*[0-9a-f]{4}\*/", "", line).split(";")[0].strip())
+    return lines
+
+
+def compile_one(spec: dict, arch: int = 90, fusion_diff: bool = False) -> dict:
+    """Compile one recorded specialization for ``sm_<arch>``: ``{"ok", "seconds", "error",
+    "registers", "local_bytes", "fusion_same"}`` (registers and local bytes from the cubin's
+    resource usage, read with ``cuobjdump``; None without it). Local bytes (stack and local
+    memory a thread) above 0 mean the kernel spills registers. With ``fusion_diff``, it is
+    compiled again with FP fusion on (the package pins it off: ``_runtime.COMPILE_OPTIONS``)
+    and ``fusion_same`` says whether the two give the same SASS, i.e. whether the pin costs
+    anything here."""
+    t0 = time.perf_counter()
+    result = {"ok": False, "seconds": 0.0, "error": None, "registers": None,
+              "local_bytes": None, "fusion_same": None}  # fmt: skip
+    try:
+        compiled = _compile(spec, arch)
     except Exception:
         result["error"] = traceback.format_exc(limit=-3)
         result["seconds"] = time.perf_counter() - t0
         return result
     result["ok"] = True
     result["seconds"] = time.perf_counter() - t0
-    cuobjdump, cubin = _cuobjdump(), compiled.asm.get("cubin")
-    if cuobjdump and cubin:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "k.cubin"
-            path.write_bytes(cubin)
-            out = subprocess.run(
-                [cuobjdump, "--dump-resource-usage", str(path)],
-                capture_output=True, text=True, timeout=120,
-            )  # fmt: skip
-        usage = re.search(r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", out.stdout)
-        if usage:
-            result["registers"] = int(usage.group(1))
-            result["local_bytes"] = int(usage.group(2)) + int(usage.group(3))
+    cubin = compiled.asm.get("cubin")
+    usage = re.search(
+        r"REG:(\d+)\s+STACK:(\d+).*?LOCAL:(\d+)", _cubin_tool(cubin, "--dump-resource-usage")
+    )
+    if usage:
+        result["registers"] = int(usage.group(1))
+        result["local_bytes"] = int(usage.group(2)) + int(usage.group(3))
+    if fusion_diff and _cuobjdump():
+        fused = _compile(spec, arch, enable_fp_fusion=True).asm.get("cubin")
+        result["fusion_same"] = _sass(cubin) == _sass(fused)
     return result
 
 
 def _compile_indexed(item):
-    i, spec, arch = item
-    return i, compile_one(spec, arch)
+    i, spec, arch, fusion_diff = item
+    return i, compile_one(spec, arch, fusion_diff)
 
 
-def compile_all(specs: list[dict], arch: int, jobs: int) -> list[dict]:
+def compile_all(specs: list[dict], arch: int, jobs: int, fusion_diff: bool = False) -> list[dict]:
     """:func:`compile_one` for each spec, in ``jobs`` fresh processes (no interpreter state
     of the recording run reaches the compiler) sharing an empty Triton cache."""
     import multiprocessing
 
-    items = [(i, s, arch) for i, s in enumerate(specs)]
+    items = [(i, s, arch, fusion_diff) for i, s in enumerate(specs)]
     saved = os.environ.get("TRITON_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # read by the spawned processes
@@ -314,24 +352,31 @@ def compile_all(specs: list[dict], arch: int, jobs: int) -> list[dict]:
 
 
 def report(specs: list[dict], results: list[dict], arch: int) -> tuple[str, list[str]]:
-    """The table (one row per kernel) and the problems: failed compilations, and kernels of
-    ``KERNELS`` never launched."""
+    """The table (one row per kernel) and the problems: failed compilations, spills, and
+    kernels of ``KERNELS`` never launched."""
     import triton
 
     rows, problems = {}, []
+    fusion = any(r.get("fusion_same") is not None for r in results)
     for spec, res in zip(specs, results, strict=True):
         row = rows.setdefault(
-            spec["kernel"], {"n": 0, "failed": 0, "s": 0.0, "regs": 0, "local": 0}
+            spec["kernel"],
+            {"n": 0, "failed": 0, "s": 0.0, "regs": 0, "local": 0, "fusion_differs": 0},
         )
         row["n"] += 1
         row["s"] += res["seconds"]
         row["regs"] = max(row["regs"], res["registers"] or 0)
         row["local"] = max(row["local"], res["local_bytes"] or 0)
+        row["fusion_differs"] += res.get("fusion_same") is False
+        where = f"{spec['kernel']} (num_warps {spec['num_warps']}, constexprs {spec['constexprs']})"
         if not res["ok"]:
             row["failed"] += 1
+            problems.append(f"{where} does not compile for sm_{arch}:\n{res['error']}")
+        elif res["local_bytes"]:
             problems.append(
-                f"{spec['kernel']} (num_warps {spec['num_warps']}, constexprs "
-                f"{spec['constexprs']}) does not compile for sm_{arch}:\n{res['error']}"
+                f"{where} spills registers on sm_{arch}: {res['registers']} registers, "
+                f"{res['local_bytes']} bytes of local memory a thread (a tile too big for this "
+                "Triton: give the thread fewer elements)"
             )
     problems += [f"the recorder dropped a launch: {e}" for e in RECORD_ERRORS]
     for module, name in KERNELS:
@@ -340,13 +385,15 @@ def report(specs: list[dict], results: list[dict], arch: int) -> tuple[str, list
     lines = [
         f"Triton {triton.__version__}, sm_{arch}, resource usage: "
         f"{'cuobjdump' if _cuobjdump() else 'not read (no cuobjdump)'}",
-        "| kernel | specializations | failed | compile s | max registers | max local bytes |",
-        "|---|---|---|---|---|---|",
+        "| kernel | specializations | failed | compile s | max registers | max local bytes |"
+        + (" SASS differs with FP fusion on |" if fusion else ""),
+        "|---|---|---|---|---|---|" + ("---|" if fusion else ""),
     ]
     for name, r in sorted(rows.items()):
         lines.append(
             f"| {name} | {r['n']} | {r['failed']} | {r['s']:.1f} | {r['regs'] or '-'} | "
             f"{r['local'] if _cuobjdump() else '-'} |"
+            + (f" {r['fusion_differs']} of {r['n']} |" if fusion else "")
         )
     return "\n".join(lines), problems
 
@@ -366,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also record the public calls at the benchmark shapes (SHAPES) under torchrun "
         "(gloo on CPU; a few GB of memory)",
+    )
+    parser.add_argument(
+        "--fusion-diff",
+        action="store_true",
+        help="also compile each specialization with FP fusion on and count those whose SASS "
+        "differs from the shipped (fusion off) one: what pinning fusion off costs",
     )
     parser.add_argument("--record-rank", help=argparse.SUPPRESS)  # one rank of --shapes
     parser.add_argument("--shape", action="append", default=[], help=argparse.SUPPRESS)
@@ -391,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compile_sm90: the shapes added {len(new)} specializations to {len(specs)}")
         specs += new
     recorded_s = time.perf_counter() - t0
-    results = compile_all(specs, args.arch, args.jobs)
+    results = compile_all(specs, args.arch, args.jobs, args.fusion_diff)
     table, problems = report(specs, results, args.arch)
     compiled_s = time.perf_counter() - t0 - recorded_s
     print(

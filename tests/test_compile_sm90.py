@@ -92,6 +92,106 @@ def test_a_kernel_that_does_not_compile_is_reported():
     assert "| _mixed_types_kernel | 1 | 1 |" in table
 
 
+@triton.jit
+def _big_tile_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    # BLOCK fp32 values a program, live across a loop: 8192 on one warp is 256 a thread,
+    # more than a thread's registers hold
+    o = tl.arange(0, BLOCK)
+    b_x = tl.load(x_ptr + o, mask=o < n, other=0.0)
+    for i in range(n):
+        b_x = b_x * b_x + i
+    tl.store(x_ptr + o, b_x, mask=o < n)
+
+
+@needs_ptxas
+def test_a_spill_is_reported():
+    """A specialization that spills registers to local memory is a problem (a tile too big
+    for the Triton installed: a slowdown CI would not otherwise see); the same kernel with a
+    small tile is not."""
+    import torch
+
+    x = torch.zeros(8)
+    results = {}
+    for block in (8192, 256):
+        args = {"x_ptr": x, "n": 3, "BLOCK": block}
+        spec = compile_sm90.specialization(_big_tile_kernel, 1, args)
+        results[block] = (spec, compile_sm90.compile_one(spec))
+    spec, big = results[8192]
+    if big["local_bytes"] is None:
+        pytest.skip("this Triton has no cuobjdump to read resource usage")
+    assert big["ok"] and big["local_bytes"] > 0, big
+    _, problems = compile_sm90.report([spec], [big], 90)
+    assert any("_big_tile_kernel" in p and "spills registers" in p for p in problems), problems
+    spec, small = results[256]
+    assert small["ok"] and small["local_bytes"] == 0, small
+    _, problems = compile_sm90.report([spec], [small], 90)
+    assert not [p for p in problems if "_big_tile_kernel" in p], problems
+
+
+@triton.jit
+def _mul_sub_kernel(a_ptr, b_ptr, c_ptr, out_ptr):
+    tl.store(out_ptr, tl.load(a_ptr) * tl.load(b_ptr) - tl.load(c_ptr))
+
+
+@triton.jit
+def _add_sub_kernel(a_ptr, b_ptr, c_ptr, out_ptr):
+    tl.store(out_ptr, tl.load(a_ptr) + tl.load(b_ptr) - tl.load(c_ptr))
+
+
+def test_compilations_take_the_pinned_options(monkeypatch):
+    """The script compiles with the options every compiled launch pins (FP fusion off), and
+    --fusion-diff compiles a second time with fusion on."""
+    import torch
+    from ulysses.kernels import _runtime
+
+    assert _runtime.COMPILE_OPTIONS == {"enable_fp_fusion": False}
+    seen = []
+
+    class Compiled:
+        asm = {}
+
+    def fake_compile(src, target=None, options=None):
+        seen.append(dict(options))
+        return Compiled()
+
+    monkeypatch.setattr(triton, "compile", fake_compile)
+    x = torch.zeros(4)
+    spec = compile_sm90.specialization(
+        _mul_sub_kernel, 2, {"a_ptr": x, "b_ptr": x, "c_ptr": x, "out_ptr": x}
+    )
+    assert compile_sm90.compile_one(spec, fusion_diff=False)["ok"]
+    assert seen == [{"num_warps": 2, "enable_fp_fusion": False}]
+    if compile_sm90._cuobjdump():
+        seen.clear()
+        assert compile_sm90.compile_one(spec, fusion_diff=True)["ok"]
+        assert [o["enable_fp_fusion"] for o in seen] == [False, True], seen
+
+
+@needs_ptxas
+def test_fusion_diff_tells_a_contracted_kernel():
+    """a * b - c compiles to one FFMA with fusion on and to FMUL + FADD with it off: the SASS
+    differs; a + b - c has nothing to contract: the same SASS."""
+    import torch
+
+    x = torch.zeros(4)
+    args = {"a_ptr": x, "b_ptr": x, "c_ptr": x, "out_ptr": x}
+    fused = compile_sm90.compile_one(
+        compile_sm90.specialization(_mul_sub_kernel, 1, args), fusion_diff=True
+    )
+    if fused["fusion_same"] is None:
+        pytest.skip("this Triton has no cuobjdump to read SASS")
+    assert fused["ok"] and fused["fusion_same"] is False, fused
+    plain = compile_sm90.compile_one(
+        compile_sm90.specialization(_add_sub_kernel, 1, args), fusion_diff=True
+    )
+    assert plain["ok"] and plain["fusion_same"] is True, plain
+    specs = [compile_sm90.specialization(k, 1, args) for k in (_mul_sub_kernel, _add_sub_kernel)]
+    table, _ = compile_sm90.report(specs, [fused, plain], 90)
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[3:]}
+    assert rows["_mul_sub_kernel"].endswith("| 1 of 1 |"), table
+    assert rows["_add_sub_kernel"].endswith("| 0 of 1 |"), table
+
+
 def test_a_kernel_never_launched_is_reported():
     """The drivers must reach every kernel of the package: one missing is a problem."""
     _, problems = compile_sm90.report([], [], 90)

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 import triton
+import triton.language as tl
 from ulysses.kernels import _runtime
 from ulysses.kernels import grouped_amax as grouped_amax_module
 from ulysses.kernels import lowp_qv_stats as qv_stats_module
@@ -296,6 +297,33 @@ def test_prepared_launch_calls_the_c_launcher_on_triton_36():
     fn, _ = next(iter(plan.launch.entries.values()))
     direct = triton.__version__.startswith(_runtime._DIRECT_LAUNCH_VERSIONS)
     assert (getattr(fn, "__name__", "") == "launch") == direct, (triton.__version__, fn)
+
+
+@triton.jit
+def _mul_sub_kernel(a_ptr, b_ptr, c_ptr, out_ptr):
+    tl.store(out_ptr, tl.load(a_ptr) * tl.load(b_ptr) - tl.load(c_ptr))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_launches_pin_fp_fusion_off():
+    """Every compiled launch of the package pins FP fusion off (``_runtime.COMPILE_OPTIONS``),
+    whatever Triton's default (on up to 3.9, off from 3.10) or TRITON_DEFAULT_FP_FUSION say.
+    a = b = 1 + 2**-12, c = 1 + 2**-11: the exact a * b is c + 2**-24, a tie that fp32
+    rounds to c, so a * b - c is 0 with the product rounded and 2**-24 as one fused FMA."""
+
+    def one(x):
+        return torch.tensor([x], dtype=torch.float32, device="cuda")
+
+    a, c = one(1 + 2**-12), one(1 + 2**-11)
+    out = one(-1.0)
+    for _ in range(2):  # the first launch goes through Triton's JIT, the second is cached
+        out.fill_(-1.0)
+        _runtime.launch(_mul_sub_kernel, (1,), out.device, num_warps=1,
+                        a_ptr=a, b_ptr=a, c_ptr=c, out_ptr=out)  # fmt: skip
+        assert out.item() == 0.0
+    fused = one(-1.0)  # the check can tell the two apart: with fusion on, the other value
+    _mul_sub_kernel[(1,)](a, a, c, fused, num_warps=1, enable_fp_fusion=True)
+    assert fused.item() == 2**-24
 
 
 def _rows_summing_to(xs: torch.Tensor, dtype, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
