@@ -316,16 +316,17 @@ def prepare_post_gather(finalize: Launch, finish: Launch) -> Launch:
 
 
 def finish_tile(compiled: bool) -> tuple[int, int]:
-    """(BLOCK, num_warps) of the Q/V finish programs. Compiled: 512 elements on 4 warps, four
+    """(BLOCK, num_warps) of the Q/V finish programs. Compiled: 512 elements on 8 warps, two
     elements a thread. Each element keeps the V max, its scale and the Q merges of up to
-    N_CODES = 2P sources live, so eight elements a thread (BLOCK 1024, 4 warps, sessions 4-8)
-    needed 193 registers at P = 8 with Triton 3.6 and spilled with Triton 3.9 (255 registers,
-    8 bytes a thread); 512 on 4 warps needs 157 / 114 and spills on neither, at every P
-    (compiled for sm90 on CPU, docs/BENCHMARKS.md session 9; ``scripts/compile_sm90.py``
-    fails on any spill). 1024 on 8 warps spilled with 3.6 (40 bytes at P = 8). The kernel
-    is bound by its cold latency (a few us), not its bytes. Interpreted: one big block (the
-    interpreter pays per operation, not per element)."""
-    return (512, 4) if compiled else (4096, 4)
+    N_CODES = 2P sources live: with eight a thread (1024 on 4 warps, sessions 4-8) P = 8
+    needed 193 registers with Triton 3.6 and spilled with Triton 3.9 (255 registers, 8 bytes
+    a thread); 512 on 8 warps needs 48 / 48 (1024 on 8 warps spilled 40 bytes with 3.6). In
+    the exchange's post-gather launch, K's finalize programs run with the same warps; on one
+    H200 (Triton 3.6, session 9, ``scripts/exp_finish_tile.py``) 8 warps cut that launch
+    from 7.0 to 5.7 us cold at 68 MB, P = 2, and from 11.0 to 9.5 at P = 8 (1024 on 8;
+    512 on 4 matched 1024 on 4). The launch is bound by its cold latency, not its bytes.
+    Interpreted: one big block (the interpreter pays per operation, not per element)."""
+    return (512, 8) if compiled else (4096, 4)
 
 
 def prepare_lowp_finish(

@@ -7,8 +7,7 @@ rank 1 waits at a barrier, so no other kernel shares the GPU.
 
 Per shape (per-rank, bf16, P = 2 wire layout): the device time of the local kernels, cold
 (CUPTI durations, 256 MB L2 flush before every call, median of 25: scripts/_bench.py), with
-one row per kernel, beside one cold read of q, k and v (torch.sum) and one cold cast of them
-to int8 (``copy_``: the bytes of the pack, a floor for it on this GPU). The collectives are the
+one row per kernel, beside one cold read of q, k and v (torch.sum). The collectives are the
 only thing left out; ``scripts/bench_lowp.py`` (a GPU per rank, NCCL) measures the exchange
 end to end.
 """
@@ -82,10 +81,6 @@ def main():
             total = cold_us(lambda: local_chain(plan, q, k, v, recv), None)
             parts = cold_breakdown(lambda: local_chain(plan, q, k, v, recv), exclude=())
             read = cold_us(lambda: (q.sum(), k.sum(), v.sum()), ("reduce", "Reduce"))
-            # the pack's floor on this GPU: read q, k, v once, write a byte an element
-            i8 = [torch.empty(q.shape, dtype=torch.int8, device=dev) for _ in range(3)]
-            cast = cold_us(lambda: [o.copy_(x) for o, x in zip(i8, (q, k, v), strict=True)], None)
-            del i8
             mb = B * L * H * D * 2 / 1e6
             print(f"## B{B} L{L} H{H} D{D} bf16 ({mb:.0f} MB a tensor)")
             print("| kernel | µs (cold) |\n|---|---|")
@@ -93,7 +88,6 @@ def main():
                 print(f"| {name} | {us:.1f} |")
             print(f"| **local kernels** | **{total:.1f}** |")
             print(f"| one cold read of q, k, v (torch.sum) | {read:.1f} |")
-            print(f"| one cold cast of q, k, v to int8 (copy_) | {cast:.1f} |")
             print(f"local kernels / cold read = {total / read:.2f} (target <= 2.5)", flush=True)
         del out
         dist.barrier()

@@ -29,7 +29,7 @@ from ulysses.kernels import lowp_finish
 
 from ulysses import lowp
 
-VARIANTS = ((1024, 4), (512, 4), (1024, 8), (256, 4))
+VARIANTS = ((1024, 4), (512, 8), (1024, 8), (512, 4), (256, 8))
 
 
 def _tensors(out: lowp.LowpQKV) -> dict[str, torch.Tensor]:
