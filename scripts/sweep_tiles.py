@@ -1,7 +1,8 @@
 """Tile sweeps of the exchange's kernels on one GPU (issue 13): the pack kernel and the Q/V
 statistics kernel, at the exchange's benchmark shapes (P = 2 wire layout, bf16).
 
-    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both|q-once]
+    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both|q-once|q-once-wide]
+                                  [--shape-index I ...]
 
 Per shape and kernel: the cold device time (CUPTI, L2 flushed before each call, median of 25;
 scripts/_bench.py) of the default tile and of each swept tile, every swept tile first checked
@@ -60,6 +61,9 @@ QV_TILES = [
 
 # q_once pack: (rows per step, warps, rows per program); head block 1 at D = 128
 Q_ONCE_TILES = [(r, nw, bl) for nw in (2, 4, 8) for r in (4, 8, 16) for bl in (32, 64)]
+# ... and (rows per step, warps, rows per program, head block) with two heads a program
+# (--kernel q-once-wide: 256-byte code segments a row in the send buffer instead of 128)
+Q_ONCE_WIDE_TILES = [(r, nw, bl, 2) for nw in (4, 8) for r in (4, 8) for bl in (32, 64)]
 # q_boundary_only statistics: (slots per program, rows unrolled, head block, warps)
 QV_BOUND_TILES = [
     (span, r, bh, nw) for span in (2, 4, 8) for r in (16, 32) for bh, nw in ((1, 1), (1, 2), (1, 4))
@@ -144,7 +148,7 @@ def _qv_boundary_only(q, v, **kw):
     return payload, amax
 
 
-def sweep_q_once(B, L, H, D, quick):
+def sweep_q_once(B, L, H, D, quick, wide=False):
     q, k, v = _inputs(B, L, H, D)
     lay_q, lay_k = grid.layout(0, L, P, GQ, None), grid.layout(0, L, P, GK, None)
     kw_qv = dict(group_size=GQ, row0=0, n_slots=lay_q.n_slots, n_touched=lay_q.n_touched)
@@ -154,16 +158,20 @@ def sweep_q_once(B, L, H, D, quick):
     full = cold_us(lambda: qv_stats(q, v, **kw_qv), "_qv_stats_kernel")
     ends = [0, lay_q.n_touched - 1]
     results = []
-    for span, r, bh, nw in QV_BOUND_TILES[:3] if quick else QV_BOUND_TILES:
+    for span, r, bh, nw in [] if wide else QV_BOUND_TILES[:3] if quick else QV_BOUND_TILES:
         t = dict(kw_qv, span=span, rows=r, block_h=bh, num_warps=nw)
         got_p, got_a = _qv_boundary_only(q, v, **t)
         assert torch.equal(got_p, payload) and torch.equal(got_a[..., ends], amax_q[..., ends])
         us = cold_us(lambda t=t: _qv_boundary_only(q, v, **t), "_qv_stats_kernel")
         results.append((us, f"span={span} rows={r} block_h={bh} warps={nw}"))
     floor_v = cold_us(lambda: v.sum(), ("reduce", "Reduce"))
-    _report(
-        f"qv_stats q_boundary_only B{B} L{L} H{H} D{D} (full: {full:.1f})", full, results, floor_v
-    )
+    if not wide:
+        _report(
+            f"qv_stats q_boundary_only B{B} L{L} H{H} D{D} (full: {full:.1f})",
+            full,
+            results,
+            floor_v,
+        )
 
     args, kw = _pack_inputs(q, k, v, amax_q)
     base = pack_qkv(*args, **kw)
@@ -171,7 +179,10 @@ def sweep_q_once(B, L, H, D, quick):
     send = torch.empty_like(base)
     once = QOnce(lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR)
     results = []
-    for r, nw, bl in [(None, None, None)] + (Q_ONCE_TILES[:3] if quick else Q_ONCE_TILES):
+    tiles = [(r, nw, bl, None) for r, nw, bl in Q_ONCE_TILES[:3] if quick] or (
+        Q_ONCE_WIDE_TILES if wide else [(r, nw, bl, None) for r, nw, bl in Q_ONCE_TILES]
+    )
+    for r, nw, bl, bh in [(None, None, None, None)] + tiles:
         launch = prepare_pack(
             q.shape,
             (q.stride(), k.stride(), v.stride()),
@@ -183,13 +194,14 @@ def sweep_q_once(B, L, H, D, quick):
             rows=r,
             num_warps=nw,
             block_l=bl,
+            block_h=bh,
             **kw,
         )
         send.fill_(0xA5)
         launch(*args)
-        assert torch.equal(send, base), (r, nw, bl)
+        assert torch.equal(send, base), (r, nw, bl, bh)
         us = cold_us(lambda launch=launch: launch(*args), "_pack_kernel")
-        results.append((us, f"rows={r} warps={nw} block_l={bl}"))
+        results.append((us, f"rows={r} warps={nw} block_l={bl} block_h={bh}"))
     floor = cold_us(lambda: (q.sum(), k.sum(), v.sum()), ("reduce", "Reduce"))
     _report(f"pack q_once B{B} L{L} H{H} D{D} (two-read: {two_read:.1f})", two_read, results, floor)
 
@@ -197,19 +209,25 @@ def sweep_q_once(B, L, H, D, quick):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--kernel", choices=("pack", "qv", "both", "q-once"), default="both")
+    ap.add_argument(
+        "--kernel", choices=("pack", "qv", "both", "q-once", "q-once-wide"), default="both"
+    )
+    ap.add_argument("--shape-index", type=int, action="append", help="only SHAPES[i]")
     args = ap.parse_args()
     print(
         f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}"
         f" {datetime.date.today()}; cold us (L2 flushed, CUPTI, median of 25)"
     )
-    for shape in SHAPES[:1] if args.quick else SHAPES:
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shape_index:
+        shapes = [SHAPES[i] for i in args.shape_index]
+    for shape in shapes:
         if args.kernel in ("pack", "both"):
             sweep_pack(*shape, args.quick)
         if args.kernel in ("qv", "both"):
             sweep_qv(*shape, args.quick)
-        if args.kernel == "q-once":
-            sweep_q_once(*shape, args.quick)
+        if args.kernel in ("q-once", "q-once-wide"):
+            sweep_q_once(*shape, args.quick, wide=args.kernel == "q-once-wide")
         torch.cuda.empty_cache()
 
 
