@@ -55,15 +55,22 @@ def rank_inputs(B, L, H, D, rank, dev):
     return q, k, v
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def ranks_on_one_gpu(description: str, default_shapes) -> tuple:
+    """The set-up of a script whose torchrun ranks share GPU 0 over gloo: parses ``--shape
+    B,L,H,D`` (repeatable; default ``default_shapes``), joins the group. Returns (device,
+    rank, world size, shapes)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--shape", action="append", default=None, help="B,L,H,D (repeatable)")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     dist.init_process_group("gloo")
-    rank, P = dist.get_rank(), dist.get_world_size()
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape or []] or default_shapes
+    return dev, dist.get_rank(), dist.get_world_size(), list(shapes)
+
+
+def main():
+    dev, rank, P, shapes = ranks_on_one_gpu(__doc__.split("\n\n")[0], SHAPES)
     if rank == 0:
         print(
             f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton "

@@ -16,7 +16,6 @@ kernels (``bench_lowp_local.local_chain``) while the other ranks wait.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 import triton
 from _bench import cold_us
-from bench_lowp_local import local_chain, rank_inputs
+from bench_lowp_local import local_chain, rank_inputs, ranks_on_one_gpu
 from ulysses.kernels import lowp_finish
 
 from ulysses import lowp
@@ -45,14 +44,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", action="append", default=None, help="B,L,H,D (repeatable)")
-    args = ap.parse_args()
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("gloo")
-    rank, P = dist.get_rank(), dist.get_world_size()
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape or ["1,4736,56,128"]]
+    dev, rank, P, shapes = ranks_on_one_gpu(__doc__.split("\n\n")[0], [(1, 4736, 56, 128)])
     shipped = lowp_finish.finish_tile
     if rank == 0:
         print(
