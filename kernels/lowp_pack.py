@@ -21,9 +21,10 @@ then read once in the whole exchange; the statistics kernel reads only its bound
 The last programs write the scale slots, ``div_rn(amax, 127)``, and 0 in the slots past the
 scale block, so every byte of the send buffer is written.
 
-Rounding (CUDA: the hardware conversions; the interpreter: integer arithmetic on the fp32
-bits, as its fp8 cast rounds ties up) is round-half-to-even on every backend, and no float
-add follows a multiply, so fp contraction (FMA) on CUDA cannot skip the product's rounding.
+Rounding (CUDA: the hardware conversions, four elements per inline-PTX block; the
+interpreter: integer arithmetic on the fp32 bits, as its fp8 cast rounds ties up) is
+round-half-to-even on every backend (``kernels/_quant.py``), and no float add follows a
+multiply, so fp contraction (FMA) on CUDA could not skip the product's rounding.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant import canonical_nan_bits, int8_code
+from ._quant import canonical_nan_bits, e4m3_code, int8_code
 from ._runtime import (
     Launch,
     cdiv,
@@ -49,10 +50,14 @@ from ._runtime import (
 __all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 
 # CUDA rounds with the hardware conversions (cvt.rni for int8, cvt.rn.satfinite for e4m3,
-# both round-half-to-even), the interpreter by integer arithmetic on the fp32 bits (its fp8
-# cast rounds ties up). Both give the reference's bits (the harness checks the first on
-# GPUs, the CPU suite and its CUDA mirror, ULYSSES_TEST_DEVICE=cuda, the second); the
-# integer path was ALU bound on the H200 (193 us of device time for 306 MB at 68 MB a tensor).
+# both round-half-to-even; kernels/_quant.py), the interpreter by integer arithmetic on the
+# fp32 bits (its fp8 cast rounds ties up). Both give the reference's bits (the harness and
+# the CUDA mirror of the suite, ULYSSES_TEST_DEVICE=cuda, check the first; the CPU suite the
+# second); the integer path was ALU bound on the H200 (193 us of device time for 306 MB at
+# 68 MB a tensor). The hardware path was ALU heavy too (session 9: 245 SASS instructions for
+# 16 elements a thread in the K/V loop, the pack at 72% of a plain cast's speed); session 10
+# packs four codes per PTX block (cvt.pack.sat.s8, e4m3x2, the NaN and zero rules on the
+# packed word) and does the slot arithmetic in int32: 137 instructions on Triton 3.9.
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
@@ -148,7 +153,7 @@ def _pack_q_group(
     b_code = int8_code(b_q, b_inv[None, :, None], HW_ROUND)
     o_dst = (i_j * L * ROW + (i_b * 3 * h + o_h - i_j * h) * D)[:, None] + o_d[None, :]
     p_gdst = send_ptr + o_dst[None, :, :] + o_g[:, None, None] * ROW
-    tl.store(p_gdst, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_gq)
+    tl.store(p_gdst, b_code, mask=m_gq)
     # scale slot n = (batch, local head, slot) of each head's destination
     i_n = (i_b * h + o_h - i_j * h) * n_slots_q + i_g  # [BH]
     o_f = (i_j * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
@@ -241,64 +246,41 @@ def _pack_kernel(
         b_mean = b_mean[None, :, :]
         b_av = tl.load(amax_v_ptr + i_b * H * D + o_hd, mask=m_hd, other=1.0)
         b_iv = tl.math.div_rn(tl.full([BLOCK_H, D], 448.0, tl.float32), b_av)[None, :, :]
-        b_vzero = (b_av == 0.0)[None, :, :]
+        b_keep = tl.where(b_av == 0.0, 0, 0xFF).to(tl.uint8)[None, :, :]
 
         # ROWS rows at a time as [ROWS, BLOCK_H, D] tiles: the loads of q, k and v for a chunk
         # are issued together, with wide per-thread accesses.
+        # the slot arithmetic in int32 (rows and slots of one sequence), offsets in int64
+        p_aq = amax_q_ptr + (i_b * H + o_h) * n_slots_q  # [BH]: slot 0 of each head
+        p_ak = amax_k_ptr + (i_b * H + o_h) * n_slots_k
+        i_row0 = i_rb.to(tl.int32) * BLOCK_L
         for i_c in range(0, BLOCK_L // ROWS):
-            i_row = i_rb * BLOCK_L + i_c * ROWS + o_r  # [R]
+            i_row = i_row0 + i_c * ROWS + o_r  # [R]
             m_r = i_row < L
             m_row = m_r[:, None, None] & m_hd[None, :, :]  # [R, BH, D]
             m_rh = m_r[:, None] & m_h[None, :]  # [R, BH]
             i_sq = (row0 + i_row) // GQ - gq_first
             i_sk = (row0 + i_row) // GK - gk_first
-            o_row = i_row[:, None, None]
+            o_row = i_row.to(tl.int64)[:, None, None]
             p_dst = send_ptr + o_dst + o_row * ROW
             if not Q_ONCE:
                 b_q = load_streamed(p_q + o_row * stride_ql, m_row, 0.0, EVICT)
             b_k = load_streamed(p_k + o_row * stride_kl, m_row, 0.0, EVICT)
             b_v = load_streamed(p_v + o_row * stride_vl, m_row, 0.0, EVICT)
-            o_aq = (i_b * H + o_h[None, :]) * n_slots_q + i_sq[:, None]  # [R, BH]
-            o_ak = (i_b * H + o_h[None, :]) * n_slots_k + i_sk[:, None]
-            b_ak = tl.load(amax_k_ptr + o_ak, mask=m_rh, other=1.0)
+            b_ak = tl.load(p_ak[None, :] + i_sk[:, None], mask=m_rh, other=1.0)  # [R, BH]
             for t in tl.static_range(1 if Q_ONCE else 0, 2):  # Q (unless Q_ONCE), K: int8
                 if t == 0:
-                    b_a = tl.load(amax_q_ptr + o_aq, mask=m_rh, other=1.0)
+                    b_a = tl.load(p_aq[None, :] + i_sq[:, None], mask=m_rh, other=1.0)
                     b_x = b_q.to(tl.float32)
                 else:
                     b_a = b_ak
                     b_x = b_k.to(tl.float32) - b_mean
                 b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_a)
                 b_code = int8_code(b_x, b_inv[:, :, None], HW_ROUND)
-                tl.store(
-                    p_dst + t * h * D, b_code.to(tl.int8).to(tl.uint8, bitcast=True), mask=m_row
-                )
+                tl.store(p_dst + t * h * D, b_code, mask=m_row)
 
-            b_y = b_v.to(tl.float32) * b_iv
-            b_y = tl.where(b_y > 448.0, 448.0, tl.where(b_y < -448.0, -448.0, b_y))
-            if HW_ROUND:  # CUDA: cvt.rn.satfinite to e4m3 (round to nearest even)
-                b_code = b_y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-            else:
-                b_bits = b_y.to(tl.int32, bitcast=True)
-                b_mag = b_bits & 0x7FFFFFFF
-                b_exp = b_mag >> 23
-                # normal e4m3 (|y| >= 2^-6): keep 3 mantissa bits, RNE; a carry bumps the exp
-                b_n = b_mag >> 20
-                b_nrem = b_mag & 0xFFFFF
-                b_up = (b_nrem > 0x80000) | ((b_nrem == 0x80000) & ((b_n & 1) == 1))
-                b_n = b_n + b_up.to(tl.int32) - (120 << 3)
-                # subnormal e4m3 (|y| < 2^-6): code = rne(|y| * 2^9), 8 meaning 2^-6 (normal)
-                b_man = (b_mag & 0x7FFFFF) | 0x800000
-                b_sh = tl.minimum(141 - b_exp, 25)
-                b_s = b_man >> b_sh
-                b_rem = b_man & ((1 << b_sh) - 1)
-                b_half = 1 << (b_sh - 1)
-                b_up = (b_rem > b_half) | ((b_rem == b_half) & ((b_s & 1) == 1))
-                b_s = b_s + b_up.to(tl.int32)
-                b_code = tl.where(b_exp >= 121, b_n, b_s) | tl.where(b_bits < 0, 0x80, 0)
-            b_code = tl.where(b_y != b_y, 0x7F, b_code)
-            b_code = tl.where(b_vzero, 0, b_code)
-            tl.store(p_dst + 2 * h * D, b_code.to(tl.uint8), mask=m_row)
+            b_code = e4m3_code(b_v.to(tl.float32), b_iv, b_keep, HW_ROUND)
+            tl.store(p_dst + 2 * h * D, b_code, mask=m_row)
     elif i_pid < n_code + n_qcode:
         if Q_ONCE:
             _pack_q_group(

@@ -564,6 +564,60 @@ def test_pack_fp8_rounding_ties_subnormals_and_saturation(assert_bitwise):
     assert_bitwise(expect_v[..., : D - 1], direct[..., : D - 1], "torch e4m3 cast")
 
 
+def _bf16_bits_of(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.bfloat16).view(torch.int16)[0])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_pack_codes_follow_the_formulas_for_any_amax(assert_bitwise, rank):
+    """The pack quantizes with the amax it is given, whatever it is: values beyond it (the
+    clamps), amax 0, NaN and inf, inputs of +-NaN (both sign bits), +-inf, -0.0 and huge
+    values. Expected codes: ``reference.quantize_int8`` / ``quantize_fp8`` (the §8
+    formulas in plain torch), row by row with this rank's slots. Under the CUDA mirror this
+    checks the hardware path (inline PTX, four elements a block) on every special case."""
+    P, B, h, D, Gq, Gk, L = 2, 2, 2, 32, 16, 32, 48
+    H = h * P
+    g = torch.Generator().manual_seed(11 + rank)
+    q, k, v = ((torch.randn(B, L, H, D, generator=g) * 3).to(torch.bfloat16) for _ in range(3))
+    # bf16 bits: +NaN, -NaN (0xFFC0), +inf, -inf, -0.0, 1e30
+    specials = [0x7FC0, -64, 0x7F80, -128, -32768, _bf16_bits_of(1e30)]
+    for t in (q, k, v):
+        flat = t.view(-1).view(torch.int16)
+        pos = torch.randperm(flat.numel(), generator=g)[: 8 * len(specials)]
+        for i, bits in enumerate(specials):
+            flat[pos[i * 8 : (i + 1) * 8]] = bits
+        assert torch.isnan(t).any() and (t.view(torch.int16) == -64).any()  # 0xFFC0: -NaN
+    w = lowp._wire(B, L, H, D, P, Gq, Gk)
+    row0 = rank * L
+
+    def amax(*shape):  # mostly below the values' range, so the clamps act
+        a = torch.rand(*shape, generator=g) * 4 + 0.25
+        flat = a.view(-1)
+        flat[0], flat[1], flat[2], flat[3] = 0.0, float("nan"), float("inf"), 1e-30
+        return a
+
+    amax_q, amax_k, amax_v = amax(B, H, w.n_sq), amax(B, H, w.n_sk), amax(B, H, D)
+    amax_v.view(-1)[5:9] = 0.0  # channels of +0 codes whatever v holds
+    k_mean = (torch.randn(B, H, D, generator=g) * 0.5).to(torch.bfloat16)
+    send = pack_qkv(q, k, v, amax_q, amax_k, k_mean, amax_v, **_pack_kw(w, rank, Gq, Gk))
+    codes, _ = _unpack_send(send, w, B, D)
+
+    def per_row(a, G):  # [B, H, slots] -> [B, L, H, 1]: each local row's slot value
+        slot = (row0 + torch.arange(L)) // G - row0 // G
+        return reference.ieee_rdiv(127.0, a)[:, :, slot].transpose(1, 2)[..., None]
+
+    want_q = reference.quantize_int8(q.float(), per_row(amax_q, Gq)).view(torch.uint8)
+    centred = k.float() - k_mean.float()[:, None]
+    want_k = reference.quantize_int8(centred, per_row(amax_k, Gk)).view(torch.uint8)
+    inv_v = reference.ieee_rdiv(448.0, amax_v)[:, None]
+    want_v = reference.quantize_fp8(v.float(), inv_v, amax_v[:, None]).view(torch.uint8)
+    assert (want_v == 0x7F).any() and (want_v == 0x80).any() and (want_q == 0x81).any()
+    for j in range(P):
+        heads = slice(j * h, (j + 1) * h)
+        for t, (name, want) in enumerate((("q", want_q), ("k", want_k), ("v", want_v))):
+            assert_bitwise(codes[j, :, t], want[:, :, heads], f"rank {rank} -> {j} {name} codes")
+
+
 def test_pack_int8_ties_round_half_to_even(assert_bitwise):
     """Q with amax 127 per group: q * (127 / 127) = q, so codes are rne(q) of half-integers."""
     P, B, h, D, G = 2, 1, 1, 16, 16
