@@ -1,7 +1,7 @@
 """Tile sweeps of the exchange's kernels on one GPU (issue 13): the pack kernel and the Q/V
 statistics kernel, at the exchange's benchmark shapes (P = 2 wire layout, bf16).
 
-    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both|q-once|q-once-wide]
+    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both|q-once|q-once-pack|q-once-wide]
                                   [--shape-index I ...]
 
 Per shape and kernel: the cold device time (CUPTI, L2 flushed before each call, median of 25;
@@ -12,6 +12,7 @@ to give the default's bits. Prints the default, the best five and the read-only 
 ``--kernel q-once``: reading Q once (the plan's default where it fits): the pack kernel's
 ``q_once`` tiles against the two-read pack, and the Q/V statistics kernel's
 ``q_boundary_only`` tiles against the full one; each checked to give the same bytes.
+``--kernel q-once-pack``: the pack kernel's ``q_once`` tiles only.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ QV_TILES = [
 
 
 # q_once pack: (rows per step, warps, rows per program); head block 1 at D = 128
-Q_ONCE_TILES = [(r, nw, bl) for nw in (2, 4, 8) for r in (4, 8, 16) for bl in (32, 64)]
+Q_ONCE_TILES = [(r, nw, bl) for nw in (2, 4, 8) for r in (4, 8, 16) for bl in (32, 64, 128)]
 # ... and (rows per step, warps, rows per program, head block) with two heads a program
 # (--kernel q-once-wide: 256-byte code segments a row in the send buffer instead of 128)
 Q_ONCE_WIDE_TILES = [(r, nw, bl, 2) for nw in (4, 8) for r in (4, 8) for bl in (32, 64)]
@@ -148,7 +149,7 @@ def _qv_boundary_only(q, v, **kw):
     return payload, amax
 
 
-def sweep_q_once(B, L, H, D, quick, wide=False):
+def sweep_q_once(B, L, H, D, quick, wide=False, pack_only=False):
     q, k, v = _inputs(B, L, H, D)
     lay_q, lay_k = grid.layout(0, L, P, GQ, None), grid.layout(0, L, P, GK, None)
     kw_qv = dict(group_size=GQ, row0=0, n_slots=lay_q.n_slots, n_touched=lay_q.n_touched)
@@ -158,14 +159,15 @@ def sweep_q_once(B, L, H, D, quick, wide=False):
     full = cold_us(lambda: qv_stats(q, v, **kw_qv), "_qv_stats_kernel")
     ends = [0, lay_q.n_touched - 1]
     results = []
-    for span, r, bh, nw in [] if wide else QV_BOUND_TILES[:3] if quick else QV_BOUND_TILES:
+    skip_qv = wide or pack_only
+    for span, r, bh, nw in [] if skip_qv else QV_BOUND_TILES[:3] if quick else QV_BOUND_TILES:
         t = dict(kw_qv, span=span, rows=r, block_h=bh, num_warps=nw)
         got_p, got_a = _qv_boundary_only(q, v, **t)
         assert torch.equal(got_p, payload) and torch.equal(got_a[..., ends], amax_q[..., ends])
         us = cold_us(lambda t=t: _qv_boundary_only(q, v, **t), "_qv_stats_kernel")
         results.append((us, f"span={span} rows={r} block_h={bh} warps={nw}"))
     floor_v = cold_us(lambda: v.sum(), ("reduce", "Reduce"))
-    if not wide:
+    if not skip_qv:
         _report(
             f"qv_stats q_boundary_only B{B} L{L} H{H} D{D} (full: {full:.1f})",
             full,
@@ -210,7 +212,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
-        "--kernel", choices=("pack", "qv", "both", "q-once", "q-once-wide"), default="both"
+        "--kernel", choices=("pack", "qv", "both", "q-once", "q-once-pack", "q-once-wide"), default="both"
     )
     ap.add_argument("--shape-index", type=int, action="append", help="only SHAPES[i]")
     args = ap.parse_args()
@@ -226,8 +228,9 @@ def main():
             sweep_pack(*shape, args.quick)
         if args.kernel in ("qv", "both"):
             sweep_qv(*shape, args.quick)
-        if args.kernel in ("q-once", "q-once-wide"):
-            sweep_q_once(*shape, args.quick, wide=args.kernel == "q-once-wide")
+        if args.kernel in ("q-once", "q-once-pack", "q-once-wide"):
+            wide, pack_only = args.kernel == "q-once-wide", args.kernel == "q-once-pack"
+            sweep_q_once(*shape, args.quick, wide=wide, pack_only=pack_only)
         torch.cuda.empty_cache()
 
 
