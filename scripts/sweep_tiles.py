@@ -212,7 +212,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
-        "--kernel", choices=("pack", "qv", "both", "q-once", "q-once-pack", "q-once-wide"), default="both"
+        "--kernel",
+        choices=("pack", "qv", "both", "q-once", "q-once-pack", "q-once-wide"),
+        default="both",
     )
     ap.add_argument("--shape-index", type=int, action="append", help="only SHAPES[i]")
     args = ap.parse_args()
