@@ -1,8 +1,8 @@
 """Tile sweeps of the exchange's kernels on one GPU (issue 13): the pack kernel and the Q/V
 statistics kernel, at the exchange's benchmark shapes (P = 2 wire layout, bf16).
 
-    python scripts/sweep_tiles.py [--quick] [--kernel pack|qv|both|q-once|q-once-pack|q-once-wide]
-                                  [--shape-index I ...]
+    python scripts/sweep_tiles.py [--quick] [--shape-index I ...]
+        [--kernel pack|qv|both|q-once|q-once-pack|q-once-wide|block-stats]
 
 Per shape and kernel: the cold device time (CUPTI, L2 flushed before each call, median of 25;
 scripts/_bench.py) of the default tile and of each swept tile, every swept tile first checked
@@ -12,7 +12,8 @@ to give the default's bits. Prints the default, the best five and the read-only 
 ``--kernel q-once``: reading Q once (the plan's default where it fits): the pack kernel's
 ``q_once`` tiles against the two-read pack, and the Q/V statistics kernel's
 ``q_boundary_only`` tiles against the full one; each checked to give the same bytes.
-``--kernel q-once-pack``: the pack kernel's ``q_once`` tiles only.
+``--kernel q-once-pack``: the pack kernel's ``q_once`` tiles only. ``--kernel block-stats``: K's
+block-stats kernel (sums, every slot's min/max) as the exchange launches it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import datetime
 import torch
 import triton
 from _bench import cold_us
+from ulysses.kernels.block_stats import MINMAX_ALL, local_stats
 from ulysses.kernels.lowp_pack import QOnce, pack_qkv, prepare_pack
 from ulysses.kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, qv_stats
 
@@ -120,6 +122,39 @@ def sweep_pack(B, L, H, D, quick):
     _report(f"pack B{B} L{L} H{H} D{D}", default, results, floor)
 
 
+# block-stats kernel (K: sums, min/max): (rows unrolled, head block, warps)
+BLOCK_STATS_TILES = [
+    (r, bh, nw)
+    for r in (4, 8, 16)
+    for bh, nw in ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (8, 4), (8, 8))
+]
+
+
+def sweep_block_stats(B, L, H, D, quick):
+    """The block-stats kernel as the exchange (and fused ``smooth_k_stats``) launch it: K's
+    grid of rank 0 at P = 2, G = 64, min/max of every slot (MINMAX_ALL)."""
+    _, k, _ = _inputs(B, L, H, D)
+    kw = dict(grid.layout(0, L, P, GK, None).stats_args(), minmax_mode=MINMAX_ALL, tag=1.0)
+    kw.update(use_pdl=False)
+    n_t = kw["n_touched"]  # min/max slots past the touched ones are not written
+
+    def run(**t):
+        payload, minmax = local_stats(k, **t)
+        return payload.clone(), minmax[:, :n_t].clone()
+
+    base = run(**kw)
+    default = cold_us(lambda: local_stats(k, **kw), "_block_stats_kernel")
+    floor = cold_us(lambda: k.sum(), ("reduce", "Reduce"))
+    results = []
+    for r, bh, nw in BLOCK_STATS_TILES[:3] if quick else BLOCK_STATS_TILES:
+        t = dict(kw, rows=r, block_h=bh, num_warps=nw)
+        got = run(**t)
+        assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True)), t
+        us = cold_us(lambda t=t: local_stats(k, **t), "_block_stats_kernel")
+        results.append((us, f"rows={r} block_h={bh} warps={nw}"))
+    _report(f"block_stats B{B} L{L} H{H} D{D} G{GK} MINMAX_ALL", default, results, floor)
+
+
 def sweep_qv(B, L, H, D, quick):
     q, _, v = _inputs(B, L, H, D)
     lay = grid.layout(0, L, P, GQ, None)
@@ -213,7 +248,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
         "--kernel",
-        choices=("pack", "qv", "both", "q-once", "q-once-pack", "q-once-wide"),
+        choices=("pack", "qv", "both", "q-once", "q-once-pack", "q-once-wide", "block-stats"),
         default="both",
     )
     ap.add_argument("--shape-index", type=int, action="append", help="only SHAPES[i]")
@@ -230,6 +265,8 @@ def main():
             sweep_pack(*shape, args.quick)
         if args.kernel in ("qv", "both"):
             sweep_qv(*shape, args.quick)
+        if args.kernel == "block-stats":
+            sweep_block_stats(*shape, args.quick)
         if args.kernel in ("q-once", "q-once-pack", "q-once-wide"):
             wide, pack_only = args.kernel == "q-once-wide", args.kernel == "q-once-pack"
             sweep_q_once(*shape, args.quick, wide=wide, pack_only=pack_only)
