@@ -573,8 +573,11 @@ def test_pack_codes_follow_the_formulas_for_any_amax(assert_bitwise, rank):
     """The pack quantizes with the amax it is given, whatever it is: values beyond it (the
     clamps), amax 0, NaN and inf, inputs of +-NaN (both sign bits), +-inf, -0.0 and huge
     values. Expected codes: ``reference.quantize_int8`` / ``quantize_fp8`` (the §8
-    formulas in plain torch), row by row with this rank's slots. Under the CUDA mirror this
-    checks the hardware path (inline PTX, four elements a block) on every special case."""
+    formulas in plain torch), row by row with this rank's slots; one slot of one head gets
+    scale 1 with values at the clamps' edges (127.5, 464 = the tie between 448 and 480, ...).
+    Under the CUDA mirror this checks the hardware path (inline PTX, four elements a block)
+    on every case. (On a GPU a -NaN input may reach the PTX as the multiply's canonical
+    +NaN, so the 0xFF -> 0x7F rule may be exercised by the interpreter only.)"""
     P, B, h, D, Gq, Gk, L = 2, 2, 2, 32, 16, 32, 48
     H = h * P
     g = torch.Generator().manual_seed(11 + rank)
@@ -599,6 +602,17 @@ def test_pack_codes_follow_the_formulas_for_any_amax(assert_bitwise, rank):
     amax_q, amax_k, amax_v = amax(B, H, w.n_sq), amax(B, H, w.n_sk), amax(B, H, D)
     amax_v.view(-1)[5:9] = 0.0  # channels of +0 codes whatever v holds
     k_mean = (torch.randn(B, H, D, generator=g) * 0.5).to(torch.bfloat16)
+    # The clamps' edges, exactly: batch 0, head 1, the rows of this rank's first slot get
+    # scale 1 (amax 127 for Q and K with K's mean 0, amax 448 for V), so y is the value.
+    edge_int8 = [127.5, 128.0, 126.5, -127.5, -128.0, -126.5, 1e38, -1e38, 127.0, -127.0]
+    edge_fp8 = [448.0, 450.0, 462.0, 464.0, 466.0, 480.0, 1e38, -450.0, -464.0, -480.0]
+    rows = slice(0, Gq - row0 % Gq)  # local rows of the first Q slot (within K's first slot)
+    for t, vals in ((q, edge_int8), (k, edge_int8), (v, edge_fp8)):
+        n = t[0, rows, 1].numel()
+        t[0, rows, 1] = torch.tensor(vals).repeat(-(-n // len(vals)))[:n].view(-1, D).to(t.dtype)
+    amax_q[0, 1, 0], amax_k[0, 1, 0] = 127.0, 127.0
+    k_mean[0, 1] = 0.0
+    amax_v[0, 1] = 448.0
     send = pack_qkv(q, k, v, amax_q, amax_k, k_mean, amax_v, **_pack_kw(w, rank, Gq, Gk))
     codes, _ = _unpack_send(send, w, B, D)
 
@@ -612,6 +626,10 @@ def test_pack_codes_follow_the_formulas_for_any_amax(assert_bitwise, rank):
     inv_v = reference.ieee_rdiv(448.0, amax_v)[:, None]
     want_v = reference.quantize_fp8(v.float(), inv_v, amax_v[:, None]).view(torch.uint8)
     assert (want_v == 0x7F).any() and (want_v == 0x80).any() and (want_q == 0x81).any()
+    # the edges: +-448 (0x7E / 0xFE) from values above 448, +-127 (0x7F / 0x81) from +-127.5
+    edge_v, edge_q = want_v[0, rows, 1], want_q[0, rows, 1]
+    assert (edge_v == 0x7E).sum() > 4 and (edge_v == 0xFE).sum() > 2
+    assert (edge_q == 0x7F).sum() > 3 and (edge_q == 0x81).sum() > 3
     for j in range(P):
         heads = slice(j * h, (j + 1) * h)
         for t, (name, want) in enumerate((("q", want_q), ("k", want_k), ("v", want_v))):
