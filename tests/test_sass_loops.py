@@ -59,7 +59,9 @@ def test_pack_loop_issues_the_packed_conversions(tmp_path):
     for row in dump.read_text().splitlines():
         addr, ins = row.split(" ", 1)
         lines.append((int(addr, 16), ins))
-    body = max((b for _, _, b in sass_loops.loops(lines)), key=len)
+    found = sass_loops.loops(lines)
+    assert found, f"no loop (backward branch) in the pack's SASS:\n{proc.stdout}"
+    body = max((b for _, _, b in found), key=len)
     ops = " ".join(body)
     assert "I2IP.S8.S32.SAT" in ops and "F2FP.SATFINITE.E4M3" in ops, ops
     assert "FRND" not in ops
