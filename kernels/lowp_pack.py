@@ -254,6 +254,16 @@ def _pack_kernel(
         p_aq = amax_q_ptr + (i_b * H + o_h) * n_slots_q  # [BH]: slot 0 of each head
         p_ak = amax_k_ptr + (i_b * H + o_h) * n_slots_k
         i_row0 = i_rb.to(tl.int32) * BLOCK_L
+        # GK >= BLOCK_L: the program's rows touch at most two K slots, whose 127 / amax are
+        # divided once here; each row then selects one (same values as a division per row)
+        sk_lo = (row0 + i_row0) // GK - gk_first
+        inv_k_lo = tl.math.div_rn(
+            tl.full([BLOCK_H], 127.0, tl.float32), tl.load(p_ak + sk_lo, mask=m_h, other=1.0)
+        )
+        m_hi = tl.where(sk_lo + 1 < n_slots_k, m_h, False)  # not `&`: the interpreter widens it
+        inv_k_hi = tl.math.div_rn(
+            tl.full([BLOCK_H], 127.0, tl.float32), tl.load(p_ak + sk_lo + 1, mask=m_hi, other=1.0)
+        )
         for i_c in range(0, BLOCK_L // ROWS):
             i_row = i_row0 + i_c * ROWS + o_r  # [R]
             m_r = i_row < L
@@ -267,15 +277,20 @@ def _pack_kernel(
                 b_q = load_streamed(p_q + o_row * stride_ql, m_row, 0.0, EVICT)
             b_k = load_streamed(p_k + o_row * stride_kl, m_row, 0.0, EVICT)
             b_v = load_streamed(p_v + o_row * stride_vl, m_row, 0.0, EVICT)
-            b_ak = tl.load(p_ak[None, :] + i_sk[:, None], mask=m_rh, other=1.0)  # [R, BH]
             for t in tl.static_range(1 if Q_ONCE else 0, 2):  # Q (unless Q_ONCE), K: int8
                 if t == 0:
                     b_a = tl.load(p_aq[None, :] + i_sq[:, None], mask=m_rh, other=1.0)
                     b_x = b_q.to(tl.float32)
+                    b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_a)
                 else:
-                    b_a = b_ak
                     b_x = b_k.to(tl.float32) - b_mean
-                b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_a)
+                    if GK >= BLOCK_L:
+                        b_inv = tl.where(
+                            (i_sk == sk_lo)[:, None], inv_k_lo[None, :], inv_k_hi[None, :]
+                        )
+                    else:
+                        b_ak = tl.load(p_ak[None, :] + i_sk[:, None], mask=m_rh, other=1.0)
+                        b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_ak)
                 b_code = int8_code(b_x, b_inv[:, :, None], HW_ROUND)
                 tl.store(p_dst + t * h * D, b_code, mask=m_row)
 
@@ -405,6 +420,8 @@ def prepare_pack(
     rows = next_pow2(rows or (4 if cuda else min(16, L)))
     block_l = rows * cdiv(block_l or (32 if cuda else min(64, L)), rows)
     n_rblocks = cdiv(L, block_l)
+    # the K/V loop's rows and slots are int32: global rows up to the last program's end
+    assert P * L + block_l < 2**31, f"{P * L} rows: the pack's int32 row arithmetic wraps"
     num_warps = num_warps or (max(1, min(8, rows * block_h * D // 256)) if cuda else 1)
     n_code = B * n_rblocks * cdiv(H, block_h)
     shift = row0 % q_group

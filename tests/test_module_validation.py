@@ -118,3 +118,29 @@ def test_cpu_tensor_on_nccl_group_is_rejected(monkeypatch, fake_world):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     with pytest.raises(ValueError, match="NCCL"):
         ulysses.global_k_mean(GOOD)
+
+
+def test_exchange_rejects_a_sequence_past_int32_rows(fake_world, monkeypatch):
+    """exchange_qkv's pack does its global row arithmetic in int32: world_size * L rows past
+    2^31 - 2^16 is refused by name before any kernel (a stride-0 view costs no memory)."""
+    from ulysses import lowp, stats
+
+    def qkv(L):
+        t = torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16).expand(1, L, 4, 64)
+        return t, t, t
+
+    limit = 2**31 - 2**16  # a multiple of 4 ranks
+    for L in (2**29, limit // 4 + 1):
+        with pytest.raises(ValueError, match=rf"global sequence length .* got 4 \* {L} = "):
+            lowp.exchange_qkv(*qkv(L))
+
+    class Reached(Exception):
+        pass
+
+    def reached(*args, **kwargs):
+        raise Reached
+
+    # at the limit the check passes and the call goes on to the statistics
+    monkeypatch.setattr(stats, "k_stats_part", reached)
+    with pytest.raises(Reached):
+        lowp.exchange_qkv(*qkv(limit // 4))

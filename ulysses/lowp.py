@@ -254,6 +254,10 @@ def _all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
 # ---- the public call ---------------------------------------------------------------------------
 
 
+# global rows the pack's int32 row arithmetic holds, with room for one program's rows past the end
+_MAX_GLOBAL_ROWS = 2**31 - 2**16
+
+
 def _check_qkv(q, k, v_) -> tuple[int, int, int, int]:
     shape = _validate.check_k(k, "k")
     for name, t in (("q", q), ("v", v_)):
@@ -361,6 +365,12 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
     pg, rank, P = stats.resolve_group(group, k.device)
     if H % P:
         raise ValueError(f"q, k, v head count H must be divisible by the world size {P}, got H={H}")
+    if P * L > _MAX_GLOBAL_ROWS:
+        # the pack's row and slot arithmetic is int32 (kernels/lowp_pack.py)
+        raise ValueError(
+            f"q, k, v global sequence length world_size * L must be at most {_MAX_GLOBAL_ROWS}"
+            f" rows, got {P} * {L} = {P * L}"
+        )
     part, pg, P = stats.k_stats_part(
         k,
         group=group,
