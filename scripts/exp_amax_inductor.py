@@ -1,0 +1,130 @@
+"""Experiment (issue 12, item 3): the grouped amax beside torch.compile of the *aligned*
+vectorized torch version (a view onto whole groups, no pad), which issue 12's table reports
+faster than ours at several shapes; plus a 2-D tile variant of our kernel ([ROWS, D] loads,
+16-byte vectors). Not the product: every provider is checked against the reference first.
+
+    python scripts/exp_amax_inductor.py [--dump DIR]
+
+``--dump DIR`` writes inductor's generated Triton source and chosen configs there
+(set before torch is imported: TORCHINDUCTOR_CACHE_DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __name__ == "__main__" and "--dump" in sys.argv:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(sys.argv[sys.argv.index("--dump") + 1])
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from _bench import cold_us, read_ceiling_tbs  # noqa: E402
+from bench_amax import SHAPES, torch_amax  # noqa: E402
+
+import ulysses  # noqa: E402
+from ulysses import grid  # noqa: E402
+
+
+def torch_amax_view(k, m, r, P, G):
+    """The vectorized torch version for a shard whose first row and length are whole groups:
+    one view onto [B, L/G, G, H, D], amax over (G, D). [B, H, L/G]."""
+    B, L, H, D = k.shape
+    x = (k.float() - m.float()[:, None]).abs()
+    return x.view(B, L // G, G, H, D).amax(dim=(2, 4)).clamp_min(1e-7).transpose(1, 2)
+
+
+@triton.jit(do_not_specialize=["L", "H", "row0", "n_slots", "g_first", "n_touched"])
+def _amax_2d(
+    k_ptr, s_b, s_l, s_h, mean_ptr, out_ptr, L, H, row0, n_slots, g_first, n_touched,
+    FLOOR: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """One program per (batch, slot, head); [ROWS, D] tiles (16-byte vectors a thread)."""
+    pid = tl.program_id(0).to(tl.int64)
+    i_h = pid % H
+    i_s = (pid // H) % n_slots
+    i_b = pid // (H * n_slots)
+    g = g_first + i_s
+    lo = tl.maximum(g * G - row0, 0)
+    hi = tl.minimum((g + 1) * G - row0, L)
+    o_r = tl.arange(0, ROWS)
+    o_d = tl.arange(0, D)
+    b_mean = tl.load(mean_ptr + (i_b * H + i_h) * D + o_d).to(tl.float32)
+    p_k = k_ptr + i_b * s_b + i_h * s_h + o_d[None, :]
+    acc = tl.zeros([ROWS, D], dtype=tl.int32)
+    n_full = tl.maximum(hi - lo, 0) // ROWS
+    for i_c in range(0, n_full):
+        rows = lo + i_c * ROWS + o_r
+        x = tl.load(p_k + rows[:, None] * s_l).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(x - b_mean[None, :]).to(tl.int32, bitcast=True))
+    rows = lo + n_full * ROWS + o_r
+    m_r = rows < hi
+    x = tl.load(p_k + rows[:, None] * s_l, mask=m_r[:, None], other=0.0).to(tl.float32)
+    bits = tl.abs(x - b_mean[None, :]).to(tl.int32, bitcast=True)
+    acc = tl.maximum(acc, tl.where(m_r[:, None], bits, 0))
+    floor_bits = tl.full([], FLOOR, tl.float32).to(tl.int32, bitcast=True)
+    out = tl.maximum(tl.max(tl.max(acc, axis=1), axis=0), floor_bits).to(tl.float32, bitcast=True)
+    out = tl.where(i_s < n_touched, out, 0.0)
+    tl.store(out_ptr + (i_b * H + i_h) * n_slots + i_s, out)
+
+
+def amax_2d(k, m, lay, rows, warps):
+    B, L, H, D = k.shape
+    a = lay.amax_args()
+    out = torch.empty((B, H, a["n_slots"]), dtype=torch.float32, device=k.device)
+    s_b, s_l, s_h, _ = k.stride()
+    _amax_2d[(B * a["n_slots"] * H,)](
+        k, s_b, s_l, s_h, m, out, L, H, a["row0"], a["n_slots"], a["g_first"], a["n_touched"],
+        FLOOR=1e-7, G=a["group_size"], D=D, ROWS=rows, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dump")
+    ap.add_argument("--shape", type=int, action="append")
+    args = ap.parse_args()
+    ceiling = read_ceiling_tbs()
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    print(f"# read ceiling {ceiling:.2f} TB/s; cold CUPTI us, L2 flushed, median of 25")
+    shapes = [SHAPES[i] for i in args.shape] if args.shape else SHAPES
+    for B, L, H, D, P, r, G, dt in shapes:
+        k = ulysses.testing.make_k_full(B, L, H, D, dt, "smooth", seed=1, device="cuda")
+        m = k.float().mean(1).to(dt)
+        mb = k.numel() * k.element_size() / 1e6
+        name = f"B{B} L{L} H{H} D{D} P{P} r{r} G{G} {str(dt)[6:]} ({mb:.0f} MB)"
+        ref = ulysses.reference.grouped_amax_shard(k, m, rank=r, world_size=P, group_size=G)
+        ours = lambda: ulysses.k_grouped_amax(k, m, rank=r, world_size=P, group_size=G)  # noqa: E731
+        res = {"ours": cold_us(ours, "_grouped_amax_kernel")}
+        aligned = (r * L) % G == 0 and L % G == 0
+        if aligned:
+            for mode in ("default", "max-autotune-no-cudagraphs"):
+                fn = torch.compile(lambda k, m: torch_amax_view(k, m, r, P, G), mode=mode)
+                got = fn(k, m)
+                same = torch.equal(got, ref[..., : L // G])
+                us = cold_us(lambda fn=fn: fn(k, m), ("triton", "reduce"))
+                res[f"compile-view {mode[:8]}"] = us if same else -us
+        fn = torch.compile(lambda k, m: torch_amax(k, m, r, P, G))
+        res["compile-pad"] = cold_us(lambda: fn(k, m), ("triton", "reduce"))
+        lay = grid.layout(r, L, P, G, None)
+        for rows in (8, 16, 32):
+            for warps in (1, 2, 4, 8):
+                if not 4 <= rows * D // (32 * warps) <= 64:
+                    continue
+                assert torch.equal(amax_2d(k, m, lay, rows, warps), ref), (rows, warps)
+                res[f"2d r{rows} w{warps}"] = cold_us(
+                    lambda rows=rows, warps=warps: amax_2d(k, m, lay, rows, warps), "_amax_2d"
+                )
+        pct = lambda us: mb / abs(us) / ceiling * 100  # noqa: E731
+        best = sorted(res.items(), key=lambda kv: abs(kv[1]))
+        print(f"## {name}: ours {res['ours']:.1f} us ({pct(res['ours']):.0f}%)", flush=True)
+        print("   " + "; ".join(f"{n} {v:.1f}{'*' if v < 0 else ''}" for n, v in best[:8]))
+        print("   " + "; ".join(f"{n} {v:.1f}" for n, v in res.items() if n.startswith("comp")))
+    print("(* differs from the reference; negative = that time)")
+
+
+if __name__ == "__main__":
+    main()
