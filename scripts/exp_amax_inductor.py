@@ -22,7 +22,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from _bench import cold_us, read_ceiling_tbs  # noqa: E402
-from bench_amax import SHAPES, torch_amax  # noqa: E402
+from bench_amax import SHAPES  # noqa: E402
+from exp_amax_variants import variant  # noqa: E402
 
 import ulysses  # noqa: E402
 from ulysses import grid  # noqa: E402
@@ -40,6 +41,7 @@ def torch_amax_view(k, m, r, P, G):
 def _amax_2d(
     k_ptr, s_b, s_l, s_h, mean_ptr, out_ptr, L, H, row0, n_slots, g_first, n_touched,
     FLOOR: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+    EVICT: tl.constexpr,
 ):  # fmt: skip
     """One program per (batch, slot, head); [ROWS, D] tiles (16-byte vectors a thread)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -57,7 +59,11 @@ def _amax_2d(
     n_full = tl.maximum(hi - lo, 0) // ROWS
     for i_c in range(0, n_full):
         rows = lo + i_c * ROWS + o_r
-        x = tl.load(p_k + rows[:, None] * s_l).to(tl.float32)
+        if EVICT:
+            x = tl.load(p_k + rows[:, None] * s_l, eviction_policy="evict_first")
+        else:
+            x = tl.load(p_k + rows[:, None] * s_l)
+        x = x.to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x - b_mean[None, :]).to(tl.int32, bitcast=True))
     rows = lo + n_full * ROWS + o_r
     m_r = rows < hi
@@ -70,16 +76,23 @@ def _amax_2d(
     tl.store(out_ptr + (i_b * H + i_h) * n_slots + i_s, out)
 
 
-def amax_2d(k, m, lay, rows, warps):
+def amax_2d(k, m, lay, rows, warps, evict=False):
     B, L, H, D = k.shape
     a = lay.amax_args()
     out = torch.empty((B, H, a["n_slots"]), dtype=torch.float32, device=k.device)
     s_b, s_l, s_h, _ = k.stride()
     _amax_2d[(B * a["n_slots"] * H,)](
         k, s_b, s_l, s_h, m, out, L, H, a["row0"], a["n_slots"], a["g_first"], a["n_touched"],
-        FLOOR=1e-7, G=a["group_size"], D=D, ROWS=rows, num_warps=warps,
+        FLOOR=1e-7, G=a["group_size"], D=D, ROWS=rows, EVICT=evict, num_warps=warps,
     )  # fmt: skip
     return out
+
+
+TILES_2D = [
+    (r, w, e)
+    for r, w in ((8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8), (32, 16), (64, 16))
+    for e in (False, True)
+]
 
 
 def main():
@@ -99,30 +112,33 @@ def main():
         ref = ulysses.reference.grouped_amax_shard(k, m, rank=r, world_size=P, group_size=G)
         ours = lambda: ulysses.k_grouped_amax(k, m, rank=r, world_size=P, group_size=G)  # noqa: E731
         res = {"ours": cold_us(ours, "_grouped_amax_kernel")}
+        lay = grid.layout(r, L, P, G, None)
+        res["ours evict"] = cold_us(lambda: variant(k, m, lay, evict=1), "_amax_variant")
+        res["ours r16 evict"] = cold_us(
+            lambda: variant(k, m, lay, evict=1, rows=16), "_amax_variant"
+        )
+        assert torch.equal(variant(k, m, lay, evict=1, rows=16), ref)
         aligned = (r * L) % G == 0 and L % G == 0
         if aligned:
             for mode in ("default", "max-autotune-no-cudagraphs"):
-                fn = torch.compile(lambda k, m: torch_amax_view(k, m, r, P, G), mode=mode)
-                got = fn(k, m)
-                same = torch.equal(got, ref[..., : L // G])
+                torch._dynamo.reset()
+                fn = torch.compile(
+                    lambda k, m: torch_amax_view(k, m, r, P, G), mode=mode, dynamic=False
+                )
+                same = torch.equal(fn(k, m), ref[..., : L // G])
                 us = cold_us(lambda fn=fn: fn(k, m), ("triton", "reduce"))
                 res[f"compile-view {mode[:8]}"] = us if same else -us
-        fn = torch.compile(lambda k, m: torch_amax(k, m, r, P, G))
-        res["compile-pad"] = cold_us(lambda: fn(k, m), ("triton", "reduce"))
-        lay = grid.layout(r, L, P, G, None)
-        for rows in (8, 16, 32):
-            for warps in (1, 2, 4, 8):
-                if not 4 <= rows * D // (32 * warps) <= 64:
-                    continue
-                assert torch.equal(amax_2d(k, m, lay, rows, warps), ref), (rows, warps)
-                res[f"2d r{rows} w{warps}"] = cold_us(
-                    lambda rows=rows, warps=warps: amax_2d(k, m, lay, rows, warps), "_amax_2d"
-                )
+        for rows, warps, evict in TILES_2D:
+            if not 4 <= rows * D // (32 * warps) <= 64:
+                continue
+            assert torch.equal(amax_2d(k, m, lay, rows, warps, evict), ref), (rows, warps)
+            res[f"2d r{rows} w{warps}{' ev' if evict else ''}"] = cold_us(
+                lambda c=(rows, warps, evict): amax_2d(k, m, lay, *c), "_amax_2d"
+            )
         pct = lambda us: mb / abs(us) / ceiling * 100  # noqa: E731
         best = sorted(res.items(), key=lambda kv: abs(kv[1]))
         print(f"## {name}: ours {res['ours']:.1f} us ({pct(res['ours']):.0f}%)", flush=True)
-        print("   " + "; ".join(f"{n} {v:.1f}{'*' if v < 0 else ''}" for n, v in best[:8]))
-        print("   " + "; ".join(f"{n} {v:.1f}" for n, v in res.items() if n.startswith("comp")))
+        print("   " + "; ".join(f"{n} {v:.1f}{'*' if v < 0 else ''}" for n, v in best))
     print("(* differs from the reference; negative = that time)")
 
 
