@@ -88,11 +88,74 @@ def amax_2d(k, m, lay, rows, warps, evict=False):
     return out
 
 
-TILES_2D = [
-    (r, w, e)
-    for r, w in ((8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8), (32, 16), (64, 16))
-    for e in (False, True)
-]
+@triton.jit(do_not_specialize=["L", "H", "row0", "n_slots", "g_first", "n_touched", "n_hb"])
+def _amax_3d(
+    k_ptr, s_b, s_l, s_h, mean_ptr, out_ptr, L, H, row0, n_slots, g_first, n_touched, n_hb,
+    FLOOR: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr, EVICT: tl.constexpr,
+):  # fmt: skip
+    """One program per (batch, slot, head block); [ROWS, BLOCK_H, D] tiles."""
+    pid = tl.program_id(0).to(tl.int64)
+    i_hb = pid % n_hb
+    i_s = (pid // n_hb) % n_slots
+    i_b = pid // (n_hb * n_slots)
+    g = g_first + i_s
+    lo = tl.maximum(g * G - row0, 0)
+    hi = tl.minimum((g + 1) * G - row0, L)
+    o_r = tl.arange(0, ROWS)
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, D)
+    m_h = o_h < H
+    m_hd = m_h[:, None] & (o_d[None, :] < D)
+    b_mean = tl.load(mean_ptr + (i_b * H + o_h[:, None]) * D + o_d[None, :], mask=m_hd)
+    b_mean = b_mean.to(tl.float32)[None, :, :]
+    p_k = k_ptr + i_b * s_b + (o_h[:, None] * s_h + o_d[None, :])[None, :, :]
+    acc = tl.zeros([ROWS, BLOCK_H, D], dtype=tl.int32)
+    n_full = tl.maximum(hi - lo, 0) // ROWS
+    for i_c in range(0, n_full):
+        rows = lo + i_c * ROWS + o_r
+        if EVICT:
+            x = tl.load(
+                p_k + rows[:, None, None] * s_l,
+                mask=m_hd[None, :, :],
+                eviction_policy="evict_first",
+            )
+        else:
+            x = tl.load(p_k + rows[:, None, None] * s_l, mask=m_hd[None, :, :])
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32) - b_mean).to(tl.int32, bitcast=True))
+    rows = lo + n_full * ROWS + o_r
+    m = (rows < hi)[:, None, None] & m_hd[None, :, :]
+    x = tl.load(p_k + rows[:, None, None] * s_l, mask=m, other=0.0).to(tl.float32)
+    bits = tl.abs(x - b_mean).to(tl.int32, bitcast=True)
+    acc = tl.maximum(acc, tl.where(m, bits, 0))
+    floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
+    out = tl.maximum(tl.max(tl.max(acc, axis=2), axis=0), floor_bits).to(tl.float32, bitcast=True)
+    out = tl.where(i_s < n_touched, out, 0.0)
+    tl.store(out_ptr + (i_b * H + o_h) * n_slots + i_s, out, mask=m_h)
+
+
+def amax_3d(k, m, lay, rows, block_h, warps, evict=True):
+    B, L, H, D = k.shape
+    a = lay.amax_args()
+    out = torch.empty((B, H, a["n_slots"]), dtype=torch.float32, device=k.device)
+    s_b, s_l, s_h, _ = k.stride()
+    n_hb = triton.cdiv(H, block_h)
+    _amax_3d[(B * a["n_slots"] * n_hb,)](
+        k, s_b, s_l, s_h, m, out, L, H, a["row0"], a["n_slots"], a["g_first"], a["n_touched"],
+        n_hb, FLOOR=1e-7, G=a["group_size"], D=D, ROWS=rows, BLOCK_H=block_h, EVICT=evict,
+        num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+TILES_2D = [(8, 1, True), (8, 2, True), (16, 4, True)]
+# (rows, block_h, warps, evict): inductor's reduction tiles (16 rows x 128 = R0_BLOCK 2048,
+# XBLOCK 1 or 2, 8 or 16 warps) and their neighbours
+TILES_3D = [
+    (16, 1, 8, True), (16, 1, 8, False), (16, 1, 4, True), (8, 1, 4, True), (16, 1, 16, True),
+    (32, 1, 8, True), (16, 2, 16, True), (16, 2, 16, False), (16, 2, 8, True), (8, 2, 8, True),
+    (8, 2, 4, True), (8, 2, 2, True), (4, 2, 2, True), (32, 2, 16, True), (8, 4, 8, True),
+]  # fmt: skip
 
 
 def main():
@@ -134,6 +197,13 @@ def main():
             assert torch.equal(amax_2d(k, m, lay, rows, warps, evict), ref), (rows, warps)
             res[f"2d r{rows} w{warps}{' ev' if evict else ''}"] = cold_us(
                 lambda c=(rows, warps, evict): amax_2d(k, m, lay, *c), "_amax_2d"
+            )
+        for rows, bh, warps, evict in TILES_3D:
+            if not 4 <= rows * bh * D // (32 * warps) <= 64 or bh > H:
+                continue
+            assert torch.equal(amax_3d(k, m, lay, rows, bh, warps, evict), ref), (rows, bh)
+            res[f"3d r{rows} h{bh} w{warps}{' ev' if evict else ''}"] = cold_us(
+                lambda c=(rows, bh, warps, evict): amax_3d(k, m, lay, *c), "_amax_3d"
             )
         pct = lambda us: mb / abs(us) / ceiling * 100  # noqa: E731
         best = sorted(res.items(), key=lambda kv: abs(kv[1]))
