@@ -1,7 +1,9 @@
 """Per-slot partial amax of |K - mean| on the global group grid (docs/CONTRACT.md §3).
 
 One program per (batch, slot, head block). It walks the rows of its slot that this rank
-owns, ROWS at a time (unrolled, so the loads of a chunk are in flight together), and keeps
+owns, ROWS at a time: ROWS // SUB loads of [SUB, BLOCK_H, D] unrolled, so the loads of a
+chunk are in flight together (SUB = 1: each warp reads whole rows; SUB > 1 spreads a load's
+rows over the warps, for grids too small to fill the GPU with one-warp programs), and keeps
 a running max in int32 bit space: for non-negative floats the IEEE bit pattern orders like
 the value, and a NaN with its sign cleared by ``abs`` sorts above +Inf, so an integer max
 propagates NaN and Inf with no extra test. Max is order-independent, so every tile shape and
@@ -14,7 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, compiled_for_gpu, gdc_launch_dependents, gdc_wait, tile
+from ._runtime import (
+    Launch,
+    cdiv,
+    compiled_for_gpu,
+    gdc_launch_dependents,
+    gdc_wait,
+    load_streamed,
+    next_pow2,
+    sm_count,
+    tile,
+)
 
 __all__ = ["grouped_amax", "prepare_grouped_amax"]
 
@@ -58,6 +70,8 @@ def _grouped_amax_kernel(
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
+    SUB: tl.constexpr,
+    EVICT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
@@ -65,6 +79,7 @@ def _grouped_amax_kernel(
     i_s = (i_pid // n_hblocks) % n_slots
     i_b = i_pid // (n_hblocks * n_slots)
 
+    o_r = tl.arange(0, SUB)  # [R]
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     o_d = tl.arange(0, D)  # [D]
     m_h = o_h < H
@@ -80,22 +95,27 @@ def _grouped_amax_kernel(
     hi = tl.where(g == tail_group, tl.minimum(hi, tail_end - row0), hi)
 
     p_mean = mean_ptr + i_b * H * D + o_h[:, None] * D + o_d[None, :]
-    b_mean = tl.load(p_mean, mask=m_hd, other=0.0).to(tl.float32)  # [BH, D]
+    b_mean = tl.load(p_mean, mask=m_hd, other=0.0).to(tl.float32)[None, :, :]  # [1, BH, D]
 
     # Full chunks of ROWS rows need only the head mask (heads past H are never stored);
-    # the last hi - lo - n_full * ROWS rows are masked and selected explicitly.
-    p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
-    b_acc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
+    # the last hi - lo - n_full * ROWS (< ROWS) rows are masked and selected explicitly. A
+    # load's address: a scalar pointer to its first row plus the tile's int32 offsets.
+    o_k = o_r[:, None, None] * stride_kl + (o_h[:, None] * stride_kh + o_d[None, :])[None, :, :]
+    p_b = k_ptr + i_b * stride_kb
+    m_k = m_hd[None, :, :]
+    b_acc = tl.zeros([SUB, BLOCK_H, D], dtype=tl.int32)
     n_full = tl.maximum(hi - lo, 0) // ROWS
     for i_c in range(0, n_full):
-        for j in tl.static_range(ROWS):
-            i_row = lo + i_c * ROWS + j
-            b_k = tl.load(p_k + i_row * stride_kl, mask=m_hd, other=0.0).to(tl.float32)
+        for j in tl.static_range(ROWS // SUB):
+            p = p_b + (lo + i_c * ROWS + j * SUB) * stride_kl + o_k
+            b_k = load_streamed(p, m_k, 0.0, EVICT).to(tl.float32)
             b_acc = tl.maximum(b_acc, tl.abs(b_k - b_mean).to(tl.int32, bitcast=True))
-    for j in tl.static_range(ROWS - 1):
-        i_row = lo + n_full * ROWS + j
-        m_row = tl.where(i_row < hi, m_hd, False)  # not `&`: the 3.9 interpreter widens it
-        b_k = tl.load(p_k + i_row * stride_kl, mask=m_row, other=0.0).to(tl.float32)
+    for j in tl.static_range((ROWS - 1 + SUB - 1) // SUB):
+        i_row = lo + n_full * ROWS + j * SUB
+        # not `&`: the 3.9 interpreter widens it
+        m_row = tl.where((i_row + o_r < hi)[:, None, None], m_k, False)  # [R, BH, D]
+        p = p_b + i_row * stride_kl + o_k
+        b_k = tl.load(p, mask=m_row, other=0.0).to(tl.float32)
         b_bits = tl.abs(b_k - b_mean).to(tl.int32, bitcast=True)
         b_acc = tl.maximum(b_acc, tl.where(m_row, b_bits, 0))
 
@@ -103,10 +123,22 @@ def _grouped_amax_kernel(
         gdc_launch_dependents()
 
     floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
-    b_out = tl.maximum(tl.max(b_acc, axis=1), floor_bits).to(tl.float32, bitcast=True)
+    b_max = tl.max(tl.max(b_acc, axis=2), axis=0)  # [BH]
+    b_out = tl.maximum(b_max, floor_bits).to(tl.float32, bitcast=True)
     b_out = tl.where(i_s < n_touched, b_out, 0.0)
     p_out = out_ptr + i_b * H * n_slots + o_h * n_slots + i_s
     tl.store(p_out, b_out, mask=m_h)
+
+
+# Streaming hint and tile rule of the amax kernel on CUDA, from the cold (L2-flushed) sweep
+# of 2026-12-01 (session 11, docs/BENCHMARKS.md: scripts/exp_amax_inductor.py):
+# * evict_first on K's loads: 21.3 against 25.0 us at 68 MB, 9.3 against 9.9 at 17 MB, +-1% at
+#   268 MB and 2% slower at 336 MB (88.0 against 86.2), so only up to 256 MiB of K;
+# * one-warp programs reading whole rows, 32 elements a thread a trip (8 rows at D = 128);
+# * grids of fewer one-warp programs than 16 per SM (B1 L8192 H8 D128: 1040 programs) spread
+#   16 rows a load over the warps instead: 8.1 against 9.3 us.
+EVICT_MAX_BYTES = 256 << 20
+SMALL_GRID_WARPS_PER_SM = 16
 
 
 def prepare_grouped_amax(
@@ -126,18 +158,29 @@ def prepare_grouped_amax(
     rows: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
+    sub: int | None = None,
+    evict: bool | None = None,
 ) -> Launch:
     """The kernel's launch for a k of this shape and strides: call it with ``(k, k_mean,
     out)``, ``out`` fp32 [B, H, n_slots]. Arguments as :func:`grouped_amax`."""
     B, L, H, D = shape
     stride_kb, stride_kl, stride_kh, stride_kd = strides
     assert stride_kd == 1
-    auto_h, _ = tile(D, H, B * n_slots, device, elems=128, warps_per_sm=22)
-    block_h = block_h or auto_h
-    # one warp per 128 elements of the tile: the cold sweep of 2026-11-30 (session 4,
-    # docs/BENCHMARKS.md) measured 1 warp 1-4% faster than 2 at every D=128 shape
     cuda = compiled_for_gpu(device)
-    auto_warps = max(1, block_h * D // 128) if cuda else 1
+    if cuda:
+        auto_h = max(1, min(next_pow2(H), 64 // D))
+        auto_sub, auto_rows, auto_warps = 1, 1024 // (auto_h * D), 1
+        if B * n_slots * cdiv(H, auto_h) < SMALL_GRID_WARPS_PER_SM * sm_count(device):
+            auto_sub = auto_rows = 16
+            auto_warps = max(1, min(4, 16 * auto_h * D // 512))
+        auto_evict = B * L * H * D * 2 <= EVICT_MAX_BYTES  # bf16 / fp16
+    else:  # the interpreter pays per operation: big tiles, a short unroll
+        auto_h, _ = tile(D, H, B * n_slots, device, elems=128)
+        auto_sub, auto_rows, auto_warps, auto_evict = 1, 4, 1, False
+    block_h = block_h or auto_h
+    sub = sub or (auto_sub if rows is None else 1)
+    rows = rows or max(auto_rows, sub)
+    assert rows % sub == 0, f"rows={rows} must be a multiple of sub={sub}"
     n_hblocks = cdiv(H, block_h)
     return Launch(
         _grouped_amax_kernel,
@@ -162,8 +205,9 @@ def prepare_grouped_amax(
         G=group_size,
         D=D,
         BLOCK_H=block_h,
-        # Any ROWS gives the same bits; the interpreter is faster with a short unroll.
-        ROWS=rows or (8 if cuda else 4),
+        ROWS=rows,  # any ROWS, SUB, BLOCK_H and hint give the same bits
+        SUB=sub,
+        EVICT=auto_evict if evict is None else evict,
         USE_PDL=use_pdl,
     )
 
@@ -184,6 +228,8 @@ def grouped_amax(
     rows: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,
+    sub: int | None = None,
+    evict: bool | None = None,
 ) -> torch.Tensor:
     """This rank's per-slot partial amax, fp32 [B, H, n_slots] (a new tensor).
 
@@ -191,7 +237,8 @@ def grouped_amax(
     caller, which also computed ``group_size`` G and the grid values (``ulysses.grid.layout``):
     the shard's first global row, the slot count, the first touched group and how many are
     touched, the tail group (-1 for none) and the end of the live rows. ``rows``/``block_h``/
-    ``num_warps`` override the tile (any choice gives the same bits).
+    ``num_warps``/``sub`` override the tile and ``evict`` the L2 hint on K's loads (any choice
+    gives the same bits).
     """
     assert k_mean.is_contiguous()
     B, _, H, _ = k.shape
@@ -212,5 +259,7 @@ def grouped_amax(
         rows=rows,
         block_h=block_h,
         num_warps=num_warps,
+        sub=sub,
+        evict=evict,
     )(k, k_mean, out)
     return out

@@ -5,6 +5,9 @@ overhead (issue 12). Prints one table; ``--csv FILE`` appends the rows.
 
 Cold: CUPTI kernel durations with a 256 MB L2 flush before every call (scripts/_bench.py),
 median of 25, beside the read ceiling measured the same way (torch.sum over 2 GiB bf16).
+The torch.compile column compiles the vectorized torch version afresh for each shape, static
+shapes, default mode and max-autotune (``compiled_amax``); the naive column is the
+one-program-per-(slot, head) Triton kernel of issue 12.
 """
 
 from __future__ import annotations
@@ -82,16 +85,40 @@ def torch_amax(k, m, rank, P, G):
     return out.transpose(1, 2)
 
 
+def torch_amax_view(k, m, rank, P, G):
+    """The vectorized torch version for a shard whose first row and length are whole groups
+    (every shape of issue 12 but the unaligned one): one view onto [B, L/G, G, H, D], amax
+    over (G, D), no pad. [B, H, L/G]: the touched slots (the rest are zero)."""
+    B, L, H, D = k.shape
+    x = (k.float() - m.float()[:, None]).abs()
+    return x.view(B, L // G, G, H, D).amax(dim=(2, 4)).clamp_min(1e-7).transpose(1, 2)
+
+
+def compiled_amax(k, m, rank, P, G, mode):
+    """torch.compile of the best vectorized torch version for this shard (the view when the
+    shard is aligned to the grid, else the padded one), compiled afresh for this shape with
+    static shapes (a recompile would otherwise turn dynamic: slower, generic kernels).
+    Returns (fn, the slots it computes)."""
+    L = k.shape[1]
+    torch._dynamo.reset()
+    if (rank * L) % G == 0 and L % G == 0:
+        fn = lambda k, m: torch_amax_view(k, m, rank, P, G)  # noqa: E731
+        return torch.compile(fn, mode=mode, dynamic=False), L // G
+    fn = lambda k, m: torch_amax(k, m, rank, P, G)  # noqa: E731
+    return torch.compile(fn, mode=mode, dynamic=False), None
+
+
 SWEEP_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[4], SHAPES[5], SHAPES[6], SHAPES[7]]
 
 
 def sweep(only: list[int] | None = None):
-    """Cold time of the amax kernel per tile (ROWS, BLOCK_H, num_warps); same bits for all."""
+    """Cold time of the amax kernel per tile (ROWS, BLOCK_H, num_warps, SUB; the L2 hint as
+    shipped); same bits for all."""
     from ulysses.kernels.grouped_amax import grouped_amax
 
     from ulysses import grid
 
-    print("# sweep: cold us per tile (rows, block_h, warps); every tile checked bit-identical")
+    print("# sweep: cold us per tile (rows, block_h, warps, sub); every tile bit-identical")
     table: dict[str, list[float]] = {}
     for B, L, H, D, P, r, G, dt in [SHAPES[i] for i in only] if only else SWEEP_SHAPES:
         k = ulysses.testing.make_k_full(B, L, H, D, dt, "smooth", seed=1, device="cuda")
@@ -104,16 +131,17 @@ def sweep(only: list[int] | None = None):
         for rows in (8, 16, 32):
             for bh in (1, 2):
                 for nw in (1, 2, 4, 8):
-                    per_thread = rows * bh * D // (32 * nw)  # elements a thread loads a step
-                    if bh > H or not 4 <= per_thread <= 64:
-                        continue
-                    t = dict(kw, rows=rows, block_h=bh, num_warps=nw)
-                    assert torch.equal(grouped_amax(k, m, **t), base)
-                    us = cold_us(lambda t=t: grouped_amax(k, m, **t), "_grouped_amax_kernel")
-                    found.append((us, f"rows={rows} block_h={bh} warps={nw}"))
-                    table.setdefault(f"rows={rows} block_h={bh} warps={nw} (D={D})", []).append(
-                        us / auto
-                    )
+                    for sub in (1, rows) if nw > 1 else (1,):
+                        # elements a thread loads a trip (whole rows per warp when sub = 1)
+                        per_thread = rows * bh * D // (32 * nw)
+                        if bh > H or not 4 <= per_thread <= 64:
+                            continue
+                        t = dict(kw, rows=rows, block_h=bh, num_warps=nw, sub=sub)
+                        assert torch.equal(grouped_amax(k, m, **t), base)
+                        us = cold_us(lambda t=t: grouped_amax(k, m, **t), "_grouped_amax_kernel")
+                        cfg = f"rows={rows} block_h={bh} warps={nw} sub={sub}"
+                        found.append((us, cfg))
+                        table.setdefault(f"{cfg} (D={D})", []).append(us / auto)
         found.sort()
         top = ", ".join(f"{us:.1f} {cfg}" for us, cfg in found[:4])
         print(f"B{B} L{L} H{H} D{D} G{G}: auto {auto:.1f} us; best {top}", flush=True)
@@ -206,8 +234,9 @@ def main():
         "shape",
         "MB",
         "cold us",
-        "% ceil",
-        "compile cold us",
+        "cold us, PDL off",
+        "% ceil (PDL off)",
+        "compile cold us (default / max-autotune)",
         "naive triton cold us",
         "eager us",
         "eager/cold",
@@ -218,22 +247,31 @@ def main():
         mb = k.numel() * k.element_size() / 1e6
         ours = lambda: ulysses.k_grouped_amax(k, m, rank=r, world_size=P, group_size=G)  # noqa: E731
         cold = cold_us(ours, "_grouped_amax_kernel")
+        # PDL off: the kernel alone. With PDL (the default on sm90) a launch may start before
+        # the flush before it has finished, and CUPTI counts that wait in its duration
+        ours_nopdl = lambda: ulysses.k_grouped_amax(  # noqa: E731
+            k, m, rank=r, world_size=P, group_size=G, enable_pdl=False
+        )
+        cold_nopdl = cold_us(ours_nopdl, "_grouped_amax_kernel")
         eager = eager_us(ours)
-        compiled = torch.compile(lambda k, m: torch_amax(k, m, r, P, G))
         ref = ulysses.reference.grouped_amax_shard(k, m, rank=r, world_size=P, group_size=G)
         assert torch.equal(ours(), ref), "ours != reference"
-        same_c = torch.equal(compiled(k, m), ref)
-        c_cold = cold_us(lambda: compiled(k, m), ("triton", "reduce"))
+        c_cold, same_c = [], True
+        for mode in ("default", "max-autotune-no-cudagraphs"):
+            compiled, n = compiled_amax(k, m, r, P, G, mode)
+            same_c &= torch.equal(compiled(k, m), ref[..., :n] if n else ref)
+            c_cold.append(cold_us(lambda compiled=compiled: compiled(k, m), ("triton", "reduce")))
         same_n = torch.equal(naive_amax(k, m, r, P, G), ref)
         n_cold = cold_us(lambda: naive_amax(k, m, r, P, G), "_naive_amax_kernel")
-        pct = mb * 1e6 / (cold * 1e-6) / (ceiling * 1e12) * 100
+        pct = mb * 1e6 / (cold_nopdl * 1e-6) / (ceiling * 1e12) * 100
         name = f"B{B} L{L} H{H} D{D} P{P} r{r} G{G} {str(dt)[6:]}"
         row = (
             name,
             f"{mb:.0f}",
             f"{cold:.1f}",
+            f"{cold_nopdl:.1f}",
             f"{pct:.0f}%",
-            f"{c_cold:.1f}{'' if same_c else '*'}",
+            f"{c_cold[0]:.1f} / {c_cold[1]:.1f}{'' if same_c else '*'}",
             f"{n_cold:.1f}{'' if same_n else '*'}",
             f"{eager:.1f}",
             f"{eager / cold:.2f}",

@@ -138,7 +138,7 @@ def _install_recorder(seen: dict[str, dict]) -> None:
     are recorded into ``seen`` instead of run. A CPU launch never takes PDL, which an sm90 GPU
     takes by default (``enable_pdl=None``): a launch with a ``USE_PDL`` constexpr is recorded
     with it off and on, where this Triton has grid dependency control."""
-    from ulysses.kernels import _runtime, finalize_stats
+    from ulysses.kernels import _runtime, finalize_stats, grouped_amax
 
     def recorded(kernel, grid, num_warps, kwargs):
         try:
@@ -154,7 +154,7 @@ def _install_recorder(seen: dict[str, dict]) -> None:
     _runtime._MIRROR_TO_CUDA = True  # CPU tensors take the compiled settings
     _runtime._launch_mirrored = recorded  # ... and are recorded, not run
     # the settings read the GPU's multiprocessor count: an H200's
-    _runtime.sm_count = finalize_stats.sm_count = lambda device: 132
+    _runtime.sm_count = finalize_stats.sm_count = grouped_amax.sm_count = lambda device: 132
 
 
 def record(pytest_args: list[str]) -> tuple[list[dict], int]:

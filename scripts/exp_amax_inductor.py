@@ -22,19 +22,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from _bench import cold_us, read_ceiling_tbs  # noqa: E402
-from bench_amax import SHAPES  # noqa: E402
+from bench_amax import SHAPES, torch_amax_view  # noqa: E402
 from exp_amax_variants import variant  # noqa: E402
 
 import ulysses  # noqa: E402
 from ulysses import grid  # noqa: E402
-
-
-def torch_amax_view(k, m, r, P, G):
-    """The vectorized torch version for a shard whose first row and length are whole groups:
-    one view onto [B, L/G, G, H, D], amax over (G, D). [B, H, L/G]."""
-    B, L, H, D = k.shape
-    x = (k.float() - m.float()[:, None]).abs()
-    return x.view(B, L // G, G, H, D).amax(dim=(2, 4)).clamp_min(1e-7).transpose(1, 2)
 
 
 @triton.jit(do_not_specialize=["L", "H", "row0", "n_slots", "g_first", "n_touched"])
@@ -74,6 +66,18 @@ def _amax_2d(
     out = tl.maximum(tl.max(tl.max(acc, axis=1), axis=0), floor_bits).to(tl.float32, bitcast=True)
     out = tl.where(i_s < n_touched, out, 0.0)
     tl.store(out_ptr + (i_b * H + i_h) * n_slots + i_s, out)
+
+
+def inductor_configs() -> list[str]:
+    """The configurations inductor's autotuners settled on (every live one)."""
+    import gc
+
+    found = []
+    for o in gc.get_objects():
+        if type(o).__name__ == "CachingAutotuner" and getattr(o, "launchers", None):
+            name = (getattr(o, "inductor_meta", None) or {}).get("kernel_name", "?")
+            found.append(f"{name[-24:]}: {o.launchers[0].config}")
+    return found
 
 
 def amax_2d(k, m, lay, rows, warps, evict=False):
@@ -189,6 +193,7 @@ def main():
                     lambda k, m: torch_amax_view(k, m, r, P, G), mode=mode, dynamic=False
                 )
                 same = torch.equal(fn(k, m), ref[..., : L // G])
+                print(f"   inductor {mode}: {inductor_configs()}")
                 us = cold_us(lambda fn=fn: fn(k, m), ("triton", "reduce"))
                 res[f"compile-view {mode[:8]}"] = us if same else -us
         for rows, warps, evict in TILES_2D:

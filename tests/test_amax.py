@@ -329,20 +329,23 @@ def test_launcher_writes_caller_buffer_including_tail_repair(make_k_full, assert
 
 
 @pytest.mark.parametrize(
-    "block_h,rows", [(1, 8), (2, 3), (4, 1), (8, 16), (16, 5)], ids=lambda v: str(v)
+    "block_h,rows,sub",
+    [(1, 8, 1), (2, 3, 1), (4, 1, 1), (8, 16, 1), (16, 5, 1), (1, 16, 16), (2, 8, 4), (4, 6, 2)],
+    ids=lambda v: str(v),
 )
-def test_launch_configuration_does_not_change_bits(block_h, rows, make_k_full, assert_bitwise):
-    """Head-block sizes (including ones past H, so masked heads) and row unrolls agree."""
+def test_launch_configuration_does_not_change_bits(block_h, rows, sub, make_k_full, assert_bitwise):
+    """Head-block sizes (including ones past H, so masked heads), row unrolls and rows a load
+    (``sub``: whole chunks, and a remainder of up to rows - 1 rows in masked loads) agree;
+    so does the L2 hint."""
     P, L, H, D, G = 2, 65, 7, 64, 64
     used = 100
     k_full = make_k_full(B, L * P, H, D, torch.bfloat16, "smooth", used=used, seed=11)
     k_mean = ref.global_k_mean(k_full, world_size=P, used_sequence=used)
     baseline = _run_all_ranks(k_full, k_mean, P=P, used=used, G=G)
     for r in range(P):
-        out = _launcher(
-            ref.shard(k_full, r, P), k_mean, rank=r, P=P, used=used, G=G, rows=rows, block_h=block_h
-        )
-        assert_bitwise(out, baseline[r], f"rank {r} block_h={block_h} rows={rows}")
+        tile = dict(rows=rows, block_h=block_h, sub=sub, evict=sub > 1)
+        out = _launcher(ref.shard(k_full, r, P), k_mean, rank=r, P=P, used=used, G=G, **tile)
+        assert_bitwise(out, baseline[r], f"rank {r} {tile}")
 
 
 # NaN / Inf. P = 2, L = 65, G = 64: rank 0 holds groups 0 (local rows 0..63) and 1 (row 64);

@@ -70,7 +70,16 @@ def test_cuda_compile_after_cpu_call():
     ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2)
     fn = grouped_amax_module._grouped_amax_kernel
     pointers = {"k_ptr": "*bf16", "mean_ptr": "*bf16", "out_ptr": "*fp32"}
-    constexprs = {"FLOOR": 1e-7, "G": 64, "D": 64, "BLOCK_H": 4, "ROWS": 8, "USE_PDL": False}
+    constexprs = {
+        "FLOOR": 1e-7,
+        "G": 64,
+        "D": 64,
+        "BLOCK_H": 4,
+        "ROWS": 8,
+        "SUB": 1,
+        "EVICT": False,
+    }
+    constexprs["USE_PDL"] = False
     constexprs["H"] = 1  # an int argument equal to 1, as in the report
     signature = {
         name: "constexpr" if name in constexprs else pointers.get(name, "i32")
@@ -385,6 +394,7 @@ def test_cuda_mirror_compiles_the_cuda_launch_settings(monkeypatch):
 
     monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
     monkeypatch.setattr(finalize_stats, "sm_count", lambda device: 132)
+    monkeypatch.setattr(grouped_amax_module, "sm_count", lambda device: 132)
     monkeypatch.setattr(_runtime, "_TILES", {})
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     shape, strides = (1, 592, 56, 128), (592 * 56 * 128, 56 * 128, 128, 1)
