@@ -152,6 +152,56 @@ def amax_3d(k, m, lay, rows, block_h, warps, evict=True):
     return out
 
 
+@triton.jit
+def _amax_spec(
+    k_ptr, mean_ptr, out_ptr,
+    H: tl.constexpr, S_B: tl.constexpr, S_L: tl.constexpr, S_H: tl.constexpr,
+    NS: tl.constexpr, FLOOR: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    SUB: tl.constexpr, UNROLL: tl.constexpr, EVICT: tl.constexpr,
+):  # fmt: skip
+    """Specialized to the shape, for a shard aligned to the grid with no padding (inductor's
+    way): strides, slot count and the G / SUB trips are literals; no row masks. One program
+    per (batch, slot, head); [SUB, D] loads. Out: [B, H, NS], NS = L / G."""
+    pid = tl.program_id(0)
+    i_h = pid % H
+    i_s = (pid // H) % NS
+    i_b = pid // (H * NS)
+    o_r = tl.arange(0, SUB)
+    o_d = tl.arange(0, D)
+    b_mean = tl.load(mean_ptr + (i_b * H + i_h) * D + o_d).to(tl.float32)[None, :]
+    p = k_ptr + i_b.to(tl.int64) * S_B + i_s.to(tl.int64) * (G * S_L) + i_h * S_H
+    o_k = o_r[:, None] * S_L + o_d[None, :]
+    acc = tl.zeros([SUB, D], dtype=tl.int32)
+    for i in tl.range(0, G // (SUB * UNROLL)):
+        for j in tl.static_range(UNROLL):
+            q = p + (i * UNROLL + j) * (SUB * S_L) + o_k
+            if EVICT:
+                x = tl.load(q, eviction_policy="evict_first")
+            else:
+                x = tl.load(q)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32) - b_mean).to(tl.int32, bitcast=True))
+    floor_bits = tl.full([], FLOOR, tl.float32).to(tl.int32, bitcast=True)
+    out = tl.maximum(tl.max(tl.max(acc, axis=1), axis=0), floor_bits).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + (i_b * H + i_h) * NS + i_s, out)
+
+
+def amax_spec(k, m, G, sub, unroll, warps, evict=True):
+    B, L, H, D = k.shape
+    ns = L // G
+    out = torch.empty((B, H, ns), dtype=torch.float32, device=k.device)
+    s_b, s_l, s_h, _ = k.stride()
+    _amax_spec[(B * ns * H,)](
+        k, m, out, H=H, S_B=s_b, S_L=s_l, S_H=s_h, NS=ns, FLOOR=1e-7, G=G, D=D, SUB=sub,
+        UNROLL=unroll, EVICT=evict, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+# (SUB, UNROLL, warps): inductor's tile (16 rows x 128, 16 warps) and ours (1-row loads
+# unrolled 8, 1 warp; 16 rows over 4 warps)
+TILES_SPEC = [(16, 1, 16), (16, 1, 8), (16, 1, 4), (16, 2, 4), (1, 8, 1), (8, 1, 2), (4, 2, 1)]
+
+
 TILES_2D = [(8, 1, True), (8, 2, True), (16, 4, True)]
 # (rows, block_h, warps, evict): inductor's reduction tiles (16 rows x 128 = R0_BLOCK 2048,
 # XBLOCK 1 or 2, 8 or 16 warps) and their neighbours
@@ -166,6 +216,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump")
     ap.add_argument("--shape", type=int, action="append")
+    ap.add_argument("--spec-only", action="store_true", help="ours, compile and spec variants")
     args = ap.parse_args()
     ceiling = read_ceiling_tbs()
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
@@ -179,6 +230,12 @@ def main():
         ref = ulysses.reference.grouped_amax_shard(k, m, rank=r, world_size=P, group_size=G)
         ours = lambda: ulysses.k_grouped_amax(k, m, rank=r, world_size=P, group_size=G)  # noqa: E731
         res = {"ours": cold_us(ours, "_grouped_amax_kernel")}
+        res["ours nopdl"] = cold_us(
+            lambda: ulysses.k_grouped_amax(
+                k, m, rank=r, world_size=P, group_size=G, enable_pdl=False
+            ),
+            "_grouped_amax_kernel",
+        )
         lay = grid.layout(r, L, P, G, None)
         res["ours evict"] = cold_us(lambda: variant(k, m, lay, evict=1), "_amax_variant")
         res["ours r16 evict"] = cold_us(
@@ -196,14 +253,23 @@ def main():
                 print(f"   inductor {mode}: {inductor_configs()}")
                 us = cold_us(lambda fn=fn: fn(k, m), ("triton", "reduce"))
                 res[f"compile-view {mode[:8]}"] = us if same else -us
-        for rows, warps, evict in TILES_2D:
+        for rows, warps, evict in [] if args.spec_only else TILES_2D:
             if not 4 <= rows * D // (32 * warps) <= 64:
                 continue
             assert torch.equal(amax_2d(k, m, lay, rows, warps, evict), ref), (rows, warps)
             res[f"2d r{rows} w{warps}{' ev' if evict else ''}"] = cold_us(
                 lambda c=(rows, warps, evict): amax_2d(k, m, lay, *c), "_amax_2d"
             )
-        for rows, bh, warps, evict in TILES_3D:
+        if aligned:
+            for sub, unroll, warps in TILES_SPEC:
+                if G % (sub * unroll) or not 4 <= sub * D // (32 * warps) * unroll <= 64:
+                    continue
+                got = amax_spec(k, m, G, sub, unroll, warps)
+                assert torch.equal(got, ref[..., : L // G]), (sub, unroll, warps)
+                res[f"spec s{sub} u{unroll} w{warps}"] = cold_us(
+                    lambda c=(sub, unroll, warps): amax_spec(k, m, G, *c), "_amax_spec"
+                )
+        for rows, bh, warps, evict in [(16, 1, 4, True)] if args.spec_only else TILES_3D:
             if not 4 <= rows * bh * D // (32 * warps) <= 64 or bh > H:
                 continue
             assert torch.equal(amax_3d(k, m, lay, rows, bh, warps, evict), ref), (rows, bh)
