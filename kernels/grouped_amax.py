@@ -238,12 +238,15 @@ def prepare_grouped_amax(
     stride_kb, stride_kl, stride_kh, stride_kd = strides
     assert stride_kd == 1
     cuda = compiled_for_gpu(device)
+    # the aligned kernel's tile offsets are int32: 16 rows of stride_kl must fit
     fits = aligned_fits(L, group_size, row0, tail_group, g_first, n_touched)
+    fits = fits and 16 * stride_kl < 2**31
     if aligned is None:
         aligned = cuda and fits and B * L * H * D * 2 >= ALIGNED_MIN_BYTES and rows is None
     assert fits or not aligned, "aligned=True needs a shard of whole groups with no tail group"
     if aligned:
         sub = sub or min(16, group_size)
+        assert group_size % sub == 0, f"sub={sub} must divide group_size={group_size}"
         return Launch(
             _grouped_amax_aligned_kernel,
             (B * n_touched * H,),
