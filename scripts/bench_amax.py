@@ -126,7 +126,7 @@ def sweep(only: list[int] | None = None):
         lay = grid.layout(r, L, P, G, None)
         kw = dict(lay.amax_args(), tail_group=-1, use_pdl=False)
         base = grouped_amax(k, m, **kw)
-        auto = cold_us(lambda: grouped_amax(k, m, **kw), "_grouped_amax_kernel")
+        auto = cold_us(lambda: grouped_amax(k, m, **kw), "_grouped_amax")
         found = []
         for rows in (8, 16, 32):
             for bh in (1, 2):
@@ -138,7 +138,7 @@ def sweep(only: list[int] | None = None):
                             continue
                         t = dict(kw, rows=rows, block_h=bh, num_warps=nw, sub=sub)
                         assert torch.equal(grouped_amax(k, m, **t), base)
-                        us = cold_us(lambda t=t: grouped_amax(k, m, **t), "_grouped_amax_kernel")
+                        us = cold_us(lambda t=t: grouped_amax(k, m, **t), "_grouped_amax")
                         cfg = f"rows={rows} block_h={bh} warps={nw} sub={sub}"
                         found.append((us, cfg))
                         table.setdefault(f"{cfg} (D={D})", []).append(us / auto)
@@ -246,13 +246,13 @@ def main():
         m = k.float().mean(1).to(dt)
         mb = k.numel() * k.element_size() / 1e6
         ours = lambda: ulysses.k_grouped_amax(k, m, rank=r, world_size=P, group_size=G)  # noqa: E731
-        cold = cold_us(ours, "_grouped_amax_kernel")
+        cold = cold_us(ours, "_grouped_amax")
         # PDL off: the kernel alone. With PDL (the default on sm90) a launch may start before
         # the flush before it has finished, and CUPTI counts that wait in its duration
         ours_nopdl = lambda: ulysses.k_grouped_amax(  # noqa: E731
             k, m, rank=r, world_size=P, group_size=G, enable_pdl=False
         )
-        cold_nopdl = cold_us(ours_nopdl, "_grouped_amax_kernel")
+        cold_nopdl = cold_us(ours_nopdl, "_grouped_amax")
         eager = eager_us(ours)
         ref = ulysses.reference.grouped_amax_shard(k, m, rank=r, world_size=P, group_size=G)
         assert torch.equal(ours(), ref), "ours != reference"

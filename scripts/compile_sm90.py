@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # to the package goes here, and the drivers must launch it.
 KERNELS = (
     ("grouped_amax", "_grouped_amax_kernel"),
+    ("grouped_amax", "_grouped_amax_aligned_kernel"),
     ("block_stats", "_block_stats_kernel"),
     ("finalize_stats", "_finalize_kernel"),
     ("lowp_qv_stats", "_qv_stats_kernel"),

@@ -116,7 +116,7 @@ def main():
         base = grouped_amax(k, m, **kw)
         mb = k.numel() * 2 / 1e6
         floor_us = mb / ceiling
-        auto = cold_us(lambda: grouped_amax(k, m, **kw), "_grouped_amax_kernel")
+        auto = cold_us(lambda: grouped_amax(k, m, **kw), "_grouped_amax")
         line = [f"shipped {auto:.1f} ({floor_us / auto * 100:.0f}%)"]
         for c in configs:
             got = variant(k, m, lay, **c)

@@ -348,6 +348,66 @@ def test_launch_configuration_does_not_change_bits(block_h, rows, sub, make_k_fu
         assert_bitwise(out, baseline[r], f"rank {r} {tile}")
 
 
+@pytest.mark.parametrize(
+    "P,L,H,D,G,used,dtype",
+    [
+        (2, 128, 3, 64, 64, None, torch.bfloat16),
+        (4, 64, 2, 128, 32, None, torch.float16),
+        (2, 256, 1, 32, 128, None, torch.bfloat16),
+        (4, 64, 3, 64, 64, 160, torch.bfloat16),  # padding from rank 2: whole groups
+        (4, 64, 2, 64, 64, 100, torch.bfloat16),  # a tail group on rank 1 only
+        (6, 32, 2, 16, 16, 150, torch.float16),
+    ],
+    ids=lambda v: str(v),
+)
+def test_aligned_kernel_matches_the_reference(
+    P, L, H, D, G, used, dtype, make_k_full, assert_bitwise
+):
+    """The shape-specialized kernel (forced here; on CUDA the plan takes it for aligned shards
+    of >= 1 MiB) gives the reference's bits on every rank it can serve, surplus slots zero;
+    the ranks holding the tail group are refused (they take the generic kernel)."""
+    k_full = make_k_full(B, L * P, H, D, dtype, "smooth", used=used, seed=23)
+    k_mean = ref.global_k_mean(k_full, world_size=P, used_sequence=used)
+    served = 0
+    for r in range(P):
+        k = ref.shard(k_full, r, P)
+        lay = grid.layout(r, L, P, G, used)
+        expected = ref.grouped_amax_shard(
+            k, k_mean, rank=r, world_size=P, used_sequence=used, group_size=G
+        )
+        a = lay.amax_args()
+        fits = grouped_amax_module.aligned_fits(
+            L, G, a["row0"], a["tail_group"], a["g_first"], a["n_touched"]
+        )
+        assert fits == (not lay.g_first <= lay.tail_group < lay.g_first + lay.n_touched)
+        if not fits:
+            with pytest.raises(AssertionError, match="aligned=True"):
+                _launcher(k, k_mean, rank=r, P=P, used=used, G=G, aligned=True)
+            continue
+        for sub in (None, 1, 4) if G % 4 == 0 else (None,):
+            out = _launcher(k, k_mean, rank=r, P=P, used=used, G=G, aligned=True, sub=sub)
+            assert_bitwise(out, expected, f"rank {r} sub={sub}")
+        served += 1
+    assert served >= P - 1
+
+
+def test_aligned_kernel_on_a_strided_view(make_k_full, assert_bitwise):
+    """Strides are literals of the aligned kernel: a K that is a view into a fused QKV buffer
+    (row stride 3 H D) and a batch-strided one agree with the reference."""
+    P, L, H, D, G = 2, 128, 2, 64, 64
+    k_full = make_k_full(B, L * P, H, D, torch.bfloat16, "smooth", seed=29)
+    k_mean = ref.global_k_mean(k_full, world_size=P)
+    for r in range(P):
+        k = ref.shard(k_full, r, P)
+        fused = torch.zeros(B, L, 3, H, D, dtype=k.dtype)
+        fused[:, :, 1] = k
+        view = fused[:, :, 1]
+        assert view.stride()[1] == 3 * H * D
+        expected = ref.grouped_amax_shard(k, k_mean, rank=r, world_size=P, group_size=G)
+        out = _launcher(view, k_mean, rank=r, P=P, used=None, G=G, aligned=True)
+        assert_bitwise(out, expected, f"rank {r}")
+
+
 # NaN / Inf. P = 2, L = 65, G = 64: rank 0 holds groups 0 (local rows 0..63) and 1 (row 64);
 # rank 1 holds groups 1 (local rows 0..62) and 2 (rows 63..64).
 NP, NL, NH, ND, NG = 2, 65, 3, 64, 64
