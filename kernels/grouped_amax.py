@@ -130,17 +130,17 @@ def _grouped_amax_kernel(
     tl.store(p_out, b_out, mask=m_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_touched", "n_slots"])
 def _grouped_amax_aligned_kernel(
     k_ptr,
+    stride_kb,
     mean_ptr,
     out_ptr,
+    n_touched,
+    n_slots,
     H: tl.constexpr,
-    STRIDE_B: tl.constexpr,
     STRIDE_L: tl.constexpr,
     STRIDE_H: tl.constexpr,
-    N_TOUCHED: tl.constexpr,
-    N_SLOTS: tl.constexpr,
     FLOOR: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -149,14 +149,17 @@ def _grouped_amax_aligned_kernel(
     USE_PDL: tl.constexpr,
 ):
     """The same partial amax for a shard whose first row and length are whole groups and
-    whose groups are all whole (no tail group on it), specialized to the shape: the strides,
-    H, the slot counts and the G / SUB trips of a program are literals and no load is masked.
-    One program per (batch, touched slot, head); the program of the last touched slot also
-    writes the surplus slots' zeros. Same bits as ``_grouped_amax_kernel``."""
-    i_pid = tl.program_id(0)
-    i_h = i_pid % H
-    i_s = (i_pid // H) % N_TOUCHED
-    i_b = i_pid // (H * N_TOUCHED)
+    whose groups are all whole (no tail group on it), specialized to the model, not to the
+    sequence: H, the row and head strides and the G / SUB trips of a program are literals and
+    no load is masked, while the batch stride and the slot counts (which follow L) are
+    runtime ints, so one compilation serves every sequence length of a model (the batch
+    stride keeps Triton's 16-divisibility specialization, which the vector loads need).
+    Grid (touched slot * H + head, batch): the index arithmetic divides by the literal H only.
+    An aligned shard has exactly one surplus slot (``slots(L, G) = L / G + 1``), whose zero
+    the program of the last touched slot writes. Same bits as ``_grouped_amax_kernel``."""
+    i_h = tl.program_id(0) % H
+    i_s = tl.program_id(0) // H
+    i_b = tl.program_id(1)
     o_r = tl.arange(0, SUB)
     o_d = tl.arange(0, D)
 
@@ -164,7 +167,7 @@ def _grouped_amax_aligned_kernel(
         gdc_wait()
 
     b_mean = tl.load(mean_ptr + (i_b * H + i_h) * D + o_d).to(tl.float32)[None, :]  # [1, D]
-    p_k = k_ptr + i_b.to(tl.int64) * STRIDE_B + i_s.to(tl.int64) * (G * STRIDE_L)
+    p_k = k_ptr + i_b.to(tl.int64) * stride_kb + i_s.to(tl.int64) * (G * STRIDE_L)
     p_k += i_h.to(tl.int64) * STRIDE_H
     o_k = o_r[:, None] * STRIDE_L + o_d[None, :]  # [SUB, D]
     b_acc = tl.zeros([SUB, D], dtype=tl.int32)
@@ -177,10 +180,9 @@ def _grouped_amax_aligned_kernel(
 
     floor_bits = tl.full([], FLOOR, tl.float32).to(tl.int32, bitcast=True)
     b_max = tl.max(tl.max(b_acc, axis=1), axis=0)
-    p_out = out_ptr + (i_b * H + i_h) * N_SLOTS
+    p_out = out_ptr + (i_b * H + i_h).to(tl.int64) * n_slots
     tl.store(p_out + i_s, tl.maximum(b_max, floor_bits).to(tl.float32, bitcast=True))
-    for j in tl.static_range(N_TOUCHED, N_SLOTS):
-        tl.store(p_out + j, 0.0, mask=i_s == N_TOUCHED - 1)
+    tl.store(p_out + n_touched, 0.0, mask=i_s == n_touched - 1)
 
 
 # Streaming hint and tile rule of the amax kernel on CUDA, from the cold (L2-flushed) sweep
@@ -190,8 +192,9 @@ def _grouped_amax_aligned_kernel(
 # * one-warp programs reading whole rows, 32 elements a thread a trip (8 rows at D = 128);
 # * grids of fewer one-warp programs than 16 per SM (B1 L8192 H8 D128: 1040 programs) spread
 #   16 rows a load over the warps instead: 8.1 against 9.3 us.
-# * a shard aligned to the grid with whole groups takes the shape-specialized kernel from
-#   1 MiB of K (a compilation per shape; smaller shards are not worth one): 16 rows a load,
+# * a shard aligned to the grid with whole groups takes the model-specialized kernel from
+#   1 MiB of K (a compilation per H, D, G, dtype and row / head stride, shared by every
+#   sequence length; smaller shards stay on the generic kernel): 16 rows a load,
 #   one warp per 128 elements of it (session 11, call 7: 18.3 against 21.2 us at 68 MB,
 #   64.3 against 70.7 at 268 MB, 80.1 against 86.3 at 336 MB, 6.9 against 9.1 at 17 MB).
 EVICT_MAX_BYTES = 256 << 20
@@ -202,7 +205,7 @@ ALIGNED_MIN_BYTES = 1 << 20
 def aligned_fits(
     L: int, group_size: int, row0: int, tail_group: int, g_first: int, n_touched: int
 ) -> bool:
-    """Whether the shape-specialized kernel can serve this shard: its first row and length are
+    """Whether the model-specialized kernel can serve this shard: its first row and length are
     whole groups, and the tail group (if any) is not one of its groups."""
     return (
         row0 % group_size == 0
@@ -240,26 +243,27 @@ def prepare_grouped_amax(
     cuda = compiled_for_gpu(device)
     # the aligned kernel's tile offsets are int32: 16 rows of stride_kl must fit
     fits = aligned_fits(L, group_size, row0, tail_group, g_first, n_touched)
-    fits = fits and 16 * stride_kl < 2**31
+    fits = fits and 16 * stride_kl < 2**31 and B < 65536
     if aligned is None:
         aligned = cuda and fits and B * L * H * D * 2 >= ALIGNED_MIN_BYTES and rows is None
     assert fits or not aligned, "aligned=True needs a shard of whole groups with no tail group"
     if aligned:
         sub = sub or min(16, group_size)
         assert group_size % sub == 0, f"sub={sub} must divide group_size={group_size}"
+        assert n_slots == n_touched + 1, (n_slots, n_touched)  # an aligned shard's one surplus
         return Launch(
             _grouped_amax_aligned_kernel,
-            (B * n_touched * H,),
+            (n_touched * H, B),
             device,
             num_warps=num_warps or (max(1, min(16, sub * D // 128)) if cuda else 1),
             use_pdl=use_pdl,
             slots=("k_ptr", "mean_ptr", "out_ptr"),
+            stride_kb=stride_kb,
+            n_touched=n_touched,
+            n_slots=n_slots,
             H=H,
-            STRIDE_B=stride_kb,
             STRIDE_L=stride_kl,
             STRIDE_H=stride_kh,
-            N_TOUCHED=n_touched,
-            N_SLOTS=n_slots,
             FLOOR=floor,
             G=group_size,
             D=D,
@@ -339,7 +343,7 @@ def grouped_amax(
     the shard's first global row, the slot count, the first touched group and how many are
     touched, the tail group (-1 for none) and the end of the live rows. ``rows``/``block_h``/
     ``num_warps``/``sub`` override the tile, ``evict`` the L2 hint on K's loads and
-    ``aligned`` the choice of the shape-specialized kernel (None: on CUDA for aligned shards
+    ``aligned`` the choice of the model-specialized kernel (None: on CUDA for aligned shards
     of at least 1 MiB; True needs an aligned shard). Any choice gives the same bits.
     """
     assert k_mean.is_contiguous()

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from ulysses.kernels import _runtime
 from ulysses.kernels import grouped_amax as grouped_amax_module
 
 import ulysses
@@ -363,7 +364,7 @@ def test_launch_configuration_does_not_change_bits(block_h, rows, sub, make_k_fu
 def test_aligned_kernel_matches_the_reference(
     P, L, H, D, G, used, dtype, make_k_full, assert_bitwise
 ):
-    """The shape-specialized kernel (forced here; on CUDA the plan takes it for aligned shards
+    """The model-specialized kernel (forced here; on CUDA the plan takes it for aligned shards
     of >= 1 MiB) gives the reference's bits on every rank it can serve, surplus slots zero;
     the ranks holding the tail group are refused (they take the generic kernel)."""
     k_full = make_k_full(B, L * P, H, D, dtype, "smooth", used=used, seed=23)
@@ -406,6 +407,46 @@ def test_aligned_kernel_on_a_strided_view(make_k_full, assert_bitwise):
         expected = ref.grouped_amax_shard(k, k_mean, rank=r, world_size=P, group_size=G)
         out = _launcher(view, k_mean, rank=r, P=P, used=None, G=G, aligned=True)
         assert_bitwise(out, expected, f"rank {r}")
+
+
+def _specialization(launch) -> tuple:
+    """What Triton compiles a launch for, apart from the tensors: the constexpr values and,
+    of the specialized ints, the properties Triton keys on (== 1, 16-divisible, 64-bit)."""
+    names, modes = _runtime._params(launch.kernel)
+    key = [launch.num_warps]
+    for name, mode, value in zip(names, modes, launch.args, strict=True):
+        if mode == _runtime._CONSTEXPR:
+            key.append((name, value))
+        elif mode == _runtime._SPECIALIZED and isinstance(value, int):
+            key.append((name, value == 1, value % 16 == 0, value >= 2**31))
+    return tuple(key)
+
+
+def test_aligned_kernel_compiles_once_per_model_not_per_sequence_length():
+    """Training with packed batches and serving see a new L on almost every call: the
+    aligned kernel's compilation key must not follow L, B, the rank or the world size (only
+    H, D, G, the strides within a row and the tile), or every new length would compile."""
+    H, D, G = 8, 128, 64
+    keys = set()
+    for B_, L, P, r in [
+        (1, 4736, 8, 3),
+        (1, 8192, 8, 2),
+        (2, 16384, 4, 1),
+        (1, 1024, 2, 0),
+        (3, 3072, 6, 5),
+    ]:
+        lay = grid.layout(r, L, P, G, None)
+        launch = grouped_amax_module.prepare_grouped_amax(
+            (B_, L, H, D),
+            (L * H * D, H * D, D, 1),
+            torch.device("cpu"),
+            use_pdl=False,
+            aligned=True,
+            **lay.amax_args(),
+        )
+        assert launch.kernel is grouped_amax_module._grouped_amax_aligned_kernel
+        keys.add(_specialization(launch))
+    assert len(keys) == 1, keys
 
 
 # NaN / Inf. P = 2, L = 65, G = 64: rank 0 holds groups 0 (local rows 0..63) and 1 (row 64);
