@@ -27,7 +27,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from . import _ops, grid
 from . import _validate as v
-from .kernels._runtime import output_template, stream_key, workspace
+from .kernels._runtime import stream_key, workspace
 from .kernels.block_stats import (
     MINMAX_ALL,
     MINMAX_BOUNDARY,
@@ -334,9 +334,6 @@ class _StatsPlan:
         numel, n_mm = part.numel, (lay.n_slots if part.minmax_mode == MINMAX_ALL else 0)
         self.method, self.lay, self.device, self.dtype = part.method, lay, device, k.dtype
         self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay.n_slots)
-        # the outputs' templates: torch.empty_like of them is the cheapest allocation
-        self.mean_out = output_template(self.mean_shape, k.dtype, device)
-        self.amax_out = output_template(self.amax_shape, torch.float32, device)
         payload = workspace("payload", numel, torch.float32, device)[:numel]
         minmax = workspace("minmax", max(1, B * n_mm * 2 * H * D), k.dtype, device)
         minmax = minmax[: B * n_mm * 2 * H * D].view(B, n_mm, 2, H, D)
@@ -377,12 +374,13 @@ class _StatsPlan:
     def __call__(self, k: torch.Tensor, pg):
         self.local(k)
         self.gather(pg)
-        mean = torch.empty_like(self.mean_out)
+        device = self.device
+        mean = torch.empty(self.mean_shape, dtype=self.dtype, device=device)
         if self.method is None:
             self.finalize(mean)
             return mean
-        part = torch.empty_like(self.amax_out)
-        final = torch.empty_like(self.amax_out)
+        part = torch.empty(self.amax_shape, dtype=torch.float32, device=device)
+        final = torch.empty(self.amax_shape, dtype=torch.float32, device=device)
         if self.method == "fused":
             self.finalize(mean, part, final)
         else:
