@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import sys
@@ -167,6 +168,9 @@ class Watchdog:
 
     def _fire(self) -> None:
         elapsed = time.monotonic() - self._start
+        # where every thread of this rank is (a hang's place), then the verdict line last
+        print(f"[rank {self.rank}] WATCHDOG: the rank's threads:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         print(
             f"[rank {self.rank}] WATCHDOG: {self.program} still running after {elapsed:.0f} s "
             f"(limit {self.timeout_s:g} s) during {self.phase!r}; exiting with code "
