@@ -78,6 +78,11 @@ if [ -n "${GPU_CHECK_CACHE_IN:-}" ]; then
         echo "gpu_check: GPU_CHECK_CACHE_IN=$GPU_CHECK_CACHE_IN holds no triton_cache.tgz.part*; starting cold"
     fi
 fi
+# compiled kernels in Triton's cache (a folder each): how many this run had to compile says
+# whether a carried cache served (Triton keys a kernel on the first line of every jit function
+# it calls, so an edit above one in its file makes every caller compile again)
+cache_entries() { if [ -d "$tcache" ]; then find "$tcache" -mindepth 1 -maxdepth 1 -type d | wc -l; else echo 0; fi; }
+entries_before=$(cache_entries)
 
 # backend of P ranks: $ULYSSES_BACKEND when set, else the best one here (what "auto" picks)
 backend_for() {
@@ -272,6 +277,9 @@ with open(table_path, "w") as f:
 sys.exit(1 if failed or not rows else 0)
 EOF
 status=$?
+entries_after=$(cache_entries)
+echo "gpu_check: Triton cache: $entries_before compiled kernels at the start, $entries_after at the" \
+    "end ($((entries_after - entries_before)) compiled by this run)"
 if [ -n "${GPU_CHECK_CACHE_OUT:-}" ]; then
     if [ -d "$tcache" ]; then
         mkdir -p "$GPU_CHECK_CACHE_OUT" && rm -f "$GPU_CHECK_CACHE_OUT"/triton_cache.tgz.part* &&

@@ -53,3 +53,18 @@ def test_missing_cache_parts_start_cold(tmp_path):
     cache = tmp_path / "cache"
     out = _run(tmp_path, "run", {"TRITON_CACHE_DIR": str(cache), "GPU_CHECK_CACHE_IN": str(empty)})
     assert "holds no triton_cache.tgz.part*; starting cold" in out, out
+
+
+def test_the_run_reports_how_many_kernels_it_compiled(tmp_path):
+    """The table's run says how many compiled kernels the Triton cache held before and after,
+    so a carried cache that missed (every kernel compiled again) shows in the log."""
+    cache = tmp_path / "cache"
+    for name in ("aa", "bb"):
+        (cache / name).mkdir(parents=True)
+        (cache / name / "kernel.json").write_text("{}")
+    (cache / "stray-file").write_text("")  # not a compiled kernel
+    out = _run(tmp_path, "run", {"TRITON_CACHE_DIR": str(cache)})
+    assert (
+        "Triton cache: 2 compiled kernels at the start, 2 at the end (0 compiled by this run)"
+        in out
+    ), out
