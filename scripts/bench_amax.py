@@ -176,6 +176,13 @@ def host_parts():
     def raw():
         fn(g[0], g[1], g[2], stream, *prefix, *args)
 
+    targs = launch.args.copy()
+    for p_, t in zip(launch.positions, (k, m, out), strict=True):
+        targs[p_] = t
+
+    def raw_tensors():  # the launcher given the tensors (before session 12)
+        fn(g[0], g[1], g[2], stream, *prefix, *targs)
+
     def key():
         return (
             k.shape, k.stride(), k.dtype, k.device, m.shape, m.stride(), m.dtype, m.device,
@@ -192,6 +199,7 @@ def host_parts():
         ("whole call (eager, back to back)", eager_us(call, n=2000)),
         ("prepared Launch(k, m, out)", eager_us(lambda: launch(k, m, out), n=2000)),
         ("compiled kernel's launcher alone", eager_us(raw, n=2000)),
+        ("the launcher alone, given tensors", eager_us(raw_tensors, n=2000)),
         ("torch.empty of the output", host_only(lambda: torch.empty(plan.shape, device="cuda"))),
         ("plan key tuple", host_only(key)),
         ("_PLANS.get(key)", host_only(lambda: amax._PLANS.get(key()))),
