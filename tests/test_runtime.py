@@ -274,8 +274,9 @@ def test_direct_launch_only_where_its_layout_is_known(monkeypatch, version, scra
     kernel without scratch memory; its arguments are then the launcher's own, in order."""
     monkeypatch.setattr(triton, "__version__", version)
     run = _FakeLauncher(*scratch)
-    fn, prefix = _runtime._entry(_FakeCompiled(run))
-    if version.startswith("3.6.") and scratch == (0, 0):
+    fn, prefix, direct = _runtime._entry(_FakeCompiled(run))
+    assert direct == (version.startswith("3.6.") and scratch == (0, 0))
+    if direct:
         assert fn == run.launch
         assert fn(1, 2, 3, "stream", *prefix, "a0") == (
             (1, 2, 3, "stream", "function", False, True, None, None, (4, 1, 0))
@@ -303,9 +304,32 @@ def test_prepared_launch_calls_the_c_launcher_on_triton_36():
         for key, p in amax._PLANS.items()
         if key[0] == kc.shape and key[3].type == "cuda" and key[8:11] == (1, 2, None)
     ]
-    fn, _ = next(iter(plan.launch.entries.values()))
-    direct = triton.__version__.startswith(_runtime._DIRECT_LAUNCH_VERSIONS)
+    bits, entry = next(iter(plan.launch.entries.items()))
+    fn, prefix, direct = entry
+    assert direct == triton.__version__.startswith(_runtime._DIRECT_LAUNCH_VERSIONS)
     assert (getattr(fn, "__name__", "") == "launch") == direct, (triton.__version__, fn)
+    assert plan.launch.direct == direct
+    # the C launch function gets the tensors' addresses as ints (no data_ptr call, no driver
+    # query of each pointer); Triton's Python launcher gets the tensors
+    calls = []
+
+    def record(*args):
+        calls.append(args)
+        return fn(*args)
+
+    plan.launch.entries[bits] = (record, prefix, direct)
+    try:
+        out = ulysses.k_grouped_amax(kc, mc, rank=1, world_size=2)
+    finally:
+        plan.launch.entries[bits] = entry
+    assert ref.bitwise_diff(out.cpu(), expected) is None
+    (args,) = calls
+    kernel_args = args[4 + len(prefix) :]
+    passed = [kernel_args[p] for p in plan.launch.positions]
+    if direct:
+        assert passed == [kc.data_ptr(), mc.data_ptr(), out.data_ptr()]
+    else:
+        assert all(isinstance(a, torch.Tensor) for a in passed)
 
 
 @triton.jit
