@@ -25,8 +25,11 @@ import threading
 import time
 
 import torch
-import triton
-import triton.language as tl
+
+# The kernels' shared @triton.jit helpers live in _tl.py, not here: Triton keys a jit
+# function's compile cache on its starting line, so a helper below this busy host code would
+# recompile every kernel whenever a line above it moved (session 12: a carried cache missed).
+from ._tl import load_streamed
 
 try:  # Triton >= 3.4 exposes grid dependency control (programmatic dependent launch).
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -57,16 +60,6 @@ __all__ = [
 ]
 
 HAS_GDC = gdc_wait is not None
-
-
-@triton.jit
-def load_streamed(p, mask, other, EVICT: tl.constexpr):
-    """``tl.load``; with ``EVICT`` the lines are marked first for eviction from L2 (data read
-    once by this launch). Same values either way: a hint for the memory system only."""
-    if EVICT:
-        return tl.load(p, mask=mask, other=other, eviction_policy="evict_first")
-    else:
-        return tl.load(p, mask=mask, other=other)
 
 
 # Held by CPU (interpreted) launches and by CUDA compilations: the interpreter patches module
