@@ -535,3 +535,62 @@ def test_the_host_runtime_defines_no_jit_function():
     ]
     assert defined_here == []
     assert isinstance(_runtime.load_streamed, JITFunction)
+
+
+def test_generated_fast_call_passes_what_the_generic_call_passes(monkeypatch):
+    """``_fast_call`` (a prepared CUDA launch as one generated function) gives Triton's C
+    launch function the same arguments as the generic ``Launch.__call__``: the grid, the
+    stream, the compiled kernel's prefix, the slot tensors as addresses, every fixed
+    argument in order (a fixed tensor as its address). It declines (returns False, launching
+    nothing) for an alignment pattern with no compiled kernel, a set launch hook or another
+    current device. Runs on CPU with a stand-in launch function."""
+    monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
+    monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 1000 + index)
+    monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: False)
+    fixed = torch.zeros(64)  # stands for a scratch buffer bound at plan time
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    launch = _runtime.Launch(
+        _fake_launch_kernel,
+        (5, 3),
+        torch.device("cuda:0"),
+        num_warps=2,
+        slots=("x_ptr", "out_ptr"),
+        scratch_ptr=fixed,
+        n=7,
+        BLOCK=16,
+    )
+    x, out = torch.zeros(32), torch.zeros(32)[1:]  # out is 4 bytes off 16-byte alignment
+    bits = (1 << 1) | 0  # x aligned, out not: the generic path's pattern
+    calls = []
+    prefix = ("function", False, True, None, None, (2, 1, 0), None, None, None)
+    launch.entries[bits] = (lambda *a: calls.append(a), prefix, True)
+    launch.direct = True
+    launch(x, out)  # the generic path
+    fast = _runtime._fast_call(launch)
+    assert fast(x, out) is True
+    assert len(calls) == 2
+    generic, generated = calls
+    assert generic[:4] == generated[:4] == (5, 3, 1, 1000)
+    assert generic[4:13] == generated[4:13] == prefix
+    names = launch.names
+    expected = {"x_ptr": x.data_ptr(), "out_ptr": out.data_ptr(), "n": 7, "BLOCK": 16}
+    for name, value in zip(names, generated[13:], strict=True):
+        if name == "scratch_ptr":
+            assert value == fixed.data_ptr()
+        else:
+            assert value == expected[name], name
+    assert [a for n, a in zip(names, generic[13:], strict=True) if n != "scratch_ptr"] == [
+        a for n, a in zip(names, generated[13:], strict=True) if n != "scratch_ptr"
+    ]
+    assert fast(torch.zeros(32)[1:], out) is False  # no kernel for this pattern yet
+    monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: True)
+    assert _runtime._fast_call(launch)(x, out) is False
+    monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(_runtime, "_current_device", lambda: 1)
+    assert _runtime._fast_call(launch)(x, out) is False
+    assert len(calls) == 2
+
+
+@triton.jit
+def _fake_launch_kernel(x_ptr, scratch_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    pass
