@@ -309,6 +309,7 @@ def test_prepared_launch_calls_the_c_launcher_on_triton_36():
     assert direct == triton.__version__.startswith(_runtime._DIRECT_LAUNCH_VERSIONS)
     assert (getattr(fn, "__name__", "") == "launch") == direct, (triton.__version__, fn)
     assert plan.launch.direct == direct
+    assert (plan.launch.fast is not None) == direct  # built at the plan's second call
     # the C launch function gets the tensors' addresses as ints (no data_ptr call, no driver
     # query of each pointer); Triton's Python launcher gets the tensors
     calls = []
@@ -537,18 +538,30 @@ def test_the_host_runtime_defines_no_jit_function():
     assert isinstance(_runtime.load_streamed, JITFunction)
 
 
-def test_generated_fast_call_passes_what_the_generic_call_passes(monkeypatch):
-    """``_fast_call`` (a prepared CUDA launch as one generated function) gives Triton's C
-    launch function the same arguments as the generic ``Launch.__call__``: the grid, the
-    stream, the compiled kernel's prefix, the slot tensors as addresses, every fixed
-    argument in order (a fixed tensor as its address). It declines (returns False, launching
-    nothing) for an alignment pattern with no compiled kernel, a set launch hook or another
-    current device. Runs on CPU with a stand-in launch function."""
+def _stand_in_cuda(monkeypatch):
+    """Run CUDA ``Launch`` calls on CPU: device 0 current, a fake stream, no hooks, and
+    every tensor reporting itself as a CUDA tensor (``_fast_call`` binds fixed CUDA tensors
+    as addresses)."""
     monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
     monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 1000 + index)
     monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: False)
-    fixed = torch.zeros(64)  # stands for a scratch buffer bound at plan time
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+
+
+_PREFIX = ("function", False, True, None, None, (2, 1, 0), None, None, None)
+
+
+def test_generated_fast_call_passes_what_the_generic_call_passes(monkeypatch):
+    """A reused CUDA ``Launch`` whose kernel runs through Triton's C launch function builds
+    its call as one generated function (``_fast_call``) at the first call that finds its
+    compiled kernel (a plan's second call), and that gives the C function the same arguments
+    as the generic ``Launch.__call__``: the grid, the stream, the compiled kernel's prefix,
+    the slot tensors as addresses, every fixed argument in order (a fixed tensor as its address, which only the generated call does). It
+    declines (returns False, launching nothing) for an alignment pattern with no compiled
+    kernel, an entry not launched through the C function, a set launch hook or another
+    current device. Runs on CPU with a stand-in launch function."""
+    _stand_in_cuda(monkeypatch)
+    fixed = torch.zeros(64)  # stands for a scratch buffer bound at plan time
     launch = _runtime.Launch(
         _fake_launch_kernel,
         (5, 3),
@@ -562,27 +575,28 @@ def test_generated_fast_call_passes_what_the_generic_call_passes(monkeypatch):
     x, out = torch.zeros(32), torch.zeros(32)[1:]  # out is 4 bytes off 16-byte alignment
     bits = (1 << 1) | 0  # x aligned, out not: the generic path's pattern
     calls = []
-    prefix = ("function", False, True, None, None, (2, 1, 0), None, None, None)
-    launch.entries[bits] = (lambda *a: calls.append(a), prefix, True)
+    launch.entries[bits] = (lambda *a: calls.append(a), _PREFIX, True)
     launch.direct = True
-    launch(x, out)  # the generic path
-    fast = _runtime._fast_call(launch)
-    assert fast(x, out) is True
+    assert launch.fast is None
+    launch(x, out)  # the generic path, which then builds the generated call
+    assert launch.fast is not None
+    launch(x, out)  # through launch.fast
     assert len(calls) == 2
     generic, generated = calls
     assert generic[:4] == generated[:4] == (5, 3, 1, 1000)
-    assert generic[4:13] == generated[4:13] == prefix
+    assert generic[4:13] == generated[4:13] == _PREFIX
     names = launch.names
     expected = {"x_ptr": x.data_ptr(), "out_ptr": out.data_ptr(), "n": 7, "BLOCK": 16}
-    for name, value in zip(names, generated[13:], strict=True):
+    for name, g_value, value in zip(names, generic[13:], generated[13:], strict=True):
         if name == "scratch_ptr":
-            assert value == fixed.data_ptr()
+            assert g_value is fixed and value == fixed.data_ptr()
         else:
-            assert value == expected[name], name
-    assert [a for n, a in zip(names, generic[13:], strict=True) if n != "scratch_ptr"] == [
-        a for n, a in zip(names, generated[13:], strict=True) if n != "scratch_ptr"
-    ]
+            assert g_value == value == expected[name], name
+    fast = launch.fast
     assert fast(torch.zeros(32)[1:], out) is False  # no kernel for this pattern yet
+    launch.entries[bits] = (lambda *a: calls.append(a), _PREFIX, False)
+    assert fast(x, out) is False  # a kernel launched through Triton's Python launcher
+    launch.entries[bits] = (lambda *a: calls.append(a), _PREFIX, True)
     monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: True)
     assert _runtime._fast_call(launch)(x, out) is False
     monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: False)
@@ -591,6 +605,37 @@ def test_generated_fast_call_passes_what_the_generic_call_passes(monkeypatch):
     assert len(calls) == 2
 
 
+def test_generated_fast_call_picks_the_generic_calls_kernel_for_each_alignment(monkeypatch):
+    """Three slots, two compiled alignment patterns (only the first slot aligned: 0b100; only
+    the last: 0b001): the generated call and the generic one launch the same kernel for
+    each (the first slot is the pattern's high bit in both)."""
+    _stand_in_cuda(monkeypatch)
+    launch = _runtime.Launch(
+        _fake_launch_kernel3,
+        (1,),
+        torch.device("cuda:0"),
+        slots=("a_ptr", "b_ptr", "c_ptr"),
+        scratch_ptr=torch.zeros(8),
+        n=3,
+    )
+    hits = []
+    for pattern in (0b100, 0b001):
+        launch.entries[pattern] = (lambda *a, p=pattern: hits.append(p), _PREFIX, True)
+    launch.direct = True
+    aligned, unaligned = torch.zeros(16), torch.zeros(16)[1:]
+    cases = [((aligned, unaligned, unaligned), 0b100), ((unaligned, unaligned, aligned), 0b001)]
+    for tensors, pattern in cases:
+        launch.fast = None
+        launch(*tensors)  # generic
+        assert _runtime._fast_call(launch)(*tensors) is True  # generated
+        assert hits[-2:] == [pattern, pattern]
+
+
 @triton.jit
 def _fake_launch_kernel(x_ptr, scratch_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _fake_launch_kernel3(a_ptr, b_ptr, scratch_ptr, c_ptr, n):
     pass
