@@ -508,6 +508,11 @@ class Launch:
     specialization; dtypes and shapes are fixed by whoever caches the ``Launch``) and calls
     the compiled kernel's launcher. The first call of each alignment pattern, a CPU device
     and active launch hooks go through :func:`launch`.
+
+    The owner guarantees that the slot tensors are on the ``Launch``'s device (the package's
+    plans key on every tensor's device): Triton's C launch function is given their addresses
+    as ints, which it does not check (given a tensor it would ask the driver), so a tensor on
+    another device would fault in the kernel instead of raising.
     """
 
     __slots__ = (
