@@ -25,8 +25,11 @@ import threading
 import time
 
 import torch
-import triton
-import triton.language as tl
+
+# The kernels' shared @triton.jit helpers live in _tl.py, not here: Triton keys a jit
+# function's compile cache on its starting line, so a helper below this busy host code would
+# recompile every kernel whenever a line above it moved (session 12: a carried cache missed).
+from ._tl import load_streamed
 
 try:  # Triton >= 3.4 exposes grid dependency control (programmatic dependent launch).
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -45,6 +48,7 @@ __all__ = [
     "clear_launch_cache",
     "tile",
     "workspace",
+    "output_template",
     "counters",
     "sm_count",
     "first_launch_stats",
@@ -56,16 +60,6 @@ __all__ = [
 ]
 
 HAS_GDC = gdc_wait is not None
-
-
-@triton.jit
-def load_streamed(p, mask, other, EVICT: tl.constexpr):
-    """``tl.load``; with ``EVICT`` the lines are marked first for eviction from L2 (data read
-    once by this launch). Same values either way: a hint for the memory system only."""
-    if EVICT:
-        return tl.load(p, mask=mask, other=other, eviction_policy="evict_first")
-    else:
-        return tl.load(p, mask=mask, other=other)
 
 
 # Held by CPU (interpreted) launches and by CUDA compilations: the interpreter patches module
@@ -249,6 +243,16 @@ def stream_key(device: torch.device) -> tuple:
         return (device.type, None, 0)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return ("cuda", index, torch._C._cuda_getCurrentRawStream(index))
+
+
+def output_template(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element tensor expanded to ``shape`` (one small allocator block held, whatever
+    the shape): a plan keeps it, and ``torch.empty_like(template)`` then allocates a new
+    contiguous output of that shape, dtype and device from one argument instead of three
+    keywords (the eager path of issue 12: 3.8 against 6.6 us on the H200 host, session 12).
+    An expanded tensor overlaps itself, so ``empty_like`` does not copy its strides; it lays
+    the output out contiguously (with every dim of size 1, strides of 1: still contiguous)."""
+    return torch.empty(1, dtype=dtype, device=device).expand(shape)
 
 
 def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -453,7 +457,7 @@ def _launch_cuda(kernel, grid: tuple, device: torch.device, num_warps: int, use_
             _FIRST_LAUNCHES[0] += 1
             _FIRST_LAUNCHES[1] += time.perf_counter() - t0
         return entry
-    fn, prefix = entry
+    fn, prefix, _ = entry
     n = len(grid)
     g1 = grid[1] if n > 1 else 1
     g2 = grid[2] if n > 2 else 1
@@ -474,7 +478,11 @@ _DIRECT_LAUNCH_VERSIONS = ("3.6.",)
 
 
 def _entry(compiled) -> tuple:
-    """(callable, arguments between the stream and the kernel's own) of a compiled kernel."""
+    """(callable, arguments between the stream and the kernel's own, whether the callable is
+    Triton's C launch function) of a compiled kernel. The C function takes a pointer argument
+    as an int as well as a tensor; given a tensor it calls its ``data_ptr`` method and asks
+    the driver whether the address is device memory (``cuPointerGetAttribute``), so
+    :class:`Launch`, whose owner has checked the devices, passes the ints it has read."""
     import triton
 
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
@@ -487,8 +495,8 @@ def _entry(compiled) -> tuple:
         and hasattr(run, "launch_pdl")
     ):
         coop, pdl = run.launch_cooperative_grid, run.launch_pdl
-        return run.launch, (function, coop, pdl, None, None, metadata, None, None, None)
-    return run, (function, metadata, None, None, None)
+        return run.launch, (function, coop, pdl, None, None, metadata, None, None, None), True
+    return run, (function, metadata, None, None, None), False
 
 
 class Launch:
@@ -500,6 +508,11 @@ class Launch:
     specialization; dtypes and shapes are fixed by whoever caches the ``Launch``) and calls
     the compiled kernel's launcher. The first call of each alignment pattern, a CPU device
     and active launch hooks go through :func:`launch`.
+
+    The owner guarantees that the slot tensors are on the ``Launch``'s device (the package's
+    plans key on every tensor's device): Triton's C launch function is given their addresses
+    as ints, which it does not check (given a tensor it would ask the driver), so a tensor on
+    another device would fault in the kernel instead of raising.
     """
 
     __slots__ = (
@@ -513,6 +526,8 @@ class Launch:
         "args",
         "positions",
         "entries",
+        "direct",
+        "fast",
         "g",
     )
 
@@ -539,6 +554,8 @@ class Launch:
         self.args = [fixed.get(n) for n in names]
         self.positions = tuple(names.index(s) for s in slots)
         self.entries: dict[int, tuple] = {}
+        self.direct = False
+        self.fast = None  # _fast_call(self), from the second call through the C function
         self.g = (
             self.grid[0],
             self.grid[1] if len(grid) > 1 else 1,
@@ -546,11 +563,16 @@ class Launch:
         )
 
     def __call__(self, *tensors: torch.Tensor) -> None:
+        fast = self.fast
+        if fast is not None and fast(*tensors):
+            return
         args = self.args.copy()
         bits = 0
+        direct = self.direct  # the C launch function takes the addresses as ints (_entry)
         for p, t in zip(self.positions, tensors, strict=True):
-            args[p] = t
-            bits = (bits << 1) | ((t.data_ptr() & 15) == 0)
+            ptr = t.data_ptr()
+            args[p] = ptr if direct else t
+            bits = (bits << 1) | ((ptr & 15) == 0)
         index = self.index
         if index is None:  # CPU: the interpreter (or the CUDA mirror of the tests)
             launch(
@@ -563,6 +585,8 @@ class Launch:
             return
         entry = self.entries.get(bits)
         if entry is None or _launch_hooks_set():
+            for p, t in zip(self.positions, tensors, strict=True):
+                args[p] = t
             entry = _launch_cuda(
                 self.kernel,
                 self.grid,
@@ -573,14 +597,78 @@ class Launch:
             )
             if entry is not None:
                 self.entries[bits] = entry
+                self.direct = entry[2]
             return
-        fn, prefix = entry
+        fn, prefix, direct = entry
+        if direct and self.fast is None:
+            # a second call: the Launch is reused (a plan's), so its generated call pays off;
+            # one-shot Launches (the custom ops' host functions) never build one
+            self.fast = _fast_call(self)
         g0, g1, g2 = self.g
         if _current_device() != index:
             with torch.cuda.device(index):
                 fn(g0, g1, g2, _raw_stream(index), *prefix, *args)
         else:
             fn(g0, g1, g2, _raw_stream(index), *prefix, *args)
+
+
+def _fast_call(launch_obj: Launch):
+    """The call of a prepared CUDA ``Launch`` whose kernel runs through Triton's C launch
+    function, as one generated Python function: the slot tensors are its parameters, every
+    fixed argument a name bound in its namespace (a fixed tensor as its address: the
+    ``Launch`` holds the tensor, so the address stays valid), and the call reads the three
+    addresses, picks the compiled kernel of their alignment pattern and calls the C function
+    with one flat argument list. Generic ``Launch.__call__`` builds that list element by
+    element on every call: 2.75 against 1.43 us of Python a call on this project's CPU
+    machine (session 12, a fake launch function). It returns False, having launched nothing,
+    when the alignment pattern has no compiled kernel yet or one not launched through the C
+    function, a launch hook is set or another device is current; the generic path then takes
+    the call. The entries dict, the launch-hook test, the current device and stream readers
+    are bound when the function is built (later rebinding of those names is not seen). The
+    source depends only on the slot positions and the argument count, so its compiled code
+    is shared (``_FAST_CODE``): building one for a ``Launch`` is an ``exec`` of cached code."""
+    n = len(launch_obj.positions)
+    scope = {
+        "entries_get": launch_obj.entries.get,
+        "hooks_set": _launch_hooks_set,
+        "current_device": _current_device,
+        "raw_stream": _raw_stream,
+        "index": launch_obj.index,
+        "g0": launch_obj.g[0],
+        "g1": launch_obj.g[1],
+        "g2": launch_obj.g[2],
+    }
+    slot_of = {p: j for j, p in enumerate(launch_obj.positions)}
+    names = []
+    for i, a in enumerate(launch_obj.args):
+        if i in slot_of:
+            names.append(f"p{slot_of[i]}")
+            continue
+        if isinstance(a, torch.Tensor) and a.is_cuda:
+            a = a.data_ptr()
+        scope[f"a{i}"] = a
+        names.append(f"a{i}")
+    code_key = (launch_obj.positions, len(launch_obj.args))
+    code = _FAST_CODE.get(code_key)
+    if code is None:
+        params = ", ".join(f"t{j}" for j in range(n))
+        ptrs = "; ".join(f"p{j} = t{j}.data_ptr()" for j in range(n)) or "pass"
+        bits = " | ".join(f"(((p{j} & 15) == 0) << {n - 1 - j})" for j in range(n)) or "0"
+        src = (
+            f"def fast({params}):\n"
+            f"    {ptrs}\n"
+            f"    entry = entries_get({bits})\n"
+            "    if entry is None or not entry[2] or current_device() != index or hooks_set():\n"
+            "        return False\n"
+            f"    entry[0](g0, g1, g2, raw_stream(index), *entry[1], {', '.join(names)})\n"
+            "    return True\n"
+        )
+        code = _FAST_CODE[code_key] = compile(src, "<ulysses generated Launch call>", "exec")
+    exec(code, scope)
+    return scope["fast"]
+
+
+_FAST_CODE: dict[tuple, object] = {}  # (slot positions, argument count) -> compiled code
 
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None

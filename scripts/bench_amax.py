@@ -166,15 +166,22 @@ def host_parts():
     (plan,) = [p for key, p in amax._PLANS.items() if key[0] == k.shape]
     out = torch.empty(plan.shape, dtype=torch.float32, device="cuda")
     launch = plan.launch
-    fn, prefix = next(iter(launch.entries.values()))
+    fn, prefix, direct = next(iter(launch.entries.values()))
     args = launch.args.copy()
     for p_, t in zip(launch.positions, (k, m, out), strict=True):
-        args[p_] = t
+        args[p_] = t.data_ptr() if direct else t  # as Launch passes them
     index, g = launch.index, launch.g
     stream = _runtime._raw_stream(index)
 
     def raw():
         fn(g[0], g[1], g[2], stream, *prefix, *args)
+
+    targs = launch.args.copy()
+    for p_, t in zip(launch.positions, (k, m, out), strict=True):
+        targs[p_] = t
+
+    def raw_tensors():  # the launcher given the tensors (before session 12)
+        fn(g[0], g[1], g[2], stream, *prefix, *targs)
 
     def key():
         return (
@@ -192,7 +199,9 @@ def host_parts():
         ("whole call (eager, back to back)", eager_us(call, n=2000)),
         ("prepared Launch(k, m, out)", eager_us(lambda: launch(k, m, out), n=2000)),
         ("compiled kernel's launcher alone", eager_us(raw, n=2000)),
+        ("the launcher alone, given tensors", eager_us(raw_tensors, n=2000)),
         ("torch.empty of the output", host_only(lambda: torch.empty(plan.shape, device="cuda"))),
+        ("torch.empty_like(template) (the plan's)", host_only(lambda: torch.empty_like(plan.out))),
         ("plan key tuple", host_only(key)),
         ("_PLANS.get(key)", host_only(lambda: amax._PLANS.get(key()))),
         ("3 x data_ptr()", host_only(lambda: (k.data_ptr(), m.data_ptr(), out.data_ptr()))),

@@ -37,10 +37,10 @@ def make_k_full():
 
 
 _REAL_EMPTY = torch.empty
+_REAL_EMPTY_LIKE = torch.empty_like
 
 
-def _poisoned_empty(*args, **kwargs):
-    t = _REAL_EMPTY(*args, **kwargs)
+def _poison(t: torch.Tensor) -> torch.Tensor:
     if t.numel() and not t.requires_grad and not torch.compiler.is_compiling():
         if t.is_floating_point():
             t.fill_(float("nan"))
@@ -51,10 +51,20 @@ def _poisoned_empty(*args, **kwargs):
     return t
 
 
+def _poisoned_empty(*args, **kwargs):
+    return _poison(_REAL_EMPTY(*args, **kwargs))
+
+
+def _poisoned_empty_like(*args, **kwargs):
+    return _poison(_REAL_EMPTY_LIKE(*args, **kwargs))
+
+
 @pytest.fixture(autouse=True)
 def _poison_empty(monkeypatch):
-    """Every ``torch.empty`` buffer starts as NaN (floats) or a nonzero pattern (ints), as
-    flash-linear-attention's tests do: an output slot a kernel forgot to write can never pass
-    as a plausible value. With ULYSSES_TEST_DEVICE=cuda the launches on CPU tensors run
-    compiled on the GPU (kernels/_runtime.py) and the poison travels with the buffers."""
+    """Every ``torch.empty`` / ``torch.empty_like`` buffer starts as NaN (floats) or a nonzero
+    pattern (ints), as flash-linear-attention's tests do: an output slot a kernel forgot to
+    write can never pass as a plausible value. With ULYSSES_TEST_DEVICE=cuda the launches on
+    CPU tensors run compiled on the GPU (kernels/_runtime.py) and the poison travels with the
+    buffers."""
     monkeypatch.setattr(torch, "empty", _poisoned_empty)
+    monkeypatch.setattr(torch, "empty_like", _poisoned_empty_like)

@@ -38,6 +38,7 @@ def test_repeat_calls_read_new_tensors_and_allocate_new_outputs(device):
             k.to(device), mean.to(device), rank=1, world_size=2, used_sequence=131
         )
         assert ref.bitwise_diff(out.cpu(), expected) is None, seed
+        assert out.is_contiguous() and out.device.type == device, (out.stride(), out.device)
         outs.append((out, expected))
     assert len(amax_module._PLANS) == 1  # one signature, one plan
     for out, expected in outs:  # earlier outputs untouched by later calls

@@ -274,8 +274,9 @@ def test_direct_launch_only_where_its_layout_is_known(monkeypatch, version, scra
     kernel without scratch memory; its arguments are then the launcher's own, in order."""
     monkeypatch.setattr(triton, "__version__", version)
     run = _FakeLauncher(*scratch)
-    fn, prefix = _runtime._entry(_FakeCompiled(run))
-    if version.startswith("3.6.") and scratch == (0, 0):
+    fn, prefix, direct = _runtime._entry(_FakeCompiled(run))
+    assert direct == (version.startswith("3.6.") and scratch == (0, 0))
+    if direct:
         assert fn == run.launch
         assert fn(1, 2, 3, "stream", *prefix, "a0") == (
             (1, 2, 3, "stream", "function", False, True, None, None, (4, 1, 0))
@@ -303,9 +304,33 @@ def test_prepared_launch_calls_the_c_launcher_on_triton_36():
         for key, p in amax._PLANS.items()
         if key[0] == kc.shape and key[3].type == "cuda" and key[8:11] == (1, 2, None)
     ]
-    fn, _ = next(iter(plan.launch.entries.values()))
-    direct = triton.__version__.startswith(_runtime._DIRECT_LAUNCH_VERSIONS)
+    bits, entry = next(iter(plan.launch.entries.items()))
+    fn, prefix, direct = entry
+    assert direct == triton.__version__.startswith(_runtime._DIRECT_LAUNCH_VERSIONS)
     assert (getattr(fn, "__name__", "") == "launch") == direct, (triton.__version__, fn)
+    assert plan.launch.direct == direct
+    assert (plan.launch.fast is not None) == direct  # built at the plan's second call
+    # the C launch function gets the tensors' addresses as ints (no data_ptr call, no driver
+    # query of each pointer); Triton's Python launcher gets the tensors
+    calls = []
+
+    def record(*args):
+        calls.append(args)
+        return fn(*args)
+
+    plan.launch.entries[bits] = (record, prefix, direct)
+    try:
+        out = ulysses.k_grouped_amax(kc, mc, rank=1, world_size=2)
+    finally:
+        plan.launch.entries[bits] = entry
+    assert ref.bitwise_diff(out.cpu(), expected) is None
+    (args,) = calls
+    kernel_args = args[4 + len(prefix) :]
+    passed = [kernel_args[p] for p in plan.launch.positions]
+    if direct:
+        assert passed == [kc.data_ptr(), mc.data_ptr(), out.data_ptr()]
+    else:
+        assert all(isinstance(a, torch.Tensor) for a in passed)
 
 
 @triton.jit
@@ -495,3 +520,122 @@ def test_kernel_modules_choose_settings_through_compiled_for_gpu():
             if re.search(r"\.type\s*[!=]=|\.is_cuda\b", line):
                 found.append(f"{path.name}:{i}: {line.strip()}")
     assert not found, "device tests outside compiled_for_gpu:\n" + "\n".join(found)
+
+
+def test_the_host_runtime_defines_no_jit_function():
+    """Triton keys a jit function's compile cache on its starting line: a @triton.jit helper
+    in the busy host file ``_runtime.py`` would recompile every kernel calling it whenever a
+    line above it moved, and a Triton cache carried to a fresh GPU machine would miss (session
+    12: the one-GPU harness then ran past gpu-check's budget). The helpers live in ``_tl.py``."""
+    from triton.runtime.jit import JITFunction
+
+    defined_here = [
+        name
+        for name, value in vars(_runtime).items()
+        if isinstance(value, JITFunction) and value.fn.__module__ == _runtime.__name__
+    ]
+    assert defined_here == []
+    assert isinstance(_runtime.load_streamed, JITFunction)
+
+
+def _stand_in_cuda(monkeypatch):
+    """Run CUDA ``Launch`` calls on CPU: device 0 current, a fake stream, no hooks, and
+    every tensor reporting itself as a CUDA tensor (``_fast_call`` binds fixed CUDA tensors
+    as addresses)."""
+    monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
+    monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 1000 + index)
+    monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+
+
+_PREFIX = ("function", False, True, None, None, (2, 1, 0), None, None, None)
+
+
+def test_generated_fast_call_passes_what_the_generic_call_passes(monkeypatch):
+    """A reused CUDA ``Launch`` whose kernel runs through Triton's C launch function builds
+    its call as one generated function (``_fast_call``) at the first call that finds its
+    compiled kernel (a plan's second call), and that gives the C function the same arguments
+    as the generic ``Launch.__call__``: the grid, the stream, the compiled kernel's prefix,
+    the slot tensors as addresses, every fixed argument in order (a fixed tensor as its address, which only the generated call does). It
+    declines (returns False, launching nothing) for an alignment pattern with no compiled
+    kernel, an entry not launched through the C function, a set launch hook or another
+    current device. Runs on CPU with a stand-in launch function."""
+    _stand_in_cuda(monkeypatch)
+    fixed = torch.zeros(64)  # stands for a scratch buffer bound at plan time
+    launch = _runtime.Launch(
+        _fake_launch_kernel,
+        (5, 3),
+        torch.device("cuda:0"),
+        num_warps=2,
+        slots=("x_ptr", "out_ptr"),
+        scratch_ptr=fixed,
+        n=7,
+        BLOCK=16,
+    )
+    x, out = torch.zeros(32), torch.zeros(32)[1:]  # out is 4 bytes off 16-byte alignment
+    bits = (1 << 1) | 0  # x aligned, out not: the generic path's pattern
+    calls = []
+    launch.entries[bits] = (lambda *a: calls.append(a), _PREFIX, True)
+    launch.direct = True
+    assert launch.fast is None
+    launch(x, out)  # the generic path, which then builds the generated call
+    assert launch.fast is not None
+    launch(x, out)  # through launch.fast
+    assert len(calls) == 2
+    generic, generated = calls
+    assert generic[:4] == generated[:4] == (5, 3, 1, 1000)
+    assert generic[4:13] == generated[4:13] == _PREFIX
+    names = launch.names
+    expected = {"x_ptr": x.data_ptr(), "out_ptr": out.data_ptr(), "n": 7, "BLOCK": 16}
+    for name, g_value, value in zip(names, generic[13:], generated[13:], strict=True):
+        if name == "scratch_ptr":
+            assert g_value is fixed and value == fixed.data_ptr()
+        else:
+            assert g_value == value == expected[name], name
+    fast = launch.fast
+    assert fast(torch.zeros(32)[1:], out) is False  # no kernel for this pattern yet
+    launch.entries[bits] = (lambda *a: calls.append(a), _PREFIX, False)
+    assert fast(x, out) is False  # a kernel launched through Triton's Python launcher
+    launch.entries[bits] = (lambda *a: calls.append(a), _PREFIX, True)
+    monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: True)
+    assert _runtime._fast_call(launch)(x, out) is False
+    monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(_runtime, "_current_device", lambda: 1)
+    assert _runtime._fast_call(launch)(x, out) is False
+    assert len(calls) == 2
+
+
+def test_generated_fast_call_picks_the_generic_calls_kernel_for_each_alignment(monkeypatch):
+    """Three slots, two compiled alignment patterns (only the first slot aligned: 0b100; only
+    the last: 0b001): the generated call and the generic one launch the same kernel for
+    each (the first slot is the pattern's high bit in both)."""
+    _stand_in_cuda(monkeypatch)
+    launch = _runtime.Launch(
+        _fake_launch_kernel3,
+        (1,),
+        torch.device("cuda:0"),
+        slots=("a_ptr", "b_ptr", "c_ptr"),
+        scratch_ptr=torch.zeros(8),
+        n=3,
+    )
+    hits = []
+    for pattern in (0b100, 0b001):
+        launch.entries[pattern] = (lambda *a, p=pattern: hits.append(p), _PREFIX, True)
+    launch.direct = True
+    aligned, unaligned = torch.zeros(16), torch.zeros(16)[1:]
+    cases = [((aligned, unaligned, unaligned), 0b100), ((unaligned, unaligned, aligned), 0b001)]
+    for tensors, pattern in cases:
+        launch.fast = None
+        launch(*tensors)  # generic
+        assert _runtime._fast_call(launch)(*tensors) is True  # generated
+        assert hits[-2:] == [pattern, pattern]
+
+
+@triton.jit
+def _fake_launch_kernel(x_ptr, scratch_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    pass
+
+
+@triton.jit
+def _fake_launch_kernel3(a_ptr, b_ptr, scratch_ptr, c_ptr, n):
+    pass

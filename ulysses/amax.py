@@ -13,6 +13,7 @@ import torch
 
 from . import _ops, grid
 from . import _validate as v
+from .kernels._runtime import output_template
 from .kernels.grouped_amax import prepare_grouped_amax
 
 __all__ = ["k_grouped_amax"]
@@ -27,13 +28,14 @@ grid.DEPENDENT_CACHES.append(_PLANS)
 
 
 class _AmaxPlan:
-    __slots__ = ("launch", "shape", "device")
+    __slots__ = ("launch", "shape", "device", "out")
 
     def __init__(self, launch, shape, device):
         self.launch, self.shape, self.device = launch, shape, device
+        self.out = output_template(shape, torch.float32, device)
 
     def __call__(self, k, k_mean):
-        out = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        out = torch.empty_like(self.out)
         self.launch(k, k_mean, out)
         return out
 

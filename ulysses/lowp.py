@@ -35,7 +35,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import AllToAllOptions
 
 from . import _ops, _validate, grid, stats
-from .kernels._runtime import stream_key, workspace
+from .kernels._runtime import output_template, stream_key, workspace
 from .kernels.block_stats import LocalStats
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
 from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
@@ -614,16 +614,19 @@ class _ExchangePlan:
         self.fields = (c.used_sequence, c.q_group, c.k_group)
         self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay_k.n_slots)
         self.dtype, self.device = k.dtype, dev
+        # the outputs' templates: torch.empty_like of them is the cheapest allocation
+        self.mean_out = output_template(self.mean_shape, k.dtype, dev)
+        self.amax_out = output_template(self.amax_shape, torch.float32, dev)
+        self.v_scale_out = output_template(self.v_scale_shape, torch.float32, dev)
 
     def __call__(self, q, k, v, pg) -> LowpQKV:
         self.k_local(k)
         self.qv(q, v)
         self.gather(pg)
-        dev = self.device
-        mean = torch.empty(self.mean_shape, dtype=self.dtype, device=dev)
-        part = torch.empty(self.amax_shape, dtype=torch.float32, device=dev)
-        final = torch.empty(self.amax_shape, dtype=torch.float32, device=dev)
-        v_scale = torch.empty(self.v_scale_shape, dtype=torch.float32, device=dev)
+        mean = torch.empty_like(self.mean_out)
+        part = torch.empty_like(self.amax_out)
+        final = torch.empty_like(self.amax_out)
+        v_scale = torch.empty_like(self.v_scale_out)
         # K's finalize, then Q's boundary merge (in self.amax_q) and V's amax: one launch
         self.post(mean, part, final, v_scale)
         self.pack(q, k, v, self.amax_q, final, mean, self.amax_v)

@@ -27,7 +27,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from . import _ops, grid
 from . import _validate as v
-from .kernels._runtime import stream_key, workspace
+from .kernels._runtime import output_template, stream_key, workspace
 from .kernels.block_stats import (
     MINMAX_ALL,
     MINMAX_BOUNDARY,
@@ -334,6 +334,9 @@ class _StatsPlan:
         numel, n_mm = part.numel, (lay.n_slots if part.minmax_mode == MINMAX_ALL else 0)
         self.method, self.lay, self.device, self.dtype = part.method, lay, device, k.dtype
         self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay.n_slots)
+        # the outputs' templates: torch.empty_like of them is the cheapest allocation
+        self.mean_out = output_template(self.mean_shape, k.dtype, device)
+        self.amax_out = output_template(self.amax_shape, torch.float32, device)
         payload = workspace("payload", numel, torch.float32, device)[:numel]
         minmax = workspace("minmax", max(1, B * n_mm * 2 * H * D), k.dtype, device)
         minmax = minmax[: B * n_mm * 2 * H * D].view(B, n_mm, 2, H, D)
@@ -374,13 +377,12 @@ class _StatsPlan:
     def __call__(self, k: torch.Tensor, pg):
         self.local(k)
         self.gather(pg)
-        device = self.device
-        mean = torch.empty(self.mean_shape, dtype=self.dtype, device=device)
+        mean = torch.empty_like(self.mean_out)
         if self.method is None:
             self.finalize(mean)
             return mean
-        part = torch.empty(self.amax_shape, dtype=torch.float32, device=device)
-        final = torch.empty(self.amax_shape, dtype=torch.float32, device=device)
+        part = torch.empty_like(self.amax_out)
+        final = torch.empty_like(self.amax_out)
         if self.method == "fused":
             self.finalize(mean, part, final)
         else:
