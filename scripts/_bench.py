@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import torch
 
 FLUSH_BYTES = 256 << 20
+
+# Set once torch.profiler has run in this process. Kineto may leave CUPTI loaded after the
+# profile ends (pytorch/pytorch#144455), and then every later launch costs more: measure
+# eager and host figures before any cold one (bench_amax.py does), or read them as inflated.
+profiler_ran = False
 
 
 def _flush_buffer():
@@ -26,6 +32,8 @@ def _cold_calls(fn, iters: int) -> list[list]:
     before every call: the int32 fill of the flush marks where a call starts."""
     from torch.profiler import ProfilerActivity, profile
 
+    global profiler_ran
+    profiler_ran = True
     flush = _flush_buffer()
     for _ in range(3):
         fn()
@@ -99,7 +107,15 @@ def cold_breakdown(fn, iters: int = 25, exclude: tuple[str, ...] = ("nccl",)) ->
 
 
 def eager_us(fn, n: int = 100, repeats: int = 5) -> float:
-    """Best of ``repeats`` of (wall time of ``n`` back-to-back calls + one sync) / n."""
+    """Best of ``repeats`` of (wall time of ``n`` back-to-back calls + one sync) / n. Warns
+    when the profiler has run in this process (``profiler_ran``): the figure may carry CUPTI's
+    per-launch cost."""
+    if profiler_ran:
+        warnings.warn(
+            "eager_us after torch.profiler ran in this process: CUPTI may still be loaded and "
+            "add to every launch (pytorch/pytorch#144455); measure eager figures first",
+            stacklevel=2,
+        )
     for _ in range(5):
         fn()
     torch.cuda.synchronize()

@@ -150,6 +150,16 @@ def sweep(only: list[int] | None = None):
         print(f"# overall: {cfg}: mean {mean:.3f}, worst {worst:.3f} of auto")
 
 
+def host_overhead() -> tuple[float, float]:
+    """Per call of k_grouped_amax at a tiny shape back to back (the GPU is never the limit),
+    and of a one-element ``zero_()`` (torch's own launch floor on this host)."""
+    k = ulysses.testing.make_k_full(1, 64, 1, 64, torch.bfloat16, "smooth", device="cuda")
+    m = k.float().mean(1).bfloat16()
+    host = eager_us(lambda: ulysses.k_grouped_amax(k, m, rank=0, world_size=2), n=2000)
+    nop = torch.empty(1, device="cuda")
+    return host, eager_us(lambda: nop.zero_(), n=2000)
+
+
 def host_parts():
     """Host microseconds of each step of an eager k_grouped_amax call at a tiny shape, back to
     back (issue 12's 15 us target): where the per-call time goes."""
@@ -165,6 +175,7 @@ def host_parts():
     call()
     (plan,) = [p for key, p in amax._PLANS.items() if key[0] == k.shape]
     out = torch.empty(plan.shape, dtype=torch.float32, device="cuda")
+    nop = torch.empty(1, device="cuda")
     launch = plan.launch
     fn, prefix, direct = next(iter(launch.entries.values()))
     args = launch.args.copy()
@@ -197,6 +208,7 @@ def host_parts():
 
     parts = [
         ("whole call (eager, back to back)", eager_us(call, n=2000)),
+        ("torch zero_() of one element (torch's launch floor)", eager_us(nop.zero_, n=2000)),
         ("prepared Launch(k, m, out)", eager_us(lambda: launch(k, m, out), n=2000)),
         ("compiled kernel's launcher alone", eager_us(raw, n=2000)),
         ("the launcher alone, given tensors", eager_us(raw_tensors, n=2000)),
@@ -231,6 +243,18 @@ def main():
         host_parts()
         return
     shapes = SHAPES[:2] if args.quick else SHAPES
+    # Eager and host figures first, in a process the profiler has not touched: once
+    # torch.profiler has run with CUDA activities, CUPTI may stay loaded and every later launch
+    # pays for it (pytorch/pytorch#144455), which a user's training step does not.
+    eagers, (host, floor) = {}, host_overhead()
+    for B, L, H, D, P, r, G, dt in shapes:
+        k = ulysses.testing.make_k_full(B, L, H, D, dt, "smooth", seed=1, device="cuda")
+        m = k.float().mean(1).to(dt)
+        eagers[B, L, H, D, P, r, G, dt] = eager_us(
+            lambda: ulysses.k_grouped_amax(k, m, rank=r, world_size=P, group_size=G)
+        )
+        del k, m
+        torch.cuda.empty_cache()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -262,7 +286,7 @@ def main():
             k, m, rank=r, world_size=P, group_size=G, enable_pdl=False
         )
         cold_nopdl = cold_us(ours_nopdl, "_grouped_amax")
-        eager = eager_us(ours)
+        eager = eagers[B, L, H, D, P, r, G, dt]
         ref = ulysses.reference.grouped_amax_shard(k, m, rank=r, world_size=P, group_size=G)
         assert torch.equal(ours(), ref), "ours != reference"
         c_cold, same_c = [], True
@@ -289,16 +313,18 @@ def main():
         print(" | ".join(row), flush=True)
         del k, m
         torch.cuda.empty_cache()
-    # host overhead: a tiny shape back to back (the GPU is never the limit)
-    k = ulysses.testing.make_k_full(1, 64, 1, 64, torch.bfloat16, "smooth", device="cuda")
-    m = k.float().mean(1).bfloat16()
-    host = eager_us(lambda: ulysses.k_grouped_amax(k, m, rank=0, world_size=2), n=2000)
-    nop = torch.empty(1, device="cuda")
-    floor = eager_us(lambda: nop.zero_(), n=2000)
     print(
         f"# host overhead per call, tiny shape: k_grouped_amax {host:.1f} us "
-        f"(torch zero_() of one element: {floor:.1f} us)"
+        f"(torch zero_() of one element: {floor:.1f} us); eager column and this line measured "
+        "before the profiler ran"
     )
+    after, after_floor = host_overhead()
+    print(
+        f"# the same after the profiler ran (CUPTI loaded): k_grouped_amax {after:.1f} us, "
+        f"zero_() {after_floor:.1f} us"
+    )
+    k = ulysses.testing.make_k_full(1, 64, 1, 64, torch.bfloat16, "smooth", device="cuda")
+    m = k.float().mean(1).bfloat16()
     if os.environ.get("PROFILE_HOST"):
         import cProfile
         import pstats

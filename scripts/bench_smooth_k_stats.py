@@ -158,30 +158,48 @@ def main():
     rank, P = dist.get_rank(), dist.get_world_size()
     if args.profile_host:
         parts(rank, P)
-    rows = []
-    for B, L, H, D in SHAPES[:1] if args.quick else SHAPES:
+    shapes = SHAPES[:1] if args.quick else SHAPES
+
+    def setup(B, L, H, D):
         k = ulysses.testing.make_k_full(
             B, L, H, D, torch.bfloat16, "smooth", seed=rank, device="cuda"
         )
-        mb = k.numel() * 2 / 1e6
         n = payload_numel(B, H, D, MINMAX_ALL)
         payload = torch.zeros(n, device="cuda")
         out = torch.empty(P * n, device="cuda")
-        gather = lambda: dist.all_gather_into_tensor(out, payload)  # noqa: E731
-        fused = lambda: ulysses.smooth_k_stats(k)  # noqa: E731
-        two = lambda: ulysses.smooth_k_stats(k, method="two_pass")  # noqa: E731
-        mean = lambda: ulysses.global_k_mean(k)  # noqa: E731
-        fused(), two(), mean()  # first calls: consistency check, compilation
-        read = cold_us(lambda: k.sum(), "reduce")
+        return k, {
+            "gather": lambda: dist.all_gather_into_tensor(out, payload),
+            "fused": lambda: ulysses.smooth_k_stats(k),
+            "two_pass": lambda: ulysses.smooth_k_stats(k, method="two_pass"),
+            "mean": lambda: ulysses.global_k_mean(k),
+        }
+
+    # Two passes: every eager and graph figure first, then the profiled ones (the cold read,
+    # the kernels' device time), since CUPTI may stay loaded once the profiler has run and
+    # inflate every later launch (scripts/_bench.py, profiler_ran).
+    timed = {}
+    for B, L, H, D in shapes:
+        k, fns = setup(B, L, H, D)
+        for fn in fns.values():
+            fn()  # first calls: consistency check, compilation
         res = {}
-        for name, fn in (("gather", gather), ("fused", fused), ("two_pass", two), ("mean", mean)):
+        for name in ("gather", "fused", "two_pass", "mean"):
             dist.barrier()
-            res[name] = eager_us(fn)
-        for name, fn in (("gather_g", gather), ("fused_g", fused), ("mean_g", mean)):
+            res[name] = eager_us(fns[name])
+        for name in ("gather", "fused", "mean"):
             dist.barrier()
-            res[name] = graph_us(fn)
+            res[name + "_g"] = graph_us(fns[name])
+        timed[B, L, H, D] = res
+        del k, fns
+        torch.cuda.empty_cache()
+    rows = []
+    for B, L, H, D in shapes:
+        k, fns = setup(B, L, H, D)
+        mb = k.numel() * 2 / 1e6
+        res = timed[B, L, H, D]
+        read = cold_us(lambda: k.sum(), "reduce")
         dist.barrier()
-        ours_k, nccl_k = kernels_us(fused)
+        ours_k, nccl_k = kernels_us(fns["fused"])
         t = torch.tensor([read, *res.values(), ours_k, nccl_k], device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         read, g, f, tp, m, gg, fg, mg, ok, nk = t.tolist()
