@@ -556,10 +556,11 @@ def test_generated_fast_call_passes_what_the_generic_call_passes(monkeypatch):
     its call as one generated function (``_fast_call``) at the first call that finds its
     compiled kernel (a plan's second call), and that gives the C function the same arguments
     as the generic ``Launch.__call__``: the grid, the stream, the compiled kernel's prefix,
-    the slot tensors as addresses, every fixed argument in order (a fixed tensor as its address, which only the generated call does). It
-    declines (returns False, launching nothing) for an alignment pattern with no compiled
-    kernel, an entry not launched through the C function, a set launch hook or another
-    current device. Runs on CPU with a stand-in launch function."""
+    the slot tensors as addresses, every fixed argument in order (a fixed tensor as its
+    address, which only the generated call does). It declines (returns False, launching
+    nothing) for an alignment pattern with no compiled kernel, an entry not launched through
+    the C function, a set launch hook or another current device. Runs on CPU with a stand-in
+    launch function."""
     _stand_in_cuda(monkeypatch)
     fixed = torch.zeros(64)  # stands for a scratch buffer bound at plan time
     launch = _runtime.Launch(
