@@ -1,5 +1,6 @@
 """Triton kernels of ulysses-lowp, shipped as ``ulysses.kernels``.
 
-One kernel per file, each a private ``@triton.jit`` function and a thin launcher. Launchers
+Private ``@triton.jit`` kernels (one per file, or two in ``grouped_amax.py`` and
+``lowp_finish.py``), each with a thin launcher. Launchers
 assert their invariants; argument validation lives in ``ulysses``. No collectives here.
 """

@@ -506,8 +506,9 @@ class Launch:
     The eager fast path of the package (issue 12): a call builds no keyword dict and no cache
     key; it checks the 16-byte alignment of the slot tensors (part of Triton's
     specialization; dtypes and shapes are fixed by whoever caches the ``Launch``) and calls
-    the compiled kernel's launcher. The first call of each alignment pattern, a CPU device
-    and active launch hooks go through :func:`launch`.
+    the compiled kernel's launcher. The first call of each alignment pattern and active
+    launch hooks go through ``_launch_cuda`` (Triton's JIT); a CPU device through
+    :func:`launch` (the interpreter).
 
     The owner guarantees that the slot tensors are on the ``Launch``'s device (the package's
     plans key on every tensor's device): Triton's C launch function is given their addresses
@@ -616,8 +617,8 @@ def _fast_call(launch_obj: Launch):
     """The call of a prepared CUDA ``Launch`` whose kernel runs through Triton's C launch
     function, as one generated Python function: the slot tensors are its parameters, every
     fixed argument a name bound in its namespace (a fixed tensor as its address: the
-    ``Launch`` holds the tensor, so the address stays valid), and the call reads the three
-    addresses, picks the compiled kernel of their alignment pattern and calls the C function
+    ``Launch`` holds the tensor, so the address stays valid), and the call reads each slot's
+    address, picks the compiled kernel of their alignment pattern and calls the C function
     with one flat argument list. Generic ``Launch.__call__`` builds that list element by
     element on every call: 2.75 against 1.43 us of Python a call on this project's CPU
     machine (session 12, a fake launch function). It returns False, having launched nothing,

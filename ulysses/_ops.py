@@ -5,7 +5,8 @@ keyword-only arguments, each named once, in its signature) as ``torch.ops.ulysse
 with its fake implementation, and returns the dispatcher the public functions call:
 ``torch.compile`` traces the op as one opaque node (shapes from the fake); eager calls run
 ``impl`` directly, skipping the dispatcher's overhead. The public call reaches the launch in
-three frames: public function -> dispatcher -> host function -> ``kernels._runtime.launch``.
+three frames: public function -> dispatcher -> host function, which builds a one-shot
+``kernels._runtime.Launch`` and calls it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ G = group_size, NS = slots(L, G).
     payload        [N]            fp32, what one rank sends: [tag | sum | boundary | tag]
 
 Data flow of ``smooth_k_stats`` (docs/DESIGN.md draws it): ``local_stats`` (one read of K,
-three launches) writes the payload -> ONE all_gather -> ``finalize_stats`` (one launch)
+one launch) writes the payload -> ONE all_gather -> ``finalize_stats`` (one launch)
 forms the mean, derives the amax, merges the boundary groups and applies the disagreement NaN.
 Method "two_pass" reads K again with the ``k_grouped_amax`` kernel once the mean is known.
 """
@@ -325,7 +325,7 @@ def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
 class _StatsPlan:
     """One eager call signature of ``smooth_k_stats`` / ``global_k_mean``, prepared: its
     launches bound to scratch buffers of this device and stream (payload, min/max, gathered),
-    so a call is the block-stats and chunk-sum launches, one all_gather, the finalize
+    so a call is the block-stats launch, one all_gather, the finalize
     launch(es) and the outputs' allocation, with no validation, layout or argument dicts."""
 
     def __init__(self, part: KStatsPart, world_size: int):
