@@ -40,11 +40,16 @@ from . import (
     testing,  # noqa: E402
 )
 from .amax import k_grouped_amax
+from .attention import UlyssesAttention, heads_to_seq, seq_to_heads, ulysses_attention
 from .grid import group_first, group_last, slots, touched
 from .lowp import LowpQKV, exchange_qkv  # noqa: E402
 from .stats import SmoothKStats, global_k_mean, smooth_k_stats
 
 __all__ = [
+    "ulysses_attention",
+    "UlyssesAttention",
+    "seq_to_heads",
+    "heads_to_seq",
     "k_grouped_amax",
     "global_k_mean",
     "smooth_k_stats",
