@@ -18,10 +18,10 @@ VENV ?= .venv
 BASE_PYTHON ?= python3
 # Extra `python3 -m venv` flags, e.g. --system-site-packages to reuse an installed torch.
 VENV_ARGS ?=
-# The torch installed into an environment that has none. On this project's machines
-# torch==2.13.0 resolves to a CPU wheel on local disk; elsewhere pick a build with TORCH_SPEC
-# and TORCH_INDEX_URL (PyTorch's wheel indexes: .../whl/cpu, .../whl/cu130, ...). Empty
-# TORCH_SPEC installs none explicitly: pip then resolves the package's torch>=2.11 itself.
+# The torch installed into an environment that has none, from pip's configured index. Pick
+# another build with TORCH_SPEC and TORCH_INDEX_URL (PyTorch's wheel indexes: .../whl/cpu for
+# the CPU-only build, .../whl/cu130, ...). Empty TORCH_SPEC installs none explicitly: pip then
+# resolves the package's torch>=2.11 itself.
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 EXTRAS ?= test,dev
@@ -30,8 +30,8 @@ PIP_FLAGS ?= --quiet
 WORLD_SIZES ?= 2 4 6 8
 # pytest-xdist workers; the CPU suite is interpreter-bound, one worker per core.
 XDIST ?= auto
-# Where `make gpu-check` writes its logs.
-OUT ?= docs/data
+# Where `make gpu-check` writes its logs; empty: a new temporary folder (printed at the end).
+OUT ?=
 
 ifeq ($(origin PYTHON),undefined)
 PYTHON_DEFAULTED := 1
@@ -121,20 +121,20 @@ validate: $(READY)
 validate-large: $(READY)
 	WORLD_SIZES="$(WORLD_SIZES)" PYTHON="$(PYTHON)" bash scripts/validate.sh --large
 
-# Every GPU check in one run, logs under $(OUT). No venv is built here (a GPU machine usually
+# Every GPU check in one run, logs under $(OUT) or a temporary folder. No venv is built here (a GPU machine usually
 # has its CUDA torch installed already): PYTHON if given, else .venv's if it exists, else python3.
 GPU_PYTHON := $(if $(PYTHON_DEFAULTED),$(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3),$(PYTHON))
 gpu-check:
-	PYTHON="$(GPU_PYTHON)" bash scripts/gpu_check.sh $(OUT)
+	PYTHON="$(GPU_PYTHON)" bash scripts/gpu_check.sh $(if $(strip $(OUT)),"$(OUT)",)
 
 # Compile every kernel for sm90 with the installed Triton, no GPU needed: the specializations
 # that the kernel tests and the public calls at the benchmark shapes make the package launch
-# with its compiled settings (scripts/compile_sm90.py; tests/test_compile_sm90.py runs it in
+# with its compiled settings (tools/compile_sm90.py; tests/test_compile_sm90.py runs it in
 # `make test`). Prints registers and local memory a kernel; fails on a compile error or a
 # spill. --fusion-diff compiles each one again with FP fusion on: what pinning it off costs.
 COMPILE_CHECK_ARGS ?= --shapes --fusion-diff
 compile-check: $(READY)
-	"$(PYTHON)" scripts/compile_sm90.py $(COMPILE_CHECK_ARGS)
+	"$(PYTHON)" tools/compile_sm90.py $(COMPILE_CHECK_ARGS)
 
 # Build a wheel, install it with $(TORCH_SPEC) into a new venv outside the clone, run a first
 # CPU call there (tests/test_packaging.py, the test that `make test` skips).

@@ -1,4 +1,4 @@
-"""The low-precision exchange against the bf16 Ulysses all-to-all (issue 13).
+"""The low-precision exchange against the bf16 Ulysses all-to-all.
 
     torchrun --standalone --nproc-per-node 2 scripts/bench_lowp.py [--out bench_out/lowp.csv]
     torchrun --standalone --nproc-per-node 2 scripts/bench_lowp.py --cpu     # tiny, gloo

@@ -1,5 +1,5 @@
-"""The exchange's local work on ONE GPU (issue 13's "local work <= 2.5 x one cold read of q, k,
-v"), for when no GPU pair is at hand: two ranks share the GPU over gloo, rank 0's prepared
+"""The exchange's local work on ONE GPU (its kernels' device time against one cold read of q,
+k, v), for when no GPU pair is at hand: two ranks share the GPU over gloo, rank 0's prepared
 exchange (``ulysses.lowp``'s eager plan) is run without its two collectives and timed while
 rank 1 waits at a barrier, so no other kernel shares the GPU.
 

@@ -1,4 +1,4 @@
-"""smooth_k_stats and global_k_mean across ranks, end to end and by parts (issue 12).
+"""smooth_k_stats and global_k_mean across ranks, end to end and by parts.
 
     torchrun --standalone --nproc-per-node 2 scripts/bench_smooth_k_stats.py [--quick]
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one run of at most 9 minutes (issue 16 item 6), with one
-# summary table (check, backend, result, seconds) at the end.
+# Every GPU check of the project in one run of at most 9 minutes, with one summary table
+# (check, backend, result, seconds) at the end.
 #
-#   scripts/gpu_check.sh OUTDIR
+#   scripts/gpu_check.sh [OUTDIR]       (make gpu-check [OUT=dir])
+#
+# OUTDIR defaults to a new temporary folder (mktemp -d); its path is printed at the start and
+# at the end.
 #
 # Runs from the checkout (PYTHONPATH is set to it; nothing needs installing) with $PYTHON
 # (default python3). Three lanes run in parallel, each check with its own timeout, all within
@@ -39,13 +42,14 @@
 #                          triton_cache.tgz.part00, part01, ... (15 MiB each)
 #   GPU_CHECK_CACHE_IN     a folder holding such parts: restored before the run. A cold
 #                          one-GPU machine spends most of a check compiling (each harness rank
-#                          compiles the same kernels); a check split over two device calls can
-#                          carry the first call's cache into the second (README).
+#                          compiles the same kernels); a check split over two runs on fresh
+#                          machines can carry the first run's cache into the second.
 set -u -o pipefail
 
-out=${1:?usage: scripts/gpu_check.sh OUTDIR}
-cd "$(dirname "$0")/.." || exit 2
+out=${1:-}
+if [ -z "$out" ]; then out=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2; fi
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -289,4 +293,5 @@ if [ -n "${GPU_CHECK_CACHE_OUT:-}" ]; then
         echo "gpu_check: no Triton cache at $tcache to save"
     fi
 fi
+echo "gpu_check: logs and the table (gpu_check_table.md) are in $out"
 exit $status

@@ -1,4 +1,4 @@
-"""GPU reliability checks (issue 7): >2^31-element K, >65535 slots, determinism audit.
+"""GPU reliability checks: >2^31-element K, >65535 slots, determinism audit.
 
     python scripts/gpu_reliability.py [--skip-large]
 Prints one line per check and a SHA-256 of all outputs (run twice: the hashes of two processes

@@ -1,4 +1,4 @@
-"""Every kernel compiles for sm90 with the Triton installed here (scripts/compile_sm90.py).
+"""Every kernel compiles for sm90 with the Triton installed here (tools/compile_sm90.py).
 
 CI has no GPU and a newer Triton than the GPU machines; the interpreter it runs the kernels
 in never compiles them. This compiles, through ptxas, on CPU, every specialization that the
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("compile_sm90", ROOT / "scripts" / "compile_sm90.py")
+_spec = importlib.util.spec_from_file_location("compile_sm90", ROOT / "tools" / "compile_sm90.py")
 compile_sm90 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compile_sm90)
 
@@ -39,7 +39,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     package was launched."""
     env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "compile_sm90.py"), "--shapes", "--jobs", "2"]
+        [sys.executable, str(ROOT / "tools" / "compile_sm90.py"), "--shapes", "--jobs", "2"]
         + ["--json", str(tmp_path / "specs.json")],
         env=env,
         capture_output=True,

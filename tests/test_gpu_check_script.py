@@ -1,7 +1,7 @@
-"""scripts/gpu_check.sh's Triton cache hand-over (GPU_CHECK_CACHE_OUT / GPU_CHECK_CACHE_IN),
-on CPU: a one-GPU check split over two device calls carries the first call's compile cache
-into the second. The script runs in its quick CPU mode with a tiny budget; only the cache
-plumbing is checked here."""
+"""scripts/gpu_check.sh's plumbing, on CPU: where its logs go, and the Triton cache hand-over
+(GPU_CHECK_CACHE_OUT / GPU_CHECK_CACHE_IN) by which a one-GPU check split over two runs on
+fresh machines carries the first run's compile cache into the second. The script runs in its
+quick CPU mode with a tiny budget."""
 
 from __future__ import annotations
 
@@ -13,15 +13,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(tmp_path: Path, name: str, env: dict) -> str:
+def _run(tmp_path: Path, name: str | None, env: dict) -> str:
     # The script's own GPU_CHECK_* settings stay out: this suite also runs inside a
     # gpu_check run (its unit lane), whose GPU_CHECK_CACHE_IN would otherwise restore that
-    # run's cache into these (seen on the device, session 8).
+    # run's cache into these.
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
     full = dict(inherited, GPU_CHECK_QUICK="1", GPU_CHECK_BUDGET_S="15", PYTHON=sys.executable)
     full.update(env)
+    outdir = [] if name is None else [str(tmp_path / name)]
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path / name)],
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), *outdir],
         env=full,
         capture_output=True,
         text=True,
@@ -68,3 +69,13 @@ def test_the_run_reports_how_many_kernels_it_compiled(tmp_path):
         "Triton cache: 2 compiled kernels at the start, 2 at the end (0 compiled by this run)"
         in out
     ), out
+
+
+def test_without_an_outdir_the_logs_go_to_a_new_temporary_folder(tmp_path):
+    """`make gpu-check` without OUT: a fresh mktemp -d folder under $TMPDIR, named at the end;
+    nothing is written into the checkout."""
+    out = _run(tmp_path, None, {"TMPDIR": str(tmp_path), "TRITON_CACHE_DIR": str(tmp_path / "c")})
+    made = [p for p in tmp_path.iterdir() if p.name.startswith("gpu_check.")]
+    assert len(made) == 1, out
+    assert (made[0] / "gpu_check_table.md").is_file(), out
+    assert f"logs and the table (gpu_check_table.md) are in {made[0]}" in out, out

@@ -1,4 +1,4 @@
-"""scripts/sass_loops.py: the loop finder on hand-written SASS, and the pack's K/V loop as
+"""tools/sass_loops.py: the loop finder on hand-written SASS, and the pack's K/V loop as
 compiled here (CPU, Triton's ptxas and cuobjdump): the packed hardware conversions of
 kernels/_quant.py are what it issues, within an instruction budget (session 10: 137 a trip
 on Triton 3.9, 136 on 3.6; the per-element lowering it replaced was 253 / 245)."""
@@ -15,7 +15,7 @@ import pytest
 import triton
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("sass_loops", ROOT / "scripts" / "sass_loops.py")
+_spec = importlib.util.spec_from_file_location("sass_loops", ROOT / "tools" / "sass_loops.py")
 sass_loops = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_loops)
 
@@ -50,7 +50,7 @@ def test_pack_loop_issues_the_packed_conversions(tmp_path):
     dump = tmp_path / "pack.sass"
     env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "sass_loops.py"), "--kernel", "pack",
+        [sys.executable, str(ROOT / "tools" / "sass_loops.py"), "--kernel", "pack",
          "--shape", "1,512,8,128", "--dump", str(dump)],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
     )  # fmt: skip

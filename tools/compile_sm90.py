@@ -1,7 +1,7 @@
 """Compile every Triton kernel of the package for a GPU, on a machine without one, at the
 specializations the package launches, with the Triton installed here.
 
-    python scripts/compile_sm90.py [--shapes] [--arch 90] [--json FILE] [--jobs N] [PYTEST_ARGS ...]
+    python tools/compile_sm90.py [--shapes] [--arch 90] [--json FILE] [--jobs N] [PYTEST_ARGS ...]
 
 Why: CI has no GPU. It runs the kernels in Triton's interpreter, which never compiles them, and
 it has a newer Triton than the GPU machines (Triton 3.6). A kernel that the interpreter runs

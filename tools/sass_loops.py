@@ -1,12 +1,12 @@
 """The loops of a kernel's SASS, counted, on a machine without a GPU: how many instructions
 one trip of each loop issues, and of which kinds. For finding where a kernel spends its
-issue slots before timing it (session 10: the pack's K/V loop, 253 -> 137 instructions).
+issue slots before timing it.
 
-    python scripts/sass_loops.py [--kernel pack|amax] [--shape B,L,H,D] [--arch 90] [--dump F]
+    python tools/sass_loops.py [--kernel pack|amax] [--shape B,L,H,D] [--arch 90] [--dump F]
 
 ``pack``: the exchange's pack launch as the eager plan makes it on a GPU (q_once, P = 2,
 rank 1, q_group 32, k_group 64, bf16). ``amax``: ``k_grouped_amax`` at P = 8, rank 5,
-G = 64 and 128. The launch is recorded, not run (``scripts/compile_sm90.py``'s recorder:
+G = 64 and 128. The launch is recorded, not run (``tools/compile_sm90.py``'s recorder:
 CPU tensors take the compiled path's settings), compiled for ``sm_<arch>`` with the
 package's options, and disassembled with the cuobjdump that Triton ships. A loop is a
 backward branch; its trip is the instructions from the branch target to the branch. One row
