@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 from ulysses.kernels import _runtime
 
-from . import _dist, cases, cases_lowp, checks, checks_lowp, faults
+from . import _dist, cases, cases_attn, cases_lowp, checks, checks_attn, checks_lowp, faults
 from ._dist import SetupError
 
 _MAX_RECORDED_FAILURES = 20  # per rank, in the JSON summary
@@ -69,6 +69,13 @@ SUITES: dict[str, Suite] = {
         cases=cases_lowp.select_cases,
         run=checks_lowp.run_case,
         help=cases_lowp.__doc__,
+    ),
+    "attention": Suite(
+        description="ulysses_attention forward and q/k/v gradients (both comm modes, causal, "
+        "padding, GQA/MQA) vs the single-device attention of the gathered sequence",
+        cases=cases_attn.select_cases,
+        run=checks_attn.run_case,
+        help=cases_attn.__doc__,
     ),
 }
 
@@ -260,9 +267,10 @@ def main(argv=None) -> int:
     try:
         selected = select(args.suite, args.large, args.sweep, args.cases)
         faults.check_name(args.fault)
-        if args.list:
-            for item in selected:
-                print(item.name)
+        if args.list:  # once, not once per rank
+            if int(os.environ.get("RANK", "0")) == 0:
+                for item in selected:
+                    print(item.name)
             return 0
         plan = _dist.plan(args.backend)
         if args.large and plan.device.type != "cuda":

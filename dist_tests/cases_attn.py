@@ -1,0 +1,122 @@
+"""Cases of the ``attention`` suite (``ulysses.ulysses_attention``): what each case id means and
+how its inputs are built.
+
+A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}[-B{B}]``:
+
+    part           meaning
+    comm           bf16 (exchange in the input dtype) or lowp (INT8 Q/K, FP8 V)
+    L              local rows per rank; the global sequence has S = L * P rows
+    hq             query heads per rank: Hq = hq * P at world size P
+    kv             key/value heads: mha (Hkv = Hq); gqa (Hkv = P: K/V heads sharded, one per
+                   rank); gqarep (Hkv = P / 2, or 1 at odd P: each K/V head repeated to
+                   several ranks); mqa (Hkv = 1)
+    D, dtype       head dim; bf16, fp16 or fp32 (fp32 only with comm bf16)
+    causal | full  causal attention, or every query attends every live key
+    used_<kind>    none (no padding); tail (the last live row mid-way through the last rank);
+                   early (the last live row mid-way through rank P/2 - 1: later ranks hold
+                   only padding, whose keys a non-causal call must mask)
+    B{B}           batch size (1 when absent)
+
+Every rank builds the same global q [B, S, Hq, D], k, v [B, S, Hkv, D] and output gradient
+[B, S, Hq, D] with ``ulysses.testing.make_k_full`` (seed: crc32 of the case id plus --seed;
+q, v and the gradient standard normal; k with channel means 4x its spread, as K has), rows
+[used, S) of q, k, v zero, and takes its rows as its shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ulysses import testing
+
+from .cases import case_seed
+
+COMMS = ("bf16", "lowp")
+KV_KINDS = ("mha", "gqa", "gqarep", "mqa")
+USED_KINDS = ("none", "tail", "early")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    comm: str
+    L: int
+    hq: int
+    kv: str
+    D: int
+    dtype: str
+    causal: bool
+    used: str
+    B: int = 1
+
+    @property
+    def id(self) -> str:
+        parts = [self.comm, f"L{self.L}", f"hq{self.hq}", self.kv, f"D{self.D}", self.dtype]
+        parts += ["causal" if self.causal else "full", f"used_{self.used}"]
+        if self.B != 1:
+            parts.append(f"B{self.B}")
+        return "-".join(parts)
+
+    def heads(self, world_size: int) -> tuple[int, int]:
+        """(Hq, Hkv) at this world size."""
+        Hq = self.hq * world_size
+        Hkv = {
+            "mha": Hq,
+            "gqa": world_size,
+            "gqarep": world_size // 2 if world_size % 2 == 0 else 1,
+            "mqa": 1,
+        }[self.kv]
+        return Hq, Hkv
+
+
+def resolve_used(kind: str, L: int, world_size: int) -> int | None:
+    """The global live-row count of a used kind at this world size."""
+    if kind == "none":
+        return None
+    rank = world_size - 1 if kind == "tail" else max(0, world_size // 2 - 1)
+    return rank * L + L // 2 + 1
+
+
+DEFAULT_CASES = (
+    Case("bf16", L=40, hq=2, kv="mha", D=64, dtype="bf16", causal=True, used="none", B=2),
+    Case("bf16", L=40, hq=2, kv="mha", D=64, dtype="bf16", causal=False, used="tail"),
+    Case("bf16", L=37, hq=2, kv="gqa", D=64, dtype="fp16", causal=True, used="early"),
+    Case("bf16", L=40, hq=1, kv="gqarep", D=64, dtype="bf16", causal=True, used="none"),
+    Case("bf16", L=33, hq=1, kv="mqa", D=64, dtype="bf16", causal=False, used="early", B=2),
+    Case("bf16", L=24, hq=2, kv="mha", D=32, dtype="fp32", causal=False, used="tail"),
+    Case("lowp", L=40, hq=2, kv="mha", D=64, dtype="bf16", causal=True, used="none"),
+    Case("lowp", L=40, hq=2, kv="mha", D=64, dtype="bf16", causal=False, used="tail", B=2),
+    Case("lowp", L=37, hq=2, kv="gqa", D=64, dtype="fp16", causal=False, used="early"),
+    Case("lowp", L=33, hq=1, kv="mqa", D=64, dtype="bf16", causal=True, used="tail"),
+)
+
+# GPU-sized cases (--large)
+LARGE_CASES = (
+    Case("bf16", L=2048, hq=4, kv="gqa", D=128, dtype="bf16", causal=True, used="tail"),
+    Case("lowp", L=2048, hq=4, kv="mha", D=128, dtype="bf16", causal=True, used="none"),
+    Case("lowp", L=1000, hq=2, kv="gqarep", D=128, dtype="bf16", causal=False, used="early"),
+)
+
+
+def select_cases(*, large: bool, sweep: bool) -> list[Case]:
+    return list(DEFAULT_CASES) + (list(LARGE_CASES) if large else [])
+
+
+def build_full(case: Case, world_size: int, used, device, base_seed: int):
+    """(q, k, v, grad_out) of the whole sequence, identical on every rank."""
+    Hq, Hkv = case.heads(world_size)
+    S, dtype, seed = case.L * world_size, DTYPES[case.dtype], case_seed(case, base_seed)
+
+    def make(H, data, i, used_rows, **kw):
+        x = testing.make_k_full(
+            case.B, S, H, case.D, dtype, data, used=used_rows, seed=seed + i, **kw
+        )
+        return x.to(device)
+
+    q = make(Hq, "randn", 1, used)
+    k = make(Hkv, "smooth", 2, used, mean_scale=4.0, spread=1.0)
+    v = make(Hkv, "randn", 3, used)
+    grad_out = make(Hq, "randn", 4, None)
+    return q, k, v, grad_out

@@ -1,0 +1,226 @@
+"""The ``attention`` suite's run of one case: ``ulysses_attention`` forward and backward against
+the single-device attention of the gathered sequence.
+
+Shape legend: B batch, L local rows, P world size, S = L * P, Hq / Hkv query / key-value heads,
+D head dim. q_full [B, S, Hq, D], k_full and v_full [B, S, Hkv, D]; a rank's shard is rows
+[rank*L, (rank+1)*L).
+
+On every rank:
+  1. build the global q, k, v and output gradient (``cases_attn.build_full``) and take this
+     rank's rows as leaf tensors;
+  2. the reference, written here and sharing nothing with the library: torch's SDPA over ALL
+     heads of the whole sequence, over the live rows ``[0, used)`` only (GQA through
+     ``enable_gqa``), rows ``[used, S)`` zero, then its backward; plus, for "lowp", the same
+     attention in fp32 and the attention of the gather-then-quantize values
+     (``reference.lowp_exchange_reference``, dequantized);
+  3. the library: ``ulysses_attention`` forward, then backward with this rank's rows of the
+     output gradient, logging every collective step it takes;
+  4. compare this rank's rows:
+     * comm "bf16": output and q/k/v gradients bit for bit where the attention treats heads
+       independently (CPU SDPA, K/V heads not repeated); else ``max|got - ref| <= BF16_TOL *
+       max|ref|`` (a K/V head repeated to several ranks sums its gradient over them);
+     * comm "lowp": output within ``LOWP_FWD_BOUND * max|v|`` of the fp32 attention;
+       bit for bit equal to the attention of the gather-then-quantize values (CPU, K/V heads
+       not repeated); gradients finite, with ``||g - g_bf16|| <= LOWP_GRAD_BOUND *
+       ||g_bf16||`` against the reference's bf16 gradients;
+     * padding: output and gradient rows ``>= used`` exactly zero;
+     * the collectives: every rank took the same steps, as many as the design says (2 forward,
+       2 backward; P = 1: none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+import ulysses
+import ulysses.attention
+from ulysses import reference
+from ulysses.reference import bitwise_diff
+
+from . import cases_attn
+from ._dist import Context
+from .checks import CaseRun
+
+# Bounds (docs/VALIDATION.md lists the errors measured on the CPU harness beside them):
+# repeated K/V heads sum their gradient over ranks (one bf16 rounding per rank's partial):
+# measured up to 0.0088 of max|ref| at P = 2 and 4
+BF16_TOL = 2.0**-6
+# FP8 e4m3 rounds V to 3 mantissa bits (relative error up to 2**-4), which a query attending
+# few keys passes on nearly whole; INT8 Q/K add a little: measured up to 0.026 of max|v|
+LOWP_FWD_BOUND = 0.07
+# straight-through gradients against the bf16 path's: measured up to 0.032
+LOWP_GRAD_BOUND = 0.08
+
+
+@dataclasses.dataclass
+class Inputs:
+    used: int | None
+    full: tuple  # q, k, v of the whole sequence
+    full_go: torch.Tensor  # the output gradient of the whole sequence
+    leaves: tuple  # this rank's q, k, v (requires grad)
+    grad_out: torch.Tensor  # this rank's rows of the output gradient
+
+
+def _rows(x: torch.Tensor, ctx: Context, L: int) -> torch.Tensor:
+    return x[:, ctx.rank * L : (ctx.rank + 1) * L]
+
+
+def build_inputs(ctx: Context, case, seed: int) -> Inputs:
+    used = cases_attn.resolve_used(case.used, case.L, ctx.world_size)
+    q, k, v, go = cases_attn.build_full(case, ctx.world_size, used, ctx.device, seed)
+    leaves = tuple(_rows(x, ctx, case.L).clone().requires_grad_() for x in (q, k, v))
+    return Inputs(used, (q, k, v), go, leaves, _rows(go, ctx, case.L).clone())
+
+
+def _attend(q, k, v, causal: bool, used: int | None):
+    """Plain SDPA over the live rows of [B, S, H, D] tensors; rows [used, S) zero."""
+    S = q.shape[1]
+    n = S if used is None else used
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
+    out = F.scaled_dot_product_attention(
+        q[:, :n].transpose(1, 2), k[:, :n].transpose(1, 2), v[:, :n].transpose(1, 2),
+        is_causal=causal, **gqa,
+    ).transpose(1, 2)  # fmt: skip
+    return torch.cat([out, out.new_zeros(out.shape[0], S - n, *out.shape[2:])], dim=1)
+
+
+def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
+    q, k, v = (x.clone().requires_grad_() for x in inputs.full)
+    out = _attend(q, k, v, case.causal, inputs.used)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.full_go)
+    L = case.L
+    exp = {name: _rows(t, ctx, L).detach() for name, t in
+           (("out", out), ("dq", dq), ("dk", dk), ("dv", dv))}  # fmt: skip
+    if case.comm == "lowp":
+        with torch.no_grad():
+            f32 = [x.float() for x in inputs.full]
+            exp["out_fp32"] = _rows(_attend(*f32, case.causal, inputs.used), ctx, L)
+            n = q.shape[1] if inputs.used is None else inputs.used
+            exp["v_max"] = inputs.full[2][:, :n].float().abs().max().item()
+            if case.kv == "mha":
+                exp["out_quant"] = _rows(_quantized_attention(ctx, case, inputs), ctx, L)
+    return exp
+
+
+def _quantized_attention(ctx: Context, case, inputs: Inputs) -> torch.Tensor:
+    """The attention, over all heads, of what gather-then-quantize gives each rank."""
+    q, k, v = inputs.full
+    heads = []
+    for r in range(ctx.world_size):
+        x = reference.lowp_exchange_reference(
+            q, k, v, world_size=ctx.world_size, rank=r, used_sequence=inputs.used
+        )
+        deq = [
+            reference.lowp_dequantize_reference(x[c], x[s], q.dtype, g)
+            for c, s, g in (("q", "q_scale", 32), ("k", "k_scale", 64), ("v", "v_scale", None))
+        ]
+        heads.append(_attend(*deq, case.causal, inputs.used))
+    return torch.cat(heads, dim=2)
+
+
+@contextlib.contextmanager
+def logged_collectives(log: list):
+    """Record each collective step of ``ulysses.attention`` (its all_to_alls, and the
+    low-precision exchange as one step) in ``log``."""
+    a2a = ulysses.attention._all_to_all
+    exchange = ulysses.lowp.exchange_qkv
+
+    def logged_a2a(send, pg):
+        log.append(f"all_to_all {list(send.shape)}")
+        return a2a(send, pg)
+
+    def logged_exchange(q, k, v, **kw):
+        log.append(f"exchange_qkv {list(q.shape)} {list(k.shape)}")
+        return exchange(q, k, v, **kw)
+
+    with (
+        mock.patch("ulysses.attention._all_to_all", logged_a2a),
+        mock.patch("ulysses.lowp.exchange_qkv", logged_exchange),
+    ):
+        yield
+
+
+def call_library(case, inputs: Inputs, log: list):
+    q, k, v = inputs.leaves
+    with logged_collectives(log):
+        out = ulysses.ulysses_attention(
+            q, k, v, comm=case.comm, causal=case.causal, used_sequence=inputs.used
+        )
+        out.backward(inputs.grad_out)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _rel_max(got: torch.Tensor, exp: torch.Tensor, scale: float) -> float:
+    return (got.float() - exp.float()).abs().max().item() / max(scale, 1e-30)
+
+
+def _within(name: str, got, exp, tol: float) -> str | None:
+    scale = exp.float().abs().max().item()
+    err = _rel_max(got, exp, scale)
+    return None if err <= tol else f"{name}: max|got - ref| / max|ref| = {err:.3g} > {tol:.3g}"
+
+
+def _zero_rows(name: str, t: torch.Tensor, ctx: Context, L: int, used: int | None) -> str | None:
+    if used is None:
+        return None
+    first_pad = max(0, min(L, used - ctx.rank * L))
+    tail = t[:, first_pad:]
+    if tail.numel() == 0 or bool((tail == 0).all()):
+        return None
+    return f"{name}: padding rows [used, S) are not zero on this rank"
+
+
+def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, logs) -> None:
+    out, dq, dk, dv = got
+    exact = ctx.device.type == "cpu" and case.heads(ctx.world_size)[1] % ctx.world_size == 0
+    if case.comm == "bf16":
+        for name, g in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+            if exact:
+                run.check(f"{name} bitwise", bitwise_diff(g, exp[name]))
+            else:
+                run.check(f"{name} within {BF16_TOL:.3g}", _within(name, g, exp[name], BF16_TOL))
+    else:
+        err = _rel_max(out, exp["out_fp32"], exp["v_max"])
+        run.check(
+            "out vs fp32 attention",
+            None if err <= LOWP_FWD_BOUND else
+            f"max|out - out_fp32| / max|v| = {err:.3g} > {LOWP_FWD_BOUND}",
+        )  # fmt: skip
+        if "out_quant" in exp and exact:
+            run.check("out bitwise vs gather-then-quantize", bitwise_diff(out, exp["out_quant"]))
+        for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+            finite = bool(torch.isfinite(g).all())
+            ref = exp[name].float()
+            rel = (g.float() - ref).norm().item() / max(ref.norm().item(), 1e-30)
+            detail = None
+            if not finite:
+                detail = f"{name} has non-finite values"
+            elif rel > LOWP_GRAD_BOUND:
+                detail = f"{name}: ||g - g_bf16|| / ||g_bf16|| = {rel:.3g} > {LOWP_GRAD_BOUND}"
+            run.check(f"{name} close to bf16", detail)
+    for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        run.check(f"{name} padding rows zero", _zero_rows(name, t, ctx, case.L, inputs.used))
+    expected_steps = 0 if ctx.world_size == 1 else 4
+    mine = logs[ctx.rank]
+    detail = None
+    if any(other != mine for other in logs):
+        detail = f"ranks took different collective steps: {logs}"
+    elif len(mine) != expected_steps:
+        detail = f"expected {expected_steps} collective steps, took {mine}"
+    run.check("collective order", detail)
+
+
+def run_case(ctx: Context, case, seed: int) -> CaseRun:
+    run = CaseRun(ctx, case.id)
+    inputs = run.local("build", lambda: build_inputs(ctx, case, seed))
+    exp = run.local("reference", lambda: expected_values(ctx, case, inputs))
+    log: list[str] = []
+    got = run.collective("ulysses_attention", lambda: call_library(case, inputs, log))
+    logs = run.collective("gather logs", lambda: ctx.gather_json(log))
+    run.local("compare", lambda: compare(run, ctx, case, inputs, exp, got, logs))
+    return run
