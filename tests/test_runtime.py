@@ -1,6 +1,7 @@
-"""The launch path: CPU (interpreter) calls leave no trace in Triton's global state, CPU and
-CUDA calls mix in any order and from several threads, and a source checkout imports its own
-kernels (issue 16)."""
+"""The launch path: CPU (interpreter) calls leave no trace in Triton's global state and warn
+about nothing, CPU and CUDA calls mix in any order and from several threads, the CUDA fast
+path and its fallback through ``kernel[grid](...)`` launch the same kernels, and a source
+checkout imports its own kernels."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
-from ulysses.kernels import _runtime
+from ulysses.kernels import _interp, _launch, _runtime, _scratch
 from ulysses.kernels import grouped_amax as grouped_amax_module
 from ulysses.kernels import lowp_qv_stats as qv_stats_module
 from ulysses.kernels.lowp_qv_stats import qv_payload_numel
@@ -34,10 +37,10 @@ def _case(H=3, L=70, seed=0):
 def test_cpu_call_leaves_triton_state_unchanged():
     k, k_mean = _case()
     ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2)  # imports what a call imports
-    before = _runtime.triton_state()
+    before = _interp.triton_state()
     k2, k_mean2 = _case(H=1, L=33, seed=1)
     ulysses.k_grouped_amax(k2, k_mean2, rank=1, world_size=2, used_sequence=40, group_size=16)
-    after = _runtime.triton_state()
+    after = _interp.triton_state()
     changed = [key for key, value in before.items() if after.get(key) != value]
     assert not changed, f"{len(changed)} Triton attributes changed by a CPU call: {changed[:5]}"
 
@@ -48,21 +51,51 @@ def test_interpreter_alone_would_leak():
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    before = _runtime.triton_state()
-    with _runtime._restored_triton_state():  # the library's guard undoes it afterwards
+    before = _interp.triton_state()
+    with _interp._restored_triton_state():  # the library's guard undoes it afterwards
         # a jit helper called from a kernel goes through InterpretedFunction.__call__, which
         # patches the language and never restores it
         InterpretedFunction(tl.standard.cdiv.fn)(7, 2)
-        leaked = _runtime.triton_state()
+        leaked = _interp.triton_state()
         assert any(leaked.get(key) != value for key, value in before.items())
-    after = _runtime.triton_state()  # (a first call may import modules: new entries)
+    after = _interp.triton_state()  # (a first call may import modules: new entries)
     changed = [key for key, value in before.items() if after.get(key) != value]
     assert not changed, changed[:5]
 
 
+@triton.jit
+def _divide_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    o_n = tl.arange(0, N)
+    tl.store(out_ptr + o_n, tl.load(a_ptr + o_n) / tl.load(b_ptr + o_n))
+
+
+def test_interpreted_launch_warns_nothing_and_leaves_numpy_settings_alone():
+    """A GPU divides by zero silently (inf, nan); numpy, which the interpreter computes with,
+    warns. The CPU launch switches those warnings off for its own run only: nothing is
+    raised or recorded, and the caller's numpy error settings are as they were."""
+    a = torch.tensor([1.0, -1.0, 0.0, 2.0])
+    b = torch.tensor([0.0, 0.0, 0.0, 4.0])
+    out = torch.full_like(a, 7.0)
+    expected = a / b
+    with np.errstate(divide="raise", invalid="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        settings = np.geterr()
+        _launch.launch(_divide_kernel, (1,), a.device, a_ptr=a, b_ptr=b, out_ptr=out, N=4)
+        assert np.geterr() == settings
+    assert ref.bitwise_diff(out, expected) is None, (out, expected)
+    # the check can fail: the same kernel in the interpreter without the guard's errstate
+    from triton.runtime.errors import InterpreterError
+
+    with np.errstate(divide="raise"), pytest.raises(InterpreterError, match="divide by zero"):
+        with _interp.TRITON_LOCK, _interp._restored_triton_state():
+            _interp._route_jit_calls_and_fix_loop_bounds()
+            _interp._interpreted(_divide_kernel)[(1,)](a, b, out, N=4)
+
+
 def test_cuda_compile_after_cpu_call():
-    """The failure of issue 16 (a CUDA compilation after an interpreted call died in the code
-    generator) reproduced without a GPU: compile the kernel for sm90 after a CPU call."""
+    """The failure that the interpreter's isolation fixed (a CUDA compilation after an
+    interpreted call died in the code generator) reproduced without a GPU: compile the
+    kernel for sm90 after a CPU call."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -164,19 +197,6 @@ def test_cuda_launches_during_cpu_calls():
         assert ref.bitwise_diff(out, exp) is None
 
 
-def test_launch_cache_key_separates_specializations():
-    """Ints equal to 1, multiples of 16 and pointer alignment change Triton's specialization;
-    the cache key must tell them apart (else a kernel compiled for one runs for another)."""
-    spec = _runtime._spec
-    assert spec(1, False) != spec(2, False)
-    assert spec(16, False) != spec(17, False)
-    assert spec(2**31, False) != spec(2**31 - 1, False)
-    x = torch.zeros(16)
-    assert spec(x, False) != spec(x[1:], False)
-    assert spec(x, False) != spec(x.half(), False)
-    assert spec(64, True) != spec(128, True)
-
-
 def test_source_checkout_uses_its_own_kernels(tmp_path):
     """A checkout on PYTHONPATH imports its own kernels/, even when another tree would be
     found for ``ulysses.kernels`` (e.g. an editable install of another checkout)."""
@@ -215,15 +235,14 @@ def test_source_checkout_uses_its_own_kernels(tmp_path):
 
 def test_mask_bounding_ints_are_not_specialized():
     """Shapes, ranks and paddings share one compilation: the ints that only bound masks and
-    loops are not specialized (nor part of the launch cache key beyond i32/i64), while
-    strides stay specialized for vectorized loads."""
-    names, modes = _runtime._params(grouped_amax_module._grouped_amax_kernel)
+    loops are not specialized, while strides stay specialized for vectorized loads."""
+    names, modes = _launch._params(grouped_amax_module._grouped_amax_kernel)
     mode = dict(zip(names, modes, strict=True))
     for name in ("L", "H", "row0", "n_slots", "g_first", "n_touched", "tail_group", "tail_end"):
-        assert mode[name] == _runtime._NOT_SPECIALIZED, name
+        assert mode[name] == _launch._NOT_SPECIALIZED, name
     for name in ("k_ptr", "stride_kb", "stride_kl", "stride_kh"):
-        assert mode[name] == _runtime._SPECIALIZED, name
-    assert mode["G"] == mode["D"] == _runtime._CONSTEXPR
+        assert mode[name] == _launch._SPECIALIZED, name
+    assert mode["G"] == mode["D"] == _launch._CONSTEXPR
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -254,12 +273,10 @@ class _FakeLauncher:
         self.profile_scratch_size = profile_scratch_size
         self.launch_cooperative_grid = False
         self.launch_pdl = True
+        self.calls = []
 
     def launch(self, *args):
-        return args
-
-    def __call__(self, *args):
-        return ("wrapped", *args)
+        self.calls.append(args)
 
 
 class _FakeCompiled:
@@ -267,70 +284,130 @@ class _FakeCompiled:
         self.run, self.function, self.packed_metadata = run, "function", (4, 1, 0)
 
 
-@pytest.mark.parametrize("version", ["3.6.0", "3.9.1", "3.5.1"])
+def _fake_cuda_runtime(monkeypatch, current: int = 0) -> None:
+    """torch's private stream and device readers, as a CUDA build has them."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1000 + i, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current, raising=False)
+
+
+@pytest.mark.parametrize("version", ["3.6.0", "3.6.1", "3.9.0", "3.5.1", "3.10.0", "4.0.0"])
 @pytest.mark.parametrize("scratch", [(0, 0), (64, 0), (0, 64)])
-def test_direct_launch_only_where_its_layout_is_known(monkeypatch, version, scratch):
-    """The C launch function is called directly only on a verified Triton version and for a
-    kernel without scratch memory; its arguments are then the launcher's own, in order."""
+def test_fast_path_only_where_the_launcher_is_known(monkeypatch, version, scratch):
+    """``_direct_launcher`` gives a fast path only on a Triton version whose launcher was
+    read and run (3.6) and for a kernel without scratch memory; that path calls the C launch
+    function with the launcher's own arguments, in order. Elsewhere it gives None, and every
+    launch goes through ``kernel[grid](...)``."""
     monkeypatch.setattr(triton, "__version__", version)
+    _fake_cuda_runtime(monkeypatch)
     run = _FakeLauncher(*scratch)
-    fn, prefix, direct = _runtime._entry(_FakeCompiled(run))
-    assert direct == (version.startswith("3.6.") and scratch == (0, 0))
-    if direct:
-        assert fn == run.launch
-        assert fn(1, 2, 3, "stream", *prefix, "a0") == (
-            (1, 2, 3, "stream", "function", False, True, None, None, (4, 1, 0))
-            + (None, None, None, "a0")
-        )
+    direct = _launch._direct_launcher(_FakeCompiled(run))
+    known = version.startswith("3.6.") and scratch == (0, 0)
+    assert (direct is not None) == known
+    if not known:
+        return
+    assert direct((5, 3, 1), 0, ["a0", 7]) is True
+    assert run.calls == [
+        (5, 3, 1, 1000, "function", False, True, None, None, (4, 1, 0), None, None, None)
+        + ("a0", 7)
+    ]
+    # it declines, launching nothing, where Triton's own path must take the call
+    assert direct((5, 3, 1), 1, ["a0", 7]) is False  # device 1 is not current
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *args: None)
+    assert direct((5, 3, 1), 0, ["a0", 7]) is False  # a launch hook (a profiler) is set
+    assert len(run.calls) == 1
+
+
+def test_fast_path_declines_without_torchs_cuda_readers(monkeypatch):
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    _fake_cuda_runtime(monkeypatch)
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    assert _launch._direct_launcher(_FakeCompiled(_FakeLauncher())) is None
+
+
+def _fresh_amax_calls(k, k_mean, n=2):
+    """``n`` calls of k_grouped_amax from a fresh plan (its first launch goes through Triton,
+    the later ones through the fast path where there is one), and that plan's Launch."""
+    from ulysses import amax
+
+    amax._PLANS.clear()
+    outs = [ulysses.k_grouped_amax(k, k_mean, rank=1, world_size=2) for _ in range(n)]
+    (plan,) = amax._PLANS.values()
+    return outs, plan.launch
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ),
+    ],
+)
+def test_fallback_launch_gives_the_fast_paths_bits(monkeypatch, device):
+    """The grouped amax through the normal path and with the fallback forced (a Triton version
+    the fast path does not know: every launch is ``kernel[grid](...)``), bit for bit, and
+    equal to the reference. On CPU both run in the interpreter; on the GPU's Triton 3.6 the
+    normal path's later calls take the fast path and the forced ones never do."""
+    k, k_mean = _case(H=5, L=130, seed=3)
+    expected = ref.grouped_amax_shard(k, k_mean, rank=1, world_size=2)
+    k, k_mean = k.to(device), k_mean.to(device)
+    normal, normal_launch = _fresh_amax_calls(k, k_mean)
+    monkeypatch.setattr(triton, "__version__", "3.99.0")
+    jit_launches = []
+    real_jit_launch = _launch._jit_launch
+
+    def counted(*args):
+        jit_launches.append(args[0])
+        return real_jit_launch(*args)
+
+    monkeypatch.setattr(_launch, "_jit_launch", counted)
+    forced, forced_launch = _fresh_amax_calls(k, k_mean)
+    for i, (a, b) in enumerate(zip(normal, forced, strict=True)):
+        assert ref.bitwise_diff(a.cpu(), expected) is None, f"normal call {i}"
+        assert ref.bitwise_diff(b.cpu(), a.cpu()) is None, f"fallback call {i}"
+    if device == "cuda":
+        assert jit_launches == [forced_launch.kernel] * len(forced)
+        assert list(forced_launch.direct.values()) == [None]
+        fast = list(normal_launch.direct.values())
+        assert len(fast) == 1
+        assert (fast[0] is not None) == triton.__version__.startswith(_launch._DIRECT_VERSIONS)
     else:
-        assert fn is run
-        assert prefix == ("function", (4, 1, 0), None, None, None)
+        assert jit_launches == [] and forced_launch.direct == {}  # the interpreter's path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_prepared_launch_calls_the_c_launcher_on_triton_36():
-    """On the GPU's Triton (3.6) the eager path reaches the compiled kernel's C launch
-    function directly (and the result stays right)."""
+def test_prepared_launch_takes_the_fast_path_on_triton_36():
+    """On the GPU's Triton (3.6) a plan's later calls reach the compiled kernel's C launch
+    function, given the tensors' addresses as ints (no data_ptr call, no driver query of
+    each pointer), and the result stays right."""
     k, k_mean = _case(H=3, L=70)
     kc, mc = k.cuda(), k_mean.cuda()
-    out = ulysses.k_grouped_amax(kc, mc, rank=1, world_size=2)
-    out = ulysses.k_grouped_amax(kc, mc, rank=1, world_size=2)
     expected = ref.grouped_amax_shard(k, k_mean, rank=1, world_size=2)
-    assert ref.bitwise_diff(out.cpu(), expected) is None
-    from ulysses import amax
-
-    (plan,) = [
-        p
-        for key, p in amax._PLANS.items()
-        if key[0] == kc.shape and key[3].type == "cuda" and key[8:11] == (1, 2, None)
-    ]
-    bits, entry = next(iter(plan.launch.entries.items()))
-    fn, prefix, direct = entry
-    assert direct == triton.__version__.startswith(_runtime._DIRECT_LAUNCH_VERSIONS)
-    assert (getattr(fn, "__name__", "") == "launch") == direct, (triton.__version__, fn)
-    assert plan.launch.direct == direct
-    assert (plan.launch.fast is not None) == direct  # built at the plan's second call
-    # the C launch function gets the tensors' addresses as ints (no data_ptr call, no driver
-    # query of each pointer); Triton's Python launcher gets the tensors
+    _, launch_obj = _fresh_amax_calls(kc, mc)
+    ((bits, direct),) = launch_obj.direct.items()
+    if not triton.__version__.startswith(_launch._DIRECT_VERSIONS):
+        assert direct is None
+        pytest.skip(f"Triton {triton.__version__}: no fast path (every launch through Triton)")
+    assert direct is not None
     calls = []
 
-    def record(*args):
+    def record(grid, index, args):
         calls.append(args)
-        return fn(*args)
+        return direct(grid, index, args)
 
-    plan.launch.entries[bits] = (record, prefix, direct)
+    launch_obj.direct[bits] = record
     try:
         out = ulysses.k_grouped_amax(kc, mc, rank=1, world_size=2)
     finally:
-        plan.launch.entries[bits] = entry
+        launch_obj.direct[bits] = direct
     assert ref.bitwise_diff(out.cpu(), expected) is None
     (args,) = calls
-    kernel_args = args[4 + len(prefix) :]
-    passed = [kernel_args[p] for p in plan.launch.positions]
-    if direct:
-        assert passed == [kc.data_ptr(), mc.data_ptr(), out.data_ptr()]
-    else:
-        assert all(isinstance(a, torch.Tensor) for a in passed)
+    passed = [args[p] for p in launch_obj.positions]
+    assert passed == [kc.data_ptr(), mc.data_ptr(), out.data_ptr()]
 
 
 @triton.jit
@@ -340,7 +417,7 @@ def _mul_sub_kernel(a_ptr, b_ptr, c_ptr, out_ptr):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_launches_pin_fp_fusion_off():
-    """Every compiled launch of the package pins FP fusion off (``_runtime.COMPILE_OPTIONS``),
+    """Every compiled launch of the package pins FP fusion off (``_launch.COMPILE_OPTIONS``),
     whatever Triton's default (on up to 3.9, off from 3.10) or TRITON_DEFAULT_FP_FUSION say.
     a = b = 1 + 2**-12, c = 1 + 2**-11: the exact a * b is c + 2**-24, a tie that fp32
     rounds to c, so a * b - c is 0 with the product rounded and 2**-24 as one fused FMA."""
@@ -350,10 +427,17 @@ def test_compiled_launches_pin_fp_fusion_off():
 
     a, c = one(1 + 2**-12), one(1 + 2**-11)
     out = one(-1.0)
-    for _ in range(2):  # the first launch goes through Triton's JIT, the second is cached
+    step = _launch.Launch(
+        _mul_sub_kernel, (1,), out.device, num_warps=1, slots=("out_ptr",), a_ptr=a, b_ptr=a,
+        c_ptr=c,
+    )  # fmt: skip
+    for _ in range(3):  # the first launch goes through Triton's JIT, the next ones may not
         out.fill_(-1.0)
-        _runtime.launch(_mul_sub_kernel, (1,), out.device, num_warps=1,
-                        a_ptr=a, b_ptr=a, c_ptr=c, out_ptr=out)  # fmt: skip
+        step(out)
+        assert out.item() == 0.0
+        out.fill_(-1.0)
+        _launch.launch(_mul_sub_kernel, (1,), out.device, num_warps=1,
+                       a_ptr=a, b_ptr=a, c_ptr=c, out_ptr=out)  # fmt: skip
         assert out.item() == 0.0
     fused = one(-1.0)  # the check can tell the two apart: with fusion on, the other value
     _mul_sub_kernel[(1,)](a, a, c, fused, num_warps=1, enable_fp_fusion=True)
@@ -417,10 +501,10 @@ def test_cuda_mirror_compiles_the_cuda_launch_settings(monkeypatch):
     64K elements and stalled for minutes a test."""
     from ulysses.kernels import finalize_stats, lowp_pack
 
-    monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(_scratch, "sm_count", lambda device: 132)
     monkeypatch.setattr(finalize_stats, "sm_count", lambda device: 132)
     monkeypatch.setattr(grouped_amax_module, "sm_count", lambda device: 132)
-    monkeypatch.setattr(_runtime, "_TILES", {})
+    monkeypatch.setattr(_scratch, "_TILES", {})
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     shape, strides = (1, 592, 56, 128), (592 * 56 * 128, 56 * 128, 128, 1)
     args = dict(group_size=64, row0=592, n_slots=10, g_first=9, n_touched=10, tail_group=-1,
@@ -443,16 +527,16 @@ def test_cuda_mirror_compiles_the_cuda_launch_settings(monkeypatch):
             torch.zeros(1, 56, lay.n_slots), group_size=32, row0=L, n_slots=lay.n_slots,
             n_touched=lay.n_touched, tail_group=-1, live_end=P * L, floor=0.0, use_pdl=False,
         ).__closure__  # fmt: skip
-        (step,) = [c.cell_contents for c in qv if isinstance(c.cell_contents, _runtime.Launch)]
+        (step,) = [c.cell_contents for c in qv if isinstance(c.cell_contents, _launch.Launch)]
         return [_settings(x) for x in (amax, pack, step)]
 
-    monkeypatch.setattr(_runtime, "_MIRROR_TO_CUDA", False)
-    assert not _runtime.compiled_for_gpu(cpu)
+    monkeypatch.setattr(_launch, "_MIRROR_TO_CUDA", False)
+    assert not _launch.compiled_for_gpu(cpu)
     interpreted = settings(cpu)
     assert all(a != b for a, b in zip(interpreted, settings(gpu), strict=True))
     cpu_only = _cpu_device_settings()
-    monkeypatch.setattr(_runtime, "_MIRROR_TO_CUDA", True)
-    assert _runtime.compiled_for_gpu(cpu) and _runtime.compiled_for_gpu(gpu)
+    monkeypatch.setattr(_launch, "_MIRROR_TO_CUDA", True)
+    assert _launch.compiled_for_gpu(cpu) and _launch.compiled_for_gpu(gpu)
     assert settings(cpu) == settings(gpu)
     # kernels whose launch is built from CPU buffers only (no CUDA here to build the other
     # side): the mirror must change every one of their settings' sets
@@ -476,7 +560,7 @@ def _cpu_device_settings() -> dict:
     from ulysses.kernels.finalize_stats import MODE_FUSED, prepare_finalize
     from ulysses.kernels.lowp_finish import prepare_lowp_finish
 
-    _runtime._TILES.clear()
+    _scratch._TILES.clear()
     B, L, H, D, P = 1, 592, 56, 128, 8
     lay = grid.layout(1, L, P, 64, None)
     cpu = torch.device("cpu")
@@ -506,15 +590,15 @@ def _cpu_device_settings() -> dict:
 
 def test_kernel_modules_choose_settings_through_compiled_for_gpu():
     """The kernels' host code decides CUDA-or-interpreter settings with
-    ``_runtime.compiled_for_gpu`` only (the mirror relies on it); a ``device.type`` test there
-    would give the mirror the interpreter's settings again."""
+    ``compiled_for_gpu`` only (the mirror relies on it); a ``device.type`` test there would
+    give the mirror the interpreter's settings again. The host plumbing itself is exempt."""
     import pathlib
     import re
 
     kernels = pathlib.Path(_runtime.__file__).parent
     found = []
     for path in sorted(kernels.glob("*.py")):
-        if path.name == "_runtime.py":
+        if path.name in _HOST_MODULES:
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"\.type\s*[!=]=|\.is_cuda\b", line):
@@ -522,48 +606,76 @@ def test_kernel_modules_choose_settings_through_compiled_for_gpu():
     assert not found, "device tests outside compiled_for_gpu:\n" + "\n".join(found)
 
 
-def test_the_host_runtime_defines_no_jit_function():
+_HOST_MODULES = ("_runtime.py", "_launch.py", "_interp.py", "_scratch.py")
+
+
+def test_the_host_modules_define_no_jit_function():
     """Triton keys a jit function's compile cache on its starting line: a @triton.jit helper
-    in the busy host file ``_runtime.py`` would recompile every kernel calling it whenever a
-    line above it moved, and a Triton cache carried to a fresh GPU machine would miss (session
-    12: the one-GPU harness then ran past gpu-check's budget). The helpers live in ``_tl.py``."""
+    in busy host code would recompile every kernel calling it whenever a line above it moved,
+    and a Triton cache carried to a fresh GPU machine would miss (the one-GPU harness then ran
+    past gpu-check's budget). The helpers live in ``_tl.py``."""
     from triton.runtime.jit import JITFunction
 
+    modules = [_runtime, _launch, _interp, _scratch]
+    assert sorted(m.__name__.rsplit(".", 1)[1] + ".py" for m in modules) == sorted(_HOST_MODULES)
     defined_here = [
-        name
-        for name, value in vars(_runtime).items()
-        if isinstance(value, JITFunction) and value.fn.__module__ == _runtime.__name__
+        f"{module.__name__}.{name}"
+        for module in modules
+        for name, value in vars(module).items()
+        if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__
     ]
     assert defined_here == []
     assert isinstance(_runtime.load_streamed, JITFunction)
 
 
 def _stand_in_cuda(monkeypatch):
-    """Run CUDA ``Launch`` calls on CPU: device 0 current, a fake stream, no hooks, and
-    every tensor reporting itself as a CUDA tensor (``_fast_call`` binds fixed CUDA tensors
-    as addresses)."""
-    monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
-    monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 1000 + index)
-    monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: False)
+    """Run CUDA ``Launch`` calls on CPU: every tensor reports itself as a CUDA tensor (a
+    ``Launch`` passes fixed CUDA tensors to the fast path as addresses), Triton's JIT is
+    replaced by a recorder that returns one stand-in compiled kernel per alignment pattern,
+    and ``_direct_launcher`` by one giving a recording fast path. Returns the records."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    record = {"jit": [], "direct": [], "compiled": {}, "declines": False, "known": True}
+
+    def jit_launch(kernel, grid, index, num_warps, use_pdl, args):
+        record["jit"].append(list(args))
+        bits = 0
+        for p in positions_of(kernel):
+            bits = (bits << 1) | ((args[p].data_ptr() & 15) == 0)
+        return record["compiled"].setdefault(bits, object())
+
+    def direct_launcher(compiled):
+        if not record["known"]:
+            return None
+
+        def direct(grid, index, args):
+            if record["declines"]:
+                return False
+            record["direct"].append((compiled, grid, index, list(args)))
+            return True
+
+        return direct
+
+    positions = {}
+
+    def positions_of(kernel):
+        return positions[kernel]
+
+    record["positions"] = positions
+    monkeypatch.setattr(_launch, "_jit_launch", jit_launch)
+    monkeypatch.setattr(_launch, "_direct_launcher", direct_launcher)
+    return record
 
 
-_PREFIX = ("function", False, True, None, None, (2, 1, 0), None, None, None)
-
-
-def test_generated_fast_call_passes_what_the_generic_call_passes(monkeypatch):
-    """A reused CUDA ``Launch`` whose kernel runs through Triton's C launch function builds
-    its call as one generated function (``_fast_call``) at the first call that finds its
-    compiled kernel (a plan's second call), and that gives the C function the same arguments
-    as the generic ``Launch.__call__``: the grid, the stream, the compiled kernel's prefix,
-    the slot tensors as addresses, every fixed argument in order (a fixed tensor as its
-    address, which only the generated call does). It declines (returns False, launching
-    nothing) for an alignment pattern with no compiled kernel, an entry not launched through
-    the C function, a set launch hook or another current device. Runs on CPU with a stand-in
-    launch function."""
-    _stand_in_cuda(monkeypatch)
+def test_prepared_launch_gives_the_fast_path_what_it_gives_triton(monkeypatch):
+    """A CUDA ``Launch``'s first call of an alignment pattern goes through Triton's JIT with
+    tensors; its later calls of that pattern go through the fast path that the compiled
+    kernel gave, with the same arguments in the same order, tensors as addresses (a fixed
+    tensor too). A new pattern goes through Triton again; a fast path that declines (a hook,
+    another device) and a Triton the fast path does not know send the call through Triton.
+    Runs on CPU with stand-ins for Triton's JIT and the fast path."""
+    record = _stand_in_cuda(monkeypatch)
     fixed = torch.zeros(64)  # stands for a scratch buffer bound at plan time
-    launch = _runtime.Launch(
+    step = _launch.Launch(
         _fake_launch_kernel,
         (5, 3),
         torch.device("cuda:0"),
@@ -573,45 +685,48 @@ def test_generated_fast_call_passes_what_the_generic_call_passes(monkeypatch):
         n=7,
         BLOCK=16,
     )
+    record["positions"][_fake_launch_kernel] = step.positions
     x, out = torch.zeros(32), torch.zeros(32)[1:]  # out is 4 bytes off 16-byte alignment
-    bits = (1 << 1) | 0  # x aligned, out not: the generic path's pattern
-    calls = []
-    launch.entries[bits] = (lambda *a: calls.append(a), _PREFIX, True)
-    launch.direct = True
-    assert launch.fast is None
-    launch(x, out)  # the generic path, which then builds the generated call
-    assert launch.fast is not None
-    launch(x, out)  # through launch.fast
-    assert len(calls) == 2
-    generic, generated = calls
-    assert generic[:4] == generated[:4] == (5, 3, 1, 1000)
-    assert generic[4:13] == generated[4:13] == _PREFIX
-    names = launch.names
-    expected = {"x_ptr": x.data_ptr(), "out_ptr": out.data_ptr(), "n": 7, "BLOCK": 16}
-    for name, g_value, value in zip(names, generic[13:], generated[13:], strict=True):
-        if name == "scratch_ptr":
-            assert g_value is fixed and value == fixed.data_ptr()
+    step(x, out)
+    step(x, out)
+    assert len(record["jit"]) == 1 and len(record["direct"]) == 1
+    (through_triton,) = record["jit"]
+    compiled, grid, index, through_fast = record["direct"][0]
+    assert compiled is record["compiled"][0b10] and grid == (5, 3, 1) and index == 0
+    expected = {"x_ptr": x, "scratch_ptr": fixed, "out_ptr": out, "n": 7, "BLOCK": 16}
+    for name, t_value, f_value in zip(step.names, through_triton, through_fast, strict=True):
+        want = expected[name]
+        if isinstance(want, torch.Tensor):
+            assert t_value is want and f_value == want.data_ptr(), name
         else:
-            assert g_value == value == expected[name], name
-    fast = launch.fast
-    assert fast(torch.zeros(32)[1:], out) is False  # no kernel for this pattern yet
-    launch.entries[bits] = (lambda *a: calls.append(a), _PREFIX, False)
-    assert fast(x, out) is False  # a kernel launched through Triton's Python launcher
-    launch.entries[bits] = (lambda *a: calls.append(a), _PREFIX, True)
-    monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: True)
-    assert _runtime._fast_call(launch)(x, out) is False
-    monkeypatch.setattr(_runtime, "_launch_hooks_set", lambda: False)
-    monkeypatch.setattr(_runtime, "_current_device", lambda: 1)
-    assert _runtime._fast_call(launch)(x, out) is False
-    assert len(calls) == 2
+            assert t_value == f_value == want, name
+    # another alignment pattern: Triton first (its own compiled kernel), then its fast path
+    out_aligned = torch.zeros(32)
+    step(x, out_aligned)
+    step(x, out_aligned)
+    assert len(record["jit"]) == 2 and len(record["direct"]) == 2
+    assert record["direct"][-1][0] is record["compiled"][0b11]
+    step(x, out)  # the first pattern's fast path is still there
+    assert len(record["jit"]) == 2 and record["direct"][-1][0] is record["compiled"][0b10]
+    record["declines"] = True
+    step(x, out)
+    assert len(record["jit"]) == 3 and record["jit"][-1] == through_triton
+    record["declines"], record["known"] = False, False
+    unknown = _launch.Launch(
+        _fake_launch_kernel, (5, 3), torch.device("cuda:0"), num_warps=2,
+        slots=("x_ptr", "out_ptr"), scratch_ptr=fixed, n=7, BLOCK=16,
+    )  # fmt: skip
+    for _ in range(3):
+        unknown(x, out)
+    assert len(record["jit"]) == 6 and len(record["direct"]) == 3
+    assert unknown.direct == {0b10: None}
 
 
-def test_generated_fast_call_picks_the_generic_calls_kernel_for_each_alignment(monkeypatch):
-    """Three slots, two compiled alignment patterns (only the first slot aligned: 0b100; only
-    the last: 0b001): the generated call and the generic one launch the same kernel for
-    each (the first slot is the pattern's high bit in both)."""
-    _stand_in_cuda(monkeypatch)
-    launch = _runtime.Launch(
+def test_alignment_pattern_puts_the_first_slot_high(monkeypatch):
+    """Three slots, two alignment patterns (only the first slot aligned: 0b100; only the
+    last: 0b001): each call finds the compiled kernel of its own pattern."""
+    record = _stand_in_cuda(monkeypatch)
+    step = _launch.Launch(
         _fake_launch_kernel3,
         (1,),
         torch.device("cuda:0"),
@@ -619,17 +734,31 @@ def test_generated_fast_call_picks_the_generic_calls_kernel_for_each_alignment(m
         scratch_ptr=torch.zeros(8),
         n=3,
     )
-    hits = []
-    for pattern in (0b100, 0b001):
-        launch.entries[pattern] = (lambda *a, p=pattern: hits.append(p), _PREFIX, True)
-    launch.direct = True
+    record["positions"][_fake_launch_kernel3] = step.positions
     aligned, unaligned = torch.zeros(16), torch.zeros(16)[1:]
     cases = [((aligned, unaligned, unaligned), 0b100), ((unaligned, unaligned, aligned), 0b001)]
     for tensors, pattern in cases:
-        launch.fast = None
-        launch(*tensors)  # generic
-        assert _runtime._fast_call(launch)(*tensors) is True  # generated
-        assert hits[-2:] == [pattern, pattern]
+        step(*tensors)  # through Triton
+        step(*tensors)  # the fast path
+        assert record["direct"][-1][0] is record["compiled"][pattern]
+    assert sorted(step.direct) == [0b001, 0b100]
+
+
+def test_rebinding_through_runtime_reaches_the_modules_that_read_it(monkeypatch):
+    """``scripts/compile_sm90.py`` sets the test mirror, the mirrored launch and ``sm_count``
+    on ``_runtime``; the modules that read them must see it."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(_runtime, "_MIRROR_TO_CUDA", True)
+    assert _launch._MIRROR_TO_CUDA is True and _runtime.compiled_for_gpu(cpu)
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: 7)
+    assert _scratch.sm_count(cpu) == 7
+    seen = []
+    monkeypatch.setattr(_runtime, "_launch_mirrored", lambda *args: seen.append(args[0]))
+    a = torch.ones(4)
+    _launch.launch(_divide_kernel, (1,), cpu, a_ptr=a, b_ptr=a, out_ptr=a, N=4)
+    assert seen == [_divide_kernel]
+    monkeypatch.undo()
+    assert _scratch.sm_count is _runtime.sm_count and not _launch._MIRROR_TO_CUDA
 
 
 @triton.jit

@@ -1,0 +1,146 @@
+"""CPU launches: Triton's interpreter, run so that it leaves no trace in the process.
+
+The same ``@triton.jit`` function runs in ``triton.runtime.interpreter``, with no environment
+variable. The interpreter patches ``triton.language`` while it runs and, for jit helpers
+called from a kernel (``tl.cdiv``, ``tl.max``...), never undoes it; left in place, that breaks
+the next CUDA compilation in the process. So :func:`run` holds :data:`TRITON_LOCK`, which
+CUDA launches through Triton's JIT also take, snapshots every ``triton.language`` namespace
+first and restores it afterwards.
+
+The interpreter computes with numpy, which warns about floating-point events that a GPU
+takes silently (a division by zero giving inf, as the kernels' scale math may): those
+warnings are switched off for the interpreted launch only, in the calling thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import numpy as np
+
+__all__ = ["TRITON_LOCK", "run", "triton_state"]
+
+# Held by CPU (interpreted) launches and by launches through Triton's JIT on CUDA (which may
+# compile): the interpreter patches module globals that the compiler reads.
+TRITON_LOCK = threading.RLock()
+
+
+def run(kernel, grid: tuple, kwargs: dict) -> None:
+    """Run the ``@triton.jit`` ``kernel`` over ``grid`` in the interpreter (``kwargs``: every
+    parameter, constexprs included), leaving Triton's global state as it found it."""
+    with TRITON_LOCK, _restored_triton_state(), np.errstate(all="ignore"):
+        _route_jit_calls_and_fix_loop_bounds()
+        _interpreted(kernel)[grid](**kwargs)
+
+
+_NAMESPACES: list = [-1, []]  # [len(sys.modules) when built, the list]
+
+
+def _patched_namespaces() -> list[object]:
+    """Cached :func:`_find_namespaces` (rebuilt when modules were imported since)."""
+    if _NAMESPACES[0] != len(sys.modules):
+        _NAMESPACES[1] = _find_namespaces()
+        _NAMESPACES[0] = len(sys.modules)
+    return _NAMESPACES[1]
+
+
+def _find_namespaces() -> list[object]:
+    """Every object whose attributes Triton's interpreter may rebind: the ``triton.language``
+    modules, the classes defined in them, the JIT function class and the interpreter module."""
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    objects: list[object] = [JITFunction, interpreter]
+    seen: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("triton.language"):
+            continue
+        objects.append(module)
+        for value in list(vars(module).values()):
+            if (
+                isinstance(value, type)
+                and id(value) not in seen
+                and getattr(value, "__module__", "").startswith("triton.language")
+            ):
+                seen.add(id(value))
+                objects.append(value)
+    return objects
+
+
+def triton_state() -> dict[tuple[int, str], int]:
+    """(namespace id, attribute name) -> id of the value, over every namespace the interpreter
+    may patch. Equal before and after a CPU launch means the launch left no trace."""
+    return {
+        (id(obj), name): id(value)
+        for obj in _patched_namespaces()
+        for name, value in list(vars(obj).items())
+    }
+
+
+@contextlib.contextmanager
+def _restored_triton_state():
+    saved = [(obj, dict(vars(obj))) for obj in _patched_namespaces()]
+    try:
+        yield
+    finally:
+        for obj, before in saved:
+            now = vars(obj)
+            # Names added to a class go (a patched dunder such as tensor.__index__ changes how
+            # the compiler's values behave); names added to a module stay: submodules that an
+            # import registered, and the interpreter's own injected globals (its rewritten,
+            # cached functions look up `interpreter_semantic` there).
+            added = [] if _is_module(obj) else [n for n in now if n not in before]
+            for name in added:
+                with contextlib.suppress(AttributeError, TypeError):
+                    delattr(obj, name)
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    with contextlib.suppress(AttributeError, TypeError):
+                        setattr(obj, name, value)
+
+
+_MISSING = object()
+
+
+def _is_module(value) -> bool:
+    return type(value).__name__ == "module"
+
+
+_INTERPRETED: dict[object, object] = {}
+
+
+def _interpreted(kernel):
+    fn = _INTERPRETED.get(kernel)
+    if fn is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        fn = _INTERPRETED[kernel] = InterpretedFunction(kernel.fn)
+    return fn
+
+
+def _route_jit_calls_and_fix_loop_bounds() -> None:
+    """Inside the (restored) scope of one CPU launch:
+
+    * a call of a ``JITFunction`` (a jit helper called from the kernel) runs interpreted;
+      ``TRITON_INTERPRET=1`` would do that at import time, which we do not ask of users;
+    * Triton 3.6's interpreter makes a loop bound with int() of a shape-(1,) array, which
+      numpy >= 2.5 refuses; read the one element instead.
+    """
+    from triton.runtime import interpreter
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    def call(self, *args, **kwargs):
+        return InterpretedFunction(self.fn)(*args, **kwargs)
+
+    JITFunction.__call__ = call
+    original_patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if original_patch is not None:
+
+        def patch_lang_tensor(tensor, scope):
+            original_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        interpreter._patch_lang_tensor = patch_lang_tensor

@@ -1,0 +1,137 @@
+"""Scratch buffers, output templates and tile sizes shared by the kernels' launchers."""
+
+from __future__ import annotations
+
+import torch
+
+from ._launch import compiled_for_gpu
+
+__all__ = [
+    "cdiv",
+    "counters",
+    "next_pow2",
+    "output_template",
+    "sm_count",
+    "stream_key",
+    "tile",
+    "workspace",
+]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceil division on the host (``triton.cdiv`` is a jit function: ~40 us a call here)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_KEEP: list[torch.Tensor] = []  # replaced buffers stay alive: a CUDA graph may hold them
+
+
+def stream_key(device: torch.device) -> tuple:
+    """(device type, device index, raw stream): what a buffer reused in stream order keys on."""
+    if device.type != "cuda":
+        return (device.type, None, 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return ("cuda", index, torch.cuda.current_stream(index).cuda_stream)
+
+
+def output_template(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element tensor expanded to ``shape`` (one small allocator block held, whatever
+    the shape): a plan keeps it, and ``torch.empty_like(template)`` then allocates a new
+    contiguous output of that shape, dtype and device from one argument instead of three
+    keywords (3.8 against 6.6 us on the H200 host, docs/BENCHMARKS.md). An expanded tensor
+    overlaps itself, so ``empty_like`` does not copy its strides; it lays the output out
+    contiguously (with every dim of size 1, strides of 1: still contiguous)."""
+    return torch.empty(1, dtype=dtype, device=device).expand(shape)
+
+
+def workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch buffer of at least ``numel`` elements, reused by later launches on the same
+    device and stream (stream order makes reuse safe; another stream gets its own)."""
+    key = (name, dtype, *stream_key(device))
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _WORKSPACE[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+    return buf
+
+
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 zeros for "last program" counters; the kernels reset them to 0 after use,
+    so one buffer per device and stream serves every launch."""
+    key = stream_key(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached per device index; None = current device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(index)
+    if n is None:
+        n = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
+_TILES: dict[tuple, tuple[int, int]] = {}
+
+
+def tile(
+    D: int,
+    H: int,
+    programs_per_hblock: int,
+    device: torch.device,
+    *,
+    elems: int,
+    warps_per_sm: int = 0,
+    max_warps: int = 4,
+) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of a kernel whose program holds a [BLOCK_H, D] tile of one row and
+    whose grid is ``programs_per_hblock * cdiv(H, BLOCK_H)`` programs. The one tile rule of
+    the package, from the H200 sweeps in docs/BENCHMARKS.md:
+
+    * CUDA: ``elems`` elements a tile (128 for the amax kernel: the cold sweep of 2026-11-30
+      in docs/BENCHMARKS.md measured 24.7 us with one 128-wide head and 2 warps against 31.4 us
+      with 512-element tiles at 68 MB; 256 for the block-stats kernel, which keeps four
+      accumulators an element), one warp per 64 elements up to ``max_warps``; with
+      ``warps_per_sm`` set, BLOCK_H halves on small grids until about that many warps per SM
+      are resident (D=64, L=8190, H=24: 29% -> 62% of the read ceiling).
+    * CPU (the interpreter pays per operation, not per element): the biggest tile up to 4096
+      elements, one "warp".
+    """
+    cuda = compiled_for_gpu(device)
+    key = (D, H, programs_per_hblock, cuda and sm_count(device), elems, warps_per_sm, max_warps)
+    found = _TILES.get(key)
+    if found is not None:
+        return found
+    if not cuda:
+        found = (max(1, min(next_pow2(H), 4096 // D)), 1)
+    else:
+        n_sm = sm_count(device)
+
+        def warps(bh):
+            return max(1, min(max_warps, bh * D // 64))
+
+        block_h = max(1, min(next_pow2(H), elems // D))
+        while (
+            block_h > 1
+            and block_h * D > 128
+            and programs_per_hblock * -(-H // block_h) * warps(block_h) < warps_per_sm * n_sm
+        ):
+            block_h //= 2
+        found = (block_h, warps(block_h))
+    _TILES[key] = found
+    return found
