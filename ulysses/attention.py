@@ -238,6 +238,8 @@ class _LowpToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
+        if ctx.hd.P == 1:  # the head shard is the sequence shard
+            return dq, dk, dv, None, None, None, None, None
         recv = _backward_all_to_all(_pack_grads(dq, dk, dv, ctx.hd), ctx.pg)
         return (*_unpack_grads(recv, ctx.hd), None, None, None, None, None)
 

@@ -1,0 +1,221 @@
+"""ulysses.attention in one process: P = 1 (no torch.distributed), the argument checks, and
+the head/row bookkeeping of every all_to_all simulated for P ranks in one process (any P,
+both GQA regimes). The real multi-rank runs are the harness's ``attention`` suite
+(tests/test_dist_harness.py launches it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ulysses
+from ulysses import attention as A
+from ulysses.reference import bitwise_diff
+
+WORLD_SIZES = (1, 2, 3, 4, 6, 8, 16)
+
+
+def _sdpa_full(q, k, v, causal=False, used=None):
+    """Plain SDPA over [B, S, H, D] live rows; rows [used, S) zero (written independently)."""
+    S = q.shape[1]
+    n = S if used is None else used
+    kw = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
+    out = F.scaled_dot_product_attention(
+        q[:, :n].transpose(1, 2), k[:, :n].transpose(1, 2), v[:, :n].transpose(1, 2),
+        is_causal=causal, **kw,
+    ).transpose(1, 2)  # fmt: skip
+    return torch.cat([out, out.new_zeros(out.shape[0], S - n, *out.shape[2:])], dim=1)
+
+
+def _qkv(B, S, Hq, Hkv, D, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, S, Hq, D, generator=g).to(dtype),
+        torch.randn(B, S, Hkv, D, generator=g).to(dtype),
+        torch.randn(B, S, Hkv, D, generator=g).to(dtype),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    assert not torch.distributed.is_initialized()
+
+
+# ---- P = 1: the call equals the attention, no collective ----------------------------------
+
+
+@pytest.mark.parametrize("Hkv", [6, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("used", [None, 77, 1])
+def test_world_of_one_equals_sdpa_forward_and_backward(Hkv, causal, used):
+    q, k, v = _qkv(2, 100, 6, Hkv, 64)
+    go = torch.randn(2, 100, 6, 64).to(torch.bfloat16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = ulysses.ulysses_attention(*leaves, causal=causal, used_sequence=used)
+    out.backward(go)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = _sdpa_full(*ref_leaves, causal=causal, used=used)
+    ref.backward(go)
+    assert bitwise_diff(out, ref) is None
+    for got, exp in zip(leaves, ref_leaves):
+        assert bitwise_diff(got.grad, exp.grad) is None
+    if used is not None:
+        assert bool((out[:, used:] == 0).all())
+        assert all(bool((x.grad[:, used:] == 0).all()) for x in leaves)
+
+
+def test_bhsd_layout_and_module():
+    q, k, v = _qkv(1, 64, 4, 2, 32, torch.float32)
+    ref = _sdpa_full(q, k, v, causal=True)
+    layer = ulysses.UlyssesAttention(layout="bhsd")
+    out = layer(*(x.transpose(1, 2) for x in (q, k, v)), causal=True)
+    assert out.shape == (1, 4, 64, 32)
+    assert bitwise_diff(out.transpose(1, 2), ref) is None
+    assert "comm='bf16'" in repr(layer)
+
+
+def test_custom_attn_gets_head_shards_and_its_padding_rows_are_zeroed():
+    q, k, v = _qkv(1, 50, 4, 2, 16, torch.float32)
+    seen = {}
+
+    def attn(qh, kh, vh, *, causal, scale, used_sequence):
+        seen.update(shapes=(qh.shape, kh.shape), causal=causal, scale=scale, used=used_sequence)
+        return torch.ones_like(qh)
+
+    out = ulysses.ulysses_attention(q, k, v, attn=attn, causal=True, scale=0.5, used_sequence=30)
+    assert seen == {
+        "shapes": ((1, 50, 4, 16), (1, 50, 2, 16)),
+        "causal": True,
+        "scale": 0.5,
+        "used": 30,
+    }
+    assert bool((out[:, :30] == 1).all()) and bool((out[:, 30:] == 0).all())
+
+
+def test_seq_heads_identity_at_world_of_one():
+    x = torch.randn(2, 10, 4, 8)
+    assert ulysses.seq_to_heads(x) is x and ulysses.heads_to_seq(x) is x
+
+
+# ---- argument checks -----------------------------------------------------------------------
+
+
+def _bad_calls():
+    q, k, v = _qkv(1, 16, 4, 2, 16)
+    return [
+        ({"comm": "fp8"}, ValueError, "comm"),
+        ({"layout": "sbhd"}, ValueError, "layout"),
+        ({"causal": 1}, TypeError, "causal"),
+        ({"scale": -1.0}, ValueError, "scale"),
+        ({"scale": True}, TypeError, "scale"),
+        ({"used_sequence": 0}, ValueError, "used_sequence"),
+        ({"used_sequence": 17}, ValueError, "used_sequence"),
+        ({"used_sequence": 3.0}, TypeError, "used_sequence"),
+        ({"attn": 3}, TypeError, "attn"),
+        ({"q": q.float()}, TypeError, "dtype"),
+        ({"q": q[0]}, ValueError, "4-D"),
+        ({"k": k[:, :8], "v": v[:, :8]}, ValueError, "agree in B, L and D"),
+        ({"k": torch.randn(1, 16, 3, 16).bfloat16(), "v": torch.randn(1, 16, 3, 16).bfloat16()},
+         ValueError, "Hq % Hkv"),  # fmt: skip
+        ({"v": v[:, :, :1]}, ValueError, "k and v"),
+        ({"q": q.int()}, TypeError, "q must have a dtype"),
+        ({"comm": "lowp", "q": q.float(), "k": k.float(), "v": v.float()}, TypeError, "dtype"),
+        ({"attn": lambda *a, **kw: a[0][:, :3]}, ValueError, "attn must return"),
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_bad_calls())))
+def test_bad_arguments_raise_clear_errors(i):
+    kwargs, exc, match = _bad_calls()[i]
+    q, k, v = _qkv(1, 16, 4, 2, 16)
+    args = {"q": q, "k": k, "v": v}
+    for name in ("q", "k", "v"):
+        if name in kwargs:
+            args[name] = kwargs.pop(name)
+    with pytest.raises(exc, match=match):
+        ulysses.ulysses_attention(args["q"], args["k"], args["v"], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "Hq, Hkv, P, match",
+    [(6, 6, 4, "Hq % P"), (8, 3, 4, "Hq % Hkv"), (12, 6, 4, "divide one another")],
+)
+def test_head_rules(Hq, Hkv, P, match):
+    with pytest.raises(ValueError, match=match):
+        A._heads(Hq, Hkv, P)
+
+
+# ---- the all_to_alls, simulated: P ranks in one process ------------------------------------
+
+
+def _exchange(sends):
+    """all_to_all_single over P simulated ranks: rank r receives chunk r of every send."""
+    P = len(sends)
+    return [torch.stack([sends[p][r] for p in range(P)]) for r in range(P)]
+
+
+def _kv_heads_of(r, hd):
+    if hd.rep == 1:
+        return slice(r * hd.hkv, (r + 1) * hd.hkv)
+    return slice(r // hd.rep, r // hd.rep + 1)
+
+
+def _cases():
+    out = []
+    for P in WORLD_SIZES:
+        for Hq, Hkv in ((2 * P, 2 * P), (2 * P, P), (P, 1), (2 * P, max(1, P // 2))):
+            if Hq % Hkv == 0 and (Hkv % P == 0 or P % Hkv == 0):
+                out.append((P, Hq, Hkv))
+    return sorted(set(out))
+
+
+@pytest.mark.parametrize("P, Hq, Hkv", _cases(), ids=lambda x: str(x))
+def test_packed_exchange_moves_every_head_and_row_to_its_rank(P, Hq, Hkv):
+    B, L, D = 2, 5, 8
+    S = P * L
+    q, k, v = _qkv(B, S, Hq, Hkv, D, torch.float32, seed=P)
+    hd = A._heads(Hq, Hkv, P)
+    shard = [tuple(x[:, r * L : (r + 1) * L] for x in (q, k, v)) for r in range(P)]
+    recvs = _exchange([A._pack_qkv(*parts, hd) for parts in shard])
+    for r in range(P):
+        qh, kh, vh = A._unpack_heads(recvs[r], hd)
+        assert torch.equal(qh, q[:, :, r * hd.hq : (r + 1) * hd.hq])
+        assert torch.equal(kh, k[:, :, _kv_heads_of(r, hd)])
+        assert torch.equal(vh, v[:, :, _kv_heads_of(r, hd)])
+        # GQA: the query heads of rank r use exactly the K/V heads it received
+        group = Hq // Hkv
+        first_kv = (r * hd.hq) // group
+        assert _kv_heads_of(r, hd).start == first_kv
+
+    # backward: each rank's head-shard gradients go back to rows; repeated K/V heads sum
+    dq = torch.randn(B, S, Hq, D)
+    dk_rank = [torch.randn(B, S, hd.hkv, D) for _ in range(P)]
+    dv_rank = [torch.randn(B, S, hd.hkv, D) for _ in range(P)]
+    sends = [
+        A._pack_grads(dq[:, :, r * hd.hq : (r + 1) * hd.hq], dk_rank[r], dv_rank[r], hd)
+        for r in range(P)
+    ]
+    recvs = _exchange(sends)
+    dk_full = torch.zeros(B, S, Hkv, D)
+    for r in range(P):
+        dk_full[:, :, _kv_heads_of(r, hd)] += dk_rank[r]
+    for r in range(P):
+        gq, gk, gv = A._unpack_grads(recvs[r], hd)
+        rows = slice(r * L, (r + 1) * L)
+        assert torch.equal(gq, dq[:, rows])
+        torch.testing.assert_close(gk, dk_full[:, rows], rtol=1e-6, atol=1e-6)
+        assert gv.shape == (B, L, Hkv, D)
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_seq_heads_round_trip_simulated(P):
+    B, L, H, D = 2, 3, 2 * P, 4
+    x = torch.randn(B, P * L, H, D)
+    sends = [A._split_heads(x[:, r * L : (r + 1) * L], P).contiguous() for r in range(P)]
+    heads = [A._merge_rows(recv) for recv in _exchange(sends)]
+    for r in range(P):
+        assert torch.equal(heads[r], x[:, :, r * (H // P) : (r + 1) * (H // P)])
+    back = [A._merge_heads(recv) for recv in _exchange([A._split_rows(h, P) for h in heads])]
+    for r in range(P):
+        assert torch.equal(back[r], x[:, r * L : (r + 1) * L])
