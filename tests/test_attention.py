@@ -58,7 +58,7 @@ def test_world_of_one_equals_sdpa_forward_and_backward(Hkv, causal, used):
     ref = _sdpa_full(*ref_leaves, causal=causal, used=used)
     ref.backward(go)
     assert bitwise_diff(out, ref) is None
-    for got, exp in zip(leaves, ref_leaves):
+    for got, exp in zip(leaves, ref_leaves, strict=True):
         assert bitwise_diff(got.grad, exp.grad) is None
     if used is not None:
         assert bool((out[:, used:] == 0).all())
@@ -116,8 +116,11 @@ def _bad_calls():
         ({"q": q.float()}, TypeError, "dtype"),
         ({"q": q[0]}, ValueError, "4-D"),
         ({"k": k[:, :8], "v": v[:, :8]}, ValueError, "agree in B, L and D"),
-        ({"k": torch.randn(1, 16, 3, 16).bfloat16(), "v": torch.randn(1, 16, 3, 16).bfloat16()},
-         ValueError, "Hq % Hkv"),  # fmt: skip
+        (
+            {"k": torch.randn(1, 16, 3, 16).bfloat16(), "v": torch.randn(1, 16, 3, 16).bfloat16()},
+            ValueError,
+            "Hq % Hkv",
+        ),  # fmt: skip
         ({"v": v[:, :, :1]}, ValueError, "k and v"),
         ({"q": q.int()}, TypeError, "q must have a dtype"),
         ({"comm": "lowp", "q": q.float(), "k": k.float(), "v": v.float()}, TypeError, "dtype"),
