@@ -1,0 +1,198 @@
+"""Dequantize the exchange's codes: q, k and v in one launch (docs/CONTRACT.md §8, ``LowpQKV``).
+
+Shape legend: B batch, S global rows, hq the query heads and hkv the key/value heads this rank
+holds (hq % hkv == 0), D head dim, Gq / Gk the Q / K group sizes.
+
+    q_code         [B, S, hq, D]  int8            (strided views of the receive buffer:
+    k_code         [B, S, hkv, D] int8             unit last stride, any row stride)
+    v_code         [B, S, hkv, D] float8_e4m3fn
+    q_scale        [B, hq, ceil(S / Gq)]  fp32
+    k_scale        [B, hkv, ceil(S / Gk)] fp32
+    v_scale        [B, hkv, D]            fp32
+    -> q, k, v     [B, S, h, D] contiguous, in the input dtype (bf16/fp16)
+
+Each value is ``code * scale`` in fp32, rounded to nearest (one multiplication, one rounding),
+bit for bit ``ulysses.reference.lowp_dequantize_reference``; K stays centred.
+
+One program per (block of BLOCK_S rows, one head of one of the three tensors, batch): the grid
+axis 1 runs over ``hq + 2 * hkv`` head slots, q's first, then k's, then v's, so a single launch
+writes all three outputs. The program's tile is [BLOCK_S, D]: 16-byte code loads along D, and
+every output element is written once. Bytes moved: codes read once, outputs written once,
+``3 * B * S * h * D * (1 + 2)`` bytes for bf16 when hq == hkv == h.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._runtime import cdiv, compiled_for_gpu, launch
+
+__all__ = ["dequantize_qkv", "round_to"]
+
+
+@triton.jit
+def round_to(b_x, out_dtype: tl.constexpr, HW_ROUND: tl.constexpr):
+    """fp32 ``b_x`` rounded to nearest even in ``out_dtype`` (bf16/fp16), as torch's ``.to``.
+    Compiled, that is the hardware conversion. Triton's interpreter truncates fp32 to bf16, so
+    there bf16 is rounded on the bits (a NaN stays a quiet NaN); its fp16 cast rounds right."""
+    if HW_ROUND or out_dtype == tl.float16:
+        return b_x.to(out_dtype)
+    else:
+        b_bits = b_x.to(tl.int32, bitcast=True)
+        b_round = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) >> 16
+        b_round = tl.where(b_x != b_x, (b_bits >> 16) | 0x40, b_round)
+        return b_round.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+# Ints that bound masks and index the grid only: one compilation serves every S and head count.
+_NOT_SPECIALIZED = ["S", "HQ", "HKV", "q_group", "k_group", "n_qg", "n_kg"]
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+def _dequant_qkv_kernel(
+    q_ptr,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    k_ptr,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    v_ptr,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    q_scale_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    v_out_ptr,
+    S,
+    HQ,
+    HKV,
+    q_group,
+    k_group,
+    n_qg,
+    n_kg,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HW_ROUND: tl.constexpr,
+):
+    i_s, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, D)
+    m_s = o_s < S
+    m_sd = m_s[:, None]
+    o_s64 = o_s.to(tl.int64)
+    out_dtype = q_out_ptr.dtype.element_ty
+    if i_slot < HQ:
+        i_h = i_slot
+        p_code = q_ptr + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh
+        b_code = tl.load(p_code + o_s64[:, None] * stride_qs + o_d[None, :], mask=m_sd, other=0)
+        # [BLOCK_S] row scales: rows of one group share a scale (L1 serves the repeats)
+        b_scale = tl.load(
+            q_scale_ptr + (i_b * HQ + i_h) * n_qg + o_s // q_group, mask=m_s, other=0.0
+        )
+        b_out = round_to(b_code.to(tl.float32) * b_scale[:, None], out_dtype, HW_ROUND)
+        p_out = q_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HQ + i_h) * D + o_d[None, :]
+        tl.store(p_out, b_out, mask=m_sd)
+    elif i_slot < HQ + HKV:
+        i_h = i_slot - HQ
+        p_code = k_ptr + i_b.to(tl.int64) * stride_kb + i_h.to(tl.int64) * stride_kh
+        b_code = tl.load(p_code + o_s64[:, None] * stride_ks + o_d[None, :], mask=m_sd, other=0)
+        b_scale = tl.load(
+            k_scale_ptr + (i_b * HKV + i_h) * n_kg + o_s // k_group, mask=m_s, other=0.0
+        )
+        b_out = round_to(b_code.to(tl.float32) * b_scale[:, None], out_dtype, HW_ROUND)
+        p_out = k_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_h) * D + o_d[None, :]
+        tl.store(p_out, b_out, mask=m_sd)
+    else:
+        i_h = i_slot - HQ - HKV
+        p_code = v_ptr + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
+        b_code = tl.load(p_code + o_s64[:, None] * stride_vs + o_d[None, :], mask=m_sd, other=0.0)
+        b_scale = tl.load(v_scale_ptr + (i_b * HKV + i_h) * D + o_d)  # [D] channel scales
+        b_out = round_to(b_code.to(tl.float32) * b_scale[None, :], out_dtype, HW_ROUND)
+        p_out = v_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_h) * D + o_d[None, :]
+        tl.store(p_out, b_out, mask=m_sd)
+
+
+def _block_s(D: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_S, num_warps): 8 KB of codes a program on CUDA (16 bytes a lane with 4 warps);
+    the interpreter pays per program, so it takes long tiles."""
+    if compiled_for_gpu(device):
+        return max(16, 8192 // D), 4
+    return 128, 1
+
+
+def dequantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    q_group: int,
+    k_group: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)`` [B, S, h, D] contiguous in ``dtype``: ``code * scale`` in fp32, rounded to
+    nearest, in one launch (module docstring for shapes). Launcher: invariants are asserted;
+    ``ulysses`` validates user input."""
+    B, S, HQ, D = q.shape
+    HKV = k.shape[2]
+    assert q.dtype == torch.int8 and k.dtype == torch.int8 and v.dtype == torch.float8_e4m3fn
+    assert k.shape == v.shape == (B, S, HKV, D) and HKV >= 1 and HQ % HKV == 0
+    assert q.stride(3) == k.stride(3) == v.stride(3) == 1
+    assert D >= 16 and D & (D - 1) == 0, "D must be a power of two >= 16"
+    n_qg, n_kg = cdiv(S, q_group), cdiv(S, k_group)
+    assert q_scale.shape == (B, HQ, n_qg) and k_scale.shape == (B, HKV, n_kg)
+    assert v_scale.shape == (B, HKV, D)
+    q_scale, k_scale, v_scale = q_scale.contiguous(), k_scale.contiguous(), v_scale.contiguous()
+    assert q_scale.dtype == k_scale.dtype == v_scale.dtype == torch.float32
+    assert dtype in (torch.bfloat16, torch.float16)
+    device = q.device
+    q_out = torch.empty((B, S, HQ, D), dtype=dtype, device=device)
+    k_out = torch.empty((B, S, HKV, D), dtype=dtype, device=device)
+    v_out = torch.empty((B, S, HKV, D), dtype=dtype, device=device)
+    if q_out.numel() == 0:
+        return q_out, k_out, v_out
+    block_s, num_warps = _block_s(D, device)
+    launch(
+        _dequant_qkv_kernel,
+        (cdiv(S, block_s), HQ + 2 * HKV, B),
+        device,
+        num_warps=num_warps,
+        q_ptr=q,
+        stride_qb=q.stride(0),
+        stride_qs=q.stride(1),
+        stride_qh=q.stride(2),
+        k_ptr=k,
+        stride_kb=k.stride(0),
+        stride_ks=k.stride(1),
+        stride_kh=k.stride(2),
+        v_ptr=v,
+        stride_vb=v.stride(0),
+        stride_vs=v.stride(1),
+        stride_vh=v.stride(2),
+        q_scale_ptr=q_scale,
+        k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
+        q_out_ptr=q_out,
+        k_out_ptr=k_out,
+        v_out_ptr=v_out,
+        S=S,
+        HQ=HQ,
+        HKV=HKV,
+        q_group=q_group,
+        k_group=k_group,
+        n_qg=n_qg,
+        n_kg=n_kg,
+        D=D,
+        BLOCK_S=block_s,
+        HW_ROUND=compiled_for_gpu(device),
+    )
+    return q_out, k_out, v_out
