@@ -1,20 +1,23 @@
 """Run the distributed harness at each world size and print one table (docs/CONTRACT.md §5).
 
-    python -m dist_tests.validate [--world-sizes 2 4 6 8] [--large] [--suite NAME ...]
+    ulysses-validate [--world-sizes 2 4 6 8] [--large] [--suite NAME ...] [-v]
         [--timeout-s N] [--outer-timeout-s N] [--out-dir DIR] [HARNESS ARGS...]
-    ulysses-validate ...                     (the same, once installed)
+    python -m ulysses.dist_tests.validate ...        (the same)
 
 For each world size P, one after another, this runs
 
     python -m torch.distributed.run --standalone --nproc-per-node P \\
-        -m <package>.harness --json FILE --timeout-s N [--large] [--suite ...] [HARNESS ARGS...]
+        -m ulysses.dist_tests.harness --json FILE --timeout-s N [--large] [--suite ...] \\
+        [HARNESS ARGS...]
 
-(--standalone starts a local rendezvous on a free port), collects rank 0's JSON summary and
-prints one row per world size. Arguments this program does not know go to the harness
-unchanged, e.g. --backend gloo-cpu, --cases L477,used_tail, --seed 3 (see
-``python -m dist_tests.harness --help``). A world size that fails without a summary shows the
-last lines of each rank's stderr. Exit code 0 only if every world size passed; 2 for a usage
-error.
+(--standalone starts a local rendezvous on a free port), prints one progress line per world
+size (cases passed and failed, seconds, each failed case below it), then one table row per
+world size. The ranks' logs go to files (kept with --out-dir); -v/--verbose streams them as
+they run. Arguments this program does not know go to the harness unchanged, e.g. --backend
+gloo-cpu, --cases L477,used_tail, --seed 3 (see
+``python -m ulysses.dist_tests.harness --help``); with --list it prints the selected cases
+once and runs nothing. A world size that fails without a summary shows the last lines of
+each rank's stderr. Exit code 0 only if every world size passed; 2 for a usage error.
 
 Environment (the defaults of the options): WORLD_SIZES or NPROC, HARNESS_TIMEOUT_S,
 VALIDATE_TIMEOUT_S, ULYSSES_BACKEND (read by the harness: auto, nccl, gloo-cuda, gloo-cpu).
@@ -25,6 +28,7 @@ This program is single-node; on several nodes run the harness itself on every no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -49,7 +53,7 @@ def _env_list(*names: str) -> list[int] | None:
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
-        prog="ulysses-validate" if _PACKAGE != "dist_tests" else "python -m dist_tests.validate",
+        prog="ulysses-validate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
@@ -82,6 +86,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         help="keep the summaries (wsP.json) and the ranks' logs (wsP-logs/) here",
     )
     p.add_argument("--python", default=sys.executable, help="interpreter for the launches")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="stream every rank's log (each case's line, the harness summary) as it runs",
+    )
     args, harness_args = p.parse_known_args(argv)
     if harness_args[:1] == ["--"]:
         harness_args = harness_args[1:]
@@ -133,9 +143,16 @@ def _child_env() -> dict:
     return env
 
 
-def _stderr_tails(log_dir: str) -> list[str]:
-    """The last lines of every rank's stderr, as torchrun's --log-dir kept them."""
+def _stderr_tails(log_dir: str, out_dir: str, P: int) -> list[str]:
+    """The last lines of every rank's stderr, as torchrun's --log-dir kept them, and of
+    torchrun's own output where it went to a file (without --verbose)."""
     lines = []
+    launcher = os.path.join(out_dir, f"ws{P}-torchrun.log")
+    if os.path.exists(launcher):
+        with open(launcher, errors="replace") as f:
+            tail = f.read().splitlines()[-_STDERR_LINES:]
+        lines.append(f"  --- torchrun (last {len(tail)} lines)")
+        lines += [f"  {line}" for line in tail]
     for path in sorted(glob.glob(os.path.join(log_dir, "*", "attempt_*", "*", "stderr.log"))):
         local_rank = os.path.basename(os.path.dirname(path))
         with open(path, errors="replace") as f:
@@ -147,17 +164,29 @@ def _stderr_tails(log_dir: str) -> list[str]:
     return lines
 
 
-def run_world_size(P: int, args, harness_args: list[str], out_dir: str) -> dict:
-    """Launch the harness at world size P; a row of the table."""
-    json_path = os.path.join(out_dir, f"ws{P}.json")
-    log_dir = os.path.join(out_dir, f"ws{P}-logs")
-    if os.path.exists(json_path):
-        os.remove(json_path)
+def _forwarded(args, harness_args: list[str]) -> list[str]:
     forwarded = list(harness_args)
     if args.large:
         forwarded.append("--large")
     if args.suite:
         forwarded += ["--suite", *args.suite]
+    return forwarded
+
+
+def list_cases(args, harness_args: list[str]) -> int:
+    """The harness's --list, run once as a plain process (no ranks, no process group)."""
+    cmd = [args.python, "-m", f"{_PACKAGE}.harness", *_forwarded(args, harness_args)]
+    return subprocess.run(cmd, env=_child_env()).returncode
+
+
+def run_world_size(P: int, args, harness_args: list[str], out_dir: str) -> dict:
+    """Launch the harness at world size P; a row of the table. The ranks' output goes to
+    files under ``out_dir`` (``wsP-logs/``, torchrun's own to ``wsP-torchrun.log``), or with
+    --verbose to this program's stdout as well."""
+    json_path = os.path.join(out_dir, f"ws{P}.json")
+    log_dir = os.path.join(out_dir, f"ws{P}-logs")
+    if os.path.exists(json_path):
+        os.remove(json_path)
     cmd = [
         args.python,
         "-m",
@@ -167,7 +196,7 @@ def run_world_size(P: int, args, harness_args: list[str], out_dir: str) -> dict:
         str(P),
         "--log-dir",
         log_dir,
-        "--tee",
+        "--tee" if args.verbose else "--redirects",
         "3",
         "-m",
         f"{_PACKAGE}.harness",
@@ -175,17 +204,28 @@ def run_world_size(P: int, args, harness_args: list[str], out_dir: str) -> dict:
         json_path,
         "--timeout-s",
         f"{args.timeout_s:g}",
-        *forwarded,
+        *_forwarded(args, harness_args),
     ]
-    print(f"=== world size {P}: {' '.join(cmd)}", flush=True)
+    if args.verbose:
+        print(f"=== world size {P}: {' '.join(cmd)}", flush=True)
+        output = contextlib.nullcontext(None)
+    else:
+        output = open(os.path.join(out_dir, f"ws{P}-torchrun.log"), "w")
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=_child_env(), start_new_session=True)
-    try:
-        rc = proc.wait(timeout=args.outer_timeout_s)
-    except subprocess.TimeoutExpired:
-        limit = f"{args.outer_timeout_s:g}"
-        print(f"validate: world size {P} ran past {limit} s; killing it", flush=True)
-        rc = _kill(proc)
+    with output as out:
+        proc = subprocess.Popen(
+            cmd,
+            env=_child_env(),
+            start_new_session=True,
+            stdout=out,
+            stderr=None if out is None else subprocess.STDOUT,
+        )
+        try:
+            rc = proc.wait(timeout=args.outer_timeout_s)
+        except subprocess.TimeoutExpired:
+            limit = f"{args.outer_timeout_s:g}"
+            print(f"validate: world size {P} ran past {limit} s; killing it", flush=True)
+            rc = _kill(proc)
     wall = time.monotonic() - start
     summary = None
     if os.path.exists(json_path):
@@ -204,7 +244,7 @@ def run_world_size(P: int, args, harness_args: list[str], out_dir: str) -> dict:
         "wall": wall,
         "summary": summary,
         "ok": ok,
-        "stderr": [] if ok or summary is not None else _stderr_tails(log_dir),
+        "stderr": [] if ok or summary is not None else _stderr_tails(log_dir, out_dir, P),
     }
 
 
@@ -237,6 +277,23 @@ def _result(row: dict) -> str:
     return f"FAIL (rc={rc}, mismatches={summary.get('mismatches')}, errors={summary.get('errors')})"
 
 
+def progress_line(row: dict) -> str:
+    """One line for a finished world size: its cases passed and failed and its seconds,
+    followed by a line for each failed case."""
+    s = row["summary"]
+    head = f"validate: world size {row['P']}:"
+    if s is None:
+        return f"{head} {_result(row)}, {row['wall']:.1f} s"
+    failed = s.get("failed_cases", [])
+    line = (
+        f"{head} {s['cases'] - len(failed)} of {s['cases']} cases passed, {len(failed)} failed, "
+        f"{row['wall']:.1f} s ({s['backend']}, {s['device']})"
+    )
+    if not row["ok"] and not failed:
+        line += f" {_result(row)}"
+    return "\n".join([line] + [f"  [FAIL] {case}" for case in failed])
+
+
 def format_table(rows: list[dict]) -> str:
     header = ["world size", "backend", "device", "cases", "checks", "mismatches", "time (s)"]
     header += ["wall (s)", "result"]
@@ -258,6 +315,8 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args, harness_args = parse_args(argv)
+    if "--list" in harness_args:
+        return list_cases(args, harness_args)
     problem = preflight(args, harness_args)
     if problem:
         print(f"validate: {problem}", file=sys.stderr)
@@ -265,7 +324,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="ulysses-validate.") as tmp:
         out_dir = args.out_dir or tmp
         os.makedirs(out_dir, exist_ok=True)
-        rows = [run_world_size(P, args, harness_args, out_dir) for P in args.world_sizes]
+        sizes = " ".join(map(str, args.world_sizes))
+        logs = f"in {out_dir}" if args.out_dir else "not kept (--out-dir keeps them)"
+        print(
+            f"validate: {_PACKAGE}.harness under torchrun at world sizes {sizes}; the ranks' "
+            f"logs {'stream below' if args.verbose else logs}",
+            flush=True,
+        )
+        rows = []
+        for P in args.world_sizes:
+            rows.append(run_world_size(P, args, harness_args, out_dir))
+            print(progress_line(rows[-1]), flush=True)
     print()
     print(format_table(rows))
     for row in rows:

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Run the distributed harness at every world size and print one table: a thin wrapper around
-# `python -m dist_tests.validate` (installed: `ulysses-validate`), which does the work.
+# Run the distributed harness at every world size and print one table: `ulysses-validate`
+# from this checkout (it runs `python -m dist_tests.validate`, which does the work).
 #
-# Usage:  scripts/validate.sh [--large] [--suite NAME...] [HARNESS ARGS...]
-#   Arguments go to dist_tests.validate; those it does not know go to the harness unchanged,
-#   e.g. --backend gloo-cpu, --cases L477,used_tail, --seed 3
-#   (see `python -m dist_tests.validate --help` and `python -m dist_tests.harness --help`).
+# Usage:  scripts/validate.sh [--large] [--suite NAME...] [-v] [HARNESS ARGS...]
+#   Arguments go to ulysses-validate; those it does not know go to the harness unchanged,
+#   e.g. --backend gloo-cpu, --cases L477,used_tail, --seed 3, --list
+#   (see `ulysses-validate --help` and `python -m ulysses.dist_tests.harness --help`).
+#   It prints a line per world size; -v streams every rank's log as it runs.
 #
 # Environment:
 #   PYTHON              interpreter with torch and ulysses (default: python3)

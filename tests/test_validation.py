@@ -1,15 +1,21 @@
-"""Invalid arguments to ``k_grouped_amax`` and the grid helpers (docs/CONTRACT.md §3 "Inputs").
+"""Validation, both kinds: invalid arguments to ``k_grouped_amax`` and the grid helpers
+(docs/CONTRACT.md §3 "Inputs"), and the ``ulysses-validate`` program's output and options
+(``dist_tests/validate.py``, at the end of this file).
 
-Each row names one violation, the exception type it must raise (TypeError for a wrong type
-or dtype, ValueError otherwise) and the argument the message must start with; where the
-offending value is a scalar, the message must also show it.
+Each row of the argument table names one violation, the exception type it must raise
+(TypeError for a wrong type or dtype, ValueError otherwise) and the argument the message must
+start with; where the offending value is a scalar, the message must also show it.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -330,3 +336,130 @@ def test_grid_helpers_reject_bad_args(case):
     with pytest.raises(exc, match=_pattern(name)) as info:
         helper(*args, **kwargs)
     assert type(info.value) is exc
+
+
+# ---- ulysses-validate ------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _validate_module():
+    if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
+        sys.path.insert(0, str(ROOT))
+    from dist_tests import validate
+
+    return validate
+
+
+def _row(P, cases, failed=(), rc=None, wall=12.34):
+    summary = {
+        "world_size": P, "backend": "gloo-cpu", "device": "cpu", "cases": cases, "checks": 40,
+        "mismatches": len(failed), "errors": 0, "seconds": wall - 1, "passed": not failed,
+        "failed_cases": list(failed),
+    }  # fmt: skip
+    rc = (1 if failed else 0) if rc is None else rc
+    return {"P": P, "rc": rc, "wall": wall, "summary": summary, "ok": not failed, "stderr": []}
+
+
+def test_validate_help_names_the_installed_command(capsys):
+    validate = _validate_module()
+    with pytest.raises(SystemExit) as exit_info:
+        validate.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: ulysses-validate "), text[:200]
+    assert "python -m ulysses.dist_tests.validate" in text
+    assert "python -m ulysses.dist_tests.harness --help" in text
+    assert "-v, --verbose" in text
+    assert not re.search(r"python -m dist_tests\.", text), "help names the checkout's module"
+    script = (ROOT / "scripts" / "validate.sh").read_text()
+    assert "`ulysses-validate --help`" in script
+    assert "python -m dist_tests.validate --help" not in script
+
+
+def test_validate_prints_one_line_per_world_size(monkeypatch, capsys):
+    """Without -v: a header, then one line per world size (its cases passed and failed and its
+    seconds; each failed case below it), then the table; the ranks' logs are not streamed."""
+    validate = _validate_module()
+    rows = {2: _row(2, 5), 4: _row(4, 5, failed=["lowp/L50-a", "smooth_k/L20-b"], wall=30.0)}
+    no_summary = {"P": 6, "rc": 1, "wall": 3.0, "summary": None, "ok": False, "stderr": ["  x"]}
+    rows[6] = no_summary
+    verbose_seen = []
+
+    def fake_run(P, args, harness_args, out_dir):
+        verbose_seen.append(args.verbose)
+        return rows[P]
+
+    monkeypatch.setattr(validate, "run_world_size", fake_run)
+    monkeypatch.setattr(validate, "preflight", lambda args, harness_args: None)
+    assert validate.main(["--world-sizes", "2", "4", "6", "--backend", "gloo-cpu"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    progress = [line for line in out if line.startswith("validate: world size")]
+    assert progress == [
+        "validate: world size 2: 5 of 5 cases passed, 0 failed, 12.3 s (gloo-cpu, cpu)",
+        "validate: world size 4: 3 of 5 cases passed, 2 failed, 30.0 s (gloo-cpu, cpu)",
+        "validate: world size 6: FAIL (rc=1, no summary), 3.0 s",
+    ], out
+    i = out.index(progress[1])
+    assert out[i + 1 : i + 3] == ["  [FAIL] lowp/L50-a", "  [FAIL] smooth_k/L20-b"], out
+    assert out[0].startswith("validate: ")
+    assert "harness under torchrun at world sizes 2 4 6" in out[0]
+    assert verbose_seen == [False] * 3
+    assert sum(line.startswith("| ") for line in out) == 2 + 3  # the table
+    assert out[-1] == "validate: FAILED"
+    assert validate.main(["--world-sizes", "2", "-v"]) == 0
+    assert verbose_seen[-1] is True
+
+
+class _FakePopen:
+    calls: list = []
+
+    def __init__(self, cmd, **kwargs):
+        self.calls.append((cmd, kwargs))
+        stdout = kwargs.get("stdout")
+        if stdout is not None:
+            stdout.write("torchrun's own lines\n")
+
+    def wait(self, timeout=None):
+        return 0
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
+def test_validate_streams_the_ranks_logs_only_with_verbose(monkeypatch, tmp_path, verbose):
+    """Quiet: torchrun redirects the ranks' output to its log files and its own output goes
+    to wsP-torchrun.log; -v: the ranks' output is teed to this program's stdout, as before."""
+    validate = _validate_module()
+    _FakePopen.calls = []
+    monkeypatch.setattr(validate.subprocess, "Popen", _FakePopen)
+    args, harness_args = validate.parse_args(
+        ["--world-sizes", "2", "--backend", "gloo-cpu"] + (["-v"] if verbose else [])
+    )
+    row = validate.run_world_size(2, args, harness_args, str(tmp_path))
+    assert row["summary"] is None and not row["ok"]
+    ((cmd, kwargs),) = _FakePopen.calls
+    i = cmd.index("--nproc-per-node")
+    assert cmd[i + 1] == "2" and cmd[-2:] == ["--backend", "gloo-cpu"]
+    streams = (cmd[cmd.index("--log-dir") + 2], cmd[cmd.index("--log-dir") + 3])
+    assert streams == (("--tee", "3") if verbose else ("--redirects", "3"))
+    launcher_log = tmp_path / "ws2-torchrun.log"
+    if verbose:
+        assert kwargs["stdout"] is None and kwargs["stderr"] is None
+        assert not launcher_log.exists()
+    else:
+        assert kwargs["stderr"] is validate.subprocess.STDOUT
+        assert launcher_log.read_text() == "torchrun's own lines\n"
+        assert "  torchrun's own lines" in row["stderr"]  # shown when no summary came
+
+
+def test_validate_list_prints_the_cases_once(tmp_path):
+    """--list runs the harness once, as a plain process: each selected case printed once,
+    no torchrun, no table; it works where a run would be refused (nccl without a GPU)."""
+    env = dict(os.environ, ULYSSES_BACKEND="nccl", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "dist_tests.validate", "--world-sizes", "2", "4"]
+    cmd += ["--suite", "lowp", "--list", "--cases", "used_tail"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.split()
+    assert lines and all(line.startswith("lowp/") and "used_tail" in line for line in lines), lines
+    assert len(lines) == len(set(lines)), "a case was listed more than once"
