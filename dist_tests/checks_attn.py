@@ -17,8 +17,9 @@ On every rank:
      output gradient, logging every collective step it takes;
   4. compare this rank's rows:
      * comm "bf16": output and q/k/v gradients bit for bit where the attention treats heads
-       independently (CPU SDPA, K/V heads not repeated); else ``max|got - ref| <= BF16_TOL *
-       max|ref|`` (a K/V head repeated to several ranks sums its gradient over them);
+       independently (CPU SDPA, K/V heads not repeated); else ``max|got - ref| <= rep *
+       BF16_TOL_PER_RANK * max|ref|`` (a K/V head repeated to ``rep`` ranks sums its
+       gradient over them);
      * comm "lowp": output within ``LOWP_FWD_BOUND * max|v|`` of the fp32 attention;
        bit for bit equal to the attention of the gather-then-quantize values (CPU, K/V heads
        not repeated); gradients finite, with ``||g - g_bf16|| <= LOWP_GRAD_BOUND *
@@ -47,9 +48,11 @@ from ._dist import Context
 from .checks import CaseRun
 
 # Bounds (docs/VALIDATION.md lists the errors measured on the CPU harness beside them):
-# repeated K/V heads sum their gradient over ranks (one bf16 rounding per rank's partial):
-# measured up to 0.0088 of max|ref| at P = 2 and 4
-BF16_TOL = 2.0**-6
+# A K/V head repeated to ``rep`` ranks sums its gradient over them, and each rank's partial
+# is already rounded to the input dtype by its attention backward: the error grows with rep.
+# Bound: rep * 2**-8 of max|ref| (at least 2 * 2**-8); measured on CPU, bf16: 0.0045 (rep 2),
+# 0.0088 (rep 4), 0.022 (rep 16).
+BF16_TOL_PER_RANK = 2.0**-8
 # FP8 e4m3 rounds V to 3 mantissa bits (relative error up to 2**-4), which a query attending
 # few keys passes on nearly whole; INT8 Q/K add a little: measured up to 0.026 of max|v|
 LOWP_FWD_BOUND = 0.07
@@ -177,13 +180,16 @@ def _zero_rows(name: str, t: torch.Tensor, ctx: Context, L: int, used: int | Non
 
 def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, logs) -> None:
     out, dq, dk, dv = got
-    exact = ctx.device.type == "cpu" and case.heads(ctx.world_size)[1] % ctx.world_size == 0
+    Hkv, P = case.heads(ctx.world_size)[1], ctx.world_size
+    rep = 1 if Hkv % P == 0 else P // Hkv
+    exact = ctx.device.type == "cpu" and rep == 1
+    tol = BF16_TOL_PER_RANK * max(rep, 2)
     if case.comm == "bf16":
         for name, g in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
             if exact:
                 run.check(f"{name} bitwise", bitwise_diff(g, exp[name]))
             else:
-                run.check(f"{name} within {BF16_TOL:.3g}", _within(name, g, exp[name], BF16_TOL))
+                run.check(f"{name} within {tol:.3g}", _within(name, g, exp[name], tol))
     else:
         err = _rel_max(out, exp["out_fp32"], exp["v_max"])
         run.check(
