@@ -1,15 +1,18 @@
 """After the exchange's statistics all_gather: what Q and V need (docs/CONTRACT.md §8).
 
 ``gathered`` fp32 [P, n] holds every rank's payload; at column ``q_off`` its Q boundary slots
-[B, H, 2] (first, last touched slot) and at ``v_off`` its V channel amax [B, H, D]. Programs
-split the flat [B, H, D] elements (and the same offsets of the [B, H] Q entries):
+[B, Hq, 2] (first, last touched slot) and at ``v_off`` its V channel amax [B, H, D] (H: the
+K/V heads, Hq: the Q heads). Programs split the flat [B, H, D] elements (and the same
+offsets of the [B, Hq] Q entries):
 
 * V: ``amax_v = max over ranks`` of the int32 bits (non-negative floats order like their bits
-  and a NaN sorts above +Inf, so NaN propagates), and for this rank's heads
-  ``v_scale = div_rn(amax_v, 448)``;
+  and a NaN sorts above +Inf, so NaN propagates), and for the K/V heads this rank receives,
+  ``[head0, head0 + h)``, ``v_scale = div_rn(amax_v, 448)``;
 * Q: this rank's first and last touched slot take the max over every rank that touches their
-  group (bit ``rank * 2 + (0 first | 1 last)`` of ``first_mask`` / ``last_mask``; the max
-  does not depend on the order), written in place into this rank's partial amax [B, H, NS].
+  group (the max does not depend on the order), written in place into this rank's partial
+  amax [B, Hq, NS]. The ranks touching a group are a contiguous range ``[q0, q0 + n)``; rank
+  ``q0``'s record is its first (end 0) or last (end 1) touched slot, every later rank's its
+  first (``ulysses.grid.boundary_sources``), so three ints name the sources of any P.
 
 The same bits as the torch ops of ``ulysses.lowp._finish_stats`` (the full path).
 
@@ -24,17 +27,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, compiled_for_gpu, gdc_wait
+from ._runtime import Launch, cdiv, compiled_for_gpu, gdc_wait, next_pow2
 from .finalize_stats import _NOT_SPECIALIZED as _FIN_NOT_SPECIALIZED
 from .finalize_stats import MODE_FUSED, _finalize_kernel
 
-__all__ = ["prepare_lowp_finish", "prepare_post_gather", "finish_tile", "MAX_SOURCES"]
+__all__ = ["prepare_lowp_finish", "prepare_post_gather", "finish_tile", "source_range"]
 
-MAX_SOURCES = 8  # ranks touching one group: at most P (<= 8, the largest supported world size)
+# Sources whose loads are unrolled (issued together): every group of P <= 8 ranks; a group
+# spread over more ranks (L < G at large P) loads the rest in a loop
+MAX_UNROLL = 8
 
 _NOT_SPECIALIZED = [
-    "first_mask",
-    "last_mask",
+    "first_q0",
+    "first_e0",
+    "first_n",
+    "last_q0",
+    "last_e0",
+    "last_n",
     "n_bhd",
     "n_bh",
     "n_slots",
@@ -54,8 +63,12 @@ def _lowp_finish_body(
     i_prog,
     gathered_ptr,
     stride_p,
-    first_mask,
-    last_mask,
+    first_q0,
+    first_e0,
+    first_n,
+    last_q0,
+    last_e0,
+    last_n,
     amax_q_ptr,
     amax_v_ptr,
     v_scale_ptr,
@@ -70,7 +83,7 @@ def _lowp_finish_body(
     v_off,
     P,
     D,
-    N_CODES: tl.constexpr,
+    N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     o_e = i_prog.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -88,21 +101,27 @@ def _lowp_finish_body(
     o_scale = (i_b * h + i_h - head0) * D + o_e % D
     tl.store(v_scale_ptr + o_scale, b_scale, mask=m_local)
 
-    # Q: entries (b, h) = o_e < B*H; first touched slot, then the last (the same slot when only
-    # one is touched: the last merge wins, as in the torch ops)
-    # The sources arrive as bit masks over the codes (no dependent loads: every source's load
-    # is issued at once; a load per code was a chain of 16 round trips, 9.2 us cold at 68 MB).
+    # Q: entries (b, head) = o_e < B*Hq; first touched slot, then the last (the same slot when
+    # only one is touched: the last merge wins, as in the torch ops). The first N_UNROLL
+    # sources' loads are issued together (no dependent loads: a chain of round trips was
+    # 9.2 us cold at 68 MB), any further ones in a loop.
     m_q = o_e < n_bh
     for which in tl.static_range(2):
+        q0 = first_q0 if which == 0 else last_q0
+        e0 = first_e0 if which == 0 else last_e0
+        n_src = first_n if which == 0 else last_n
         b_m = tl.zeros([BLOCK], dtype=tl.int32)
-        sources = first_mask if which == 0 else last_mask
-        for code in tl.static_range(N_CODES):
-            m_src = tl.where(((sources >> code) & 1) != 0, m_q, False)
+        for j in tl.static_range(N_UNROLL):
+            end = e0 if j == 0 else 0
+            m_src = tl.where(j < n_src, m_q, False)
             b_x = tl.load(
-                gathered_ptr + (code // 2) * stride_p + q_off + o_e * 2 + code % 2,
+                gathered_ptr + (q0 + j) * stride_p + q_off + o_e * 2 + end,
                 mask=m_src,
                 other=0.0,
             )
+            b_m = tl.maximum(b_m, b_x.to(tl.int32, bitcast=True))
+        for j in range(N_UNROLL, n_src):
+            b_x = tl.load(gathered_ptr + (q0 + j) * stride_p + q_off + o_e * 2, mask=m_q, other=0.0)
             b_m = tl.maximum(b_m, b_x.to(tl.int32, bitcast=True))
         slot = which * (n_touched - 1)
         tl.store(amax_q_ptr + o_e * n_slots + slot, b_m.to(tl.float32, bitcast=True), mask=m_q)
@@ -112,8 +131,12 @@ def _lowp_finish_body(
 def _lowp_finish_kernel(
     gathered_ptr,
     stride_p,
-    first_mask,
-    last_mask,
+    first_q0,
+    first_e0,
+    first_n,
+    last_q0,
+    last_e0,
+    last_n,
     amax_q_ptr,
     amax_v_ptr,
     v_scale_ptr,
@@ -128,15 +151,19 @@ def _lowp_finish_kernel(
     v_off,
     P,
     D,
-    N_CODES: tl.constexpr,
+    N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     _lowp_finish_body(
         tl.program_id(0),
         gathered_ptr,
         stride_p,
-        first_mask,
-        last_mask,
+        first_q0,
+        first_e0,
+        first_n,
+        last_q0,
+        last_e0,
+        last_n,
         amax_q_ptr,
         amax_v_ptr,
         v_scale_ptr,
@@ -151,15 +178,19 @@ def _lowp_finish_kernel(
         v_off,
         P,
         D,
-        N_CODES,
+        N_UNROLL,
         BLOCK,
     )
 
 
 _FUSED_NOT_SPECIALIZED = _FIN_NOT_SPECIALIZED + [
     "n_fin",
-    "first_mask",
-    "last_mask",
+    "first_q0",
+    "first_e0",
+    "first_n",
+    "last_q0",
+    "last_e0",
+    "last_n",
     "lf_n_bhd",
     "lf_n_bh",
     "lf_n_slots",
@@ -195,8 +226,12 @@ def _post_gather_kernel(
     n_src_last,
     divisor,
     n_fin,
-    first_mask,
-    last_mask,
+    first_q0,
+    first_e0,
+    first_n,
+    last_q0,
+    last_e0,
+    last_n,
     amax_q_ptr,
     amax_v_ptr,
     v_scale_ptr,
@@ -214,13 +249,13 @@ def _post_gather_kernel(
     BLOCK_P: tl.constexpr,
     MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
-    N_CODES: tl.constexpr,
+    N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The exchange after its all_gather in ONE launch: programs [0, n_fin) are K's finalize
     (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. Small launches
     after a collective are bound by their cold latency, not their bytes: as two launches they
-    cost 6.7 + 7.2 us at 68 MB (session 6, one H200); one launch runs both sets of programs
+    cost 6.7 + 7.2 us at 68 MB (one H200); one launch runs both sets of programs
     at once."""
     i_pid = tl.program_id(0)
     if i_pid < n_fin:
@@ -260,8 +295,12 @@ def _post_gather_kernel(
             i_pid - n_fin,
             gathered_ptr,
             stride_p,
-            first_mask,
-            last_mask,
+            first_q0,
+            first_e0,
+            first_n,
+            last_q0,
+            last_e0,
+            last_n,
             amax_q_ptr,
             amax_v_ptr,
             v_scale_ptr,
@@ -276,7 +315,7 @@ def _post_gather_kernel(
             v_off,
             P,
             D,
-            N_CODES,
+            N_UNROLL,
             BLOCK,
         )
 
@@ -317,18 +356,30 @@ def prepare_post_gather(finalize: Launch, finish: Launch) -> Launch:
 
 def finish_tile(compiled: bool) -> tuple[int, int]:
     """(BLOCK, num_warps) of the Q/V finish programs. Compiled: 512 elements on 8 warps, two
-    elements a thread. Each element keeps the V max, its scale and the Q merges of up to
-    N_CODES = 2P sources live: with eight a thread (1024 on 4 warps, sessions 4-8) P = 8
-    needed 193 registers with Triton 3.6 and spilled with Triton 3.9 (255 registers, 8 bytes
-    a thread); 512 on 8 warps needs 48 / 52 registers alone and 64 / 58 in the post-gather
-    launch (Triton 3.6 / 3.9, ``scripts/compile_sm90.py``; 1024 on 8 warps spilled 40 bytes
-    with 3.6). In the exchange's post-gather launch, K's finalize programs run with the same
-    warps; on one H200 (Triton 3.6, session 9, ``scripts/exp_finish_tile.py``) 512 on 8
-    warps cut that launch from 7.2 to 5.8 us cold at 68 MB, P = 2, from 10.9 to 9.0 at
-    268 MB, P = 2, and from 11.2 to 9.7 at 68 MB, P = 8 (512 on 4 matched 1024 on 4: the
-    warps matter). The launch is bound by its cold latency, not its bytes.
-    Interpreted: one big block (the interpreter pays per operation, not per element)."""
+    elements a thread. Each element keeps the V max, its scale and the Q merges of its
+    unrolled sources live: with eight elements a thread (1024 on 4 warps) and 16 unrolled
+    sources (P = 8) the finish needed 193 registers with Triton 3.6 and spilled with Triton
+    3.9 (255 registers, 8 bytes a thread); 512 on 8 warps needs 48 / 52 registers alone and
+    64 / 58 in the post-gather launch (Triton 3.6 / 3.9, ``scripts/compile_sm90.py``; 1024
+    on 8 warps spilled 40 bytes with 3.6). In the exchange's post-gather launch, K's
+    finalize programs run with the same warps; on one H200 (Triton 3.6,
+    ``scripts/exp_finish_tile.py``) 512 on 8 warps cut that launch from 7.2 to 5.8 us cold
+    at 68 MB, P = 2, from 10.9 to 9.0 at 268 MB, P = 2, and from 11.2 to 9.7 at 68 MB, P = 8
+    (512 on 4 matched 1024 on 4: the warps matter). The launch is bound by its cold latency,
+    not its bytes. Interpreted: one big block (the interpreter pays per operation, not per
+    element)."""
     return (512, 8) if compiled else (4096, 4)
+
+
+def source_range(sources: tuple, world_size: int) -> tuple[int, int, int]:
+    """``(q0, e0, n)`` of a boundary slot's sources (``(rank, end)`` pairs of
+    ``ulysses.grid.Layout``): ranks ``[q0, q0 + n)``, rank q0's record ``e0``, the others'
+    record 0 (asserted: the grid's ranks touching a group are contiguous)."""
+    q0, e0 = sources[0]
+    n = len(sources)
+    assert 1 <= n and 0 <= q0 and q0 + n <= world_size and e0 in (0, 1), sources
+    assert list(sources[1:]) == [(q0 + j, 0) for j in range(1, n)], sources
+    return q0, e0, n
 
 
 def prepare_lowp_finish(
@@ -343,52 +394,56 @@ def prepare_lowp_finish(
     v_off: int,
     rank: int,
     world_size: int,
+    kv_rep: int = 1,
 ) -> Launch:
-    """The launch for these buffers: call it with ``(v_scale,)``, fp32 [B, H/P, D].
+    """The launch for these buffers: call it with ``(v_scale,)``, fp32 [B, h, D].
 
     ``gathered`` fp32 [P, n] (row stride n or more, unit column stride); ``amax_q`` fp32
-    [B, H, NS] contiguous, this rank's Q partial amax, merged in place; ``amax_v`` fp32
-    [B, H, D] contiguous, written. ``first_sources`` / ``last_sources``: ``(rank, end)``
-    pairs and ``n_touched`` (``ulysses.grid.Layout``), ``q_off`` / ``v_off``: columns of the Q boundary slots and
-    V amax in ``gathered``."""
+    [B, Hq, NS] contiguous, this rank's Q partial amax, merged in place; ``amax_v`` fp32
+    [B, H, D] contiguous (H: the K/V heads), written. ``first_sources`` / ``last_sources``:
+    ``(rank, end)`` pairs and ``n_touched`` (``ulysses.grid.Layout``), ``q_off`` /
+    ``v_off``: columns of the Q boundary slots and V amax in ``gathered``. ``kv_rep``: how
+    many ranks receive each K/V head (1: K/V heads are sharded like Q's, rank r receives
+    ``h = H / P`` heads from ``r * h``; ``P / H`` when every rank receives the one head
+    ``r // kv_rep``), which fixes the heads of ``v_scale``."""
     P = world_size
-    B, H, n_slots = amax_q.shape
-    D = amax_v.shape[-1]
+    B, Hq, n_slots = amax_q.shape
+    _, H, D = amax_v.shape
     assert gathered.shape[0] == P and gathered.stride(1) == 1 and gathered.dtype == torch.float32
-    assert amax_q.is_contiguous() and amax_v.is_contiguous() and amax_v.shape == (B, H, D)
-    assert 1 <= len(first_sources) <= MAX_SOURCES and 1 <= len(last_sources) <= MAX_SOURCES
-    assert H % P == 0
-    masks = [0, 0]  # bit (rank * 2 + end) set for each source
-    for row, sources in enumerate((first_sources, last_sources)):
-        for q, end in sources:
-            assert 0 <= q < P and end in (0, 1), sources
-            masks[row] |= 1 << (q * 2 + end)
+    assert amax_q.is_contiguous() and amax_v.is_contiguous() and amax_v.shape[0] == B
+    assert (H * kv_rep) % P == 0 and Hq % P == 0
+    first = source_range(first_sources, P)
+    last = source_range(last_sources, P)
     n_bhd = B * H * D
     block, num_warps = finish_tile(compiled_for_gpu(gathered.device))
-    h = H // P
+    h = H * kv_rep // P  # K/V heads this rank receives
     return Launch(
         _lowp_finish_kernel,
-        (cdiv(n_bhd, block),),
+        (cdiv(max(n_bhd, B * Hq), block),),
         gathered.device,
         num_warps=num_warps,
         slots=("v_scale_ptr",),
         gathered_ptr=gathered,
         stride_p=gathered.stride(0),
-        first_mask=masks[0],
-        last_mask=masks[1],
+        first_q0=first[0],
+        first_e0=first[1],
+        first_n=first[2],
+        last_q0=last[0],
+        last_e0=last[1],
+        last_n=last[2],
         amax_q_ptr=amax_q,
         amax_v_ptr=amax_v,
         n_bhd=n_bhd,
-        n_bh=B * H,
+        n_bh=B * Hq,
         n_slots=n_slots,
         n_touched=n_touched,
         H=H,
         h=h,
-        head0=rank * h,
+        head0=rank * h // kv_rep,
         q_off=q_off,
         v_off=v_off,
         P=P,
         D=D,
-        N_CODES=2 * P,  # codes rank * 2 + end of every rank
+        N_UNROLL=min(MAX_UNROLL, next_pow2(max(first[2], last[2]))),
         BLOCK=block,
     )

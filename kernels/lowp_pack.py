@@ -1,14 +1,23 @@
 """Quantize Q, K, V on the global grid and pack them, per destination rank, into one uint8
 send buffer (docs/CONTRACT.md §8).
 
-Send buffer ``[P destinations][L rows][ROW bytes]``; destination ``j`` receives heads
-``[j*h, (j+1)*h)``. One row of one destination is ``[B][3 (q, k, v)][h][D]`` code bytes
-(``CB = 3*B*h*D``) followed by ``E`` bytes of scale slots: the ``n``-th fp32 of the
-destination's scale block ``[q: B, h, NSQ | k: B, h, NSK]`` sits in row ``n // (E/4)``, at
-``CB + 4 * (n % (E/4))``. Row-interleaving makes the receiver's ``q``, ``k``, ``v``
-[B, S, h, D] plain strided views of the receive buffer (row stride ROW), with no unpack copy.
+Send buffer ``[P destinations][L rows][ROW bytes]``; destination ``j`` receives Q heads
+``[j*h, (j+1)*h)`` and ``hkv`` K/V heads. One row of one destination is
+``[B][q: h | k: hkv | v: hkv][D]`` code bytes (``CB = B*(h + 2*hkv)*D``) followed by ``E``
+bytes of scale slots: the ``n``-th fp32 of the destination's scale block
+``[q: B, h, NSQ | k: B, hkv, NSK]`` sits in row ``n // (E/4)``, at ``CB + 4 * (n % (E/4))``.
+Row-interleaving makes the receiver's ``q`` [B, S, h, D], ``k`` and ``v`` [B, S, hkv, D] plain
+strided views of the receive buffer (row stride ROW), with no unpack copy.
 
-Programs ``[0, n_code)``: one per (batch, block of BLOCK_L rows, head block); per row:
+K/V heads (grouped-query attention, ``ulysses.grid.kv_split``): with ``HK`` K/V heads, either
+``HK % P == 0`` and destination ``j`` receives K/V heads ``[j*hkv, (j+1)*hkv)``
+(``hkv = HK/P``, ``rep = 1``), or ``P % HK == 0`` and it receives the one head
+``j // rep`` (``hkv = 1``, ``rep = P/HK``: each K/V head is sent to ``rep`` ranks). The
+kernel's K/V lanes are the ``HE = P*hkv`` (destination, head) pairs; lane ``e`` reads K/V
+head ``e // rep``.
+
+Programs ``[0, n_code)``: one per (batch, block of BLOCK_L rows, block of lanes: Q heads and
+K/V lanes, or K/V lanes alone with ``q_once``); per row:
 * Q: ``code = clamp(rne(fp32(q) * div_rn(127, amax_q)), -127, 127)``;
 * K: ``x = fp32(k) - fp32(mean)`` (one rounding), ``code = clamp(rne(x * div_rn(127, amax_k)))``;
 * V: ``y = clamp(fp32(v) * div_rn(448, amax_v), -448, 448)``, code = e4m3fn(y) rounded to
@@ -35,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..grid import kv_split
 from ._quant import canonical_nan_bits, e4m3_code, int8_code
 from ._runtime import (
     Launch,
@@ -54,20 +64,24 @@ __all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 # fp32 bits (its fp8 cast rounds ties up). Both give the reference's bits (the harness and
 # the CUDA mirror of the suite, ULYSSES_TEST_DEVICE=cuda, check the first; the CPU suite the
 # second); the integer path was ALU bound on the H200 (193 us of device time for 306 MB at
-# 68 MB a tensor). The hardware path was ALU heavy too (session 9: 245 SASS instructions for
-# 16 elements a thread in the K/V loop, the pack at 72% of a plain cast's speed); session 10
-# packs four codes per PTX block (cvt.pack.sat.s8, e4m3x2, the NaN and zero rules on the
-# packed word) and does the slot arithmetic in int32: 137 instructions on Triton 3.9.
+# 68 MB a tensor). The hardware path was ALU heavy too (245 SASS instructions for 16 elements
+# a thread in the K/V loop, the pack at 72% of a plain cast's speed); packing four codes per
+# PTX block (cvt.pack.sat.s8, e4m3x2, the NaN and zero rules on the packed word) with the
+# slot arithmetic in int32 takes 137 instructions on Triton 3.9.
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
-# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
-# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# serves every shape, rank and padding of a dtype and tile (first compilations dominated the
+# GPU harness). ``kv_rep`` stays specialized: 1 (K/V heads sharded like Q's) folds away. Pointers and strides stay specialized: their 16-byte
 # alignment lets the loads and stores vectorize.
 _NOT_SPECIALIZED = [
     "L",
     "H",
     "h",
+    "HK",
+    "HE",
+    "hkv",
+    "n_lanes",
     "row0",
     "n_slots_q",
     "n_slots_k",
@@ -98,6 +112,7 @@ def _pack_q_group(
     L,
     H,
     h,
+    hkv,
     row0,
     n_slots_q,
     n_qgroups,
@@ -151,7 +166,7 @@ def _pack_q_group(
     b_a = tl.where(whole, b_own, b_merged)
     b_inv = tl.math.div_rn(tl.full([BLOCK_H], 127.0, tl.float32), b_a)
     b_code = int8_code(b_q, b_inv[None, :, None], HW_ROUND)
-    o_dst = (i_j * L * ROW + (i_b * 3 * h + o_h - i_j * h) * D)[:, None] + o_d[None, :]
+    o_dst = (i_j * L * ROW + (i_b * (h + 2 * hkv) + o_h - i_j * h) * D)[:, None] + o_d[None, :]
     p_gdst = send_ptr + o_dst[None, :, :] + o_g[:, None, None] * ROW
     tl.store(p_gdst, b_code, mask=m_gq)
     # scale slot n = (batch, local head, slot) of each head's destination
@@ -184,6 +199,11 @@ def _pack_kernel(
     L,
     H,
     h,
+    HK,
+    HE,
+    hkv,
+    kv_rep,
+    n_lanes,
     row0,
     n_slots_q,
     n_slots_k,
@@ -218,33 +238,40 @@ def _pack_kernel(
     if USE_PDL:
         gdc_wait()
     if i_pid < n_code:
-        n_hblocks = tl.cdiv(H, BLOCK_H)
+        n_hblocks = tl.cdiv(n_lanes, BLOCK_H)
         i_hb = i_pid % n_hblocks
         i_rb = (i_pid // n_hblocks) % n_rblocks
         i_b = i_pid // (n_hblocks * n_rblocks)
         gq_first = row0 // GQ
         gk_first = row0 // GK
+        W_H = h + 2 * hkv  # heads of one batch in a destination row
 
-        o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+        o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] lanes: Q heads and K/V lanes
         o_d = tl.arange(0, D)  # [D]
         o_r = tl.arange(0, ROWS)  # [R]
-        m_h = o_h < H
-        m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
-        o_hd = o_h[:, None] * D + o_d[None, :]  # [BH, D] in a contiguous [H, D] plane
-        i_j = o_h // h  # destination rank of each head
-        # byte offset of (destination, row 0, batch, tensor q, local head, d)
-        o_dst = (i_j * L * ROW + (i_b * 3 * h + o_h - i_j * h) * D)[:, None] + o_d[None, :]
-        o_dst = o_dst[None, :, :]  # [1, BH, D]
+        m_h = o_h < H  # Q heads
+        m_e = o_h < HE  # K/V lanes: (destination, K/V head) pairs
+        m_qd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+        m_ed = m_e[:, None] & (o_d[None, :] < D)  # [BH, D]
+        i_c = o_h // kv_rep  # K/V head each lane reads
+        o_cd = i_c[:, None] * D + o_d[None, :]  # [BH, D] in a contiguous [HK, D] plane
+        i_j = o_h // h  # destination rank of each Q head
+        i_je = o_h // hkv  # destination rank of each K/V lane
+        # byte offset of (destination, row 0, batch, tensor, local head, d)
+        o_dq = (i_j * L * ROW + (i_b * W_H + o_h - i_j * h) * D)[:, None] + o_d[None, :]
+        o_dk = (i_je * L * ROW + (i_b * W_H + h + o_h - i_je * hkv) * D)[:, None] + o_d[None, :]
+        o_dq = o_dq[None, :, :]  # [1, BH, D]
+        o_dk = o_dk[None, :, :]
         o_hq = o_h[:, None] * stride_qh + o_d[None, :]
-        o_hk = o_h[:, None] * stride_kh + o_d[None, :]
-        o_hv = o_h[:, None] * stride_vh + o_d[None, :]
+        o_hk = i_c[:, None] * stride_kh + o_d[None, :]
+        o_hv = i_c[:, None] * stride_vh + o_d[None, :]
         p_q = q_ptr + i_b * stride_qb + o_hq[None, :, :]  # [1, BH, D]
         p_k = k_ptr + i_b * stride_kb + o_hk[None, :, :]
         p_v = v_ptr + i_b * stride_vb + o_hv[None, :, :]
 
-        b_mean = tl.load(mean_ptr + i_b * H * D + o_hd, mask=m_hd, other=0.0).to(tl.float32)
+        b_mean = tl.load(mean_ptr + i_b * HK * D + o_cd, mask=m_ed, other=0.0).to(tl.float32)
         b_mean = b_mean[None, :, :]
-        b_av = tl.load(amax_v_ptr + i_b * H * D + o_hd, mask=m_hd, other=1.0)
+        b_av = tl.load(amax_v_ptr + i_b * HK * D + o_cd, mask=m_ed, other=1.0)
         b_iv = tl.math.div_rn(tl.full([BLOCK_H, D], 448.0, tl.float32), b_av)[None, :, :]
         b_keep = tl.where(b_av == 0.0, 0, 0xFF).to(tl.uint8)[None, :, :]
 
@@ -252,50 +279,48 @@ def _pack_kernel(
         # are issued together, with wide per-thread accesses.
         # the slot arithmetic in int32 (rows and slots of one sequence), offsets in int64
         p_aq = amax_q_ptr + (i_b * H + o_h) * n_slots_q  # [BH]: slot 0 of each head
-        p_ak = amax_k_ptr + (i_b * H + o_h) * n_slots_k
+        p_ak = amax_k_ptr + (i_b * HK + i_c) * n_slots_k
         i_row0 = i_rb.to(tl.int32) * BLOCK_L
         # GK >= BLOCK_L: the program's rows touch at most two K slots, whose 127 / amax are
         # divided once here; each row then selects one (same values as a division per row)
         sk_lo = (row0 + i_row0) // GK - gk_first
         inv_k_lo = tl.math.div_rn(
-            tl.full([BLOCK_H], 127.0, tl.float32), tl.load(p_ak + sk_lo, mask=m_h, other=1.0)
+            tl.full([BLOCK_H], 127.0, tl.float32), tl.load(p_ak + sk_lo, mask=m_e, other=1.0)
         )
-        m_hi = tl.where(sk_lo + 1 < n_slots_k, m_h, False)  # not `&`: the interpreter widens it
+        m_hi = tl.where(sk_lo + 1 < n_slots_k, m_e, False)  # not `&`: the interpreter widens it
         inv_k_hi = tl.math.div_rn(
             tl.full([BLOCK_H], 127.0, tl.float32), tl.load(p_ak + sk_lo + 1, mask=m_hi, other=1.0)
         )
-        for i_c in range(0, BLOCK_L // ROWS):
-            i_row = i_row0 + i_c * ROWS + o_r  # [R]
+        for i_ch in range(0, BLOCK_L // ROWS):
+            i_row = i_row0 + i_ch * ROWS + o_r  # [R]
             m_r = i_row < L
-            m_row = m_r[:, None, None] & m_hd[None, :, :]  # [R, BH, D]
-            m_rh = m_r[:, None] & m_h[None, :]  # [R, BH]
+            m_rowq = m_r[:, None, None] & m_qd[None, :, :]  # [R, BH, D]
+            m_rowe = m_r[:, None, None] & m_ed[None, :, :]
             i_sq = (row0 + i_row) // GQ - gq_first
             i_sk = (row0 + i_row) // GK - gk_first
             o_row = i_row.to(tl.int64)[:, None, None]
-            p_dst = send_ptr + o_dst + o_row * ROW
             if not Q_ONCE:
-                b_q = load_streamed(p_q + o_row * stride_ql, m_row, 0.0, EVICT)
-            b_k = load_streamed(p_k + o_row * stride_kl, m_row, 0.0, EVICT)
-            b_v = load_streamed(p_v + o_row * stride_vl, m_row, 0.0, EVICT)
-            for t in tl.static_range(1 if Q_ONCE else 0, 2):  # Q (unless Q_ONCE), K: int8
-                if t == 0:
-                    b_a = tl.load(p_aq[None, :] + i_sq[:, None], mask=m_rh, other=1.0)
-                    b_x = b_q.to(tl.float32)
-                    b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_a)
-                else:
-                    b_x = b_k.to(tl.float32) - b_mean
-                    if GK >= BLOCK_L:
-                        b_inv = tl.where(
-                            (i_sk == sk_lo)[:, None], inv_k_lo[None, :], inv_k_hi[None, :]
-                        )
-                    else:
-                        b_ak = tl.load(p_ak[None, :] + i_sk[:, None], mask=m_rh, other=1.0)
-                        b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_ak)
-                b_code = int8_code(b_x, b_inv[:, :, None], HW_ROUND)
-                tl.store(p_dst + t * h * D, b_code, mask=m_row)
-
+                b_q = load_streamed(p_q + o_row * stride_ql, m_rowq, 0.0, EVICT)
+            b_k = load_streamed(p_k + o_row * stride_kl, m_rowe, 0.0, EVICT)
+            b_v = load_streamed(p_v + o_row * stride_vl, m_rowe, 0.0, EVICT)
+            if not Q_ONCE:  # Q: int8
+                m_rh = m_r[:, None] & m_h[None, :]  # [R, BH]
+                b_a = tl.load(p_aq[None, :] + i_sq[:, None], mask=m_rh, other=1.0)
+                b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_a)
+                b_code = int8_code(b_q.to(tl.float32), b_inv[:, :, None], HW_ROUND)
+                tl.store(send_ptr + o_dq + o_row * ROW, b_code, mask=m_rowq)
+            # K: int8 of the centred value
+            b_x = b_k.to(tl.float32) - b_mean
+            if GK >= BLOCK_L:
+                b_inv = tl.where((i_sk == sk_lo)[:, None], inv_k_lo[None, :], inv_k_hi[None, :])
+            else:
+                m_re = m_r[:, None] & m_e[None, :]  # [R, BH]
+                b_ak = tl.load(p_ak[None, :] + i_sk[:, None], mask=m_re, other=1.0)
+                b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_ak)
+            p_dk = send_ptr + o_dk + o_row * ROW
+            tl.store(p_dk, int8_code(b_x, b_inv[:, :, None], HW_ROUND), mask=m_rowe)
             b_code = e4m3_code(b_v.to(tl.float32), b_iv, b_keep, HW_ROUND)
-            tl.store(p_dst + 2 * h * D, b_code, mask=m_row)
+            tl.store(p_dk + hkv * D, b_code, mask=m_rowe)
     elif i_pid < n_code + n_qcode:
         if Q_ONCE:
             _pack_q_group(
@@ -310,6 +335,7 @@ def _pack_kernel(
                 L,
                 H,
                 h,
+                hkv,
                 row0,
                 n_slots_q,
                 n_qgroups,
@@ -330,10 +356,10 @@ def _pack_kernel(
             )
     else:
         # scale slots: global index m over [P destinations][L * E4 slots]; slot n < NF =
-        # B*h*(NSQ + NSK) of a destination holds a scale, the rest are written 0 so that no
-        # byte of the send buffer is left uninitialized (stale memory never crosses ranks).
+        # B*(h*NSQ + hkv*NSK) of a destination holds a scale, the rest are written 0 so that
+        # no byte of the send buffer is left uninitialized (stale memory never crosses ranks).
         nf_q = B * h * n_slots_q
-        nf = nf_q + B * h * n_slots_k
+        nf = nf_q + B * hkv * n_slots_k
         o_m = (i_pid - n_code - n_qcode) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         m_m = o_m < n_scales
         i_j_s = o_m // (L * E4)
@@ -341,17 +367,18 @@ def _pack_kernel(
         m_used = tl.where(i_n < nf, m_m, False)
         is_q = i_n < nf_q
         i_nk = i_n - nf_q
-        i_b_s = tl.where(is_q, i_n // (h * n_slots_q), i_nk // (h * n_slots_k))
-        i_hl = tl.where(is_q, (i_n // n_slots_q) % h, (i_nk // n_slots_k) % h)
+        i_b_s = tl.where(is_q, i_n // (h * n_slots_q), i_nk // (hkv * n_slots_k))
+        i_hl = tl.where(is_q, (i_n // n_slots_q) % h, (i_nk // n_slots_k) % hkv)
         i_s = tl.where(is_q, i_n % n_slots_q, i_nk % n_slots_k)
-        i_hh = i_j_s * h + i_hl
+        i_hq = i_j_s * h + i_hl  # Q head
+        i_hk = (i_j_s * hkv + i_hl) // kv_rep  # K head
         b_aq = tl.load(
-            amax_q_ptr + (i_b_s * H + i_hh) * n_slots_q + i_s,
+            amax_q_ptr + (i_b_s * H + i_hq) * n_slots_q + i_s,
             mask=tl.where(is_q, m_used, False),
             other=1.0,
         )
         b_ak = tl.load(
-            amax_k_ptr + (i_b_s * H + i_hh) * n_slots_k + i_s,
+            amax_k_ptr + (i_b_s * HK + i_hk) * n_slots_k + i_s,
             mask=tl.where(is_q, False, m_used),
             other=1.0,
         )
@@ -369,7 +396,7 @@ def prepare_pack(
     shape: tuple[int, int, int, int],
     strides: tuple[tuple[int, int, int, int], ...],
     device: torch.device,
-    send: torch.Tensor,
+    send: torch.Tensor | None,
     *,
     world_size: int,
     row0: int,
@@ -380,6 +407,7 @@ def prepare_pack(
     row_bytes: int,
     scale_bytes: int,
     use_pdl: bool,
+    kv_heads: int | None = None,
     q_once: QOnce | None = None,
     block_l: int | None = None,
     rows: int | None = None,
@@ -387,9 +415,11 @@ def prepare_pack(
     num_warps: int | None = None,
     evict: bool = False,
 ) -> Launch:
-    """The pack launch for q, k, v of this shape and ``strides`` (q's, k's, v's), writing
-    ``send``: call it with ``(q, k, v, amax_q, amax_k, k_mean, amax_v)``. Arguments as
-    :func:`pack_qkv`.
+    """The pack launch for q of this ``shape`` [B, L, H, D], k and v of ``kv_heads`` heads (H
+    when None) and ``strides`` (q's, k's, v's), writing ``send``: call it with ``(q, k, v,
+    amax_q, amax_k, k_mean, amax_v)``, and with ``send`` None also ``(send, send viewed as
+    fp32)`` (a new buffer each call: at world size 1 the send buffer is the result).
+    Arguments as :func:`pack_qkv`.
 
     ``q_once`` (the Q grid's values, :class:`QOnce`) reads Q here only: one program per Q
     group derives the amax of each group this rank holds whole from the rows it quantizes
@@ -398,19 +428,21 @@ def prepare_pack(
     where :func:`q_once_fits`."""
     B, L, H, D = shape
     P = world_size
+    HK = H if kv_heads is None else kv_heads
+    hkv, kv_rep = kv_split(H, HK, P)
     h = H // P
-    cb = 3 * B * h * D
-    assert H % P == 0 and all(s[3] == 1 for s in strides)
+    cb = B * (h + 2 * hkv) * D
+    assert all(s[3] == 1 for s in strides)
     assert row_bytes == cb + scale_bytes and scale_bytes % 16 == 0
-    assert (scale_bytes // 4) * L >= B * h * (n_sq + n_sk)
-    assert send.dtype == torch.uint8 and send.numel() == P * L * row_bytes
+    assert (scale_bytes // 4) * L >= B * (h * n_sq + hkv * n_sk)
+    assert send is None or (send.dtype == torch.uint8 and send.numel() == P * L * row_bytes)
     cuda = compiled_for_gpu(device)
     block_h = _block_h(shape, device, block_h)
     # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
     # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
-    # tile (the cold sweep of session 4, docs/BENCHMARKS.md). With q_once: one warp per
-    # 1024 elements of a Q group's tile (32 a thread; at least 2 warps), K/V rows for 8
-    # elements a thread and tensor, 64 rows a program (session 7's chain sweep, docs/BENCHMARKS.md). The
+    # tile (a cold sweep, docs/BENCHMARKS.md). With q_once: one warp per 1024 elements of a
+    # Q group's tile (32 a thread; at least 2 warps), K/V rows for 8 elements a thread and
+    # tensor, 64 rows a program (a sweep of the exchange's chain, docs/BENCHMARKS.md). The
     # interpreter pays per operation, so it takes big tiles. Any tile gives the same bits.
     if q_once is not None and cuda:
         assert q_once_fits(shape, device, q_group, block_h)
@@ -423,7 +455,9 @@ def prepare_pack(
     # the K/V loop's rows and slots are int32: global rows up to the last program's end
     assert P * L + block_l < 2**31, f"{P * L} rows: the pack's int32 row arithmetic wraps"
     num_warps = num_warps or (max(1, min(8, rows * block_h * D // 256)) if cuda else 1)
-    n_code = B * n_rblocks * cdiv(H, block_h)
+    HE = P * hkv  # K/V lanes: (destination, K/V head) pairs
+    n_lanes = HE if q_once is not None else max(H, HE)  # Q_ONCE: the row programs skip Q
+    n_code = B * n_rblocks * cdiv(n_lanes, block_h)
     shift = row0 % q_group
     if q_once is not None:
         n_qgroups = cdiv(L + shift, q_group)
@@ -438,13 +472,19 @@ def prepare_pack(
     n_scales = P * L * (scale_bytes // 4)  # every scale slot, used or not
     block_n = 256 if cuda else 4096
     (sqb, sql, sqh, _), (skb, skl, skh, _), (svb, svl, svh, _) = strides
+    slots = ("q_ptr", "k_ptr", "v_ptr", "amax_q_ptr", "amax_k_ptr", "mean_ptr", "amax_v_ptr")
+    fixed = {}
+    if send is None:
+        slots += ("send_ptr", "send_f32_ptr")
+    else:
+        fixed.update(send_ptr=send, send_f32_ptr=send.view(torch.float32))
     return Launch(
         _pack_kernel,
         (n_code + n_qcode + cdiv(n_scales, block_n),),
         device,
         num_warps=num_warps,
         use_pdl=use_pdl,
-        slots=("q_ptr", "k_ptr", "v_ptr", "amax_q_ptr", "amax_k_ptr", "mean_ptr", "amax_v_ptr"),
+        slots=slots,
         stride_qb=sqb,
         stride_ql=sql,
         stride_qh=sqh,
@@ -454,11 +494,14 @@ def prepare_pack(
         stride_vb=svb,
         stride_vl=svl,
         stride_vh=svh,
-        send_ptr=send,
-        send_f32_ptr=send.view(torch.float32),
         L=L,
         H=H,
         h=h,
+        HK=HK,
+        HE=HE,
+        hkv=hkv,
+        kv_rep=kv_rep,
+        n_lanes=n_lanes,
         row0=row0,
         n_slots_q=n_sq,
         n_slots_k=n_sk,
@@ -488,6 +531,7 @@ def prepare_pack(
         FLOOR=floor,
         USE_PDL=use_pdl,
         EVICT=evict,
+        **fixed,
     )
 
 
@@ -551,19 +595,21 @@ def pack_qkv(
 ) -> torch.Tensor:
     """The send buffer, uint8 [P * L * row_bytes] (see the module docstring).
 
-    ``q``, ``k``, ``v`` [B, L, H, D] (unit last stride); ``amax_q`` fp32 [B, H, slots(L, Gq)]
-    and ``amax_k`` fp32 [B, H, slots(L, Gk)]: this rank's merged (final) group amax;
-    ``k_mean`` [B, H, D] (k's dtype) and ``amax_v`` fp32 [B, H, D], global. ``row_bytes`` =
-    ``3*B*h*D + scale_bytes``, ``scale_bytes`` a multiple of 16 holding the scale block.
-    ``evict`` marks q's, k's and v's loads evict-first in L2 (same bits; off by default: the
-    cold sweep of session 6 measured 1.05x at 68 MB and 1.08x at 268 MB).
+    ``q`` [B, L, H, D], ``k`` and ``v`` [B, L, HK, D] (unit last stride; HK = H, or grouped
+    query heads with ``HK % P == 0`` or ``P % HK == 0``); ``amax_q`` fp32
+    [B, H, slots(L, Gq)] and ``amax_k`` fp32 [B, HK, slots(L, Gk)]: this rank's merged
+    (final) group amax; ``k_mean`` [B, HK, D] (k's dtype) and ``amax_v`` fp32 [B, HK, D],
+    global. ``row_bytes`` = ``B*(h + 2*hkv)*D + scale_bytes``, ``scale_bytes`` a multiple of
+    16 holding the scale block. ``evict`` marks q's, k's and v's loads evict-first in L2
+    (same bits; off by default: a cold sweep measured 1.05x at 68 MB and 1.08x at 268 MB).
     """
     B, L, H, D = q.shape
+    HK = k.shape[2]
     n_sq, n_sk = amax_q.shape[-1], amax_k.shape[-1]
-    assert k.shape == q.shape and v.shape == q.shape
-    assert amax_q.shape == (B, H, n_sq) and amax_k.shape == (B, H, n_sk)
+    assert k.shape == (B, L, HK, D) and v.shape == k.shape
+    assert amax_q.shape == (B, H, n_sq) and amax_k.shape == (B, HK, n_sk)
     assert amax_q.is_contiguous() and amax_k.is_contiguous() and amax_v.is_contiguous()
-    assert k_mean.is_contiguous() and k_mean.shape == (B, H, D) and amax_v.shape == (B, H, D)
+    assert k_mean.is_contiguous() and k_mean.shape == (B, HK, D) and amax_v.shape == (B, HK, D)
     send = torch.empty(world_size * L * row_bytes, dtype=torch.uint8, device=q.device)
     prepare_pack(
         q.shape,
@@ -579,6 +625,7 @@ def pack_qkv(
         row_bytes=row_bytes,
         scale_bytes=scale_bytes,
         use_pdl=use_pdl,
+        kv_heads=HK,
         block_l=block_l,
         rows=rows,
         block_h=block_h,

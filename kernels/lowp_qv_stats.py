@@ -11,12 +11,15 @@ sign-cleared NaN sorts above +Inf, so an integer max propagates NaN and Inf):
   then one relaxed ``atomic_max`` into the payload (max is order-independent, so the atomics
   are deterministic).
 
+Q has ``H`` heads, V ``HV <= H`` (grouped-query attention: V has the K/V heads); a program's
+head block indexes both, V's lanes past HV masked off.
+
 With ``q_boundary_only`` (when the pack kernel reads Q once; :func:`prepare_qv_stats` only) Q
 is read for the first and last touched slot alone, the ones that can straddle ranks: slots
 ``[1, n_touched - 1)`` of ``amax`` are not written (surplus slots are still 0).
 
 The payload (fp32, sent in the statistics all_gather) is ``[Q first/last touched slot
-[B, H, 2] | V amax [B, H, D]]``; the full Q partial [B, H, NS] stays local.
+[B, H, 2] | V amax [B, HV, D]]``; the full Q partial [B, H, NS] stays local.
 """
 
 from __future__ import annotations
@@ -41,12 +44,13 @@ __all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats"]
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
-# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
-# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# serves every shape, rank and padding of a dtype and tile (first compilations dominated the
+# GPU harness). Pointers and strides stay specialized: their 16-byte
 # alignment lets the loads and stores vectorize.
 _NOT_SPECIALIZED = [
     "L",
     "H",
+    "HV",
     "row0",
     "n_slots",
     "n_touched",
@@ -73,6 +77,7 @@ def _qv_stats_kernel(
     vamax_ptr,
     L,
     H,
+    HV,
     row0,
     n_slots,
     n_touched,
@@ -101,6 +106,7 @@ def _qv_stats_kernel(
     o_d = tl.arange(0, D)  # [D]
     m_h = o_h < H
     m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+    m_vd = (o_h < HV)[:, None] & (o_d[None, :] < D)  # [BH, D]: V's heads
     p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
     p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
     live = live_end - row0  # local rows below this are live
@@ -127,14 +133,14 @@ def _qv_stats_kernel(
             for j in tl.static_range(ROWS):
                 i_row = lo + i_c * ROWS + j
                 b_q = load_streamed(p_q + i_row * stride_ql, m_hq, 0.0, EVICT).to(tl.float32)
-                b_v = load_streamed(p_v + i_row * stride_vl, m_hd, 0.0, EVICT).to(tl.float32)
+                b_v = load_streamed(p_v + i_row * stride_vl, m_vd, 0.0, EVICT).to(tl.float32)
                 b_qacc = tl.maximum(b_qacc, tl.abs(b_q).to(tl.int32, bitcast=True))
                 b_vacc = tl.maximum(b_vacc, tl.abs(b_v).to(tl.int32, bitcast=True))
         for i_r in range(lo + n_full * ROWS, hi, ROWS):
             for j in tl.static_range(ROWS):
                 i_row = i_r + j
                 m_q = tl.where(i_row < hi_q, m_hq, False)  # not `&`: the 3.9 interpreter widens
-                m_v = tl.where(i_row < hi_v, m_hd, False)
+                m_v = tl.where(i_row < hi_v, m_vd, False)
                 b_q = load_streamed(p_q + i_row * stride_ql, m_q, 0.0, EVICT).to(tl.float32)
                 b_v = load_streamed(p_v + i_row * stride_vl, m_v, 0.0, EVICT).to(tl.float32)
                 b_qacc = tl.maximum(
@@ -154,13 +160,14 @@ def _qv_stats_kernel(
 
     if USE_PDL:
         gdc_launch_dependents()
-    p_vamax = vamax_ptr + i_b * H * D + o_h[:, None] * D + o_d[None, :]
-    tl.atomic_max(p_vamax, canonical_nan_bits(b_vacc), mask=m_hd, sem="relaxed")
+    p_vamax = vamax_ptr + i_b * HV * D + o_h[:, None] * D + o_d[None, :]
+    tl.atomic_max(p_vamax, canonical_nan_bits(b_vacc), mask=m_vd, sem="relaxed")
 
 
-def qv_payload_numel(B: int, H: int, D: int) -> int:
-    """fp32 elements of the Q/V statistics payload: Q boundary slots [B, H, 2], V amax [B, H, D]."""
-    return B * H * (2 + D)
+def qv_payload_numel(B: int, H: int, D: int, HV: int | None = None) -> int:
+    """fp32 elements of the Q/V statistics payload: Q boundary slots [B, H, 2], V amax
+    [B, HV, D] (``HV``: V's heads, H when None)."""
+    return B * (2 * H + (H if HV is None else HV) * D)
 
 
 def prepare_qv_stats(
@@ -180,6 +187,7 @@ def prepare_qv_stats(
     floor: float,
     use_pdl: bool,
     q_boundary_only: bool = False,
+    v_heads: int | None = None,
     span: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -188,24 +196,27 @@ def prepare_qv_stats(
 ):
     """The launch of :func:`qv_stats` bound to ``payload`` and ``amax``: returns
     ``run(q, v)``, which zeroes V's amax block (the atomic max starts from +0.0) and
-    launches the kernel. ``q_boundary_only``: Q's amax for the first and last touched slot
-    only (the pack kernel's ``q_once`` derives the others from the rows it reads): slots
-    ``[1, n_touched - 1)`` of ``amax`` are left as they are (surplus slots are still 0)."""
+    launches the kernel. ``shape`` is q's [B, L, H, D]; v has ``v_heads`` heads (H when
+    None; H must be a multiple). ``q_boundary_only``: Q's amax for the first and last
+    touched slot only (the pack kernel's ``q_once`` derives the others from the rows it
+    reads): slots ``[1, n_touched - 1)`` of ``amax`` are left as they are (surplus slots are
+    still 0)."""
     B, L, H, D = shape
+    HV = H if v_heads is None else v_heads
     G = group_size
-    assert q_strides[3] == 1 and v_strides[3] == 1
+    assert q_strides[3] == 1 and v_strides[3] == 1 and 1 <= HV <= H and H % HV == 0
     assert n_slots == (L + 2 * G - 2) // G and amax.shape == (B, H, n_slots)
-    numel = qv_payload_numel(B, H, D)
+    numel = qv_payload_numel(B, H, D, HV)
     assert payload.dtype == torch.float32 and payload.is_contiguous() and payload.numel() == numel
     vamax_f32 = payload[B * H * 2 :]
     vamax = vamax_f32.view(torch.int32)
     cuda = compiled_for_gpu(device)
-    # CUDA: ~128 rows a program, 16 rows unrolled, [128 / D heads, D] tiles with 2 warps (the
-    # cold sweep of session 4: 43.5 us against 68.2 with 256 rows, 8 rows and 512-element
-    # tiles at 68 MB; docs/BENCHMARKS.md). The interpreter pays per program: longer spans.
+    # CUDA: ~128 rows a program, 16 rows unrolled, [128 / D heads, D] tiles with 2 warps (a
+    # cold sweep: 43.5 us against 68.2 with 256 rows, 8 rows and 512-element tiles at 68 MB;
+    # docs/BENCHMARKS.md). The interpreter pays per program: longer spans.
     # q_boundary_only (V and two Q slots): 64-row programs with one warp per 128-element
-    # tile (session 7's chain sweep: 29.9 / 75.3 us at 68 / 268 MB against 36.7 / 115.1 with
-    # the two-read tile).
+    # tile (a sweep of the exchange's chain: 29.9 / 75.3 us at 68 / 268 MB against 36.7 /
+    # 115.1 with the two-read tile).
     if cuda and q_boundary_only:
         span = span or max(1, 64 // G)
     span = span or (max(1, 128 // G) if cuda else max(1, 1024 // G))
@@ -234,6 +245,7 @@ def prepare_qv_stats(
         vamax_ptr=vamax,
         L=L,
         H=H,
+        HV=HV,
         row0=row0,
         n_slots=n_slots,
         n_touched=n_touched,
@@ -278,21 +290,23 @@ def qv_stats(
     num_warps: int | None = None,
     evict: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One read of the shards ``q``, ``v`` [B, L, H, D]: ``(payload, amax_q_partial)``.
+    """One read of the shards ``q`` [B, L, H, D] and ``v`` [B, L, HV, D] (HV divides H):
+    ``(payload, amax_q_partial)``.
 
     ``amax_q_partial`` fp32 [B, H, n_slots]: this rank's raw Q amax per slot of the global
-    ``group_size`` grid (surplus slots 0). ``payload`` fp32 [qv_payload_numel(B, H, D)]: its
-    first and last touched slot [B, H, 2], then V's channel amax over the live rows
-    (global row < ``live_end``) [B, H, D]. Pass ``payload`` (a contiguous fp32 slice of a
+    ``group_size`` grid (surplus slots 0). ``payload`` fp32 [qv_payload_numel(B, H, D, HV)]:
+    its first and last touched slot [B, H, 2], then V's channel amax over the live rows
+    (global row < ``live_end``) [B, HV, D]. Pass ``payload`` (a contiguous fp32 slice of a
     larger buffer) to have it written in place. Grid values come from ``ulysses.grid.layout``.
     ``span``/``rows``/``block_h``/``num_warps`` override the tile and ``evict`` marks q's and
-    v's loads evict-first in L2 (any choice gives the same bits; off by default: the cold
-    sweep of session 6 measured 0.95x at 68 MB but 1.05x at 268 MB).
+    v's loads evict-first in L2 (any choice gives the same bits; off by default: a cold
+    sweep measured 0.95x at 68 MB but 1.05x at 268 MB).
     """
     B, L, H, D = q.shape
-    assert v.shape == q.shape
+    HV = v.shape[2]
+    assert v.shape == (B, L, HV, D)
     if payload is None:
-        payload = torch.empty(qv_payload_numel(B, H, D), dtype=torch.float32, device=q.device)
+        payload = torch.empty(qv_payload_numel(B, H, D, HV), dtype=torch.float32, device=q.device)
     amax = torch.empty((B, H, n_slots), dtype=torch.float32, device=q.device)
     prepare_qv_stats(
         q.shape,
@@ -309,6 +323,7 @@ def qv_stats(
         live_end=live_end,
         floor=floor,
         use_pdl=use_pdl,
+        v_heads=HV,
         span=span,
         rows=rows,
         block_h=block_h,

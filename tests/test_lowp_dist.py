@@ -136,7 +136,7 @@ def test_compare_detects_one_bit():
     good = lowp.LowpQKV(used_sequence=None, q_group=32, k_group=64, **ref)
     assert all(diff is None for diff in checks_lowp.compare_fields(good, ref).values())
     for name in checks_lowp.FIELDS:
-        t = ref[name].clone()
+        t = ref[name].clone(memory_format=torch.contiguous_format)
         size = t.element_size()
         bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size])
         bits.view(-1)[0] ^= 1
@@ -153,13 +153,25 @@ def test_local_validation_errors():
         lowp.exchange_qkv(ok.float(), ok, ok)
     with pytest.raises(TypeError, match="v must have k's dtype"):
         lowp.exchange_qkv(ok, ok, ok.half())
-    with pytest.raises(ValueError, match=r"q must have k's shape \[1, 8, 4, 64\]"):
+    with pytest.raises(ValueError, match=r"q must have k's B, L and D.*got \[1, 4, 4, 64\]"):
         lowp.exchange_qkv(ok[:, :4], ok, ok)
+    with pytest.raises(ValueError, match=r"v must have k's shape \[1, 8, 4, 64\]"):
+        lowp.exchange_qkv(ok, ok, ok[:, :, :2])
     with pytest.raises(ValueError, match="v stride of dim 2"):
         lowp.exchange_qkv(ok, ok, torch.zeros(1, 8, 4, 68, dtype=torch.bfloat16)[..., :64])
     with pytest.raises(ValueError, match="q_group must be one of"):
         lowp.exchange_qkv(ok, ok, ok, q_group=8)
     with pytest.raises(TypeError, match="k must be a torch.Tensor"):
         lowp.exchange_qkv(ok, None, ok)
+
+    # head counts (grouped-query attention): checked at world size 1 too
+    with pytest.raises(ValueError, match=r"Hq % Hkv == 0\), got Hq=4, Hkv=3"):
+        lowp.exchange_qkv(ok, ok[:, :, :3], ok[:, :, :3])
+
+
+def test_not_initialized_under_a_launcher_raises(monkeypatch):
+    ok = torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="not initialized"):
         lowp.exchange_qkv(ok, ok, ok)

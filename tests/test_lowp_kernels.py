@@ -698,8 +698,16 @@ def test_payload_bytes_rejects_bad_arguments():
         lowp.payload_bytes(1, 64, 6, 64, 4)
     with pytest.raises(ValueError, match="q_group"):
         lowp.payload_bytes(1, 64, 8, 64, 2, q_group=48)
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(ValueError, match=r"Hq % P == 0\), got Hq=8, P=3"):
         lowp.payload_bytes(1, 64, 8, 64, 3)
+    with pytest.raises(ValueError, match="world_size"):
+        lowp.payload_bytes(1, 64, 8, 64, 0)
+    with pytest.raises(ValueError, match=r"P % Hkv == 0.*got Hkv=6, P=4"):
+        lowp.payload_bytes(1, 64, 24, 64, 4, kv_heads=6)
+    with pytest.raises(ValueError, match=r"Hq % Hkv == 0\), got Hq=8, Hkv=3"):
+        lowp.payload_bytes(1, 64, 8, 64, 1, kv_heads=3)
+    with pytest.raises(TypeError, match="kv_heads"):
+        lowp.payload_bytes(1, 64, 8, 64, 2, kv_heads=2.0)
     with pytest.raises(TypeError, match="k_group"):
         lowp.payload_bytes(1, 64, 8, 64, 2, k_group=64.0)
 

@@ -1,7 +1,7 @@
-"""Bad inputs for global_k_mean and smooth_k_stats (issue 7): each raises TypeError or
-ValueError naming the argument. Runs in one process on torch's fake process-group backend,
-which reports any world size and never communicates (validation happens before any
-collective); a gloo group of size 1 checks the world-size rule on a real backend."""
+"""Bad inputs for global_k_mean and smooth_k_stats: each raises TypeError or ValueError naming
+the argument. Runs in one process on torch's fake process-group backend, which reports any
+world size and never communicates (validation happens before any collective); a gloo group
+of size 1 and an uninitialized torch.distributed check the group rules on a real backend."""
 
 from __future__ import annotations
 
@@ -84,33 +84,76 @@ def test_smooth_k_stats_bad_inputs(fake_world, name, kwargs, exc, arg):
         ulysses.smooth_k_stats(GOOD, **kwargs)
 
 
-@pytest.mark.parametrize("world_size", [1, 3, 5, 7])
-@pytest.mark.parametrize("fn", ["global_k_mean", "smooth_k_stats"])
-def test_unsupported_world_size_names_group(fn, world_size):
+@pytest.mark.parametrize("world_size", [1, 3, 5, 7, 16])
+def test_any_world_size_is_accepted(world_size):
+    """Every group size resolves (no list of supported sizes): rank and size come from the
+    group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    from ulysses import stats
+
+    dist.init_process_group("fake", store=FakeStore(), rank=world_size - 1, world_size=world_size)
     try:
-        with pytest.raises(ValueError, match="group"):
-            getattr(ulysses, fn)(GOOD)
+        _, rank, P = stats.resolve_group(None, torch.device("cpu"))
+        assert (rank, P) == (world_size - 1, world_size)
     finally:
         dist.destroy_process_group()
 
 
-def test_not_initialized_names_group():
+def test_not_initialized_under_a_launcher_names_group(monkeypatch):
+    """torch.distributed not initialized in a process a launcher started with several ranks
+    is a forgotten init_process_group, never silently a group of one."""
     assert not dist.is_initialized()
-    with pytest.raises(ValueError, match="group"):
-        ulysses.global_k_mean(GOOD)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for fn in (ulysses.global_k_mean, ulysses.smooth_k_stats):
+        with pytest.raises(ValueError, match="group: torch.distributed is not initialized"):
+            fn(GOOD)
 
 
-def test_real_gloo_group_of_one_is_rejected():
+def test_not_initialized_is_a_group_of_one(monkeypatch):
+    """group=None without torch.distributed: rank 0 of a group of one, no collective, the
+    bits of the reference on the whole sequence (also from the cached plan)."""
+    from ulysses import reference as ref
+
+    assert not dist.is_initialized()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    k = ulysses.testing.make_k_full(1, 20, 3, 64, torch.bfloat16, "smooth", used=13, seed=2)
+    mean = ref.global_k_mean(k, world_size=1, used_sequence=13)
+    full = ref.grouped_amax_full(k, mean, used_sequence=13)
+    for _ in range(2):
+        st = ulysses.smooth_k_stats(k, used_sequence=13)
+        assert (st.rank, st.world_size) == (0, 1)
+        assert ref.bitwise_diff(st.k_mean_global, mean) is None
+        assert ref.bitwise_diff(st.amax_final, ref.merged_amax_shard(full, rank=0, L=20)) is None
+        assert ref.bitwise_diff(ulysses.global_k_mean(k, used_sequence=13), mean) is None
+
+
+def test_real_gloo_group_of_one_makes_no_collective(monkeypatch):
+    """A real group of one: accepted, and neither the statistics nor the argument check
+    (check_consistency=True asks for it on every call) touches the backend."""
+    from ulysses import reference as ref
+    from ulysses import stats
+
     os.environ.setdefault("MASTER_ADDR", "localhost")
     store = dist.TCPStore("localhost", _free_port(), 1, is_master=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="group must have a world size in"):
-            ulysses.smooth_k_stats(GOOD)
+
+        def no_collective(*args, **kwargs):
+            raise AssertionError("a collective ran at world size 1")
+
+        monkeypatch.setattr(stats, "_all_gather_single", no_collective)
+        monkeypatch.setattr(stats, "all_gather_launcher", lambda out, inp: no_collective)
+        monkeypatch.setattr(dist.ProcessGroup, "_allgather_base", no_collective, raising=False)
+        k = GOOD
+        mean = ref.global_k_mean(k, world_size=1)
+        for check in (True, False, False):
+            st = ulysses.smooth_k_stats(k, check_consistency=check)
+            assert (st.rank, st.world_size) == (0, 1)
+            assert ref.bitwise_diff(st.k_mean_global, mean) is None
     finally:
+        monkeypatch.undo()
         dist.destroy_process_group()
 
 

@@ -18,7 +18,7 @@ from .kernels.grouped_amax import prepare_grouped_amax
 
 __all__ = ["k_grouped_amax"]
 
-# Eager fast path (issue 12): a call whose signature (shapes, strides, dtypes, devices and
+# Eager fast path: a call whose signature (shapes, strides, dtypes, devices and
 # every other argument, with their types) was validated before runs its cached plan: the
 # 16-byte alignment of k's data pointer (the one rule a signature cannot carry) is checked,
 # the output allocated and the prepared launch called.
@@ -74,7 +74,8 @@ def k_grouped_amax(
             unit last stride, 16-byte
             aligned data pointer and strides of dims 0..2 (fused-QKV views are fine).
         k_mean_global: [B, H, D], k's dtype and device, contiguous.
-        rank, world_size: this rank and the Ulysses group size (2, 4, 6 or 8).
+        rank, world_size: this rank and the Ulysses group size (any int >= 1; at 1 the
+            shard is the whole sequence), ``0 <= rank < world_size``.
         used_sequence: live rows of the GLOBAL sequence (``1 <= used <= S``, not a per-rank
             count), or None for all S rows.
         enable_pdl: None uses programmatic dependent launch where supported (CUDA, compute

@@ -21,7 +21,6 @@ __all__ = [
     "FLOOR",
     "SUM_BLOCK",
     "SUPER_BLOCK",
-    "SUPPORTED_WORLD_SIZES",
     "SUPPORTED_GROUP_SIZES",
     "slots",
     "group_first",
@@ -39,12 +38,12 @@ __all__ = [
     "check_group_size",
     "check_world",
     "check_used",
+    "kv_split",
 ]
 
 FLOOR = 1e-7  # the smallest amax a live slot reports (as fp32); surplus slots report 0
 SUM_BLOCK = 64  # rows per block of the mean's fixed association (independent of G)
 SUPER_BLOCK = 16  # blocks per superblock (1024 global rows); see docs/DESIGN.md "Mean"
-SUPPORTED_WORLD_SIZES = (2, 4, 6, 8)
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -65,9 +64,9 @@ def check_group_size(group_size, name: str = "group_size") -> int:
 
 
 def check_world(rank, world_size, *, world_name: str = "world_size") -> None:
-    check_int(world_name, world_size)
-    if world_size not in SUPPORTED_WORLD_SIZES:
-        raise ValueError(f"{world_name} must be one of {SUPPORTED_WORLD_SIZES}, got {world_size}")
+    """``world_size`` an int >= 1 (any Ulysses group size; 1: the whole sequence is local),
+    ``rank`` an int in ``[0, world_size)``."""
+    check_int(world_name, world_size, 1)
     check_int("rank", rank)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got {rank}")
@@ -83,6 +82,36 @@ def check_used(used_sequence, global_sequence: int) -> None:
             f"used_sequence must be None or a global row count with 1 <= used_sequence <= "
             f"S = L * world_size = {global_sequence}, got {used_sequence}"
         )
+
+
+def kv_split(q_heads: int, kv_heads: int, world_size: int) -> tuple[int, int]:
+    """How the exchange spreads K/V heads over the ranks (grouped-query attention).
+
+    Returns ``(hkv, rep)``: each rank receives ``hkv`` K/V heads and each K/V head goes to
+    ``rep`` ranks. Rules (ValueError naming the rule and the numbers otherwise): ``Hq % P ==
+    0`` and ``Hq % Hkv == 0``, then either ``Hkv % P == 0`` (heads sharded like Q's: rank r
+    receives ``[r*Hkv/P, (r+1)*Hkv/P)``, ``rep = 1``) or ``P % Hkv == 0`` (rank r receives
+    the one head its query heads use, ``r // rep`` with ``rep = P / Hkv``, ``hkv = 1``)."""
+    Hq, Hkv, P = q_heads, kv_heads, world_size
+    if Hq % P:
+        raise ValueError(
+            f"the query head count Hq must be divisible by the world size P (Hq % P == 0), "
+            f"got Hq={Hq}, P={P}"
+        )
+    if Hq % Hkv:
+        raise ValueError(
+            f"the query head count Hq must be a multiple of the key/value head count Hkv "
+            f"(Hq % Hkv == 0), got Hq={Hq}, Hkv={Hkv}"
+        )
+    if Hkv % P == 0:
+        return Hkv // P, 1
+    if P % Hkv == 0:
+        return 1, P // Hkv
+    raise ValueError(
+        f"the key/value head count Hkv must be divisible by the world size P (Hkv % P == 0: "
+        f"heads sharded) or divide it (P % Hkv == 0: each rank receives one repeated head), "
+        f"got Hkv={Hkv}, P={P}"
+    )
 
 
 def _slots(L: int, G: int) -> int:

@@ -1,28 +1,37 @@
 """The low-precision Ulysses exchange: INT8 Q/K and FP8 V on the global grid (docs/CONTRACT.md §8).
 
-Shape legend: B batch, L local rows, H heads, D head dim, P = world size, S = L * P,
-h = H / P heads per rank after the exchange, Gq / Gk the Q / K group sizes,
-NSq = slots(L, Gq), NSk = slots(L, Gk).
-    q, k, v           [B, L, H, D]   this rank's rows [rank*L, (rank+1)*L), bf16/fp16
-    LowpQKV.q, .k     [B, S, h, D]   int8, heads [rank*h, (rank+1)*h) of the whole sequence
-    LowpQKV.v         [B, S, h, D]   float8_e4m3fn
-    q_scale / k_scale [B, h, ceil(S / Gq or Gk)]  fp32, one per global group
-    v_scale           [B, h, D]      fp32, one per channel
-    k_mean            [B, h, D]      input dtype: the global K mean (K is sent centred)
+Shape legend: B batch, L local rows, Hq query heads, Hkv key/value heads, D head dim,
+P = world size, S = L * P, h = Hq / P query heads per rank after the exchange, hkv key/value
+heads per rank (Hkv / P, or 1 when P % Hkv == 0: ``grid.kv_split``), Gq / Gk the Q / K group
+sizes, NSq = slots(L, Gq), NSk = slots(L, Gk).
+    q                 [B, L, Hq, D]   this rank's rows [rank*L, (rank+1)*L), bf16/fp16
+    k, v              [B, L, Hkv, D]  the same rows of K and V
+    LowpQKV.q         [B, S, h, D]    int8, query heads [rank*h, (rank+1)*h) of the whole sequence
+    LowpQKV.k / .v    [B, S, hkv, D]  int8 / float8_e4m3fn, the K/V heads those query heads use
+    q_scale / k_scale [B, h or hkv, ceil(S / Gq or Gk)]  fp32, one per global group
+    v_scale           [B, hkv, D]     fp32, one per channel
+    k_mean            [B, hkv, D]     input dtype: the global K mean (K is sent centred)
 
-Data flow of ``exchange_qkv`` (two collectives, nothing else crosses ranks):
+Data flow of ``exchange_qkv`` (two collectives, nothing else crosses ranks; none at P = 1):
     K part (``stats.KStatsPart``: one read of K) and Q/V part (``lowp_qv_stats``: one read of
     Q and V: Q's raw grouped amax, V's channel amax) write ONE fp32 payload
     -> ONE all_gather -> K: mean, amax_final (finalize kernel); Q: boundary slots merged over
        the ranks touching them; V: max over ranks (int32 bits, NaN propagates)
     -> ``lowp_pack``: codes and this rank's group scales, per destination rank, into ONE
-       uint8 send buffer [P][L rows][ROW bytes], each row [B][q|k|v][h][D] + scale slots
+       uint8 send buffer [P][L rows][ROW bytes], each row [B][q: h | k: hkv | v: hkv][D] +
+       scale slots
     -> ONE all_to_all_single -> q, k, v are strided views of the receive buffer (row stride
        ROW); the scales are gathered from the rows' scale slots (a few KB).
 
+Grouped-query attention: K and V travel with their own head count. When ``Hkv % P == 0`` each
+rank receives its ``Hkv / P`` heads and the bytes are those of Hkv heads; when
+``P % Hkv == 0`` each K/V head is sent to the ``P / Hkv`` ranks whose query heads use it (the
+K/V bytes grow by ``P / Hkv``, still far below sending K/V with Hq heads).
+
 Every value equals, bit for bit, what one device gathering Q, K, V first and quantizing them
-would produce (``reference.lowp_exchange_reference``): each division is one IEEE fp32
-division, rounding is round-half-to-even.
+would produce (``reference.lowp_exchange_reference``, with K/V heads repeated to the ranks
+that receive them): each division is one IEEE fp32 division, rounding is
+round-half-to-even.
 """
 
 from __future__ import annotations
@@ -46,13 +55,15 @@ __all__ = ["LowpQKV", "exchange_qkv", "payload_bytes", "bf16_payload_bytes", "GR
 
 GROUP_SIZES = grid.SUPPORTED_GROUP_SIZES
 FP8 = torch.float8_e4m3fn
+FP32 = torch.float32
 FP8_MAX = 448.0
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class LowpQKV:
-    """What rank r holds after :func:`exchange_qkv`: heads ``[r*h, (r+1)*h)`` of the whole
-    sequence, quantized on the global grid (see the module docstring for shapes).
+    """What rank r holds after :func:`exchange_qkv`: query heads ``[r*h, (r+1)*h)`` of the
+    whole sequence and the K/V heads they use, quantized on the global grid (see the module
+    docstring for shapes).
 
     ``q``, ``k``, ``v`` are strided views of the receive buffer (unit last stride, 16-byte
     aligned rows). K is centred: ``k * k_scale`` is ``K - k_mean``; attention is unchanged by
@@ -82,8 +93,8 @@ class LowpQKV:
         )
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(q, k, v)`` [B, S, h, D] in the input dtype: ``code * scale`` in fp32, rounded to
-        nearest. K stays centred (``K - k_mean``)."""
+        """``(q, k, v)`` in the input dtype, q [B, S, h, D], k and v [B, S, hkv, D]:
+        ``code * scale`` in fp32, rounded to nearest. K stays centred (``K - k_mean``)."""
         dtype = self.k_mean.dtype
         S = self.q.shape[1]
 
@@ -101,15 +112,18 @@ class LowpQKV:
 
 @dataclasses.dataclass(frozen=True)
 class _Wire:
-    """Byte layout of one call's send buffer: [P][L][row], row = [B][q|k|v][h][D] + scales."""
+    """Byte layout of one call's send buffer: [P][L][row], row = [B][q: h | k: hkv | v: hkv][D]
+    + scales."""
 
     P: int
     L: int
-    h: int
+    h: int  # query heads a rank receives
+    hkv: int  # K/V heads a rank receives
+    kv_rep: int  # ranks receiving each K/V head (grid.kv_split)
     n_sq: int  # slots(L, Gq): Q scales a rank sends per (b, head)
     n_sk: int
-    code_bytes: int  # 3*B*h*D
-    scale_bytes: int  # multiple of 16, holds B*h*(n_sq + n_sk) fp32 over the L rows
+    code_bytes: int  # B*(h + 2*hkv)*D
+    scale_bytes: int  # multiple of 16, holds B*(h*n_sq + hkv*n_sk) fp32 over the L rows
     row_bytes: int
 
     @property
@@ -120,42 +134,61 @@ class _Wire:
 _WIRES: dict[tuple, _Wire] = {}
 
 
-def _wire(B: int, L: int, H: int, D: int, P: int, q_group: int, k_group: int) -> _Wire:
-    key = (B, L, H, D, P, q_group, k_group)
+def _wire(
+    B: int, L: int, H: int, D: int, P: int, q_group: int, k_group: int, kv_heads: int | None = None
+) -> _Wire:
+    key = (B, L, H, D, P, q_group, k_group, kv_heads)
     found = _WIRES.get(key)
     if found is None:
         h = H // P
+        hkv, kv_rep = grid.kv_split(H, H if kv_heads is None else kv_heads, P)
         n_sq = (L + 2 * q_group - 2) // q_group
         n_sk = (L + 2 * k_group - 2) // k_group
-        code_bytes = 3 * B * h * D
-        per_row = -(-4 * B * h * (n_sq + n_sk) // L)  # ceil: scale bytes every row carries
+        code_bytes = B * (h + 2 * hkv) * D
+        per_row = -(-4 * B * (h * n_sq + hkv * n_sk) // L)  # ceil: scale bytes every row carries
         scale_bytes = -(-per_row // 16) * 16  # rows stay 16-byte aligned
         found = _WIRES[key] = _Wire(
-            P, L, h, n_sq, n_sk, code_bytes, scale_bytes, code_bytes + scale_bytes
+            P, L, h, hkv, kv_rep, n_sq, n_sk, code_bytes, scale_bytes, code_bytes + scale_bytes
         )
     return found
 
 
 def payload_bytes(
-    B: int, L: int, H: int, D: int, world_size: int, q_group: int = 32, k_group: int = 64
+    B: int,
+    L: int,
+    H: int,
+    D: int,
+    world_size: int,
+    q_group: int = 32,
+    k_group: int = 64,
+    *,
+    kv_heads: int | None = None,
 ) -> int:
     """Bytes one rank sends in the exchange's all_to_all (its own chunk included, like the
-    bf16 path's ``3 * B * L * H * D * 2``): ``P * L * (3*B*(H/P)*D + scale bytes a row)``,
-    about half the bf16 bytes (the scales add ``~4*(1/Gq + 1/Gk)/(3*D)`` of the codes)."""
+    bf16 path's ``3 * B * L * H * D * 2``): ``P * L * (B*(h + 2*hkv)*D + scale bytes a row)``
+    with ``h = H/P`` query heads and ``hkv`` K/V heads a rank receives (``kv_heads`` K/V
+    heads, H when None: ``hkv = kv_heads/P``, or 1 when ``P % kv_heads == 0``). Without
+    grouped-query heads about half the bf16 bytes (the scales add ``~4*(1/Gq + 1/Gk)/(3*D)``
+    of the codes). At world size 1 nothing crosses ranks, but the same buffer is written.
+
+    Raises ValueError naming the rule for head counts ``exchange_qkv`` refuses, and as
+    ``exchange_qkv`` for the other arguments."""
     for name, value in (("B", B), ("L", L), ("H", H)):
         grid.check_int(name, value, 1)
     grid.check_int("D", D, 1)
     grid.check_world(0, world_size)
     grid.check_group_size(q_group, "q_group")
     grid.check_group_size(k_group, "k_group")
-    if H % world_size:
-        raise ValueError(f"H must be divisible by world_size={world_size}, got H={H}")
-    return _wire(B, L, H, D, world_size, q_group, k_group).nbytes
+    if kv_heads is not None:
+        grid.check_int("kv_heads", kv_heads, 1)
+    grid.kv_split(H, H if kv_heads is None else kv_heads, world_size)
+    return _wire(B, L, H, D, world_size, q_group, k_group, kv_heads).nbytes
 
 
-def bf16_payload_bytes(B: int, L: int, H: int, D: int) -> int:
-    """Bytes one rank sends in the bf16/fp16 Ulysses all_to_all of q, k and v."""
-    return 3 * B * L * H * D * 2
+def bf16_payload_bytes(B: int, L: int, H: int, D: int, *, kv_heads: int | None = None) -> int:
+    """Bytes one rank sends in the bf16/fp16 Ulysses all_to_all of q [B, L, H, D] and k, v
+    with ``kv_heads`` heads (H when None)."""
+    return B * L * (H + 2 * (H if kv_heads is None else kv_heads)) * D * 2
 
 
 # ---- ops ---------------------------------------------------------------------------------------
@@ -164,7 +197,7 @@ def bf16_payload_bytes(B: int, L: int, H: int, D: int) -> int:
 def _qv_stats_fake(q, v, payload=None, *, n_slots, **_):
     B, _, H, D = q.shape
     return (
-        q.new_empty((qv_payload_numel(B, H, D),), dtype=torch.float32),
+        q.new_empty((qv_payload_numel(B, H, D, v.shape[2]),), dtype=torch.float32),
         q.new_empty((B, H, n_slots), dtype=torch.float32),
     )
 
@@ -208,7 +241,7 @@ _INDEX: dict[tuple, tuple] = {}
 
 def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
     """(index, q shape, k shape): the fp32 element indices of the receive buffer holding each
-    global group's Q scale ([B, h, n_q_groups], flattened) then K scale ([B, h, n_k_groups]):
+    global group's Q scale ([B, h, n_q_groups], flattened) then K scale ([B, hkv, n_k_groups]):
     the slot of the FIRST rank touching the group (the others hold equal bits)."""
     key = (w, B, q_group, k_group, device)
     found = _INDEX.get(key)
@@ -218,11 +251,14 @@ def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
     S = P * L
     e4 = w.scale_bytes // 4
     out = []
-    for G, n_slots, first_n in ((q_group, w.n_sq, 0), (k_group, w.n_sk, B * h * w.n_sq)):
+    for G, n_slots, heads, first_n in (
+        (q_group, w.n_sq, h, 0),
+        (k_group, w.n_sk, w.hkv, B * h * w.n_sq),
+    ):
         g = torch.arange(-(-S // G), dtype=torch.int64)
         sender = (g * G) // L
         slot = g - (sender * L) // G
-        bh = torch.arange(B * h, dtype=torch.int64).view(B, h, 1)
+        bh = torch.arange(B * heads, dtype=torch.int64).view(B, heads, 1)
         n = first_n + bh * n_slots + slot  # [B, h, n_groups] within the sender's block
         byte = sender * L * w.row_bytes + (n // e4) * w.row_bytes + w.code_bytes + (n % e4) * 4
         out.append((byte // 4).to(device))
@@ -243,7 +279,11 @@ def _scales(recv: torch.Tensor, index: torch.Tensor, q_shape, k_shape) -> tuple:
     return both[:n_q].view(q_shape), both[index.numel() - n_k :].view(k_shape)
 
 
-def _all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
+def _all_to_all(send: torch.Tensor, pg, world_size: int | None = None) -> torch.Tensor:
+    if world_size is None:
+        world_size = 1 if pg is None else pg.size()
+    if world_size == 1:  # the send buffer (new each call) is what this rank receives
+        return send
     if _ops.is_compiling():
         return funcol.all_to_all_single(send, None, None, pg)
     recv = torch.empty_like(send)
@@ -258,17 +298,23 @@ def _all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
 _MAX_GLOBAL_ROWS = 2**31 - 2**16
 
 
-def _check_qkv(q, k, v_) -> tuple[int, int, int, int]:
-    shape = _validate.check_k(k, "k")
+def _check_qkv(q, k, v_) -> tuple[int, int, int, int, int]:
+    """(B, L, Hq, Hkv, D) of valid shards: k and v [B, L, Hkv, D], q [B, L, Hq, D]."""
+    B, L, Hkv, D = _validate.check_k(k, "k")
     for name, t in (("q", q), ("v", v_)):
         _validate.check_k(t, name)
-        if tuple(t.shape) != tuple(k.shape):
-            raise ValueError(f"{name} must have k's shape {list(k.shape)}, got {list(t.shape)}")
+        if name == "v" and tuple(t.shape) != tuple(k.shape):
+            raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(t.shape)}")
+        if name == "q" and (t.shape[0], t.shape[1], t.shape[3]) != (B, L, D):
+            raise ValueError(
+                f"q must have k's B, L and D, shape [B, L, Hq, D] = {[B, L, 'Hq', D]}, got "
+                f"{list(t.shape)}"
+            )
         if t.dtype != k.dtype:
             raise TypeError(f"{name} must have k's dtype {k.dtype}, got {t.dtype}")
         if t.device != k.device:
             raise ValueError(f"{name} must be on k's device {k.device}, got {t.device}")
-    return shape
+    return B, L, q.shape[2], Hkv, D
 
 
 @torch.no_grad()
@@ -285,9 +331,10 @@ def exchange_qkv(
 ) -> LowpQKV:
     """The Ulysses sequence-to-head all-to-all of Q, K, V, sent as INT8 Q/K and FP8 V.
 
-    Rank r passes its rows ``[r*L, (r+1)*L)`` of Q, K, V [B, L, H, D] and receives heads
-    ``[r*h, (r+1)*h)`` of the whole sequence as :class:`LowpQKV`, quantized with global
-    statistics exactly as one device holding the gathered Q, K, V would (docs/CONTRACT.md §8):
+    Rank r passes its rows ``[r*L, (r+1)*L)`` of Q [B, L, Hq, D] and of K, V [B, L, Hkv, D]
+    and receives query heads ``[r*h, (r+1)*h)`` (``h = Hq/P``) of the whole sequence and the
+    K/V heads they use as :class:`LowpQKV`, quantized with global statistics exactly as one
+    device holding the gathered Q, K, V would (docs/CONTRACT.md §8):
 
     * Q: per global ``q_group``-row group ``amax = max(1e-7, max |q|)``, ``scale = amax/127``,
       ``code = clamp(rne(q * (127/amax)), -127, 127)``;
@@ -299,19 +346,29 @@ def exchange_qkv(
     Each division is one IEEE fp32 division; a NaN product gives code 0 (int8) or 0x7F (fp8),
     and its scale is NaN too. Rows ``[used_sequence, S)`` must be zero padding in q, k, v.
 
+    Grouped-query and multi-query attention (``Hkv < Hq``): ``Hq % P == 0`` and
+    ``Hq % Hkv == 0``, and either ``Hkv % P == 0`` (K/V heads sharded like Q's: rank r
+    receives K/V heads ``[r*Hkv/P, (r+1)*Hkv/P)``) or ``P % Hkv == 0`` (rank r receives the
+    one K/V head its query heads use, ``(r*h) // (Hq/Hkv)``, sent to each of the ``P/Hkv``
+    ranks that use it: those K/V bytes grow by ``P/Hkv``). ``k``, ``v``, ``k_scale``,
+    ``v_scale`` and ``k_mean`` of the result then have ``Hkv/P`` (or 1) heads.
+
     Traffic: one all_gather of the statistics and one ``all_to_all_single`` of one uint8
     buffer of :func:`payload_bytes` bytes (about half of the bf16 path's). The first call of
     each argument signature also checks, with one small all_gather, that all ranks agree.
+    At world size 1 (a group of one; or ``group=None`` while torch.distributed is not
+    initialized, outside a launcher that started several ranks) no collective runs at all.
     No autograd history.
 
     Raises:
         TypeError: a tensor that is not bf16/fp16 or whose dtype differs from k's, bad types
             of the int or bool arguments, a ``group`` that is not a ProcessGroup.
         ValueError: the shape/stride/alignment rules (docs/CONTRACT.md §3) broken by q, k or
-            v; shapes or devices that differ; ``H % world_size != 0``; ``q_group`` or
-            ``k_group`` not in (16, 32, 64, 128, 256); ``used_sequence`` outside [1, S];
-            torch.distributed not initialized or a world size not in (2, 4, 6, 8); ranks that
-            disagree.
+            v; v's shape not k's, q's B, L or D not k's; devices that differ; head counts
+            outside the rules above (the message names the rule and the numbers);
+            ``q_group`` or ``k_group`` not in (16, 32, 64, 128, 256); ``used_sequence``
+            outside [1, S]; torch.distributed not initialized under a launcher that started
+            several ranks; ranks that disagree.
     """
     key = _plan_key(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
     if key is not None:
@@ -333,7 +390,7 @@ def exchange_qkv(
     gathered = stats.all_gather_payload(payload, call.pg, call.P)  # [P, n_k + n_qv]
     k_stats, amax_q, amax_v = _finish_stats(call, gathered, amax_q_partial)
     send = _pack(call, k_stats, amax_q, amax_v)
-    recv = _all_to_all(send, call.pg)
+    recv = _all_to_all(send, call.pg, call.P)
     return _unpack(call, recv, k_stats, amax_v)
 
 
@@ -359,12 +416,11 @@ class _Call:
 
 def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Call:
     """Validate every argument (docs/CONTRACT.md §3, §8) and resolve the group, layouts and PDL."""
-    B, L, H, D = _check_qkv(q, k, v)
+    B, L, Hq, Hkv, D = _check_qkv(q, k, v)
     grid.check_group_size(q_group, "q_group")
     grid.check_group_size(k_group, "k_group")
     pg, rank, P = stats.resolve_group(group, k.device)
-    if H % P:
-        raise ValueError(f"q, k, v head count H must be divisible by the world size {P}, got H={H}")
+    grid.kv_split(Hq, Hkv, P)  # the head rules, named with their numbers
     if P * L > _MAX_GLOBAL_ROWS:
         # the pack's row and slot arithmetic is int32 (kernels/lowp_pack.py)
         raise ValueError(
@@ -378,7 +434,7 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
         enable_pdl=enable_pdl,
         group_size=k_group,
         caller="exchange_qkv",
-        extra={"q_group": q_group},
+        extra={"q_group": q_group, "q_heads": Hq},
     )
     if not _ops.is_compiling():
         _validate.check_alignment(q, "q")
@@ -395,14 +451,14 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
         q_group=q_group,
         k_group=k_group,
         lay_q=grid.layout(rank, L, P, q_group, used_sequence),
-        wire=_wire(B, L, H, D, P, q_group, k_group),
+        wire=_wire(B, L, Hq, D, P, q_group, k_group, Hkv),
         use_pdl=part.use_pdl,
     )
 
 
 def _local_stats(c: _Call) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local statistics kernels: (payload fp32 [n_k + n_qv], Q's partial amax [B, H, NSq])."""
-    B, _, H, D = c.k.shape
+    """The local statistics kernels: (payload fp32 [n_k + n_qv], Q's partial amax [B, Hq, NSq])."""
+    B, _, Hq, D = c.q.shape
     lay = c.lay_q
     qv_args = dict(
         group_size=c.q_group,
@@ -418,20 +474,23 @@ def _local_stats(c: _Call) -> tuple[torch.Tensor, torch.Tensor]:
         payload_qv, amax_q_partial = qv_stats_op(q=c.q, v=c.v, **qv_args)
         return torch.cat([c.part.write(None), payload_qv]), amax_q_partial
     n_k = c.part.numel
-    payload = torch.empty(n_k + qv_payload_numel(B, H, D), dtype=torch.float32, device=c.k.device)
+    n_qv = qv_payload_numel(B, Hq, D, c.v.shape[2])
+    payload = torch.empty(n_k + n_qv, dtype=torch.float32, device=c.k.device)
     c.part.write(payload[:n_k])
     _, amax_q_partial = qv_stats_op(q=c.q, v=c.v, payload=payload[n_k:], **qv_args)
     return payload, amax_q_partial
 
 
 def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q_partial: torch.Tensor):
-    """After the all_gather: (SmoothKStats, Q's merged amax [B, H, NSq], V's amax [B, H, D])."""
-    B, _, H, D = c.k.shape
+    """After the all_gather: (SmoothKStats, Q's merged amax [B, Hq, NSq], V's amax
+    [B, Hkv, D])."""
+    B, _, Hkv, D = c.k.shape
+    Hq = c.q.shape[2]
     P, n_k = c.P, c.part.numel
     k_stats = c.part.finish(gathered[:, :n_k])  # a column slice: rows read by stride
-    bounds = gathered[:, n_k : n_k + 2 * B * H].reshape(P, B, H, 2)
+    bounds = gathered[:, n_k : n_k + 2 * B * Hq].reshape(P, B, Hq, 2)
     amax_q = _merge_q_boundaries(amax_q_partial, bounds, c.lay_q)
-    amax_v_bits = gathered[:, n_k + 2 * B * H :].reshape(P, B, H, D).view(torch.int32)
+    amax_v_bits = gathered[:, n_k + 2 * B * Hq :].reshape(P, B, Hkv, D).view(torch.int32)
     amax_v = amax_v_bits.amax(dim=0).view(torch.float32)  # int max: NaN sorts above +Inf
     return k_stats, amax_q, amax_v
 
@@ -456,19 +515,33 @@ def _pack(c: _Call, k_stats, amax_q: torch.Tensor, amax_v: torch.Tensor) -> torc
     )
 
 
+def _views(w: _Wire, B: int, D: int) -> tuple:
+    """((q size, k size), stride, offsets of q, k, v): the codes as strided views of the
+    receive buffer, rows of ``w.row_bytes``."""
+    S, h, hkv = w.P * w.L, w.h, w.hkv
+    stride = ((h + 2 * hkv) * D, w.row_bytes, D, 1)
+    return ((B, S, h, D), (B, S, hkv, D)), stride, (0, h * D, (h + hkv) * D)
+
+
+def _kv_heads(w: _Wire, rank: int) -> slice:
+    """The K/V heads rank ``rank`` receives (``grid.kv_split``)."""
+    first = rank * w.hkv // w.kv_rep
+    return slice(first, first + w.hkv)
+
+
 def _unpack(c: _Call, recv: torch.Tensor, k_stats, amax_v: torch.Tensor) -> LowpQKV:
     """LowpQKV from the receive buffer: strided views of the codes (no copy), the scales
     gathered from the rows' scale slots, v_scale and k_mean from the gathered statistics."""
-    B, L, _, D = c.k.shape
-    w, h = c.wire, c.wire.h
-    size, stride = (B, c.P * L, h, D), (3 * h * D, w.row_bytes, D, 1)
+    B, _, _, D = c.k.shape
+    w = c.wire
+    (size_q, size_kv), stride, (oq, ok, ov) = _views(w, B, D)
     codes = recv.view(torch.int8)
-    heads = slice(c.rank * h, (c.rank + 1) * h)
+    heads = _kv_heads(w, c.rank)
     q_scale, k_scale = _scales(recv, *_scale_index(w, B, c.q_group, c.k_group, recv.device))
     return LowpQKV(
-        q=codes.as_strided(size, stride, 0),
-        k=codes.as_strided(size, stride, h * D),
-        v=recv.view(FP8).as_strided(size, stride, 2 * h * D),
+        q=codes.as_strided(size_q, stride, oq),
+        k=codes.as_strided(size_kv, stride, ok),
+        v=recv.view(FP8).as_strided(size_kv, stride, ov),
         q_scale=q_scale,
         k_scale=k_scale,
         v_scale=_ieee_div(amax_v[:, heads], FP8_MAX),
@@ -511,24 +584,31 @@ class _ExchangePlan:
     """One eager call signature of :func:`exchange_qkv`, prepared (as ``stats._StatsPlan``):
     the statistics, finalize and pack launches bound to scratch buffers of this device and
     stream (payload, gathered, K's min/max, Q's partial amax, the send buffer); the receive
-    buffer is new each call (the returned q, k, v are views of it)."""
+    buffer is new each call (the returned q, k, v are views of it). At world size 1 there is
+    no collective: the finalize reads the payload, the pack writes a new buffer each call and
+    that buffer is the result's."""
 
     def __init__(self, c: _Call, tiles: dict | None = None):
         # ``tiles`` (benchmarks only): {"q_once": bool, "qv": {...}, "pack": {...}}, launch
         # settings that override the defaults; every choice gives the same bits
         tiles = tiles or {}
         q, k, v = c.q, c.k, c.v
-        B, L, H, D = k.shape
+        B, L, Hkv, D = k.shape
+        Hq = q.shape[2]
         dev, P, part, w = k.device, c.P, c.part, c.wire
         lay_k, lay_q = part.layout, c.lay_q
-        n_k, n = part.numel, part.numel + qv_payload_numel(B, H, D)
+        n_k, n = part.numel, part.numel + qv_payload_numel(B, Hq, D, Hkv)
         payload = workspace("lowp_payload", n, torch.float32, dev)[:n]
-        gathered = workspace("lowp_gathered", P * n, torch.float32, dev)[: P * n]
-        self.gather = stats.all_gather_launcher(gathered, payload)
-        gathered = gathered.view(P, n)
-        n_mm = B * lay_k.n_slots * 2 * H * D
+        if P == 1:  # the payload is the gathered table
+            self.gather = None
+            gathered = payload.view(1, n)
+        else:
+            gathered = workspace("lowp_gathered", P * n, torch.float32, dev)[: P * n]
+            self.gather = stats.all_gather_launcher(gathered, payload)
+            gathered = gathered.view(P, n)
+        n_mm = B * lay_k.n_slots * 2 * Hkv * D
         minmax = workspace("lowp_minmax", n_mm, k.dtype, dev)[:n_mm]
-        minmax = minmax.view(B, lay_k.n_slots, 2, H, D)
+        minmax = minmax.view(B, lay_k.n_slots, 2, Hkv, D)
         self.k_local = LocalStats(
             k.shape,
             k.stride(),
@@ -546,11 +626,11 @@ class _ExchangePlan:
         # Q read once, by the pack kernel, where its group tile fits in registers; then the
         # statistics kernel reads Q only for the first and last touched slot
         q_once = None
-        if tiles.get("q_once", True) and q_once_fits(k.shape, dev, c.q_group):
+        if tiles.get("q_once", True) and q_once_fits(q.shape, dev, c.q_group):
             q_once = QOnce(lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR)
-        n_q = B * H * lay_q.n_slots
+        n_q = B * Hq * lay_q.n_slots
         self.amax_q = workspace("lowp_amax_q", n_q, torch.float32, dev)[:n_q]
-        self.amax_q = self.amax_q.view(B, H, lay_q.n_slots)
+        self.amax_q = self.amax_q.view(B, Hq, lay_q.n_slots)
         self.qv = prepare_qv_stats(
             q.shape,
             q.stride(),
@@ -567,12 +647,13 @@ class _ExchangePlan:
             floor=grid.FLOOR,
             use_pdl=c.use_pdl,
             q_boundary_only=q_once is not None,
+            v_heads=Hkv,
             **tiles.get("qv", {}),
         )
         # Q's boundary merge, V's amax over ranks and v_scale (kernels/lowp_finish), launched
         # with K's finalize as one grid (prepare_post_gather)
-        self.amax_v = workspace("lowp_amax_v", B * H * D, torch.float32, dev)[: B * H * D]
-        self.amax_v = self.amax_v.view(B, H, D)
+        self.amax_v = workspace("lowp_amax_v", B * Hkv * D, torch.float32, dev)[: B * Hkv * D]
+        self.amax_v = self.amax_v.view(B, Hkv, D)
         finish = prepare_lowp_finish(
             gathered,
             self.amax_q,
@@ -581,15 +662,17 @@ class _ExchangePlan:
             last_sources=lay_q.last_sources,
             n_touched=lay_q.n_touched,
             q_off=n_k,
-            v_off=n_k + 2 * B * H,
+            v_off=n_k + 2 * B * Hq,
             rank=c.rank,
             world_size=P,
+            kv_rep=w.kv_rep,
         )
         self.post = prepare_post_gather(k_finalize, finish)
-        self.v_scale_shape = (B, H // P, D)
-        send = workspace("lowp_send", w.nbytes, torch.uint8, dev)[: w.nbytes]
+        self.v_scale_shape = (B, w.hkv, D)
+        # at P = 1 the send buffer is the result: a new one each call, passed to the launch
+        send = None if P == 1 else workspace("lowp_send", w.nbytes, torch.uint8, dev)[: w.nbytes]
         self.pack = prepare_pack(
-            k.shape,
+            q.shape,
             (q.stride(), k.stride(), v.stride()),
             dev,
             send,
@@ -602,17 +685,20 @@ class _ExchangePlan:
             row_bytes=w.row_bytes,
             scale_bytes=w.scale_bytes,
             use_pdl=c.use_pdl,
+            kv_heads=Hkv,
             q_once=q_once,
             **tiles.get("pack", {}),
         )
-        self.a2a = _all_to_all_launcher(send)
-        h = w.h
-        self.size, self.stride = (B, P * L, h, D), (3 * h * D, w.row_bytes, D, 1)
-        self.offsets = (0, h * D, 2 * h * D)
-        self.heads = slice(c.rank * h, (c.rank + 1) * h)
+        if P == 1:
+            self.a2a = None
+            self.send_out = output_template((w.nbytes,), torch.uint8, dev)
+        else:
+            self.a2a = _all_to_all_launcher(send)
+        (self.size_q, self.size_kv), self.stride, self.offsets = _views(w, B, D)
+        self.heads = _kv_heads(w, c.rank)
         self.scale_index = _scale_index(w, B, c.q_group, c.k_group, dev)
         self.fields = (c.used_sequence, c.q_group, c.k_group)
-        self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay_k.n_slots)
+        self.mean_shape, self.amax_shape = (B, Hkv, D), (B, Hkv, lay_k.n_slots)
         self.dtype, self.device = k.dtype, dev
         # the outputs' templates: torch.empty_like of them is the cheapest allocation
         self.mean_out = output_template(self.mean_shape, k.dtype, dev)
@@ -622,23 +708,28 @@ class _ExchangePlan:
     def __call__(self, q, k, v, pg) -> LowpQKV:
         self.k_local(k)
         self.qv(q, v)
-        self.gather(pg)
+        if self.gather is not None:
+            self.gather(pg)
         mean = torch.empty_like(self.mean_out)
         part = torch.empty_like(self.amax_out)
         final = torch.empty_like(self.amax_out)
         v_scale = torch.empty_like(self.v_scale_out)
         # K's finalize, then Q's boundary merge (in self.amax_q) and V's amax: one launch
         self.post(mean, part, final, v_scale)
-        self.pack(q, k, v, self.amax_q, final, mean, self.amax_v)
-        recv = self.a2a(pg)
+        if self.a2a is not None:
+            self.pack(q, k, v, self.amax_q, final, mean, self.amax_v)
+            recv = self.a2a(pg)
+        else:
+            recv = torch.empty_like(self.send_out)
+            self.pack(q, k, v, self.amax_q, final, mean, self.amax_v, recv, recv.view(FP32))
         codes = recv.view(torch.int8)
-        size, stride, (oq, ok, ov) = self.size, self.stride, self.offsets
+        stride, (oq, ok, ov) = self.stride, self.offsets
         used, q_group, k_group = self.fields
         q_scale, k_scale = _scales(recv, *self.scale_index)
         return LowpQKV(
-            codes.as_strided(size, stride, oq),
-            codes.as_strided(size, stride, ok),
-            recv.view(FP8).as_strided(size, stride, ov),
+            codes.as_strided(self.size_q, stride, oq),
+            codes.as_strided(self.size_kv, stride, ok),
+            recv.view(FP8).as_strided(self.size_kv, stride, ov),
             q_scale,
             k_scale,
             v_scale,
@@ -656,11 +747,12 @@ grid.DEPENDENT_CACHES.append(_PLANS)
 
 def _plan_key(q, k, v, group, used_sequence, q_group, k_group, enable_pdl):
     """The eager fast path's key of a call and its process group, or None (compiling, tensor
-    subclasses, torch.distributed not initialized: the full path)."""
+    subclasses, a group of another type: the full path). ``group=None`` without
+    torch.distributed initialized keys on a group of ``None`` (see ``stats._plan_key``)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor) or _ops.is_compiling():
         return None
     pg = dist.group.WORLD if group is None else group
-    if pg is None or type(pg) is not dist.ProcessGroup:
+    if pg is not None and type(pg) is not dist.ProcessGroup:
         return None
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
             v.dtype, q.device, v.device, *stats._pg_key(pg), used_sequence, q_group, k_group,

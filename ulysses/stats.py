@@ -93,13 +93,32 @@ def _under_torchrun() -> bool:
     )
 
 
+def _launched_world_size() -> int:
+    """The world size a launcher (torchrun) announced for this process, or 1."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
-    """(process group, rank, world size), checked once per (group, device type)."""
+    """(process group, rank, world size), checked once per (group, device type).
+
+    ``group=None`` with torch.distributed not initialized, in a process no launcher started
+    with ``WORLD_SIZE > 1``, is a group of one: ``(None, 0, 1)`` (the whole sequence is local
+    and no collective runs). Under torchrun with several ranks that is a forgotten
+    ``init_process_group``, and raises ValueError."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
-    if not dist.is_available() or not dist.is_initialized():
+    if not _initialized():
+        if group is None and _launched_world_size() <= 1:
+            return None, 0, 1
         hint = (
             "this process runs under torchrun but has not called "
             "torch.distributed.init_process_group(backend) yet"
@@ -117,25 +136,23 @@ def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
         return pg, found[0], found[1]
     world_size = dist.get_world_size(pg)
     rank = dist.get_rank(pg)
-    if world_size not in grid.SUPPORTED_WORLD_SIZES:
-        raise ValueError(
-            f"group must have a world size in {grid.SUPPORTED_WORLD_SIZES}, got {world_size}"
-        )
-    if rank < 0:
+    if world_size < 1 or rank < 0:
         raise ValueError("group: this process is not a member of the given process group")
-    if not _ops.is_compiling():
-        backend = str(dist.get_backend(pg)).lower()
-        if device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
-            raise ValueError(
-                f"k is a CPU tensor but group uses backend {backend!r}; NCCL needs CUDA tensors "
-                "(move k to this rank's GPU, or use a gloo group for CPU tensors)"
-            )
-        _GROUPS[key] = (rank, world_size)
+    backend = str(dist.get_backend(pg)).lower()
+    if device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
+        raise ValueError(
+            f"k is a CPU tensor but group uses backend {backend!r}; NCCL needs CUDA tensors "
+            "(move k to this rank's GPU, or use a gloo group for CPU tensors)"
+        )
+    _GROUPS[key] = (rank, world_size)
     return pg, rank, world_size
 
 
 def all_gather_payload(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
-    """[N] -> [P, N]: every rank's payload in rank order (a copy, so order-exact)."""
+    """[N] -> [P, N]: every rank's payload in rank order (a copy, so order-exact); at P = 1
+    the payload itself, with no collective."""
+    if world_size == 1:
+        return payload.view(1, payload.numel())
     if _ops.is_compiling():  # traceable functional collective, no graph break
         gathered = funcol.all_gather_tensor(payload, 0, pg)
         return gathered.view(world_size, payload.numel())
@@ -176,7 +193,7 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
     for x in values:
         h = ((h ^ (x & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
     tag = float(h & 0xFFFFFF)
-    if _ops.is_compiling() or _capturing(device):
+    if world_size == 1 or _ops.is_compiling() or _capturing(device):
         return tag
     key = (*_pg_key(pg), fn, *fields.items())
     if not force and key in _VERIFIED:
@@ -351,10 +368,14 @@ class _StatsPlan:
             use_pdl=part.use_pdl,
             **lay.stats_args(),
         )
-        gathered = workspace("gathered", world_size * numel, torch.float32, device)
-        gathered = gathered[: world_size * numel]
-        self.gather = all_gather_launcher(gathered, payload)
-        gathered = gathered.view(world_size, numel)
+        if world_size == 1:  # the payload is the gathered table: no collective
+            self.gather = None
+            gathered = payload.view(1, numel)
+        else:
+            gathered = workspace("gathered", world_size * numel, torch.float32, device)
+            gathered = gathered[: world_size * numel]
+            self.gather = all_gather_launcher(gathered, payload)
+            gathered = gathered.view(world_size, numel)
         common = part.finalize_args()
         if self.method == "fused":
             self.finalize = prepare_finalize(gathered, minmax, mode=MODE_FUSED, **common)
@@ -376,7 +397,8 @@ class _StatsPlan:
 
     def __call__(self, k: torch.Tensor, pg):
         self.local(k)
-        self.gather(pg)
+        if self.gather is not None:
+            self.gather(pg)
         mean = torch.empty_like(self.mean_out)
         if self.method is None:
             self.finalize(mean)
@@ -400,12 +422,13 @@ grid.DEPENDENT_CACHES.append(_PLANS)
 
 def _plan_key(k, group, used_sequence, enable_pdl, group_size, method, check_consistency):
     """The eager fast path's key of a call, or None when the call must take the full path
-    (compiling, a tensor subclass, torch.distributed not initialized, the consistency check
-    forced on every call)."""
+    (compiling, a tensor subclass, a group of another type, the consistency check forced on
+    every call). ``group=None`` without torch.distributed initialized keys on a group of
+    ``None``: a plan exists only once the full path accepted that as a group of one."""
     if type(k) is not torch.Tensor or check_consistency is not False or _ops.is_compiling():
         return None
     pg = dist.group.WORLD if group is None else group
-    if pg is None or type(pg) is not dist.ProcessGroup:
+    if pg is not None and type(pg) is not dist.ProcessGroup:
         return None
     return (k.shape, k.stride(), k.dtype, *_pg_key(pg), used_sequence, enable_pdl, group_size,
             method, type(used_sequence), type(enable_pdl), type(group_size),
@@ -504,11 +527,16 @@ def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = No
     CUDA, gloo on CPU or CUDA). No autograd history. The first call of each argument signature
     checks that all ranks agree (ValueError naming the argument otherwise).
 
+    Any group size P >= 1 works. At P = 1 (a group of one rank, or ``group=None`` while
+    torch.distributed is not initialized in a process not started by a launcher with
+    ``WORLD_SIZE > 1``: rank 0 of a group of one) the shard is the whole sequence and no
+    collective runs, not even the argument check.
+
     Raises:
         TypeError: ``k`` not a bf16/fp16 tensor, ``group`` not a ProcessGroup, bad int types.
-        ValueError: a shape/stride/alignment rule of ``k`` broken, a group size not in
-            (2, 4, 6, 8), ``used_sequence`` outside [1, S], torch.distributed not initialized,
-            CPU tensors on an NCCL group, ranks that disagree on the arguments.
+        ValueError: a shape/stride/alignment rule of ``k`` broken, ``used_sequence`` outside
+            [1, S], torch.distributed not initialized under a launcher that started several
+            ranks, CPU tensors on an NCCL group, ranks that disagree on the arguments.
     """
     return _run_planned("global_k_mean", k, group, used_sequence, None, 64, None, False)
 
@@ -523,7 +551,8 @@ def smooth_k_stats(
     method: str = "fused",
     check_consistency: bool = False,
 ) -> SmoothKStats:
-    """Global K mean and grouped amax for this rank's shard, with ONE collective.
+    """Global K mean and grouped amax for this rank's shard, with ONE collective (none at
+    world size 1, see :func:`global_k_mean`).
 
     ``k_mean_global`` is :func:`global_k_mean`'s value; ``amax_partial`` is
     ``k_grouped_amax(k, k_mean_global, rank=..., world_size=..., used_sequence=...,
