@@ -29,7 +29,16 @@ if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
 
 import ulysses.grid  # noqa: E402
 import ulysses.testing  # noqa: E402
-from dist_tests import _dist, cases, cases_lowp, checks, faults, harness, validate  # noqa: E402
+from dist_tests import (  # noqa: E402
+    _dist,
+    cases,
+    cases_attn,
+    cases_lowp,
+    checks,
+    faults,
+    harness,
+    validate,
+)
 
 WORLD_SIZES = (2, 4, 6, 8)
 # Under pytest -n 2 on two cores, 8 ranks share the CPUs with another test's ranks.
@@ -38,9 +47,11 @@ LAUNCH_TIMEOUT_S = 480
 # group is all padding, and used < S.
 FAULT_CASES = "L50-H3-D64-bf16-G64-used_straddle,L20-H3-D128-bf16-G64-used_padrank"
 # Every suite's default cases, as the harness runs them with no --suite.
-DEFAULT_IDS = [f"smooth_k/{c.id}" for c in cases.DEFAULT_CASES] + [
-    f"lowp/{c.id}" for c in cases_lowp.select_cases(large=False, sweep=False)
-]
+DEFAULT_IDS = (
+    [f"smooth_k/{c.id}" for c in cases.DEFAULT_CASES]
+    + [f"lowp/{c.id}" for c in cases_lowp.select_cases(large=False, sweep=False)]
+    + [f"attention/{c.id}" for c in cases_attn.select_cases(large=False, sweep=False)]
+)
 
 
 def _env(**extra: str) -> dict:
@@ -88,7 +99,7 @@ def test_harness_passes(tmp_path, world_size):
     assert summary is not None, _tail(proc)
     assert summary["world_size"] == world_size
     assert summary["passed"] is True
-    assert summary["suites"] == ["lowp", "smooth_k"]
+    assert summary["suites"] == ["attention", "lowp", "smooth_k"]
     assert summary["case_ids"] == DEFAULT_IDS
     assert summary["checks"] > 0
     assert summary["mismatches"] == 0 and summary["errors"] == 0, summary["failures"]
