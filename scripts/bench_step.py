@@ -1,0 +1,789 @@
+"""One Ulysses attention step, bf16 against low precision, on ONE GPU (collectives modelled).
+
+    python scripts/bench_step.py [--out step.csv]        # every shape at P = 8 and 2
+    python scripts/bench_step.py --check --sweep         # + accuracy checks and the config sweep
+    python scripts/bench_step.py --cpu                   # a tiny smoke run (interpreter)
+
+torch's fake process group (rank 1 of P) stands in for the P ranks: its collectives move no
+data and launch no kernel, so every figure is this rank's local work, and the all-to-alls are
+modelled as ``bytes sent off-rank / link bandwidth``. Per shape (B 1, D 128, bf16) and P:
+
+* ``bf16``: q|k|v packed per destination -> all_to_all -> SDPA on [B, h, S, D] views ->
+  heads->sequence all_to_all of the output (packing and merging as ``ulysses.attention``);
+* ``lowp-a``: ``exchange_qkv`` -> ``LowpQKV.dequantize()`` (torch ops) -> SDPA -> output
+  all_to_all; ``lowp-b``: the fused dequantize kernel (kernels/lowp_dequant.py) -> SDPA;
+  ``lowp-c16`` / ``lowp-c8``: the attention kernel on the codes (kernels/lowp_attention.py)
+  with fp16 / fp8 P·V.
+  The fake all_to_all leaves the exchange's receive buffer unwritten, so the consumers read
+  codes quantized (``reference.lowp_exchange_reference``) from random head shards and laid
+  out in a buffer with the exchange's own strides: the same layout and bytes, real values.
+
+Figures: ``dev`` the step's cold device time (CUPTI kernel durations summed, 256 MB L2 flush
+before each call, scripts/_bench.py), ``eager`` its wall time per call back to back minus the
+fake collectives' own host cost (measured in the same run), ``host`` its host time per call at
+a tiny shape (the GPU held busy, so only the CPU side is timed) minus the same. Eager and host
+figures are taken before the profiler first runs (CUPTI may stay loaded, _bench.py).
+
+Model at link bandwidth ``beta`` (GB/s per direction; 50, 200, 450):
+``t = dev + bytes_in * (P-1)/P / beta + bytes_out * (P-1)/P / beta`` with ``bytes_in`` =
+``3*B*L*H*D*2`` (bf16) or ``lowp.payload_bytes`` (lowp) and ``bytes_out = B*L*H*D*2``; the
+statistics all_gather (a few KB) is left out. ``speedup = t_bf16 / t_lowp``.
+
+Also: the exchange's local device time against one cold read of q, k, v (per-rank tensors of
+68 and 268 MB) and its host time per call beyond its two collectives (8 MB tensors); the fused
+dequantize against its bytes at the copy ceiling measured here; with ``--layer`` the step
+through ``ulysses.ulysses_attention`` itself (forward, no grad) for both comm modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ulysses.kernels.lowp_attention import CONFIGS, AttnConfig, lowp_attention
+from ulysses.kernels.lowp_dequant import dequantize_qkv
+
+from ulysses import lowp, reference
+
+B, D = 1, 128
+SHAPES = ((32768, 32, False), (75600, 40, False), (8192, 32, True))  # (S, H, causal)
+WORLDS = (8, 2)
+LINKS_GBPS = (50, 200, 450)
+EXCHANGE_SHAPES = ((4736, 56), (32768, 32))  # per-rank (L, H): 68 and 268 MB a tensor
+HOST_SHAPE = (2048, 16)  # 8 MB a tensor
+CPU_SHAPES = ((256, 8, False), (200, 8, True))
+
+# ---- timing (CUDA: _bench.py; CPU smoke runs: wall clock) ------------------------------------
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and not ARGS.cpu
+
+
+def sync():
+    if _cuda():
+        torch.cuda.synchronize()
+
+
+def est_ms(fn) -> float:
+    """One call's wall time after one warm-up (sizes the repetitions below)."""
+    fn()
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return (time.perf_counter() - t) * 1e3
+
+
+def t_eager(fn, ms: float) -> float:
+    n = max(2, min(100, int(100 / max(ms, 1e-3))))
+    if not _cuda():
+        return ms * 1e3
+    from _bench import eager_us
+
+    return eager_us(fn, n=n, repeats=3)
+
+
+def t_cold(fn, ms: float) -> float:
+    if not _cuda():
+        return ms * 1e3
+    from _bench import cold_us
+
+    return cold_us(fn, None, iters=max(3, min(25, int(1500 / max(ms, 1e-3)))))
+
+
+def t_host(fn, n: int = 50) -> float:
+    """Host time per call: ``n`` calls issued while the GPU is held busy by a sleep kernel
+    (so no call waits for the device), best of 3."""
+    if not _cuda():
+        return float("nan")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+
+def init_world(P: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=P)
+
+
+def rand_qkv(shape, dev, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(shape, generator=g, device=dev).bfloat16()
+    mean = 4.0 * torch.randn(shape[2:], generator=g, device=dev)
+    k = (mean + torch.randn(shape, generator=g, device=dev)).bfloat16()  # smooth-K-like
+    v = torch.randn(shape, generator=g, device=dev).bfloat16()
+    return q, k, v
+
+
+def wire_like(x: lowp.LowpQKV, ref: dict) -> lowp.LowpQKV:
+    """A LowpQKV holding ``ref``'s codes in a new buffer laid out as ``x``'s receive buffer
+    (the same strides and offsets), with ``ref``'s scales."""
+    buf = torch.zeros(x.q.untyped_storage().nbytes(), dtype=torch.uint8, device=x.q.device)
+    views = []
+    for t, dtype in ((x.q, torch.int8), (x.k, torch.int8), (x.v, torch.float8_e4m3fn)):
+        views.append(buf.view(dtype).as_strided(t.shape, t.stride(), t.storage_offset()))
+    for view, name in zip(views, "qkv", strict=True):
+        view.copy_(ref[name])
+    return lowp.LowpQKV(
+        *views,
+        ref["q_scale"].contiguous(),
+        ref["k_scale"].contiguous(),
+        ref["v_scale"].contiguous(),
+        ref["k_mean"],
+        None,
+        x.q_group,
+        x.k_group,
+    )
+
+
+def sdpa(q, k, v, causal):
+    """SDPA on [B, S, h, D] head shards (as ``ulysses.attention.sdpa_attention``)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+    )
+    return out.transpose(1, 2)
+
+
+class Case:
+    """One (S, H, P, causal): this rank's inputs, the step callables and their byte counts."""
+
+    def __init__(self, S, H, P, causal, dev, cfgs: dict, seed=0):
+        self.S, self.H, self.P, self.causal = S, H, P, causal
+        L, h = S // P, H // P
+        self.L, self.h = L, h
+        self.q, self.k, self.v = rand_qkv((B, L, H, D), dev, seed)
+        self.send = torch.empty(P, B, L, 3 * h, D, dtype=torch.bfloat16, device=dev)
+        self.recv = torch.empty_like(self.send)
+        self.pack()
+        self.recv.copy_(self.send)  # the fake all_to_all writes nothing: keep real values
+        self.out_recv = torch.empty(P, B, L, h, D, dtype=torch.bfloat16, device=dev)
+        self.out_recv.normal_()
+        x = lowp.exchange_qkv(self.q, self.k, self.v)
+        qf, kf, vf = rand_qkv((B, S, h, D), dev, seed + 1)
+        ref = reference.lowp_exchange_reference(qf, kf, vf, world_size=1, rank=0)
+        self.lq = wire_like(x, ref)
+        del x, qf, kf, vf, ref
+        self.cfgs = cfgs[causal]
+        self.bytes_in = {
+            "bf16": lowp.bf16_payload_bytes(B, L, H, D),
+            "lowp": lowp.payload_bytes(B, L, H, D, P),
+        }
+        self.bytes_out = B * L * H * D * 2
+
+    # the bf16 step, as ulysses.attention does it
+    def pack(self):
+        P, h = self.P, self.h
+        send = self.send
+        for i, x in enumerate((self.q, self.k, self.v)):
+            send[:, :, :, i * h : (i + 1) * h] = x.view(B, self.L, P, h, D).permute(2, 0, 1, 3, 4)
+        return send
+
+    def unpack(self):
+        h, S = self.h, self.S
+        return [
+            self.recv[:, :, :, i * h : (i + 1) * h].transpose(0, 1).reshape(B, S, h, D)
+            for i in range(3)
+        ]
+
+    def out_side(self, out_h):
+        send = out_h.reshape(B, self.P, self.L, self.h, D).transpose(0, 1).contiguous()
+        dist.all_to_all_single(self.out_recv, send)
+        return self.out_recv.permute(1, 2, 0, 3, 4).reshape(B, self.L, self.H, D)
+
+    def bf16_step(self):
+        send = torch.empty_like(self.send)
+        self.send = send
+        self.pack()
+        dist.all_to_all_single(self.recv, send)
+        return self.out_side(sdpa(*self.unpack(), self.causal))
+
+    # the consumers of the low-precision exchange
+    def consumer(self, name):
+        lq, causal = self.lq, self.causal
+        if name == "a":
+            return lambda: sdpa(*lq.dequantize(), causal)
+        if name == "b":
+            args = (lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale)
+            kw = dict(q_group=lq.q_group, k_group=lq.k_group, dtype=torch.bfloat16)
+            return lambda: sdpa(*dequantize_qkv(*args, **kw), causal)
+        cfg = self.cfgs[name]
+        return lambda: lowp_attention(
+            lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale, q_group=lq.q_group,
+            k_group=lq.k_group, causal=causal, dtype=torch.bfloat16, config=cfg,
+        )  # fmt: skip
+
+    def lowp_step(self, name):
+        consume = self.consumer(name)
+        q, k, v = self.q, self.k, self.v
+
+        def step():
+            lowp.exchange_qkv(q, k, v)
+            return self.out_side(consume())
+
+        return step
+
+    def steps(self) -> dict:
+        out = {"bf16": self.bf16_step}
+        for name in ("a", "b", "c16", "c8"):
+            out[f"lowp-{name}"] = self.lowp_step(name)
+        out["exchange"] = lambda: lowp.exchange_qkv(self.q, self.k, self.v)
+        out["dequant-fused"] = lambda: dequantize_qkv(
+            self.lq.q, self.lq.k, self.lq.v, self.lq.q_scale, self.lq.k_scale,
+            self.lq.v_scale, q_group=32, k_group=64, dtype=torch.bfloat16,
+        )  # fmt: skip
+        out["dequant-torch"] = self.lq.dequantize
+        out["attn-sdpa"] = lambda: sdpa(*self.unpack(), self.causal)
+        out["attn-c16"] = self.consumer("c16")
+        out["attn-c8"] = self.consumer("c8")
+        return out
+
+    def model_us(self, step: str, dev_us: float, gbps: float) -> float:
+        wire = (self.P - 1) / self.P
+        b_in = self.bytes_in["bf16" if step == "bf16" else "lowp"]
+        return dev_us + (b_in + self.bytes_out) * wire / (gbps * 1e3)
+
+
+def fake_collective_host_us(case: Case) -> dict:
+    """Host time of the fake collectives a step issues (subtracted from its eager time)."""
+    pg = dist.group.WORLD
+    a2a = t_host(lambda: dist.all_to_all_single(case.out_recv, case.out_recv))
+    try:  # the launchers the exchange's eager plan calls
+        from ulysses import stats
+
+        payload = torch.zeros(4096, device=case.q.device)
+        gathered = torch.empty(case.P * 4096, device=case.q.device)
+        gather = stats.all_gather_launcher(gathered, payload)
+        a2a_lowp = lowp._all_to_all_launcher(case.send.view(-1)[:4096])
+        g_us = t_host(lambda: gather(pg))
+        a_us = t_host(lambda: a2a_lowp(pg))
+    except (AttributeError, ImportError):
+        g_us, a_us = a2a, a2a
+    return {"bf16": 2 * a2a, "lowp": g_us + a_us + a2a, "exchange": g_us + a_us}
+
+
+# ---- checks and the configuration sweep --------------------------------------------------------
+
+
+def attention_fp32(q, k, v, causal, used, chunk=1024):
+    """fp32 attention of [B, S, h, D] tensors (GQA repeat), rows >= used zero, keys < used."""
+    B_, S, hq, D_ = q.shape
+    g = hq // k.shape[2]
+    k = k.float().repeat_interleave(g, 2)[:, :used]
+    v = v.float().repeat_interleave(g, 2)[:, :used]
+    out = torch.zeros(B_, S, hq, D_, device=q.device)
+    for i0 in range(0, used, chunk):
+        qi = q[:, i0 : i0 + chunk].float()
+        s = torch.einsum("bihd,bjhd->bhij", qi, k) / math.sqrt(D_)
+        if causal:
+            rows = torch.arange(i0, i0 + qi.shape[1], device=q.device)[:, None]
+            s = s.masked_fill(torch.arange(used, device=q.device)[None] > rows, float("-inf"))
+        out[:, i0 : i0 + chunk] = torch.einsum("bhij,bjhd->bihd", s.softmax(-1), v)
+    out[:, used:] = 0
+    return out
+
+
+def errors(out, ref) -> tuple[float, float]:
+    out = out.float()
+    return (out - ref).abs().max().item(), ((out - ref).norm() / ref.norm()).item()
+
+
+def run_checks(dev, rows: list) -> None:
+    """Dequantize: bit-identical to the reference (strided views, odd S, GQA). Attention:
+    errors against fp32 attention of the dequantized and of the original q, k, v."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print("\n# checks")
+    for S, hq, hkv in ((4099, 4, 4), (1000, 6, 2), (2048, 8, 1)):
+        qf, kf, vf = rand_qkv((B, S, hq, D), dev, 7)
+        rq = reference.lowp_exchange_reference(qf, qf, qf, world_size=1, rank=0)
+        rk = reference.lowp_exchange_reference(kf[:, :, :hkv], kf[:, :, :hkv], vf[:, :, :hkv],
+                                               world_size=1, rank=0)  # fmt: skip
+        row = (hq + 2 * hkv) * D + 16
+        buf = torch.zeros(S * row, dtype=torch.uint8, device=dev)
+        vq = buf.view(torch.int8).as_strided((B, S, hq, D), (row, row, D, 1), 0)
+        vk = buf.view(torch.int8).as_strided((B, S, hkv, D), (row, row, D, 1), hq * D)
+        vv = buf.view(torch.float8_e4m3fn).as_strided(
+            (B, S, hkv, D), (row, row, D, 1), (hq + hkv) * D
+        )
+        vq.copy_(rq["q"]), vk.copy_(rk["k"]), vv.copy_(rk["v"])
+        out = dequantize_qkv(vq, vk, vv, rq["q_scale"], rk["k_scale"], rk["v_scale"], q_group=32,
+                             k_group=64, dtype=torch.bfloat16)  # fmt: skip
+        refs = (
+            reference.lowp_dequantize_reference(rq["q"], rq["q_scale"], torch.bfloat16, 32),
+            reference.lowp_dequantize_reference(rk["k"], rk["k_scale"], torch.bfloat16, 64),
+            reference.lowp_dequantize_reference(rk["v"], rk["v_scale"], torch.bfloat16, None),
+        )
+        same = all(
+            torch.equal(o.view(torch.int16), r.view(torch.int16))
+            for o, r in zip(out, refs, strict=True)
+        )
+        print(f"  dequant S{S} hq{hq} hkv{hkv}: bit-identical {same}")
+        rows.append(dict(kind="check-dequant", S=S, hq=hq, hkv=hkv, ok=same))
+    cases = [(4096, 2, 2, False, 4096, 128), (4096, 2, 2, True, 4096, 128),
+             (3000, 4, 2, True, 2500, 128), (2048, 2, 1, False, 1800, 64),
+             (8192, 2, 2, True, 8192, 128)]  # fmt: skip
+    for S, hq, hkv, causal, used, d in cases:
+        shape = (B, S, hq, d)
+        qf, kf, vf = rand_qkv(shape, dev, 11)
+        for t in (qf, kf, vf):
+            t[:, used:] = 0
+        rq = reference.lowp_exchange_reference(qf, qf, qf, world_size=1, rank=0,
+                                               used_sequence=used)  # fmt: skip
+        kv = (kf[:, :, :hkv], kf[:, :, :hkv], vf[:, :, :hkv])
+        rk = reference.lowp_exchange_reference(*kv, world_size=1, rank=0, used_sequence=used)
+        deq = (
+            reference.lowp_dequantize_reference(rq["q"], rq["q_scale"], torch.float32, 32),
+            reference.lowp_dequantize_reference(rk["k"], rk["k_scale"], torch.float32, 64),
+            reference.lowp_dequantize_reference(rk["v"], rk["v_scale"], torch.float32, None),
+        )
+        ref_deq = attention_fp32(*deq, causal, used)
+        ref_orig = attention_fp32(qf, kf[:, :, :hkv], vf[:, :, :hkv], causal, used)
+        sdpa_err = errors(
+            torch.cat([sdpa(*(x[:, :used].bfloat16() for x in deq), causal),
+                       torch.zeros(B, S - used, hq, d, device=dev)], 1), ref_deq,
+        )  # fmt: skip
+        print(
+            f"  attn S{S} hq{hq} hkv{hkv} D{d} causal={causal} used={used}: SDPA bf16 on "
+            f"dequantized vs fp32: max {sdpa_err[0]:.2e} rel {sdpa_err[1]:.2e}"
+        )
+        for cfg in _check_configs(d, causal):
+            try:
+                out = lowp_attention(
+                    rq["q"], rk["k"], rk["v"], rq["q_scale"], rk["k_scale"], rk["v_scale"],
+                    q_group=32, k_group=64, causal=causal, used_sequence=used,
+                    dtype=torch.bfloat16, config=cfg,
+                )  # fmt: skip
+            except Exception as e:  # report and go on: one failed config must not end the run
+                print(f"    {cfg!r}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            e_deq, e_orig = errors(out, ref_deq), errors(out, ref_orig)
+            pad_zero = bool((out[:, used:] == 0).all()) and bool(torch.isfinite(out).all())
+            print(f"    {cfg!r:26s} vs fp32(dequantized): max {e_deq[0]:.2e} rel {e_deq[1]:.2e}"
+                  f" | vs fp32(original): max {e_orig[0]:.2e} rel {e_orig[1]:.2e}"
+                  f" | pad rows 0, finite: {pad_zero}")  # fmt: skip
+            rows.append(dict(kind="check-attn", S=S, hq=hq, hkv=hkv, D=d, causal=causal,
+                             used=used, config=repr(cfg), max_deq=e_deq[0], rel_deq=e_deq[1],
+                             max_orig=e_orig[0], rel_orig=e_orig[1], ok=pad_zero))  # fmt: skip
+
+
+def _check_configs(d, causal):
+    out = []
+    for pv, lazy in (("fp16", False), ("fp16", True), ("fp8", False)):
+        out.append(AttnConfig(128, 64, 8, 3, pv, lazy))
+    out.append(AttnConfig(128, 128, 8, 2, "fp16"))
+    return out
+
+
+def run_sweep(dev, rows: list) -> dict:
+    """do_bench (median ms) of every configuration at S 32768 h 4 (non-causal) and S 8192 h 4
+    (causal), D 128; returns the fastest per (causal, pv)."""
+    from triton.testing import do_bench
+
+    print("\n# sweep (median ms, do_bench; D 128)")
+    best: dict = {}
+    for S, h, causal in ((32768, 4, False), (8192, 4, True), (32768, 16, False)):
+        qf, kf, vf = rand_qkv((B, S, h, D), dev, 3)
+        rs = reference.lowp_exchange_reference(qf, kf, vf, world_size=1, rank=0)
+        del qf, kf, vf
+        flops = 4 * B * h * S * S * D / (2 if causal else 1)
+        q_bh = torch.randn(B, h, S, D, device=dev, dtype=torch.bfloat16)
+        ms = do_bench(lambda: F.scaled_dot_product_attention(q_bh, q_bh, q_bh, is_causal=causal))
+        print(f"  S{S} h{h} causal={causal}: SDPA bf16 {ms:.3f} ms "
+              f"({flops / ms / 1e9:.0f} TFLOP/s)")  # fmt: skip
+        rows.append(dict(kind="sweep", S=S, h=h, causal=causal, config="sdpa-bf16", ms=ms))
+        for cfg in CONFIGS:
+            try:
+                fn = lambda cfg=cfg, r=rs: lowp_attention(  # noqa: E731
+                    r["q"], r["k"], r["v"], r["q_scale"], r["k_scale"], r["v_scale"],
+                    q_group=32, k_group=64, causal=causal, dtype=torch.bfloat16, config=cfg,
+                )  # fmt: skip
+                ms = do_bench(fn)
+            except Exception as e:
+                print(f"    {cfg!r}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                continue
+            print(f"    {cfg!r:26s} {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s-equiv")
+            rows.append(dict(kind="sweep", S=S, h=h, causal=causal, config=repr(cfg), ms=ms))
+            if h == 4:
+                key = (causal, cfg.pv)
+                if key not in best or ms < best[key][1]:
+                    best[key] = (cfg, ms)
+        del rs
+    return {k: v[0] for k, v in best.items()}
+
+
+def precompile(jobs: int) -> None:
+    """Compile every configuration of the sweep in ``jobs`` processes (Triton's disk cache
+    then serves the main process)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    tasks = [(cfg, causal) for cfg in CONFIGS for causal in (False, True)]
+    tasks += [(cfg, c) for c in (False, True) for cfg in _check_configs(64, c)]
+    t = time.perf_counter()
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        failed = [r for r in pool.map(_compile_one, tasks) if r]
+    secs = time.perf_counter() - t
+    print(f"# precompiled {len(tasks)} attention configurations in {secs:.0f} s ({jobs} "
+          f"processes); failed: {failed or 'none'}")  # fmt: skip
+
+
+def _compile_one(task) -> str:
+    cfg, causal = task
+    try:
+        dev = torch.device("cuda")
+        for d in (128, 64) if cfg in _check_configs(64, causal) else (128,):
+            S, h = 512, 4
+            row = 3 * h * d + 16
+            buf = torch.zeros(S * row, dtype=torch.uint8, device=dev)
+            q = buf.view(torch.int8).as_strided((B, S, h, d), (3 * h * d, row, d, 1), 0)
+            k = buf.view(torch.int8).as_strided((B, S, h, d), (3 * h * d, row, d, 1), h * d)
+            v = buf.view(torch.float8_e4m3fn).as_strided(
+                (B, S, h, d), (3 * h * d, row, d, 1), 2 * h * d
+            )
+            ones = torch.ones
+            lowp_attention(q, k, v, ones(B, h, S // 32, device=dev), ones(B, h, S // 64,
+                           device=dev), ones(B, h, d, device=dev), q_group=32, k_group=64,
+                           causal=causal, dtype=torch.bfloat16, config=cfg)  # fmt: skip
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:
+        return f"{cfg!r} causal={causal}: {type(e).__name__}: {str(e)[:200]}"
+
+
+# ---- the step tables --------------------------------------------------------------------------
+
+STEP_NAMES = ("bf16", "lowp-a", "lowp-b", "lowp-c16", "lowp-c8")
+PART_NAMES = ("exchange", "dequant-torch", "dequant-fused", "attn-sdpa", "attn-c16", "attn-c8")
+
+
+def timed_pass(dev, cfgs, shapes, cold: bool) -> dict:
+    """{(S, H, P): {name: us}}: eager and host figures (cold=False) or device figures."""
+    res = {}
+    for P in WORLDS:
+        init_world(P)
+        for S, H, causal in shapes:
+            case = Case(S, H, P, causal, dev, cfgs)
+            fns = case.steps()
+            r = {}
+            for name, fn in fns.items():
+                if name not in STEP_NAMES + PART_NAMES:
+                    continue
+                try:
+                    ms = est_ms(fn)
+                    r[name] = t_cold(fn, ms) if cold else t_eager(fn, ms)
+                except Exception as e:
+                    print(f"  {name} S{S} H{H} P{P}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    r[name] = float("nan")
+            if not cold:
+                r["_collectives"] = fake_collective_host_us(case)
+                r["_case"] = (case.bytes_in, case.bytes_out, case.L, case.h)
+            res[(S, H, P, causal)] = r
+            del case, fns
+            if _cuda():
+                torch.cuda.empty_cache()
+    return res
+
+
+def host_pass(dev, cfgs) -> dict:
+    """Host time per call of each step at a tiny shape (L 64, h 1), minus the fake
+    collectives' host time."""
+    out = {}
+    for P in WORLDS:
+        init_world(P)
+        case = Case(64 * P, P, P, False, dev, cfgs)
+        coll = fake_collective_host_us(case)
+        r = {}
+        for name, fn in case.steps().items():
+            if name in STEP_NAMES or name == "exchange":
+                kind = "bf16" if name == "bf16" else ("exchange" if name == "exchange" else "lowp")
+                r[name] = t_host(fn) - coll[kind]
+        out[P] = r
+    return out
+
+
+def exchange_pass(dev, cold: bool) -> dict:
+    """The exchange's local cost at 68 / 268 MB a tensor (P 8): device time against one cold
+    read of q, k, v; and (cold=False) its host time at 8 MB beyond its two collectives."""
+    init_world(8)
+    res = {}
+    for L, H in EXCHANGE_SHAPES:
+        q, k, v = rand_qkv((B, L, H, D), dev, 5)
+        ex = lambda q=q, k=k, v=v: lowp.exchange_qkv(q, k, v)  # noqa: E731
+        read = lambda q=q, k=k, v=v: (q.sum(), k.sum(), v.sum())  # noqa: E731
+        if cold and _cuda():
+            from _bench import cold_breakdown, cold_us
+
+            res[(L, H)] = dict(
+                exchange=cold_us(ex, None), read=cold_us(read, ("reduce", "Reduce")),
+                parts=cold_breakdown(ex),
+            )  # fmt: skip
+        elif not cold:
+            res[(L, H)] = dict(eager=t_eager(ex, est_ms(ex)))
+    if not cold:
+        L, H = HOST_SHAPE
+        q, k, v = rand_qkv((B, L, H, D), dev, 6)
+        from ulysses import stats
+
+        pg = dist.group.WORLD
+        payload = torch.zeros(4096, device=dev)
+        gathered = torch.empty(8 * 4096, device=dev)
+        gather = stats.all_gather_launcher(gathered, payload)
+        a2a = lowp._all_to_all_launcher(torch.empty(4096, dtype=torch.uint8, device=dev))
+        coll = t_host(lambda: gather(pg)) + t_host(lambda: a2a(pg))
+        total = t_host(lambda: lowp.exchange_qkv(q, k, v))
+        res["host"] = dict(total=total, collectives=coll, beyond=total - coll)
+    return res
+
+
+def copy_ceiling_tbs(dev) -> float:
+    """Cold device-to-device copy of 2 GiB (bytes read + written over the time)."""
+    if not _cuda():
+        return float("nan")
+    from _bench import cold_us
+
+    x = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev).normal_()
+    y = torch.empty_like(x)
+    us = cold_us(lambda: y.copy_(x), None, iters=10)
+    return 2 * x.numel() * 2 / (us * 1e-6) / 1e12
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        return out + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main():
+    global ARGS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (interpreter)")
+    ap.add_argument("--check", action="store_true", help="accuracy checks first")
+    ap.add_argument("--sweep", action="store_true", help="time every attention configuration")
+    ap.add_argument("--jobs", type=int, default=0, help="precompile in this many processes")
+    ap.add_argument("--layer", action="store_true", help="also time ulysses_attention itself")
+    ap.add_argument("--no-steps", action="store_true", help="skip the step tables")
+    ap.add_argument("--shape", action="append", default=None, help="S,H,causal (repeatable)")
+    ap.add_argument("--out", default=None, help="append CSV rows here (outside the repo)")
+    ARGS = ap.parse_args()
+    dev = torch.device("cpu" if ARGS.cpu or not torch.cuda.is_available() else "cuda")
+    import triton
+
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (interpreter)"
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    meta = dict(date=date, device=name, torch=torch.__version__, triton=triton.__version__,
+                commit=git_commit())  # fmt: skip
+    print("# " + " ".join(f"{k}={v}" for k, v in meta.items()))
+    rows: list = []
+    if ARGS.jobs and _cuda():
+        precompile(ARGS.jobs)
+    if ARGS.check and _cuda():
+        guarded(run_checks, dev, rows)
+    cfgs = {c: {"c16": AttnConfig(128, 64, 8, 3, "fp16"), "c8": AttnConfig(128, 64, 8, 3, "fp8")}
+            for c in (False, True)}  # fmt: skip
+    if dev.type == "cpu":
+        cfgs = {c: {"c16": AttnConfig(32, 32, 1, 1, "fp16"), "c8": AttnConfig(32, 32, 1, 1, "fp8")}
+                for c in (False, True)}  # fmt: skip
+    if ARGS.sweep and _cuda():
+        best = guarded(run_sweep, dev, rows) or {}
+        for (causal, pv), cfg in best.items():
+            cfgs[causal]["c16" if pv == "fp16" else "c8"] = cfg
+        print("# chosen: " + ", ".join(f"causal={c}: {v}" for c, v in cfgs.items()))
+    shapes = CPU_SHAPES if dev.type == "cpu" else SHAPES
+    if ARGS.shape:
+        shapes = [(int(s.split(",")[0]), int(s.split(",")[1]), s.split(",")[2] in ("1", "True"))
+                  for s in ARGS.shape]  # fmt: skip
+    if not ARGS.no_steps:
+        guarded(steps_tables, dev, cfgs, shapes, rows, meta)
+    if ARGS.layer:
+        guarded(layer_table, dev, shapes, rows)
+    if ARGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(ARGS.out)), exist_ok=True)
+        keys = sorted({k for r in rows for k in r})
+        new = not os.path.exists(ARGS.out)
+        with open(ARGS.out, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["date", "device", "torch", "triton", "commit"] + keys)
+            if new:
+                w.writeheader()
+            for r in rows:
+                w.writerow({**meta, **r})
+        print(f"wrote {ARGS.out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def guarded(fn, *args):
+    """``fn(*args)``; a failure prints its traceback and the run goes on to the next part."""
+    try:
+        return fn(*args)
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        return None
+
+
+def steps_tables(dev, cfgs, shapes, rows, meta):
+    # eager and host figures first: the profiler may leave CUPTI loaded (_bench.py)
+    eager = timed_pass(dev, cfgs, shapes, cold=False)
+    host = host_pass(dev, cfgs)
+    ex_eager = exchange_pass(dev, cold=False) if dev.type == "cuda" else {}
+    cold = timed_pass(dev, cfgs, shapes, cold=True)
+    ex_cold = exchange_pass(dev, cold=True) if dev.type == "cuda" else {}
+    ceiling = copy_ceiling_tbs(dev)
+
+    links = "/".join(map(str, LINKS_GBPS))
+    print(f"\n# the step: device time (cold, us) and modelled speedup bf16/lowp at {links} "
+          f"GB/s; consumers: c16 {cfgs[False]['c16']!r} / causal {cfgs[True]['c16']!r}; c8 "
+          f"{cfgs[False]['c8']!r} / causal {cfgs[True]['c8']!r}")  # fmt: skip
+    hdr = f"{'S':>6} {'H':>3} {'P':>2} {'causal':>6} | {'bf16':>8} |"
+    for s in STEP_NAMES[1:]:
+        hdr += f" {s:>9} {'x@50/200/450':>15} |"
+    print(hdr)
+    for key, c in cold.items():
+        S, H, P, causal = key
+        e = eager[key]
+        bytes_in, bytes_out, L, h = e["_case"]
+
+        def model(step, gbps, c=c, P=P, bytes_in=bytes_in, bytes_out=bytes_out):
+            b = bytes_in["bf16" if step == "bf16" else "lowp"]
+            return c[step] + (b + bytes_out) * (P - 1) / P / (gbps * 1e3)
+
+        line = f"{S:>6} {H:>3} {P:>2} {causal!s:>6} | {c['bf16']:8.0f} |"
+        for s in STEP_NAMES[1:]:
+            sp = [model("bf16", g) / model(s, g) for g in LINKS_GBPS]
+            line += f" {c[s]:9.0f} {'/'.join(f'{x:.2f}' for x in sp):>15} |"
+        print(line)
+        coll = e["_collectives"]
+        row = dict(kind="step", S=S, H=H, P=P, causal=causal, L=L, h=h,
+                   bf16_bytes=bytes_in["bf16"], lowp_bytes=bytes_in["lowp"],
+                   out_bytes=bytes_out)  # fmt: skip
+        for s in STEP_NAMES + PART_NAMES:
+            row[f"dev_{s}"] = round(c.get(s, float("nan")), 1)
+            kind = "bf16" if s == "bf16" else ("lowp" if s.startswith("lowp") else None)
+            sub = coll[kind] if kind else (coll["exchange"] if s == "exchange" else 0.0)
+            row[f"eager_{s}"] = round(e.get(s, float("nan")) - sub, 1)
+        for s in STEP_NAMES:
+            for g in LINKS_GBPS:
+                row[f"model_{s}_{g}"] = round(model(s, g), 1)
+                if s != "bf16":
+                    row[f"speedup_{s}_{g}"] = round(model("bf16", g) / model(s, g), 3)
+        rows.append(row)
+
+    print("\n# parts: device time (cold, us) | eager per call minus fake collectives (us)")
+    print(f"{'S':>6} {'H':>3} {'P':>2} {'causal':>6} | " + " ".join(f"{n:>13}" for n in PART_NAMES))
+    for key, c in cold.items():
+        S, H, P, causal = key
+        print(f"{S:>6} {H:>3} {P:>2} {causal!s:>6} | "
+              + " ".join(f"{c.get(n, float('nan')):13.1f}" for n in PART_NAMES))  # fmt: skip
+    print("  eager per call of the steps (us, fake collectives' host time subtracted):")
+    for key, e in eager.items():
+        coll = e["_collectives"]
+        vals = [e[s] - coll["bf16" if s == "bf16" else "lowp"] for s in STEP_NAMES]
+        print(
+            f"  {key}: " + " ".join(f"{s} {v:.0f}" for s, v in zip(STEP_NAMES, vals, strict=True))
+        )
+
+    if dev.type == "cuda":
+        print(f"\n# fused dequantize vs its bytes (codes read + bf16 written) at the copy ceiling "
+              f"measured here ({ceiling:.2f} TB/s)")  # fmt: skip
+        for key, c in cold.items():
+            S, H, P, causal = key
+            nbytes = 3 * B * S * (H // P) * D * 3
+            floor = nbytes / (ceiling * 1e12) * 1e6
+            print(f"  S{S} H{H} P{P}: {c['dequant-fused']:.1f} us for {nbytes / 1e6:.0f} MB = "
+                  f"{c['dequant-fused'] / floor:.2f}x the copy floor ({floor:.1f} us); torch ops "
+                  f"{c['dequant-torch']:.1f} us")  # fmt: skip
+            rows.append(dict(kind="dequant", S=S, H=H, P=P, bytes=nbytes,
+                             us=c["dequant-fused"], floor_us=floor, torch_us=c["dequant-torch"],
+                             ceiling_tbs=ceiling))  # fmt: skip
+        print(
+            "\n# the exchange (P 8, fake collectives): local device time vs one cold read of q,k,v"
+        )
+        for (L, H), x in ex_cold.items():
+            mb = B * L * H * D * 2 / 1e6
+            ratio = x["exchange"] / x["read"]
+            tgt = 2.0 if mb < 100 else 1.8
+            print(f"  L{L} H{H} ({mb:.0f} MB a tensor): {x['exchange']:.1f} us vs read "
+                  f"{x['read']:.1f} us = {ratio:.2f}x (target <= {tgt}); eager "
+                  f"{ex_eager[(L, H)]['eager']:.1f} us a call")  # fmt: skip
+            for part, us in x["parts"].items():
+                print(f"      {part:40s} {us:8.1f}")
+            rows.append(dict(kind="exchange", L=L, H=H, dev_us=x["exchange"], read_us=x["read"],
+                             ratio=ratio))  # fmt: skip
+        hx = ex_eager["host"]
+        print(f"  host per call at L{HOST_SHAPE[0]} H{HOST_SHAPE[1]} (8 MB): {hx['total']:.1f} us, "
+              f"fake collectives {hx['collectives']:.1f} us -> {hx['beyond']:.1f} us beyond "
+              f"them (target <= 40)")  # fmt: skip
+        rows.append(dict(kind="exchange-host", **{k: round(v, 2) for k, v in hx.items()}))
+    print("\n# host time per call at a tiny shape (L 64, h 1), fake collectives subtracted (us)")
+    for P, r in host.items():
+        print(f"  P{P}: " + " ".join(f"{k} {v:.1f}" for k, v in r.items()))
+        rows.append(dict(kind="host", P=P, **{k: round(v, 2) for k, v in r.items()}))
+
+
+def layer_table(dev, shapes, rows):
+    """The step through ``ulysses.ulysses_attention`` (forward, no grad), both comm modes."""
+    try:
+        from ulysses import ulysses_attention
+    except ImportError:
+        from ulysses.attention import ulysses_attention
+    print("\n# the layer: ulysses_attention forward (no grad): eager us (fake collectives "
+          "included) and cold device us")  # fmt: skip
+    res = []
+    for cold in (False, True):
+        for P in WORLDS:
+            init_world(P)
+            for S, H, causal in shapes:
+                q, k, v = rand_qkv((B, S // P, H, D), dev, 9)
+                for comm in ("bf16", "lowp"):
+                    fn = lambda q=q, k=k, v=v, comm=comm, causal=causal: ulysses_attention(  # noqa: E731
+                        q, k, v, comm=comm, causal=causal
+                    )
+                    with torch.no_grad():
+                        ms = est_ms(fn)
+                        us = t_cold(fn, ms) if cold else t_eager(fn, ms)
+                    res.append(((S, H, P, causal, comm), "cold" if cold else "eager", us))
+    for key, kind, us in res:
+        print(f"  {key} {kind}: {us:.0f}")
+        rows.append(dict(kind=f"layer-{kind}", S=key[0], H=key[1], P=key[2], causal=key[3],
+                         comm=key[4], us=round(us, 1)))  # fmt: skip
+
+
+ARGS = None
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
