@@ -6,7 +6,8 @@ Shape legend: B batch, L local rows, P world size, S = L * P, H heads, D head di
     k_mean_global [B, H, D]      k.dtype
     amax_*        [B, H, slots(L, G)] fp32
 
-A ``smooth_k`` case on every rank (docs/CONTRACT.md §5):
+A ``smooth_k`` case on every rank (docs/CONTRACT.md §5; every rank skips a case whose used
+kind does not resolve at this world size, ``cases.resolvable``):
   1. build K (``cases.build_k_full``) and take this rank's shard;
   2. all_gather the shards and check the gathered K equals the built one;
   3. compute the reference from the gathered K (``ulysses.reference``);
@@ -83,6 +84,7 @@ class CaseRun:
         self.mismatches = 0
         self.errors = 0
         self.errored = False
+        self.skipped: str | None = None
         self.failures: list[dict] = []
 
     @property
@@ -95,6 +97,14 @@ class CaseRun:
             {"case": self.case_id, "rank": rank, "kind": kind, "check": check, "detail": detail}
         )
         print(f"[rank {rank}] {kind.upper()} {self.case_id} {check}: {detail}", flush=True)
+
+    def skip(self, reason: str) -> CaseRun:
+        """Mark the case as not run at this world size (every rank decides alike, from the
+        case and the world size alone); rank 0 says why."""
+        self.skipped = reason
+        if self.ctx.rank == 0:
+            print(f"  [skip] {self.case_id}: {reason}", flush=True)
+        return self
 
     def local(self, name: str, fn: Callable):
         """Run a step without collectives; None if it raised or the case already errored."""
@@ -310,6 +320,8 @@ def compare_means_across_ranks(run: CaseRun, out: Outputs) -> None:
 def run_case(ctx: Context, case: cases.Case, seed: int) -> CaseRun:
     """The ``smooth_k`` suite's run of one case (steps 1-6 of the module docstring)."""
     run = CaseRun(ctx, case.id)
+    if not cases.resolvable(case, ctx.world_size):
+        return run.skip(f"used_{case.used} does not exist at P = {ctx.world_size}")
     inputs = run.local("build", lambda: build_inputs(ctx, case, seed))
     k_gathered = run.collective("gather shards", lambda: gather_shards(run, inputs))
     expected = run.local("reference", lambda: expected_values(ctx, case, inputs.used, k_gathered))
