@@ -31,7 +31,6 @@ from ._runtime import (
     compiled_for_gpu,
     gdc_launch_dependents,
     gdc_wait,
-    next_pow2,
     sm_count,
     tile,
 )
@@ -43,8 +42,8 @@ _SOURCES: dict[tuple, torch.Tensor] = {}
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
-# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
-# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# serves every shape, rank and padding of a dtype and tile (first compilations dominated the
+# GPU harness). Pointers and strides stay specialized: their 16-byte
 # alignment lets the loads and stores vectorize.
 _NOT_SPECIALIZED = [
     "N",
@@ -89,7 +88,6 @@ def _finalize_kernel(
     FLOOR: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_P: tl.constexpr,
     MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -268,7 +266,6 @@ def prepare_finalize(
         FLOOR=floor,
         D=D,
         BLOCK_H=block_h,
-        BLOCK_P=next_pow2(P),
         MODE=mode,
         USE_PDL=use_pdl,
         **fixed,

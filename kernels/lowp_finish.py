@@ -246,7 +246,6 @@ def _post_gather_kernel(
     FLOOR: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_P: tl.constexpr,
     MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
     N_UNROLL: tl.constexpr,
@@ -284,7 +283,6 @@ def _post_gather_kernel(
             FLOOR,
             D,
             BLOCK_H,
-            BLOCK_P,
             MODE,
             USE_PDL,
         )
