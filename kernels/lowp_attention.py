@@ -67,6 +67,7 @@ def _attn_block(
     acc,
     l_i,
     m_i,
+    b_ks_cur,
     b_q,
     b_qs,
     p_k0,
@@ -82,6 +83,8 @@ def _attn_block(
     S,
     used,
     k_group,
+    n_kg,
+    BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     PV_FP8: tl.constexpr,
@@ -99,10 +102,14 @@ def _attn_block(
     b_qk = tl.dot(b_q, tl.trans(b_k))  # [BM, BN] int32, exact
     b_x = (b_qk + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
     if KS_BLOCK:
-        b_a = b_qs * tl.load(ks_base + start_n // k_group)  # [BM]
+        # the next block's K scale is loaded now, used one iteration later (its latency hides
+        # behind this block's work)
+        b_ks_next = tl.load(ks_base + tl.minimum((start_n + BLOCK_N) // k_group, n_kg - 1))
+        b_a = b_qs * b_ks_cur  # [BM]
     else:
-        b_ks = tl.load(ks_base + o_c // k_group, mask=o_c < S, other=0.0)
-        b_x = b_x * b_ks[None, :]
+        b_ks_next = b_ks_cur
+        b_ksv = tl.load(ks_base + o_c // k_group, mask=o_c < S, other=0.0)
+        b_x = b_x * b_ksv[None, :]
         b_a = b_qs
     if MASKED:
         m_valid = (o_c < used)[None, :]
@@ -142,7 +149,7 @@ def _attn_block(
         acc = tl.dot(b_p8, b_v, acc)
     else:
         acc = tl.dot(b_p.to(tl.float16), b_v.to(tl.float16), acc)
-    return acc, l_i, m_i
+    return acc, l_i, m_i, b_ks_next
 
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
@@ -225,16 +232,18 @@ def _lowp_attn_kernel(
         else:
             hi = used
             full_end = (used // BLOCK_N) * BLOCK_N
+        b_ks = tl.load(ks_base)  # K scale of block 0 (KS_BLOCK); carried, one block ahead
         for start_n in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
-            acc, l_i, m_i = _attn_block(
-                acc, l_i, m_i, b_q, b_qs, p_k0, p_v0, ks_base, start_n, o_m, o_n, o_d,
-                stride_ks, stride_vs, stride_vd, S, used, k_group,
+            acc, l_i, m_i, b_ks = _attn_block(
+                acc, l_i, m_i, b_ks, b_q, b_qs, p_k0, p_v0, ks_base, start_n, o_m, o_n, o_d,
+                stride_ks, stride_vs, stride_vd, S, used, k_group, n_kg, BLOCK_N,
                 False, CAUSAL, PV_FP8, LAZY, KS_BLOCK, HW_ROUND,
             )  # fmt: skip
+        b_ks = tl.load(ks_base + tl.minimum(full_end // k_group, n_kg - 1))
         for start_n in tl.range(full_end, hi, BLOCK_N, num_stages=NUM_STAGES):
-            acc, l_i, m_i = _attn_block(
-                acc, l_i, m_i, b_q, b_qs, p_k0, p_v0, ks_base, start_n, o_m, o_n, o_d,
-                stride_ks, stride_vs, stride_vd, S, used, k_group,
+            acc, l_i, m_i, b_ks = _attn_block(
+                acc, l_i, m_i, b_ks, b_q, b_qs, p_k0, p_v0, ks_base, start_n, o_m, o_n, o_d,
+                stride_ks, stride_vs, stride_vd, S, used, k_group, n_kg, BLOCK_N,
                 True, CAUSAL, PV_FP8, LAZY, KS_BLOCK, HW_ROUND,
             )  # fmt: skip
 
@@ -313,6 +322,9 @@ class AttnConfig(tuple):
         assert block_m % block_n == 0 and pv in ("fp16", "fp8") and not (lazy and pv == "fp8")
         return super().__new__(cls, (block_m, block_n, num_warps, num_stages, pv, bool(lazy)))
 
+    def __getnewargs__(self):  # pickling (the benchmark's compile processes)
+        return tuple(self)
+
     block_m = property(lambda self: self[0])
     block_n = property(lambda self: self[1])
     num_warps = property(lambda self: self[2])
@@ -325,12 +337,17 @@ class AttnConfig(tuple):
         return f"M{self[0]}-N{self[1]}-w{self[2]}-s{self[3]}-{self.pv}{lazy}"
 
 
-# The configurations tried by ``autotune`` (and the benchmark's sweep) on Hopper.
+# The configurations tried by ``autotune`` (and the benchmark's sweep) on Hopper. A first
+# H200 sweep (S 32768, h 4, D 128) had 4 warps a 128-row block fastest and 128-key blocks
+# 1.4-1.9x slower; the lazy rescale gained nothing.
 CONFIGS = tuple(
-    AttnConfig(128, bn, w, s, pv, lazy)
-    for pv, lazy in (("fp16", False), ("fp16", True), ("fp8", False))
-    for bn, w, s in ((64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3))
-)
+    AttnConfig(bm, bn, w, s, pv)
+    for pv in ("fp16", "fp8")
+    for bm, bn, w, s in (
+        (128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 2),
+        (256, 64, 8, 3), (128, 64, 8, 3),
+    )
+)  # fmt: skip
 
 # (D, causal) -> the default configuration on CUDA (H200 measurements, docs/BENCHMARKS.md)
 _DEFAULTS: dict[tuple[int, bool], AttnConfig] = {}

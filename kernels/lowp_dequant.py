@@ -88,35 +88,34 @@ def _dequant_qkv_kernel(
     m_sd = m_s[:, None]
     o_s64 = o_s.to(tl.int64)
     out_dtype = q_out_ptr.dtype.element_ty
+    # names differ per branch: Triton 3.6 rejects a name bound to different types in branches
     if i_slot < HQ:
-        i_h = i_slot
-        p_code = q_ptr + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh
-        b_code = tl.load(p_code + o_s64[:, None] * stride_qs + o_d[None, :], mask=m_sd, other=0)
+        i_hq = i_slot
+        p_qc = q_ptr + i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh
+        b_qc = tl.load(p_qc + o_s64[:, None] * stride_qs + o_d[None, :], mask=m_sd, other=0)
         # [BLOCK_S] row scales: rows of one group share a scale (L1 serves the repeats)
-        b_scale = tl.load(
-            q_scale_ptr + (i_b * HQ + i_h) * n_qg + o_s // q_group, mask=m_s, other=0.0
-        )
-        b_out = round_to(b_code.to(tl.float32) * b_scale[:, None], out_dtype, HW_ROUND)
-        p_out = q_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HQ + i_h) * D + o_d[None, :]
-        tl.store(p_out, b_out, mask=m_sd)
+        p_qs = q_scale_ptr + (i_b * HQ + i_hq) * n_qg + o_s // q_group
+        b_qs = tl.load(p_qs, mask=m_s, other=0.0)
+        b_q = round_to(b_qc.to(tl.float32) * b_qs[:, None], out_dtype, HW_ROUND)
+        p_q = q_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HQ + i_hq) * D + o_d[None, :]
+        tl.store(p_q, b_q, mask=m_sd)
     elif i_slot < HQ + HKV:
-        i_h = i_slot - HQ
-        p_code = k_ptr + i_b.to(tl.int64) * stride_kb + i_h.to(tl.int64) * stride_kh
-        b_code = tl.load(p_code + o_s64[:, None] * stride_ks + o_d[None, :], mask=m_sd, other=0)
-        b_scale = tl.load(
-            k_scale_ptr + (i_b * HKV + i_h) * n_kg + o_s // k_group, mask=m_s, other=0.0
-        )
-        b_out = round_to(b_code.to(tl.float32) * b_scale[:, None], out_dtype, HW_ROUND)
-        p_out = k_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_h) * D + o_d[None, :]
-        tl.store(p_out, b_out, mask=m_sd)
+        i_hk = i_slot - HQ
+        p_kc = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
+        b_kc = tl.load(p_kc + o_s64[:, None] * stride_ks + o_d[None, :], mask=m_sd, other=0)
+        p_ks = k_scale_ptr + (i_b * HKV + i_hk) * n_kg + o_s // k_group
+        b_ks = tl.load(p_ks, mask=m_s, other=0.0)
+        b_k = round_to(b_kc.to(tl.float32) * b_ks[:, None], out_dtype, HW_ROUND)
+        p_k = k_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_hk) * D + o_d[None, :]
+        tl.store(p_k, b_k, mask=m_sd)
     else:
-        i_h = i_slot - HQ - HKV
-        p_code = v_ptr + i_b.to(tl.int64) * stride_vb + i_h.to(tl.int64) * stride_vh
-        b_code = tl.load(p_code + o_s64[:, None] * stride_vs + o_d[None, :], mask=m_sd, other=0.0)
-        b_scale = tl.load(v_scale_ptr + (i_b * HKV + i_h) * D + o_d)  # [D] channel scales
-        b_out = round_to(b_code.to(tl.float32) * b_scale[None, :], out_dtype, HW_ROUND)
-        p_out = v_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_h) * D + o_d[None, :]
-        tl.store(p_out, b_out, mask=m_sd)
+        i_hv = i_slot - HQ - HKV
+        p_vc = v_ptr + i_b.to(tl.int64) * stride_vb + i_hv.to(tl.int64) * stride_vh
+        b_vc = tl.load(p_vc + o_s64[:, None] * stride_vs + o_d[None, :], mask=m_sd, other=0.0)
+        b_vs = tl.load(v_scale_ptr + (i_b * HKV + i_hv) * D + o_d)  # [D] channel scales
+        b_v = round_to(b_vc.to(tl.float32) * b_vs[None, :], out_dtype, HW_ROUND)
+        p_v = v_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_hv) * D + o_d[None, :]
+        tl.store(p_v, b_v, mask=m_sd)
 
 
 def _block_s(D: int, device: torch.device) -> tuple[int, int]:
