@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import _ops
+from . import _ops, lowp, stats
 
 __all__ = [
     "ulysses_attention",
@@ -56,25 +56,10 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ---- the process group ------------------------------------------------------------------------
 
 
-def _resolve(group) -> tuple[object, int, int]:
-    """(process group or None, rank, world size). ``group=None`` with torch.distributed not
-    initialized is a world of one: the whole sequence is local and no collective runs."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
-        )
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError(
-                "group: a process group was given but torch.distributed is not "
-                "initialized; call torch.distributed.init_process_group first"
-            )
-        return None, 0, 1
-    pg = dist.group.WORLD if group is None else group
-    rank = dist.get_rank(pg)
-    if rank < 0:
-        raise ValueError("group: this process is not a member of the given process group")
-    return pg, rank, dist.get_world_size(pg)
+def _resolve(group, device: torch.device) -> tuple[object, int, int]:
+    """(process group or None, rank, world size): ``stats.resolve_group``'s rules (``group=None``
+    with torch.distributed not initialized, outside a multi-rank launch, is a world of one)."""
+    return stats.resolve_group(group, device)
 
 
 def _all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
@@ -228,8 +213,6 @@ class _LowpToHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, hd, pg, used_sequence, q_group, k_group):
-        from . import lowp
-
         ctx.hd, ctx.pg = hd, pg
         x = lowp.exchange_qkv(
             q, k, v, group=pg, used_sequence=used_sequence, q_group=q_group, k_group=k_group
@@ -295,7 +278,7 @@ def seq_to_heads(x: torch.Tensor, *, group=None) -> torch.Tensor:
         out = ulysses.heads_to_seq(attn(q_h))  # back to [B, L, H, D]
     """
     _check_4d(x, "x")
-    pg, _, P = _resolve(group)
+    pg, _, P = _resolve(group, x.device)
     if x.shape[2] % P:
         raise ValueError(
             f"x head count H must be divisible by the world size P={P}, got shape {tuple(x.shape)}"
@@ -311,7 +294,7 @@ def heads_to_seq(x: torch.Tensor, *, group=None) -> torch.Tensor:
     ``S % P != 0``).
     """
     _check_4d(x, "x")
-    pg, _, P = _resolve(group)
+    pg, _, P = _resolve(group, x.device)
     if x.shape[1] % P:
         raise ValueError(
             f"x sequence length S must be divisible by the world size P={P}, got shape "
@@ -454,7 +437,7 @@ def ulysses_attention(
     if layout == "bhsd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     B, L, Hq, D = q.shape
-    pg, _, P = _resolve(group)
+    pg, _, P = _resolve(group, q.device)
     hd = _heads(Hq, k.shape[2], P)
     S = L * P
     if used_sequence is not None and not 1 <= used_sequence <= S:
