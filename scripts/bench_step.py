@@ -508,6 +508,9 @@ def timed_pass(dev, cfgs, shapes, cold: bool) -> dict:
                 r["_collectives"] = fake_collective_host_us(case)
                 r["_case"] = (case.bytes_in, case.bytes_out, case.L, case.h)
             res[(S, H, P, causal)] = r
+            vals = " ".join(f"{k}={v:.1f}" for k, v in r.items() if not k.startswith("_"))
+            print(f"  [{'cold' if cold else 'eager'}] S{S} H{H} P{P} causal={causal}: {vals}",
+                  flush=True)  # fmt: skip
             del case, fns
             if _cuda():
                 torch.cuda.empty_cache()
@@ -532,6 +535,7 @@ def host_pass(dev, cfgs) -> dict:
                     print(f"  host {name} P{P}: FAILED {type(e).__name__}: {str(e)[:200]}")
                     r[name] = float("nan")
         out[P] = r
+        print(f"  [host] P{P}: " + " ".join(f"{k}={v:.1f}" for k, v in r.items()), flush=True)
     return out
 
 
@@ -566,6 +570,7 @@ def exchange_pass(dev, cold: bool) -> dict:
         coll = t_host(lambda: gather(pg)) + t_host(lambda: a2a(pg))
         total = t_host(lambda: lowp.exchange_qkv(q, k, v))
         res["host"] = dict(total=total, collectives=coll, beyond=total - coll)
+    print(f"  [exchange {'cold' if cold else 'eager'}] {res}", flush=True)
     return res
 
 
@@ -605,8 +610,11 @@ def main():
     ap.add_argument("--layer", action="store_true", help="also time ulysses_attention itself")
     ap.add_argument("--no-steps", action="store_true", help="skip the step tables")
     ap.add_argument("--shape", action="append", default=None, help="S,H,causal (repeatable)")
+    ap.add_argument("--worlds", default="8,2", help="world sizes P, comma-separated")
     ap.add_argument("--out", default=None, help="append CSV rows here (outside the repo)")
     ARGS = ap.parse_args()
+    global WORLDS
+    WORLDS = tuple(int(x) for x in ARGS.worlds.split(","))
     dev = torch.device("cpu" if ARGS.cpu or not torch.cuda.is_available() else "cuda")
     import triton
 
