@@ -2,23 +2,38 @@
 
 Each fault is one row of ``FAULTS``: (target, replacement) pairs that ``planted(name)``
 applies with ``unittest.mock.patch`` around the whole run, in this process only, and undoes
-afterwards. The library reads every grid rule through the module ``ulysses.grid`` (the values
-feed a cached ``grid.layout``), so a rule is broken by patching one name there, followed by
-``ulysses.grid.clear_caches()``. ``ulysses.reference`` binds its grid names at import, so the
-reference stays right while the library goes wrong. Nothing here runs unless a fault is named
-(``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=NAME``).
+afterwards. The library reads every grid rule through the module ``ulysses.grid``: the rules
+feed a cached ``grid.layout`` whose fields (slot count, first group, groups touched, tail
+group, live rows, divisor, boundary sources) the host passes to the kernels. A rule is broken
+by patching one name there (a rule, or ``layout`` itself wrapped so that it perturbs one
+field), followed by ``ulysses.grid.clear_caches()``. ``ulysses.reference`` imports nothing
+from ``ulysses.grid``, so the reference stays right while the library goes wrong. Nothing
+here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=NAME``).
 
     fault           target                          replacement
     floor           ulysses.grid.FLOOR              1e-3 instead of 1e-7
+    floor_small     ulysses.grid.FLOOR              1e-6 instead of 1e-7 (seen only where a
+                                                    slot has no row above 1e-6: a rank with no
+                                                    live row of the tail group)
     tail            ulysses.grid.tail_group         always -1: no tail repair
+    tail_live_end   ulysses.grid.layout (hook)      live_end = used + 1: the tail group keeps
+                                                    one padding row (``<=`` for ``<``)
+    slots           ulysses.grid._slots             ceil(L / G) + 1: one slot too many when
+                                                    L % G == 1
+    group_first     ulysses.grid.layout (hook)      g_first = ceil(row0 / G): slots shifted by
+                                                    one group on a rank that starts mid-group
+    touched         ulysses.grid.layout (hook)      n_touched = ceil(L / G): a rank that starts
+                                                    mid-group loses its last touched slot
     mean_divisor    ulysses.grid.mean_divisor       S instead of used_sequence
     boundary_merge  ulysses.grid.boundary_sources   only this rank's own record: groups that
                                                     straddle ranks are never merged
     error           ulysses.k_grouped_amax          hook: raises on the last rank
     hang            ulysses.testing.make_k_full     hook: blocks forever on the last rank
 
-The first four must produce mismatches; ``error`` must fail every case on every rank with no
-rank left waiting; ``hang`` must be ended by the watchdog (exit code 3).
+Every grid fault (all but ``error`` and ``hang``) must produce mismatches;
+``tests/test_planted_faults.py`` names the smallest cases that show each one. ``error``
+must fail every case on every rank with no rank left waiting; ``hang`` must be ended by the
+watchdog (exit code 3).
 """
 
 from __future__ import annotations
@@ -81,13 +96,43 @@ def _no_tail_group(used_sequence, global_sequence, group_size=64):
     return -1
 
 
+def _slots_one_too_many(L, G):
+    return -(-L // G) + 1  # equals (L + 2*G - 2) // G unless L % G == 1
+
+
+def _layout_with(field: str, wrong: Callable[[ulysses.grid.Layout], int]) -> Hook:
+    """A hook for ``ulysses.grid.layout``: the true layout with ``field`` set to ``wrong(lay)``
+    (the rest of the library then runs as usual on the wrong value)."""
+
+    def make(original):
+        def layout(*args, **kwargs):
+            lay = original(*args, **kwargs)
+            return dataclasses.replace(lay, **{field: wrong(lay)})
+
+        layout.cache_clear = original.cache_clear  # grid.clear_caches() calls it
+        return layout
+
+    return Hook(make)
+
+
 def _divide_by_S(used_sequence, global_sequence):
     return global_sequence
 
 
 FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "floor": (("ulysses.grid.FLOOR", 1e-3),),
+    "floor_small": (("ulysses.grid.FLOOR", 1e-6),),
     "tail": (("ulysses.grid.tail_group", _no_tail_group),),
+    "tail_live_end": (
+        ("ulysses.grid.layout", _layout_with("live_end", lambda lay: min(lay.live_end + 1, lay.S))),
+    ),
+    "slots": (("ulysses.grid._slots", _slots_one_too_many),),
+    "group_first": (
+        ("ulysses.grid.layout", _layout_with("g_first", lambda lay: -(-lay.row0 // lay.G))),
+    ),
+    "touched": (
+        ("ulysses.grid.layout", _layout_with("n_touched", lambda lay: -(-lay.L // lay.G))),
+    ),
     "mean_divisor": (("ulysses.grid.mean_divisor", _divide_by_S),),
     "boundary_merge": (("ulysses.grid.boundary_sources", Hook(_own_record_only)),),
     "error": (("ulysses.k_grouped_amax", Hook(_raise_on_last_rank)),),

@@ -1,9 +1,9 @@
 """Faulty and disagreeing ranks under torchrun (gloo, CPU): every run ends non-zero, in
-bounded time, and no rank reports a normal result (issues 7 and 16). See
-dist_tests/rank_faults.py.
+bounded time, and no rank reports a normal result. See dist_tests/rank_faults.py. (Planted
+library faults, which the distributed harness must catch: tests/test_planted_faults.py.)
 
 The ``disagree_*`` modes rely on the library's consistency check on the first call of each
-argument signature (issue 16 item 4): every rank must raise ``ValueError`` naming the
+argument signature: every rank must raise ``ValueError`` naming the
 argument and the per-rank values, seconds after the call, never hang or return numbers.
 """
 

@@ -1,16 +1,31 @@
 """Pure-torch fp32 references, written for clarity (shared by tests, the harness, benchmarks).
 
-Shape legend: B batch, L local rows, S = L * P global rows, H heads, D head dim, G group size.
+Shape legend: B batch, L local rows, P ranks, S = L * P global rows, H heads, D head dim,
+G group size.
     k_full  [B, S, H, D]  the whole (gathered) sequence
     k       [B, L, H, D]  one rank's shard, global rows [rank*L, (rank+1)*L)
     k_mean  [B, H, D]     the global mean in k's dtype
 
-The global mean's fixed association (docs/CONTRACT.md §4, docs/DESIGN.md): each rank sums
+This module stands apart from what it checks: it imports nothing from ``ulysses.grid``,
+``ulysses._*`` or ``kernels/`` and writes out every rule it needs from the contract
+(docs/CONTRACT.md §2-§4), so a rule broken in the library cannot also be broken here.
+
+Grid (§2). Global group g covers rows [g*G, (g+1)*G); rank r touches the groups
+``(r*L) // G`` to ``(r*L + L - 1) // G``. Every rank's output has ``(L + 2*G - 2) // G``
+slots (the most groups L rows can touch at any offset); slot s holds the s-th group the rank
+touches, and the slots after its last touched group are 0.
+
+Grouped amax (§3). A slot holds ``max(1e-7, max |fp32(k) - fp32(k_mean)|)`` over the rank's
+rows of its group. Only when ``used_sequence`` is given with ``used < S`` and ``used % G != 0``
+is the one group that mixes live and padding rows, ``(used - 1) // G``, reduced over its live
+rows (global index < used) alone; a rank with none of them reports 1e-7.
+
+Mean (§4, docs/DESIGN.md "Mean"). ``n = used_sequence`` when given, else S. Each rank sums
 its live rows in fp32 at three levels fixed by GLOBAL row positions, each a strict in-order
-chain from +0.0:
-rows within each 64-row block of the global grid (clipped to the shard), blocks within each
-1024-row superblock, then the superblocks; the ranks' sums are then added in rank order,
-divided by n in fp32 and rounded to nearest-even into k's dtype.
+chain from +0.0: rows within each 64-row block of the global grid (clipped to the shard),
+blocks within each 16-block (1024-row) superblock, then the superblocks; the ranks' sums
+are then added in rank order from +0.0, divided by n in fp32 and rounded to nearest-even
+into k's dtype.
 """
 
 from __future__ import annotations
@@ -19,10 +34,9 @@ import math
 
 import torch
 
-from .grid import FLOOR, SUM_BLOCK, SUPER_BLOCK, group_first, slots, tail_group, touched
-
 __all__ = [
     "SUM_BLOCK",
+    "SUPER_BLOCK",
     "FLOOR",
     "shard",
     "local_sum",
@@ -31,9 +45,36 @@ __all__ = [
     "grouped_amax_shard",
     "grouped_amax_full",
     "merged_amax_shard",
+    "slot_masks",
     "bitwise_diff",
     "format_value",
 ]
+
+FLOOR = 1e-7  # the smallest amax a touched slot reports (as fp32)
+SUM_BLOCK = 64  # rows per block of the mean's summation order (whatever G is)
+SUPER_BLOCK = 16  # blocks per superblock of the mean's summation order (1024 rows)
+
+
+def _slot_count(L: int, G: int) -> int:
+    """Slots of every rank's output: the most G-row groups L consecutive rows can touch."""
+    return (L + 2 * G - 2) // G
+
+
+def _touched_groups(rank: int, L: int, G: int) -> range:
+    """The global groups that hold at least one of rank ``rank``'s rows, in slot order."""
+    first_row, last_row = rank * L, rank * L + L - 1
+    return range(first_row // G, last_row // G + 1)
+
+
+def _tail(used_sequence: int | None, S: int, G: int) -> int | None:
+    """The group reduced over its live rows only, or None when no group needs that."""
+    if used_sequence is None or used_sequence >= S or used_sequence % G == 0:
+        return None
+    return (used_sequence - 1) // G
+
+
+def _mean_divisor(used_sequence: int | None, S: int) -> int:
+    return S if used_sequence is None else used_sequence
 
 
 def shard(k_full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -51,32 +92,36 @@ def _live_rows(rank: int, L: int, used_sequence: int | None) -> int:
     return max(0, min(L, used_sequence - rank * L))
 
 
+def _chain_sums(x: torch.Tensor, start: int, width: int) -> torch.Tensor:
+    """In-order sums from +0.0 of ``x``'s items along dim 1 within each window of ``width``
+    consecutive global positions, the windows aligned to multiples of ``width``.
+
+    ``x`` [B, n, ...] holds the items at global positions ``start .. start + n - 1``; returns
+    [B, w, ...]: one sum per window from ``start // width`` to the last one holding an item.
+    The positions outside ``x`` are filled with +0.0: adding +0.0 to a chain that started at
+    +0.0 changes no bit, so each sum is that of the window's items alone, in order.
+    """
+    B, n, *rest = x.shape
+    lead = start % width
+    n_windows = (lead + n + width - 1) // width
+    padded = x.new_zeros(B, n_windows * width, *rest)
+    padded[:, lead : lead + n] = x
+    padded = padded.view(B, n_windows, width, *rest)
+    sums = x.new_zeros(B, n_windows, *rest)
+    for j in range(width):  # the chain runs along the positions of each window
+        sums += padded[:, :, j]
+    return sums
+
+
 def local_sum(k: torch.Tensor, *, rank: int, used_sequence: int | None = None) -> torch.Tensor:
     """fp32 [B, H, D] sum of the shard's live rows in the fixed block association."""
     B, L, H, D = k.shape
     row0 = rank * L
-    first_block = row0 // SUM_BLOCK
-    n_blocks = slots(L, SUM_BLOCK)
-    offset = row0 - first_block * SUM_BLOCK
-    live = _live_rows(rank, L, used_sequence)
-    padded = torch.zeros(B, n_blocks * SUM_BLOCK, H, D, dtype=torch.float32, device=k.device)
-    padded[:, offset : offset + live] = k[:, :live].float()
-    blocks = padded.view(B, n_blocks, SUM_BLOCK, H, D)
-    block_sums = torch.zeros(B, n_blocks, H, D, dtype=torch.float32, device=k.device)
-    for j in range(SUM_BLOCK):
-        block_sums += blocks[:, :, j]
-    # superblocks of SUPER_BLOCK blocks, aligned to the global grid (leading zero blocks are
-    # exact no-ops: every sum starts from +0.0)
-    lead = first_block % SUPER_BLOCK
-    n_super = (lead + n_blocks + SUPER_BLOCK - 1) // SUPER_BLOCK
-    aligned = torch.zeros(B, n_super * SUPER_BLOCK, H, D, dtype=torch.float32, device=k.device)
-    aligned[:, lead : lead + n_blocks] = block_sums
-    aligned = aligned.view(B, n_super, SUPER_BLOCK, H, D)
-    super_sums = torch.zeros(B, n_super, H, D, dtype=torch.float32, device=k.device)
-    for j in range(SUPER_BLOCK):
-        super_sums += aligned[:, :, j]
+    live = k[:, : _live_rows(rank, L, used_sequence)].float()
+    block_sums = _chain_sums(live, row0, SUM_BLOCK)  # 64-row blocks of the global grid
+    super_sums = _chain_sums(block_sums, row0 // SUM_BLOCK, SUPER_BLOCK)
     total = torch.zeros(B, H, D, dtype=torch.float32, device=k.device)
-    for i in range(n_super):
+    for i in range(super_sums.shape[1]):
         total += super_sums[:, i]
     return total
 
@@ -85,16 +130,13 @@ def global_k_mean(
     k_full: torch.Tensor, *, world_size: int, used_sequence: int | None = None
 ) -> torch.Tensor:
     """The global K mean [B, H, D] in k's dtype, bit for bit as the library computes it."""
-    S = k_full.shape[1]
-    n = S if used_sequence is None else used_sequence
-    total = torch.zeros(
-        k_full.shape[0], k_full.shape[2], k_full.shape[3], dtype=torch.float32, device=k_full.device
-    )
+    B, S, H, D = k_full.shape
+    total = torch.zeros(B, H, D, dtype=torch.float32, device=k_full.device)
     for r in range(world_size):
         total += local_sum(shard(k_full, r, world_size), rank=r, used_sequence=used_sequence)
     # one IEEE division (torch on CUDA multiplies by a rounded reciprocal when the divisor is
     # a Python number: 1 ulp off in rare cases, seen on the H200 in 1 of 7168 channels)
-    return ieee_div(total, float(n)).to(k_full.dtype)
+    return ieee_div(total, float(_mean_divisor(used_sequence, S))).to(k_full.dtype)
 
 
 def global_mean_fp64(k_full: torch.Tensor, used_sequence: int | None = None) -> torch.Tensor:
@@ -103,13 +145,36 @@ def global_mean_fp64(k_full: torch.Tensor, used_sequence: int | None = None) -> 
     return k_full[:, :n].double().sum(dim=1) / n
 
 
-def _rows_amax(rows: torch.Tensor, k_mean: torch.Tensor) -> torch.Tensor:
-    """max over rows and d of |fp32(rows) - fp32(mean)|, floored; rows [B, n, H, D] -> [B, H]."""
-    if rows.shape[1] == 0:
-        return torch.full(k_mean.shape[:2], FLOOR, dtype=torch.float32, device=k_mean.device)
-    diff = (rows.float() - k_mean.float()[:, None]).abs()
-    amax = diff.amax(dim=(1, 3))  # NaN propagates through amax
-    return torch.clamp_min(amax, FLOOR)  # clamp keeps NaN
+def _grouped_amax(
+    rows: torch.Tensor,
+    k_mean: torch.Tensor,
+    *,
+    row0: int,
+    group_size: int,
+    used_sequence: int | None,
+    S: int,
+) -> torch.Tensor:
+    """The floored amax of every group that holds a row of ``rows``: fp32 [B, H, n_groups].
+
+    ``rows`` [B, n, H, D] are the global rows ``row0 .. row0 + n - 1``; group j of the result
+    is global group ``row0 // G + j``, reduced over its rows in ``rows`` (those of the tail
+    group at or past ``used_sequence`` left out). A group left with no row reports the floor.
+    """
+    G = group_size
+    B, n, H, _ = rows.shape
+    # max over d of |fp32(k) - fp32(mean)| (one fp32 subtraction); amax keeps NaN
+    row_amax = (rows.float() - k_mean.float()[:, None]).abs_().amax(dim=3)  # [B, n, H]
+    tail = _tail(used_sequence, S, G)
+    if tail is not None:
+        index = torch.arange(row0, row0 + n, device=rows.device)
+        padding = (index // G == tail) & (index >= used_sequence)
+        row_amax = row_amax.masked_fill(padding[None, :, None], -math.inf)
+    lead = row0 % G
+    n_groups = (lead + n + G - 1) // G
+    padded = row_amax.new_full((B, n_groups * G, H), -math.inf)  # -inf: no row
+    padded[:, lead : lead + n] = row_amax
+    amax = padded.view(B, n_groups, G, H).amax(dim=2)
+    return torch.clamp_min(amax, FLOOR).transpose(1, 2)  # clamp keeps NaN
 
 
 def grouped_amax_shard(
@@ -124,18 +189,11 @@ def grouped_amax_shard(
     """Reference for ``k_grouped_amax``: fp32 [B, H, slots(L, G)] for one shard."""
     B, L, H, D = k.shape
     G = group_size
-    S = L * world_size
-    t = tail_group(used_sequence, S, G)
-    gf = group_first(rank, L, G)
-    out = torch.zeros(B, H, slots(L, G), dtype=torch.float32, device=k.device)
-    for s in range(touched(rank, L, G)):
-        g = gf + s
-        lo = max(g * G, rank * L)
-        hi = min((g + 1) * G, (rank + 1) * L)
-        if g == t:
-            hi = min(hi, used_sequence)
-        hi = max(hi, lo)
-        out[:, :, s] = _rows_amax(k[:, lo - rank * L : hi - rank * L], k_mean)
+    n_touched = len(_touched_groups(rank, L, G))
+    out = torch.zeros(B, H, _slot_count(L, G), dtype=torch.float32, device=k.device)
+    out[:, :, :n_touched] = _grouped_amax(
+        k, k_mean, row0=rank * L, group_size=G, used_sequence=used_sequence, S=L * world_size
+    )
     return out
 
 
@@ -147,17 +205,10 @@ def grouped_amax_full(
     group_size: int = 64,
 ) -> torch.Tensor:
     """Grouped amax of the whole sequence on the global grid: fp32 [B, H, ceil(S / G)]."""
-    B, S, H, D = k_full.shape
-    G = group_size
-    t = tail_group(used_sequence, S, G)
-    n_groups = math.ceil(S / G)
-    out = torch.empty(B, H, n_groups, dtype=torch.float32, device=k_full.device)
-    for g in range(n_groups):
-        hi = min((g + 1) * G, S)
-        if g == t:
-            hi = used_sequence
-        out[:, :, g] = _rows_amax(k_full[:, g * G : hi], k_mean)
-    return out
+    S = k_full.shape[1]
+    return _grouped_amax(
+        k_full, k_mean, row0=0, group_size=group_size, used_sequence=used_sequence, S=S
+    )
 
 
 def merged_amax_shard(
@@ -165,11 +216,27 @@ def merged_amax_shard(
 ) -> torch.Tensor:
     """What ``amax_final`` must hold on ``rank``: the full-sequence group amax in its slots."""
     B, H, _ = full_amax.shape
-    gf = group_first(rank, L, group_size)
-    n = touched(rank, L, group_size)
-    out = torch.zeros(B, H, slots(L, group_size), dtype=torch.float32, device=full_amax.device)
-    out[:, :, :n] = full_amax[:, :, gf : gf + n]
+    groups = _touched_groups(rank, L, group_size)
+    out = torch.zeros(
+        B, H, _slot_count(L, group_size), dtype=torch.float32, device=full_amax.device
+    )
+    out[:, :, : len(groups)] = full_amax[:, :, groups.start : groups.stop]
     return out
+
+
+def slot_masks(
+    *, rank: int, L: int, world_size: int, used_sequence: int | None = None, group_size: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two bool [slots(L, G)] masks of rank ``rank``'s output: the slots whose group holds a
+    live row (where ``amax_final`` must equal the full-sequence amax) and the surplus slots
+    (exactly 0)."""
+    G = group_size
+    groups = _touched_groups(rank, L, G)
+    n_live = L * world_size if used_sequence is None else used_sequence
+    group = groups.start + torch.arange(_slot_count(L, G))
+    surplus = group >= groups.stop
+    live = ~surplus & (group * G < n_live)
+    return live, surplus
 
 
 _INT_VIEW = {
