@@ -27,11 +27,17 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
     mean_divisor    ulysses.grid.mean_divisor       S instead of used_sequence
     boundary_merge  ulysses.grid.boundary_sources   only this rank's own record: groups that
                                                     straddle ranks are never merged
+    head_order      ulysses.attention._merge_heads  heads->sequence all_to_all puts heads in
+                                                    (head, rank) order instead of (rank, head)
+    key_mask        ulysses.attention._live_keys    every row is a key: padding keys attended
+    backward_a2a    ulysses.attention.              the backward all_to_all dropped: each rank
+                    _backward_all_to_all            keeps its own gradient chunks
     error           ulysses.k_grouped_amax          hook: raises on the last rank
     hang            ulysses.testing.make_k_full     hook: blocks forever on the last rank
 
-Every grid fault (all but ``error`` and ``hang``) must produce mismatches;
-``tests/test_planted_faults.py`` names the smallest cases that show each one. ``error``
+Every grid fault (all but the attention faults, ``error`` and ``hang``) must produce
+mismatches; ``tests/test_planted_faults.py`` names the smallest cases that show each one. The
+attention faults must make the ``attention`` suite fail (``tests/test_dist_harness.py``). ``error``
 must fail every case on every rank with no rank left waiting; ``hang`` must be ended by the
 watchdog (exit code 3).
 """
@@ -119,6 +125,19 @@ def _divide_by_S(used_sequence, global_sequence):
     return global_sequence
 
 
+def _merge_heads_rank_minor(recv):
+    P, B, L, h, D = recv.shape
+    return recv.permute(1, 2, 3, 0, 4).reshape(B, L, h * P, D)
+
+
+def _every_row_a_key(S, used_sequence):
+    return S
+
+
+def _no_backward_all_to_all(send, pg):
+    return send
+
+
 FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "floor": (("ulysses.grid.FLOOR", 1e-3),),
     "floor_small": (("ulysses.grid.FLOOR", 1e-6),),
@@ -135,6 +154,9 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     ),
     "mean_divisor": (("ulysses.grid.mean_divisor", _divide_by_S),),
     "boundary_merge": (("ulysses.grid.boundary_sources", Hook(_own_record_only)),),
+    "head_order": (("ulysses.attention._merge_heads", _merge_heads_rank_minor),),
+    "key_mask": (("ulysses.attention._live_keys", _every_row_a_key),),
+    "backward_a2a": (("ulysses.attention._backward_all_to_all", _no_backward_all_to_all),),
     "error": (("ulysses.k_grouped_amax", Hook(_raise_on_last_rank)),),
     "hang": (("ulysses.testing.make_k_full", Hook(_hang_on_last_rank)),),
 }

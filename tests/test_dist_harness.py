@@ -164,6 +164,28 @@ def test_lowp_suite_detects_planted_fault(tmp_path, fault):
     assert "MISMATCH" in proc.stdout
 
 
+# attention fault -> (cases that show it, a check that must fail)
+_ATTENTION_FAULTS = {
+    "head_order": ("bf16-L40-hq2-mha-D64-bf16-causal-used_none-B2", "out bitwise"),
+    "key_mask": ("bf16-L40-hq2-mha-D64-bf16-full-used_tail", "out bitwise"),
+    "backward_a2a": ("bf16-L40-hq2-mha-D64-bf16-full-used_tail", "dq bitwise"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(_ATTENTION_FAULTS))
+def test_attention_suite_detects_planted_fault(tmp_path, fault):
+    case, must_fail = _ATTENTION_FAULTS[fault]
+    proc, summary = _harness(
+        tmp_path, "--backend", "gloo-cpu", "--suite", "attention", "--cases", case,
+        "--fault", fault,
+    )  # fmt: skip
+    assert proc.returncode != 0, _tail(proc)
+    assert summary is not None, _tail(proc)
+    assert summary["passed"] is False and summary["failed_cases"] == [f"attention/{case}"]
+    assert summary["mismatches"] > 0 and summary["errors"] == 0, summary["failures"]
+    assert must_fail in {f["check"] for f in summary["failures"]}
+
+
 def test_harness_exception_on_one_rank_fails_every_rank(tmp_path):
     t0 = time.monotonic()
     # the fault named through the environment, as the harness also accepts it
