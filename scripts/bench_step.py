@@ -611,6 +611,7 @@ def main():
     ap.add_argument("--no-steps", action="store_true", help="skip the step tables")
     ap.add_argument("--shape", action="append", default=None, help="S,H,causal (repeatable)")
     ap.add_argument("--worlds", default="8,2", help="world sizes P, comma-separated")
+    ap.add_argument("--steps-only", action="store_true", help="no host/exchange tables")
     ap.add_argument("--out", default=None, help="append CSV rows here (outside the repo)")
     ARGS = ap.parse_args()
     global WORLDS
@@ -675,11 +676,12 @@ def guarded(fn, *args):
 
 def steps_tables(dev, cfgs, shapes, rows, meta):
     # eager and host figures first: the profiler may leave CUPTI loaded (_bench.py)
+    extra = dev.type == "cuda" and not ARGS.steps_only
     eager = timed_pass(dev, cfgs, shapes, cold=False)
-    host = host_pass(dev, cfgs)
-    ex_eager = exchange_pass(dev, cold=False) if dev.type == "cuda" else {}
+    host = host_pass(dev, cfgs) if not ARGS.steps_only else {}
+    ex_eager = exchange_pass(dev, cold=False) if extra else {}
     cold = timed_pass(dev, cfgs, shapes, cold=True)
-    ex_cold = exchange_pass(dev, cold=True) if dev.type == "cuda" else {}
+    ex_cold = exchange_pass(dev, cold=True) if extra else {}
     ceiling = copy_ceiling_tbs(dev)
 
     links = "/".join(map(str, LINKS_GBPS))
@@ -761,7 +763,8 @@ def steps_tables(dev, cfgs, shapes, rows, meta):
                 print(f"      {part:40s} {us:8.1f}")
             rows.append(dict(kind="exchange", L=L, H=H, dev_us=x["exchange"], read_us=x["read"],
                              ratio=ratio))  # fmt: skip
-        hx = ex_eager["host"]
+        hx = ex_eager.get("host", {"total": float("nan"), "collectives": float("nan"),
+                                   "beyond": float("nan")})  # fmt: skip
         print(f"  host per call at L{HOST_SHAPE[0]} H{HOST_SHAPE[1]} (8 MB): {hx['total']:.1f} us, "
               f"fake collectives {hx['collectives']:.1f} us -> {hx['beyond']:.1f} us beyond "
               f"them (target <= 40)")  # fmt: skip
