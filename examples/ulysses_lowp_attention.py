@@ -25,27 +25,19 @@ import os
 import torch
 import torch.distributed as dist
 
+import ulysses
 from ulysses import lowp
 from ulysses.testing import make_k_full
 
 
 def seq_to_heads(x: torch.Tensor, P: int) -> torch.Tensor:
-    """[B, L, H, D] sequence shard -> [B, S, H/P, D] head shard (one all_to_all_single)."""
-    B, L, H, D = x.shape
-    send = x.reshape(B, L, P, H // P, D).movedim(2, 0).contiguous()  # [P, B, L, H/P, D]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send)
-    return recv.movedim(0, 1).reshape(B, P * L, H // P, D)  # ranks' rows in order
+    """[B, L, H, D] sequence shard -> [B, S, H/P, D] head shard (one all_to_all)."""
+    return ulysses.seq_to_heads(x)
 
 
 def heads_to_seq(x: torch.Tensor, P: int) -> torch.Tensor:
     """[B, S, H/P, D] head shard -> [B, L, H, D] sequence shard."""
-    B, S, h, D = x.shape
-    L = S // P
-    send = x.reshape(B, P, L, h, D).movedim(1, 0).contiguous()  # [P, B, L, h, D]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send)
-    return recv.movedim(0, 2).reshape(B, L, P * h, D)
+    return ulysses.heads_to_seq(x)
 
 
 def attention(q, k, v, n_keys: int | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The examples run as a user would run them: under torchrun, 2 ranks, gloo with CPU tensors.
 
-README.md's usage section is examples/quickstart.py verbatim; a test keeps the two equal.
+README.md's attention snippet is examples/attention_step.py verbatim; a test keeps the two
+equal and runs it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.py"
+ATTENTION_STEP = ROOT / "examples" / "attention_step.py"
 INT8_ATTENTION = ROOT / "examples" / "ulysses_int8_attention.py"
 TIMEOUT_S = 300
 
@@ -55,12 +57,21 @@ def _show(proc: subprocess.CompletedProcess) -> str:
     return f"rc={proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
 
 
-def test_readme_usage_is_the_quickstart():
+def test_readme_attention_snippet_is_the_example():
     readme = (ROOT / "README.md").read_text()
-    source = QUICKSTART.read_text()
+    source = ATTENTION_STEP.read_text()
     assert f"```python\n{source}```" in readme, (
-        "README.md's usage block must be examples/quickstart.py verbatim"
+        "README.md's attention block must be examples/attention_step.py verbatim"
     )
+
+
+def test_attention_step_under_torchrun():
+    proc = _torchrun(ATTENTION_STEP, CUDA_VISIBLE_DEVICES="")
+    lines = re.findall(r"rank (\d): out \[2, 128, 8, 64\], \|grad\| ([0-9.]+)", proc.stdout)
+    assert sorted(r for r, _ in lines) == ["0", "1"], _show(proc)
+    grads = {g for _, g in lines}
+    assert len(grads) == 1 and float(grads.pop()) > 0, _show(proc)  # all-reduced: equal
+    _check_exit(proc)
 
 
 def test_quickstart_under_torchrun():
