@@ -88,9 +88,14 @@ def test_case_matrix_covers_the_awkward_shapes():
     assert all(c.H % 24 == 0 for c in cs + cases_lowp.LARGE_CASES + cases_lowp.SWEEP_CASES)
 
 
-@pytest.mark.parametrize("P", WORLD_SIZES, ids=[f"ws{p}" for p in WORLD_SIZES])
+@pytest.mark.parametrize("P", (1, 2, 3, 4, 6, 8, 16), ids=lambda P: f"ws{P}")
 def test_used_kinds_resolve_at_every_world_size(P):
+    """Every case that runs at P resolves as its kind says; at the default world sizes
+    every case runs."""
     for case in cases_lowp.DEFAULT_CASES + cases_lowp.LARGE_CASES + cases_lowp.SWEEP_CASES:
+        if not cases_lowp.resolvable(case, P):
+            assert P not in WORLD_SIZES or case.Hkv is not None, (case.id, P)
+            continue
         used = cases_lowp.resolve_used(case.used, case.L, P, case.Gq, case.Gk)
         S, L, G = case.L * P, case.L, min(case.Gq, case.Gk)
         if case.used == "none":

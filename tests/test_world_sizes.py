@@ -306,7 +306,9 @@ def test_exchange_at_world_size_one(no_collectives, Hq, Hkv):
     want = gqa_reference(q, k, v, world_size=1, rank=0, **kw)
     first = ulysses.exchange_qkv(q, k, v, **kw)
     copies = [torch.empty_like(t).copy_(t) for t in (q, k, v)]
-    second = ulysses.exchange_qkv(*copies, **kw)
+    with pytest.MonkeyPatch.context() as mp:  # the second call runs the cached plan
+        mp.setattr(lowp, "_prepare", None)
+        second = ulysses.exchange_qkv(*copies, **kw)
     assert first.q.data_ptr() != second.q.data_ptr()
     _assert_fields(first, want, "planned")
     _assert_fields(second, want, "planned, second call")
@@ -327,8 +329,11 @@ def test_smooth_k_stats_at_world_size_one(no_collectives):
     final = ref.merged_amax_shard(
         ref.grouped_amax_full(k, mean, used_sequence=61, group_size=16), rank=0, L=70, group_size=16
     )
-    for method in ("fused", "two_pass", "fused"):
-        st = ulysses.smooth_k_stats(k, used_sequence=61, group_size=16, method=method)
+    for i, method in enumerate(("fused", "two_pass", "fused")):
+        with pytest.MonkeyPatch.context() as mp:
+            if i == 2:  # a planned signature: no validation, no layout
+                mp.setattr(stats, "_validated_part", None)
+            st = ulysses.smooth_k_stats(k, used_sequence=61, group_size=16, method=method)
         assert ref.bitwise_diff(st.k_mean_global, mean) is None, method
         assert ref.bitwise_diff(st.amax_final, final) is None, method
         assert ref.bitwise_diff(st.amax_partial, final) is None, method  # nothing straddles

@@ -9,8 +9,9 @@ G = group_size, NS = slots(L, G).
     payload        [N]            fp32, what one rank sends: [tag | sum | boundary | tag]
 
 Data flow of ``smooth_k_stats`` (docs/DESIGN.md draws it): ``local_stats`` (one read of K,
-one launch) writes the payload -> ONE all_gather -> ``finalize_stats`` (one launch)
-forms the mean, derives the amax, merges the boundary groups and applies the disagreement NaN.
+one launch) writes the payload -> ONE all_gather (none at P = 1: the payload is the table)
+-> ``finalize_stats`` (one launch) forms the mean, derives the amax, merges the boundary
+groups (over any number of ranks) and applies the disagreement NaN.
 Method "two_pass" reads K again with the ``k_grouped_amax`` kernel once the mean is known.
 """
 
