@@ -32,7 +32,6 @@ import torch
 
 import ulysses
 from ulysses import reference
-from ulysses.grid import group_first, slots, touched
 from ulysses.reference import bitwise_diff, format_value
 
 from . import cases
@@ -219,12 +218,9 @@ def call_k_grouped_amax(ctx: Context, case: cases.Case, inputs: Inputs, k_mean_g
 
 def _slot_masks(ctx: Context, case: cases.Case, used: int | None):
     """[B, H, slots] masks: slots whose group holds a live row, and surplus slots."""
-    rank, L, G = ctx.rank, case.L, case.G
-    n_live = L * ctx.world_size if used is None else used
-    n_touched = touched(rank, L, G)
-    slot = torch.arange(slots(L, G))
-    live = (slot < n_touched) & (group_first(rank, L, G) + slot <= (n_live - 1) // G)
-    surplus = slot >= n_touched
+    live, surplus = reference.slot_masks(
+        rank=ctx.rank, L=case.L, world_size=ctx.world_size, used_sequence=used, group_size=case.G
+    )
     shape = (case.B, case.H, -1)
     return live[None, None].expand(shape), surplus[None, None].expand(shape)
 

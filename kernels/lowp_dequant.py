@@ -113,7 +113,10 @@ def _dequant_qkv_kernel(
         p_vc = v_ptr + i_b.to(tl.int64) * stride_vb + i_hv.to(tl.int64) * stride_vh
         b_vc = tl.load(p_vc + o_s64[:, None] * stride_vs + o_d[None, :], mask=m_sd, other=0.0)
         b_vs = tl.load(v_scale_ptr + (i_b * HKV + i_hv) * D + o_d)  # [D] channel scales
-        b_v = round_to(b_vc.to(tl.float32) * b_vs[None, :], out_dtype, HW_ROUND)
+        # e4m3's NaN codes (0x7F, 0xFF) by their bits: Triton's interpreter reads them as finite
+        m_vnan = (b_vc.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+        b_vf = tl.where(m_vnan, float("nan"), b_vc.to(tl.float32))
+        b_v = round_to(b_vf * b_vs[None, :], out_dtype, HW_ROUND)
         p_v = v_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_hv) * D + o_d[None, :]
         tl.store(p_v, b_v, mask=m_sd)
 

@@ -47,6 +47,7 @@ from . import _ops, _validate, grid, stats
 from .kernels._runtime import output_template, stream_key, workspace
 from .kernels.block_stats import LocalStats
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
+from .kernels.lowp_dequant import dequantize_qkv
 from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
 from .kernels.lowp_pack import QOnce, pack_qkv, prepare_pack, q_once_fits
 from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, qv_stats
@@ -93,18 +94,14 @@ class LowpQKV:
         )
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(q, k, v)`` in the input dtype, q [B, S, h, D], k and v [B, S, hkv, D]:
-        ``code * scale`` in fp32, rounded to nearest. K stays centred (``K - k_mean``)."""
-        dtype = self.k_mean.dtype
-        S = self.q.shape[1]
-
-        def rows(scale, group):  # [B, h, n_groups] -> [B, S, h, 1]
-            return scale.repeat_interleave(group, dim=-1)[..., :S].transpose(1, 2)[..., None]
-
-        q = (self.q.float() * rows(self.q_scale, self.q_group)).to(dtype)
-        k = (self.k.float() * rows(self.k_scale, self.k_group)).to(dtype)
-        v = (self.v.float() * self.v_scale[:, None]).to(dtype)
-        return q, k, v
+        """``(q, k, v)`` in the input dtype, q [B, S, h, D], k and v [B, S, hkv, D], contiguous:
+        ``code * scale`` in fp32, rounded to nearest, in one kernel launch. K stays centred
+        (``K - k_mean``)."""
+        return dequant_op(
+            q=self.q, k=self.k, v=self.v, q_scale=self.q_scale, k_scale=self.k_scale,
+            v_scale=self.v_scale, q_group=self.q_group, k_group=self.k_group,
+            dtype=self.k_mean.dtype,
+        )  # fmt: skip
 
 
 # ---- the layout of the send buffer (pure Python) ----------------------------------------------
@@ -206,7 +203,16 @@ def _pack_fake(q, k, v, amax_q, amax_k, k_mean, amax_v, *, world_size, row_bytes
     return q.new_empty((world_size * q.shape[1] * row_bytes,), dtype=torch.uint8)
 
 
+def _dequant_fake(q, k, v, q_scale, k_scale, v_scale, *, q_group, k_group, dtype):
+    return (
+        q.new_empty(q.shape, dtype=dtype),
+        k.new_empty(k.shape, dtype=dtype),
+        v.new_empty(v.shape, dtype=dtype),
+    )
+
+
 qv_stats_op = _ops.define_op("lowp_qv_stats", qv_stats, _qv_stats_fake)
+dequant_op = _ops.define_op("lowp_dequant", dequantize_qkv, _dequant_fake)
 pack_op = _ops.define_op("lowp_pack", pack_qkv, _pack_fake)
 
 

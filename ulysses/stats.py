@@ -84,8 +84,12 @@ _GROUPS: dict[tuple, tuple[int, int]] = {}
 
 def _pg_key(pg) -> tuple:
     """A cache key for a process group that holds no reference to it (a cached reference kept
-    destroyed groups alive until interpreter exit, where their teardown aborted the process)."""
-    return (id(pg), getattr(pg, "group_name", ""))
+    destroyed groups alive until interpreter exit, where their teardown aborted the process).
+    Size and rank are part of it: a group created after another was destroyed can reuse its
+    id and name."""
+    if pg is None:  # a world of one without torch.distributed
+        return (None, "", 1, 0)
+    return (id(pg), getattr(pg, "group_name", ""), pg.size(), pg.rank())
 
 
 def _under_torchrun() -> bool:
