@@ -7,23 +7,18 @@
 * ``_tl.py``: the ``@triton.jit`` helpers the kernels share.
 
 A few private names stay readable here for scripts and tests (``_params`` and the parameter
-modes, the test mirror), and rebinding a name here (``scripts/compile_sm90.py`` sets the
-mirror, the mirrored launch and ``sm_count``) rebinds it in the module that reads it.
+modes). A setting is changed where it is defined (``_launch._MIRROR_TO_CUDA``,
+``_scratch.sm_count``) and in each module that imported it by name (``sm_count``:
+``grouped_amax``, ``finalize_stats``): a name rebound here reaches no other module.
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
-from . import _interp, _launch, _scratch
 from ._interp import TRITON_LOCK, triton_state
 from ._launch import _CONSTEXPR as _CONSTEXPR
-from ._launch import _MIRROR_TO_CUDA as _MIRROR_TO_CUDA
 from ._launch import _NOT_SPECIALIZED as _NOT_SPECIALIZED
 from ._launch import _SPECIALIZED as _SPECIALIZED
 from ._launch import COMPILE_OPTIONS, Launch, compiled_for_gpu, first_launch_stats, launch
-from ._launch import _launch_mirrored as _launch_mirrored
 from ._launch import _params as _params
 from ._scratch import (
     cdiv,
@@ -70,14 +65,3 @@ __all__ = [
     "triton_state",
     "workspace",
 ]
-
-
-class _Forwarding(types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        for owner in (_launch, _scratch, _interp):
-            if name in vars(owner):
-                setattr(owner, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Forwarding

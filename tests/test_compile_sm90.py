@@ -1,6 +1,6 @@
 """Every kernel compiles for sm90 with the Triton installed here (tools/compile_sm90.py).
 
-CI has no GPU and a newer Triton than the GPU machines; the interpreter it runs the kernels
+CI has no GPU and may have a newer Triton than a GPU host; the interpreter it runs the kernels
 in never compiles them. This compiles, through ptxas, on CPU, every specialization that the
 kernel tests and the public calls at the benchmark shapes make the package launch with its
 compiled settings. The GPU suite covers Triton 3.6 on a device; this covers whichever Triton
@@ -70,7 +70,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 @triton.jit
 def _mixed_types_kernel(x_ptr, n):
     # Runs in the interpreter; the compiler refuses a name bound to a float in one branch and
-    # an int in the other (the class of error Triton 3.6 raised in session 3's pack kernel).
+    # an int in the other (Triton 3.6: "Mismatched type"), a class of error CI must catch.
     if n > 0:
         b_v = tl.load(x_ptr)
     else:
@@ -136,6 +136,39 @@ def _mul_sub_kernel(a_ptr, b_ptr, c_ptr, out_ptr):
 @triton.jit
 def _add_sub_kernel(a_ptr, b_ptr, c_ptr, out_ptr):
     tl.store(out_ptr, tl.load(a_ptr) + tl.load(b_ptr) - tl.load(c_ptr))
+
+
+def test_the_recorder_rewires_every_module_that_reads_its_settings(monkeypatch):
+    """After ``_install_recorder`` a launch on CPU tensors takes the compiled settings, with an
+    H200's 132 multiprocessors in every kernel module that holds its own ``sm_count``, and is
+    recorded instead of run."""
+    import pkgutil
+
+    import torch
+    from ulysses.kernels import _launch
+
+    from ulysses import kernels
+
+    modules = [
+        importlib.import_module(f"ulysses.kernels.{info.name}")
+        for info in pkgutil.iter_modules(kernels.__path__)
+    ]
+    holders = [m for m in modules if "sm_count" in vars(m)]
+    assert len(holders) >= 3  # _scratch, and the launchers that import it by name
+    rebound = [(_launch, "_MIRROR_TO_CUDA"), (_launch, "_launch_mirrored")]
+    rebound += [(m, "sm_count") for m in holders]
+    for module, name in rebound:  # monkeypatch restores each after the test
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(compile_sm90, "RECORD_ERRORS", [])
+    seen: dict[str, dict] = {}
+    compile_sm90._install_recorder(seen)
+    cpu = torch.device("cpu")
+    assert _launch.compiled_for_gpu(cpu)
+    assert {m.__name__: m.sm_count(cpu) for m in holders} == {m.__name__: 132 for m in holders}
+    x = torch.zeros(4)
+    _launch.launch(_add_sub_kernel, (1,), cpu, a_ptr=x, b_ptr=x, c_ptr=x, out_ptr=x)
+    assert [s["kernel"] for s in seen.values()] == ["_add_sub_kernel"]
+    assert not compile_sm90.RECORD_ERRORS
 
 
 def test_compilations_take_the_pinned_options(monkeypatch):

@@ -4,15 +4,16 @@ specializations the package launches, with the Triton installed here.
     python tools/compile_sm90.py [--shapes] [--arch 90] [--json FILE] [--jobs N] [PYTEST_ARGS ...]
 
 Why: CI has no GPU. It runs the kernels in Triton's interpreter, which never compiles them, and
-it has a newer Triton than the GPU machines (Triton 3.6). A kernel that the interpreter runs
-but the compiler of some Triton version refuses (Triton 3.6 wanted one type per name across the
-branches of an ``if``; one refused a nested helper) only showed up on a GPU. This script
-compiles what ships (through ptxas to a cubin) with whichever Triton it finds.
+it may have a newer Triton than a GPU host (docs/BENCHMARKS.md: Triton 3.6). A kernel that the
+interpreter runs but the compiler of some Triton version refuses (Triton 3.6 wants one type per
+name across the branches of an ``if``; some versions refuse a nested helper) would otherwise
+show up only on a GPU. This script compiles what ships (through ptxas to a cubin) with
+whichever Triton it finds.
 
 How:
 1. Record. pytest runs in this process (default: the kernel test files below; or
    PYTEST_ARGS) with every launch on CPU tensors taking the compiled path's settings (tiles,
-   warps, rounding path: kernels/_runtime.py's test mirror) and *recorded instead of run*.
+   warps, rounding path: kernels/_launch.py's test mirror) and *recorded instead of run*.
    Nothing executes, so the tests' own checks fail and are ignored here: they are only the
    drivers that make the package plan its launches, as it does on a GPU. With ``--shapes``,
    the public calls (``global_k_mean``, ``k_grouped_amax``, ``smooth_k_stats`` both methods,
@@ -29,7 +30,7 @@ How:
    (``cuobjdump``, shipped with Triton) gives the registers and local memory of each.
 
 Every compilation takes the options every compiled launch of the package pins
-(``kernels/_runtime.py`` ``COMPILE_OPTIONS``: FP fusion off). With ``--fusion-diff`` each
+(``kernels/_launch.py`` ``COMPILE_OPTIONS``: FP fusion off). With ``--fusion-diff`` each
 specialization is compiled again with fusion on, and the table counts those whose SASS
 differs: what the pin costs with this Triton (nothing, where none differs).
 
@@ -139,7 +140,11 @@ def _install_recorder(seen: dict[str, dict]) -> None:
     are recorded into ``seen`` instead of run. A CPU launch never takes PDL, which an sm90 GPU
     takes by default (``enable_pdl=None``): a launch with a ``USE_PDL`` constexpr is recorded
     with it off and on, where this Triton has grid dependency control."""
-    from ulysses.kernels import _runtime, finalize_stats, grouped_amax
+    import pkgutil
+
+    from ulysses.kernels import _launch, _runtime
+
+    from ulysses import kernels
 
     def recorded(kernel, grid, num_warps, kwargs):
         try:
@@ -152,10 +157,14 @@ def _install_recorder(seen: dict[str, dict]) -> None:
         except Exception as e:  # reported by main(); the driver goes on
             RECORD_ERRORS.append(f"{getattr(kernel, '__name__', kernel)}: {e!r}")
 
-    _runtime._MIRROR_TO_CUDA = True  # CPU tensors take the compiled settings
-    _runtime._launch_mirrored = recorded  # ... and are recorded, not run
-    # the settings read the GPU's multiprocessor count: an H200's
-    _runtime.sm_count = finalize_stats.sm_count = grouped_amax.sm_count = lambda device: 132
+    _launch._MIRROR_TO_CUDA = True  # CPU tensors take the compiled settings
+    _launch._launch_mirrored = recorded  # ... and are recorded, not run
+    # The settings read the GPU's multiprocessor count: an H200's, rebound in every kernel
+    # module that holds a binding of sm_count (one imported by name is the module's own).
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"ulysses.kernels.{info.name}")
+        if "sm_count" in vars(module):
+            module.sm_count = lambda device: 132
 
 
 def record(pytest_args: list[str]) -> tuple[list[dict], int]:
