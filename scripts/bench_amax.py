@@ -163,10 +163,10 @@ def host_overhead() -> tuple[float, float]:
 
 def host_parts():
     """Host microseconds of each step of an eager k_grouped_amax call at a tiny shape, back to
-    back: where the per-call time goes."""
+    back: where the per-call time goes. The launcher rows call what the prepared launch's fast
+    path calls (``kernels/_launch.py``), so they need a Triton version it knows."""
+    import inspect
     import time
-
-    from ulysses.kernels import _runtime
 
     from ulysses import amax
 
@@ -178,22 +178,13 @@ def host_parts():
     out = torch.empty(plan.shape, dtype=torch.float32, device="cuda")
     nop = torch.empty(1, device="cuda")
     launch = plan.launch
-    fn, prefix, direct = next(iter(launch.entries.values()))
-    args = launch.args.copy()
-    for p_, t in zip(launch.positions, (k, m, out), strict=True):
-        args[p_] = t.data_ptr() if direct else t  # as Launch passes them
+    launch(k, m, out)  # the first call of an alignment pattern goes through Triton
+    bits = 0
+    for t in (k, m, out):  # the pattern's key, as Launch computes it
+        bits = (bits << 1) | (t.data_ptr() % 16 == 0)
+    direct = launch.direct.get(bits)
     index, g = launch.index, launch.g
-    stream = _runtime._raw_stream(index)
-
-    def raw():
-        fn(g[0], g[1], g[2], stream, *prefix, *args)
-
-    targs = launch.args.copy()
-    for p_, t in zip(launch.positions, (k, m, out), strict=True):
-        targs[p_] = t
-
-    def raw_tensors():  # the launcher given the tensors instead of ints
-        fn(g[0], g[1], g[2], stream, *prefix, *targs)
+    stream = torch.cuda.current_stream(index).cuda_stream
 
     def key():
         return (
@@ -211,8 +202,28 @@ def host_parts():
         ("whole call (eager, back to back)", eager_us(call, n=2000)),
         ("torch zero_() of one element (torch's launch floor)", eager_us(nop.zero_, n=2000)),
         ("prepared Launch(k, m, out)", eager_us(lambda: launch(k, m, out), n=2000)),
-        ("compiled kernel's launcher alone", eager_us(raw, n=2000)),
-        ("the launcher alone, given tensors", eager_us(raw_tensors, n=2000)),
+    ]
+    if direct is None:
+        print(f"# no fast path with Triton {triton.__version__}: no launcher rows")
+    else:
+        # the C launch function and the fixed arguments the fast path passes it
+        found = inspect.getclosurevars(direct).nonlocals
+        c_launch, prefix = found["c_launch"], found["prefix"]
+        args, targs = launch.addresses.copy(), launch.args.copy()
+        for p_, t in zip(launch.positions, (k, m, out), strict=True):
+            args[p_], targs[p_] = t.data_ptr(), t  # as the fast path passes them, and tensors
+
+        def raw():
+            c_launch(*g, stream, *prefix, *args)
+
+        def raw_tensors():  # the launcher given the tensors instead of ints
+            c_launch(*g, stream, *prefix, *targs)
+
+        parts += [
+            ("compiled kernel's launcher alone", eager_us(raw, n=2000)),
+            ("the launcher alone, given tensors", eager_us(raw_tensors, n=2000)),
+        ]
+    parts += [
         ("torch.empty of the output", host_only(lambda: torch.empty(plan.shape, device="cuda"))),
         ("torch.empty_like(template) (the plan's)", host_only(lambda: torch.empty_like(plan.out))),
         ("plan key tuple", host_only(key)),
@@ -220,7 +231,14 @@ def host_parts():
         ("3 x data_ptr()", host_only(lambda: (k.data_ptr(), m.data_ptr(), out.data_ptr()))),
         ("torch.cuda.current_device()", host_only(torch.cuda.current_device)),
         ("torch._C._cuda_getDevice()", host_only(torch._C._cuda_getDevice)),
-        ("current raw stream", host_only(lambda: _runtime._raw_stream(index))),
+        (
+            "current raw stream (torch._C._cuda_getCurrentRawStream)",
+            host_only(lambda: torch._C._cuda_getCurrentRawStream(index)),
+        ),
+        (
+            "torch.cuda.current_stream().cuda_stream",
+            host_only(lambda: torch.cuda.current_stream(index).cuda_stream),
+        ),
     ]
     torch.cuda.synchronize()
     for name, us in parts:
