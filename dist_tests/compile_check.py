@@ -1,5 +1,5 @@
 """smooth_k_stats inside torch.compile(fullgraph=True), and replayed from a CUDA graph where
-there is a GPU: the same bits as eager on every rank (issue 8).
+there is a GPU: the same bits as eager on every rank.
 
     torchrun --standalone --nproc-per-node 2 -m dist_tests.compile_check [--cuda-graph]
         [--backend auto|nccl|gloo-cuda|gloo-cpu] [--timeout-s 600]

@@ -14,7 +14,7 @@ Modes:
     exit               the faulty rank calls os._exit(7) before the collective
     disagree_<arg>     the faulty rank passes a different <arg>: B, H, D, L (payload sizes
                        differ), dtype, used_sequence or group_size. The library checks a new
-                       argument signature on its first call (issue 16 item 4), so every rank
+                       argument signature on its first call (one all_gather), so every rank
                        must raise ValueError naming <arg> and the per-rank values, within
                        seconds.
 """

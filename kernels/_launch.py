@@ -4,12 +4,13 @@ A kernel's host code builds a :class:`Launch` once, every argument fixed except 
 it names as slots, and calls it with those tensors. On CUDA a call goes through Triton's own
 ``kernel[grid](...)`` unless the fast path takes it: :func:`_direct_launcher`, the one place
 that reads Triton's and torch's private launch API. Where it knows the installed Triton
-(3.6, the version the GPU runs), a kernel that Triton has compiled and launched for a
-pattern of slot alignments is called, from the second call of that pattern on, through the
-compiled kernel's C launch function with the addresses as ints. That skips Triton's per-call
-argument binding, tens of microseconds a launch on the H200 host against ~5 us for the C
-function (docs/BENCHMARKS.md). On any other Triton version every launch is
-``kernel[grid](...)``: the same compiled kernels, the same bits, Triton's host cost.
+(3.6, whose launcher was read and run on an H200), a kernel that Triton has compiled and
+launched for a pattern of slot alignments is called, from the second call of that pattern on,
+through the compiled kernel's C launch function with the addresses as ints. That skips
+Triton's per-call argument binding (tens of microseconds a launch on an H200 host); the C
+function takes about 5 us (``scripts/bench_amax.py --host-parts``). On any other Triton
+version every launch is ``kernel[grid](...)``: the same compiled kernels, the same bits,
+Triton's host cost.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ __all__ = ["COMPILE_OPTIONS", "Launch", "compiled_for_gpu", "first_launch_stats"
 #   Triton's default flips from fusion on (<= 3.9, which warns about it) to off (3.10); with
 #   it pinned, neither the version nor TRITON_DEFAULT_FP_FUSION changes a bit. It costs
 #   nothing today: every specialization the package launches compiles to the same SASS with
-#   fusion on and off, with Triton 3.6 and 3.9 (``scripts/compile_sm90.py --fusion-diff``,
-#   docs/BENCHMARKS.md).
+#   fusion on and off, with Triton 3.6 and 3.9 (``tools/compile_sm90.py --fusion-diff``).
 COMPILE_OPTIONS: dict[str, object] = {"enable_fp_fusion": False}
 
 # Test switch: with ULYSSES_TEST_DEVICE=cuda, launches on CPU tensors run compiled on the GPU

@@ -44,7 +44,7 @@ def output_template(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
     """A one-element tensor expanded to ``shape`` (one small allocator block held, whatever
     the shape): a plan keeps it, and ``torch.empty_like(template)`` then allocates a new
     contiguous output of that shape, dtype and device from one argument instead of three
-    keywords (3.8 against 6.6 us on the H200 host, docs/BENCHMARKS.md). An expanded tensor
+    keywords (measured on an H200 host: 3.8 against 6.6 us). An expanded tensor
     overlaps itself, so ``empty_like`` does not copy its strides; it lays the output out
     contiguously (with every dim of size 1, strides of 1: still contiguous)."""
     return torch.empty(1, dtype=dtype, device=device).expand(shape)
@@ -101,11 +101,11 @@ def tile(
 ) -> tuple[int, int]:
     """(BLOCK_H, num_warps) of a kernel whose program holds a [BLOCK_H, D] tile of one row and
     whose grid is ``programs_per_hblock * cdiv(H, BLOCK_H)`` programs. The one tile rule of
-    the package, from the H200 sweeps in docs/BENCHMARKS.md:
+    the package, from cold (L2-flushed) tile sweeps on an H200:
 
-    * CUDA: ``elems`` elements a tile (128 for the amax kernel: the cold sweep of 2026-11-30
-      in docs/BENCHMARKS.md measured 24.7 us with one 128-wide head and 2 warps against 31.4 us
-      with 512-element tiles at 68 MB; 256 for the block-stats kernel, which keeps four
+    * CUDA: ``elems`` elements a tile (128 for the amax kernel: 24.7 us with one 128-wide head
+      and 2 warps against 31.4 us with 512-element tiles at 68 MB, ``scripts/bench_amax.py
+      --sweep``; 256 for the block-stats kernel, which keeps four
       accumulators an element), one warp per 64 elements up to ``max_warps``; with
       ``warps_per_sm`` set, BLOCK_H halves on small grids until about that many warps per SM
       are resident (D=64, L=8190, H=24: 29% -> 62% of the read ceiling).

@@ -1,10 +1,10 @@
 """The @triton.jit helpers the kernels share.
 
-Kept apart from the host runtime (``_runtime.py``): Triton 3.6 puts a jit function's starting
-line number in its cache key, so every kernel that calls a helper compiles again when a line
-above the helper moves. In this small, rarely edited file the helpers keep their lines, and a
-Triton cache carried between machines (``GPU_CHECK_CACHE_IN``) stays valid across host-side
-edits.
+Kept apart from the host modules (``_launch.py``, ``_interp.py``, ``_scratch.py``): Triton 3.6
+puts a jit function's starting line number in its cache key, so every kernel that calls a
+helper compiles again when a line above the helper moves. In this small, rarely edited file
+the helpers keep their lines, and a Triton cache carried between machines
+(``GPU_CHECK_CACHE_IN``) stays valid across host-side edits.
 """
 
 from __future__ import annotations

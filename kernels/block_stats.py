@@ -49,8 +49,9 @@ MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
-# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
-# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# serves every shape, rank and padding of a dtype and tile (otherwise first compilations
+# dominate a run over many shapes, as the test harness makes). Pointers and strides stay
+# specialized: their 16-byte
 # alignment lets the loads and stores vectorize.
 _NOT_SPECIALIZED = [
     "tag_last",
@@ -337,15 +338,15 @@ class LocalStats:
         assert payload.shape == (numel,) and payload.dtype == torch.float32
         assert payload.is_contiguous() and strides[3] == 1
         bhd = B * H * D
-        # scratch, reused per device and stream (kernels/_runtime.workspace)
+        # scratch, reused per device and stream (kernels/_scratch.workspace)
         n_sums = B * n_blocks * H * D
         block_sums = workspace("block_sums", n_sums, torch.float32, device)[:n_sums]
         block_sums = block_sums.view(B, n_blocks, H, D)
         n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
         assert minmax.shape == (B, n_mm, 2, H, D)
         cuda = compiled_for_gpu(device)
-        # K is read once here (evict-first in L2 on CUDA: the cold sweep of session 6 measured
-        # 28.1 -> 26.8 us at 68 MB and 83.2 -> 82.4 at 268 MB, scripts/exp_exchange_variants.py)
+        # K is read once here (evict-first in L2 on CUDA: measured cold on an H200, 28.1 ->
+        # 26.8 us at 68 MB and 83.2 -> 82.4 at 268 MB)
         auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=256)
         block_h = block_h or auto_h
         n_hblocks = cdiv(H, block_h)

@@ -32,8 +32,9 @@ __all__ = ["aligned_fits", "grouped_amax", "prepare_grouped_amax"]
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
-# serves every shape, rank and padding of a dtype and tile (issue 16: first compilations
-# dominated the GPU harness). Pointers and strides stay specialized: their 16-byte
+# serves every shape, rank and padding of a dtype and tile (otherwise first compilations
+# dominate a run over many shapes, as the test harness makes). Pointers and strides stay
+# specialized: their 16-byte
 # alignment lets the loads and stores vectorize.
 _NOT_SPECIALIZED = [
     "L",
@@ -185,8 +186,8 @@ def _grouped_amax_aligned_kernel(
     tl.store(p_out + n_touched, 0.0, mask=i_s == n_touched - 1)
 
 
-# Streaming hint and tile rule of the amax kernel on CUDA, from the cold (L2-flushed) sweep
-# of 2026-12-01 (session 11, docs/BENCHMARKS.md: scripts/exp_amax_inductor.py):
+# Streaming hint and tile rule of the amax kernel on CUDA, from cold (L2-flushed) timings on
+# an H200 (``scripts/bench_amax.py --sweep`` times the tiles):
 # * evict_first on K's loads: 21.3 against 25.0 us at 68 MB, 9.3 against 9.9 at 17 MB, +-1% at
 #   268 MB and 2% slower at 336 MB (88.0 against 86.2), so only up to 256 MiB of K;
 # * one-warp programs reading whole rows, 32 elements a thread a trip (8 rows at D = 128);
@@ -195,7 +196,7 @@ def _grouped_amax_aligned_kernel(
 # * a shard aligned to the grid with whole groups takes the model-specialized kernel from
 #   1 MiB of K (a compilation per H, D, G, dtype and row / head stride, shared by every
 #   sequence length; smaller shards stay on the generic kernel): 16 rows a load,
-#   one warp per 128 elements of it (session 11, call 7: 18.3 against 21.2 us at 68 MB,
+#   one warp per 128 elements of it (18.3 against 21.2 us at 68 MB,
 #   64.3 against 70.7 at 268 MB, 80.1 against 86.3 at 336 MB, 6.9 against 9.1 at 17 MB).
 EVICT_MAX_BYTES = 256 << 20
 SMALL_GRID_WARPS_PER_SM = 16

@@ -337,8 +337,8 @@ class AttnConfig(tuple):
         return f"M{self[0]}-N{self[1]}-w{self[2]}-s{self[3]}-{self.pv}{lazy}"
 
 
-# The configurations tried by ``autotune`` (and the benchmark's sweep) on Hopper. A first
-# H200 sweep (S 32768, h 4, D 128) had 4 warps a 128-row block fastest and 128-key blocks
+# The configurations tried by ``autotune`` (and ``scripts/bench_step.py --sweep``) on Hopper.
+# An H200 sweep (S 32768, h 4, D 128) had 4 warps a 128-row block fastest and 128-key blocks
 # 1.4-1.9x slower; the lazy rescale gained nothing.
 CONFIGS = tuple(
     AttnConfig(bm, bn, w, s, pv)
@@ -349,9 +349,10 @@ CONFIGS = tuple(
     )
 )  # fmt: skip
 
-# (D, causal) -> the default configuration on CUDA: the fastest fp16-P·V configuration of the
-# first H200 sweep (Triton 3.6, D 128: 4.25 ms non-causal at S 32768 h 4, 0.254 ms causal at
-# S 8192 h 4; fp8 P·V was 4-8% faster and ten times less accurate). D 64 is not measured yet.
+# (D, causal) -> the default configuration on CUDA: the fastest fp16-P·V configuration of an
+# H200 sweep (Triton 3.6, D 128: 4.25 ms non-causal at S 32768 h 4, 0.254 ms causal at
+# S 8192 h 4; fp8 P·V was 4-8% faster and ten times less accurate). Other head sizes, not
+# measured, take the non-causal D 128 configuration.
 _DEFAULTS: dict[tuple[int, bool], AttnConfig] = {
     (128, False): AttnConfig(128, 64, 4, 3, "fp16"),
     (128, True): AttnConfig(128, 64, 8, 3, "fp16"),

@@ -358,10 +358,10 @@ def finish_tile(compiled: bool) -> tuple[int, int]:
     unrolled sources live: with eight elements a thread (1024 on 4 warps) and 16 unrolled
     sources (P = 8) the finish needed 193 registers with Triton 3.6 and spilled with Triton
     3.9 (255 registers, 8 bytes a thread); 512 on 8 warps needs 48 / 52 registers alone and
-    64 / 58 in the post-gather launch (Triton 3.6 / 3.9, ``scripts/compile_sm90.py``; 1024
+    64 / 58 in the post-gather launch (Triton 3.6 / 3.9, ``tools/compile_sm90.py``; 1024
     on 8 warps spilled 40 bytes with 3.6). In the exchange's post-gather launch, K's
-    finalize programs run with the same warps; on one H200 (Triton 3.6,
-    ``scripts/exp_finish_tile.py``) 512 on 8 warps cut that launch from 7.2 to 5.8 us cold
+    finalize programs run with the same warps; measured on an H200 (Triton 3.6), 512 on 8
+    warps cut that launch from 7.2 to 5.8 us cold
     at 68 MB, P = 2, from 10.9 to 9.0 at 268 MB, P = 2, and from 11.2 to 9.7 at 68 MB, P = 8
     (512 on 4 matched 1024 on 4: the warps matter). The launch is bound by its cold latency,
     not its bytes. Interpreted: one big block (the interpreter pays per operation, not per

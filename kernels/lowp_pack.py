@@ -440,9 +440,9 @@ def prepare_pack(
     block_h = _block_h(shape, device, block_h)
     # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
     # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
-    # tile (a cold sweep, docs/BENCHMARKS.md). With q_once: one warp per 1024 elements of a
-    # Q group's tile (32 a thread; at least 2 warps), K/V rows for 8 elements a thread and
-    # tensor, 64 rows a program (a sweep of the exchange's chain, docs/BENCHMARKS.md). The
+    # tile (the fastest of a cold sweep on an H200). With q_once: one warp per 1024 elements
+    # of a Q group's tile (32 a thread; at least 2 warps), K/V rows for 8 elements a thread
+    # and tensor, 64 rows a program (the fastest of a sweep of the exchange's chain). The
     # interpreter pays per operation, so it takes big tiles. Any tile gives the same bits.
     if q_once is not None and cuda:
         assert q_once_fits(shape, device, q_group, block_h)

@@ -212,8 +212,8 @@ def prepare_qv_stats(
     vamax = vamax_f32.view(torch.int32)
     cuda = compiled_for_gpu(device)
     # CUDA: ~128 rows a program, 16 rows unrolled, [128 / D heads, D] tiles with 2 warps (a
-    # cold sweep: 43.5 us against 68.2 with 256 rows, 8 rows and 512-element tiles at 68 MB;
-    # docs/BENCHMARKS.md). The interpreter pays per program: longer spans.
+    # cold sweep on an H200: 43.5 us against 68.2 with 256 rows, 8 rows and 512-element tiles
+    # at 68 MB). The interpreter pays per program: longer spans.
     # q_boundary_only (V and two Q slots): 64-row programs with one warp per 128-element
     # tile (a sweep of the exchange's chain: 29.9 / 75.3 us at 68 / 268 MB against 36.7 /
     # 115.1 with the two-read tile).

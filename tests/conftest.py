@@ -64,7 +64,7 @@ def _poison_empty(monkeypatch):
     """Every ``torch.empty`` / ``torch.empty_like`` buffer starts as NaN (floats) or a nonzero
     pattern (ints), as flash-linear-attention's tests do: an output slot a kernel forgot to
     write can never pass as a plausible value. With ULYSSES_TEST_DEVICE=cuda the launches on
-    CPU tensors run compiled on the GPU (kernels/_runtime.py) and the poison travels with the
-    buffers."""
+    CPU tensors run compiled on the GPU (kernels/_launch.py's test mirror) and the poison
+    travels with the buffers."""
     monkeypatch.setattr(torch, "empty", _poisoned_empty)
     monkeypatch.setattr(torch, "empty_like", _poisoned_empty_like)

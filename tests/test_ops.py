@@ -1,4 +1,4 @@
-"""Custom ops, torch.compile and autograd behaviour (issue 8), on CPU."""
+"""Custom ops, torch.compile and autograd behaviour, on CPU."""
 
 from __future__ import annotations
 

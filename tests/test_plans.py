@@ -1,4 +1,4 @@
-"""The eager fast path (issue 12): a call whose signature was validated before runs its
+"""The eager fast path: a call whose signature was validated before runs its
 cached plan. Repeat calls must read the new tensors, allocate new outputs, keep every
 argument check, and follow rule changes (planted faults clear the plans)."""
 

@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of k_grouped_amax against ulysses.reference (issue 7).
+"""Property-based tests (hypothesis) of k_grouped_amax against ulysses.reference.
 
 Bounded example count and derandomized by default (profile "ci"), so a run is reproducible;
 HYPOTHESIS_PROFILE=dev draws new random examples, 5x as many.
