@@ -484,7 +484,7 @@ _dist.run_main(main)
 
 
 def test_watchdog_guards_a_hanging_teardown(tmp_path):
-    """What kept compile_check --cuda-graph alive (issue 16 item 3): a destroy_process_group
+    """What once kept compile_check --cuda-graph alive: a destroy_process_group
     that never returns. The session's watchdog ends it a few seconds after the body."""
     script = tmp_path / "teardown_probe.py"
     script.write_text(textwrap.dedent(_TEARDOWN_HANG))

@@ -30,6 +30,7 @@ def _alias_source_kernels() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    sys.modules[__name__].kernels = module  # ``ulysses.kernels`` as an attribute too
 
 
 _alias_source_kernels()

@@ -162,7 +162,7 @@ def all_gather_payload(payload: torch.Tensor, pg, world_size: int) -> torch.Tens
         gathered = funcol.all_gather_tensor(payload, 0, pg)
         return gathered.view(world_size, payload.numel())
     # Flat (gloo rejects a [P, N] output) and reused from call to call on this stream: a new
-    # NCCL output tensor per call cost ~24 us of host time on the H200 machines. Reuse is
+    # NCCL output tensor per call cost ~24 us of host time (measured on an H200 host). Reuse is
     # stream-ordered: the next all_gather waits for this call's kernels that read it.
     n = world_size * payload.numel()
     gathered = workspace("gathered", n, payload.dtype, payload.device)[:n]
