@@ -157,12 +157,13 @@ def main() -> None:
     p.add_argument("--no-lowp", action="store_true", help="skip the low-precision run")
     p.add_argument(
         "--backend", choices=("auto", "nccl", "gloo"), default="auto",
-        help="auto: NCCL with CUDA (one GPU per rank), else gloo (CPU, or ranks sharing GPUs)",
+        help="auto: NCCL with a GPU per rank, else gloo (CPU, or CUDA tensors on shared GPUs)",
     )  # fmt: skip
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
-    backend = args.backend if args.backend != "auto" else "nccl" if cuda else "gloo"
+    gpu_per_rank = cuda and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    backend = args.backend if args.backend != "auto" else "nccl" if gpu_per_rank else "gloo"
     if cuda:  # gloo lets several ranks share one GPU
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local if backend == "nccl" else local % torch.cuda.device_count())
