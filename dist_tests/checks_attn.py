@@ -53,6 +53,9 @@ from .checks import CaseRun
 # Bound: rep * 2**-8 of max|ref| (at least 2 * 2**-8); measured on CPU, bf16: 0.0045 (rep 2),
 # 0.0088 (rep 4), 0.022 (rep 16).
 BF16_TOL_PER_RANK = 2.0**-8
+# On CUDA the head shard and the whole sequence may not run the same SDPA kernel (GQA, shapes),
+# and flash backward accumulates dq in a data-dependent order: a few bf16 ulps at max|ref|.
+CUDA_TOL = 2.0**-5
 # FP8 e4m3 rounds V to 3 mantissa bits (relative error up to 2**-4), which a query attending
 # few keys passes on nearly whole; INT8 Q/K add a little: measured up to 0.026 of max|v|
 LOWP_FWD_BOUND = 0.07
@@ -184,6 +187,8 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
     rep = 1 if Hkv % P == 0 else P // Hkv
     exact = ctx.device.type == "cpu" and rep == 1
     tol = BF16_TOL_PER_RANK * max(rep, 2)
+    if ctx.device.type == "cuda":
+        tol = max(tol, CUDA_TOL)
     if case.comm == "bf16":
         for name, g in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
             if exact:
