@@ -19,7 +19,7 @@ On every rank:
      * comm "bf16": output and q/k/v gradients bit for bit where the attention treats heads
        independently (CPU SDPA, K/V heads not repeated); else ``max|got - ref| <= rep *
        BF16_TOL_PER_RANK * max|ref|`` (a K/V head repeated to ``rep`` ranks sums its
-       gradient over them);
+       gradient over them), at least ``CUDA_TOL * max|ref|`` on CUDA;
      * comm "lowp": output within ``LOWP_FWD_BOUND * max|v|`` of the fp32 attention;
        bit for bit equal to the attention of the gather-then-quantize values (CPU, K/V heads
        not repeated); gradients finite, with ``||g - g_bf16|| <= LOWP_GRAD_BOUND *
