@@ -10,8 +10,9 @@ modelled as ``bytes sent off-rank / link bandwidth``. Per shape (B 1, D 128, bf1
 
 * ``bf16``: q|k|v packed per destination -> all_to_all -> SDPA on [B, h, S, D] views ->
   heads->sequence all_to_all of the output (packing and merging as ``ulysses.attention``);
-* ``lowp-a``: ``exchange_qkv`` -> ``LowpQKV.dequantize()`` (torch ops) -> SDPA -> output
-  all_to_all; ``lowp-b``: the fused dequantize kernel (kernels/lowp_dequant.py) -> SDPA;
+* ``lowp-a``: ``exchange_qkv`` -> a dequantize in torch ops (``code.float() * scale``,
+  ``reference.lowp_dequantize_reference``) -> SDPA -> output all_to_all; ``lowp-b``: the fused
+  dequantize kernel (kernels/lowp_dequant.py, what ``LowpQKV.dequantize()`` runs) -> SDPA;
   ``lowp-c16`` / ``lowp-c8``: the attention kernel on the codes (kernels/lowp_attention.py)
   with fp16 / fp8 P·V.
   The fake all_to_all leaves the exchange's receive buffer unwritten, so the consumers read
@@ -163,10 +164,21 @@ def wire_like(x: lowp.LowpQKV, ref: dict) -> lowp.LowpQKV:
     )
 
 
+def torch_dequantize(lq) -> tuple:
+    """The dequantize in torch ops (what ``LowpQKV.dequantize()`` ran before its kernel)."""
+    dtype = lq.k_mean.dtype
+    return (
+        reference.lowp_dequantize_reference(lq.q, lq.q_scale, dtype, lq.q_group),
+        reference.lowp_dequantize_reference(lq.k, lq.k_scale, dtype, lq.k_group),
+        reference.lowp_dequantize_reference(lq.v, lq.v_scale, dtype, None),
+    )
+
+
 def sdpa(q, k, v, causal):
     """SDPA on [B, S, h, D] head shards (as ``ulysses.attention.sdpa_attention``)."""
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, **gqa
     )
     return out.transpose(1, 2)
 
@@ -228,7 +240,7 @@ class Case:
     def consumer(self, name):
         lq, causal = self.lq, self.causal
         if name == "a":
-            return lambda: sdpa(*lq.dequantize(), causal)
+            return lambda: sdpa(*torch_dequantize(lq), causal)
         if name == "b":
             args = (lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale)
             kw = dict(q_group=lq.q_group, k_group=lq.k_group, dtype=torch.bfloat16)
@@ -258,7 +270,7 @@ class Case:
             self.lq.q, self.lq.k, self.lq.v, self.lq.q_scale, self.lq.k_scale,
             self.lq.v_scale, q_group=32, k_group=64, dtype=torch.bfloat16,
         )  # fmt: skip
-        out["dequant-torch"] = self.lq.dequantize
+        out["dequant-torch"] = lambda: torch_dequantize(self.lq)
         out["attn-sdpa"] = lambda: sdpa(*self.unpack(), self.causal)
         out["attn-c16"] = self.consumer("c16")
         out["attn-c8"] = self.consumer("c8")
