@@ -17,8 +17,8 @@ On every rank:
      output gradient, logging every collective step it takes;
   4. compare this rank's rows:
      * comm "bf16": output and q/k/v gradients bit for bit where the attention treats heads
-       independently (CPU SDPA, K/V heads not repeated); else ``max|got - ref| <= rep *
-       BF16_TOL_PER_RANK * max|ref|`` (a K/V head repeated to ``rep`` ranks sums its
+       independently (CPU SDPA, K/V heads not repeated); else ``max|got - ref| <= (2 * rep +
+       1) * BF16_TOL_PER_RANK * max|ref|`` (a K/V head repeated to ``rep`` ranks sums its
        gradient over them), at least ``CUDA_TOL * max|ref|`` on CUDA;
      * comm "lowp": output within ``LOWP_FWD_BOUND * max|v|`` of the fp32 attention;
        bit for bit equal to the attention of the gather-then-quantize values (CPU, K/V heads
@@ -49,9 +49,11 @@ from .checks import CaseRun
 
 # Bounds (docs/VALIDATION.md lists the errors measured on the CPU harness beside them):
 # A K/V head repeated to ``rep`` ranks sums its gradient over them, and each rank's partial
-# is already rounded to the input dtype by its attention backward: the error grows with rep.
-# Bound: rep * 2**-8 of max|ref| (at least 2 * 2**-8); measured on CPU, bf16: 0.0045 (rep 2),
-# 0.0088 (rep 4), 0.022 (rep 16).
+# is already rounded to bf16 by its attention backward (at most 2**-8 of the partial), as is
+# the reference's own result: ``(2 * rep + 1) * 2**-8`` of max|ref| allows partials up to twice
+# max|ref|. Measured on CPU (bf16, largest of dk, dv over ranks): 0.0070 (P 2, rep 2), 0.0074
+# (P 3, rep 3), 0.0088 (P 4, rep 4), 0.0103 (P 6, rep 2), 0.014 (P 6, rep 6), 0.0195 (P 8,
+# rep 8), 0.022 (P 16, rep 16).
 BF16_TOL_PER_RANK = 2.0**-8
 # On CUDA the head shard and the whole sequence may not run the same SDPA kernel (GQA, shapes),
 # and flash backward accumulates dq in a data-dependent order: a few bf16 ulps at max|ref|.
@@ -186,7 +188,7 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
     Hkv, P = case.heads(ctx.world_size)[1], ctx.world_size
     rep = 1 if Hkv % P == 0 else P // Hkv
     exact = ctx.device.type == "cpu" and rep == 1
-    tol = BF16_TOL_PER_RANK * max(rep, 2)
+    tol = BF16_TOL_PER_RANK * (2 * rep + 1)
     if ctx.device.type == "cuda":
         tol = max(tol, CUDA_TOL)
     if case.comm == "bf16":
