@@ -454,7 +454,8 @@ def prepare_pack(
     n_rblocks = cdiv(L, block_l)
     # the K/V loop's rows and slots are int32: global rows up to the last program's end
     assert P * L + block_l < 2**31, f"{P * L} rows: the pack's int32 row arithmetic wraps"
-    num_warps = num_warps or (max(1, min(8, rows * block_h * D // 256)) if cuda else 1)
+    # at least 2 warps: one warp on a small tile held 128 registers and spilled (Triton 3.9)
+    num_warps = num_warps or (max(2, min(8, rows * block_h * D // 256)) if cuda else 1)
     HE = P * hkv  # K/V lanes: (destination, K/V head) pairs
     n_lanes = HE if q_once is not None else max(H, HE)  # Q_ONCE: the row programs skip Q
     n_code = B * n_rblocks * cdiv(n_lanes, block_h)

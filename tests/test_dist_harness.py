@@ -386,7 +386,7 @@ def test_validate_preflight_messages(monkeypatch, capsys):
     assert validate.main(["--world-sizes", "2", "--large"]) == 2
     assert "--large needs CUDA" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        validate.parse_args(["--world-sizes", "3"])
+        validate.parse_args(["--world-sizes", "0"])
 
 
 def test_validate_table_and_forwarded_arguments():
