@@ -588,6 +588,11 @@ def pack_qkv(
     row_bytes: int,
     scale_bytes: int,
     use_pdl: bool,
+    q_once: bool = False,
+    q_n_touched: int = 0,
+    q_tail_group: int = -1,
+    q_live_end: int = 0,
+    floor: float = 0.0,
     block_l: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -603,6 +608,9 @@ def pack_qkv(
     global. ``row_bytes`` = ``B*(h + 2*hkv)*D + scale_bytes``, ``scale_bytes`` a multiple of
     16 holding the scale block. ``evict`` marks q's, k's and v's loads evict-first in L2
     (same bits; off by default: a cold sweep measured 1.05x at 68 MB and 1.08x at 268 MB).
+    ``q_once`` with the Q grid's ``q_n_touched``, ``q_tail_group``, ``q_live_end`` and
+    ``floor``: read Q here only (:class:`QOnce`; ``amax_q`` then needs only its first and last
+    touched slot).
     """
     B, L, H, D = q.shape
     HK = k.shape[2]
@@ -627,6 +635,7 @@ def pack_qkv(
         scale_bytes=scale_bytes,
         use_pdl=use_pdl,
         kv_heads=HK,
+        q_once=QOnce(q_n_touched, q_tail_group, q_live_end, floor) if q_once else None,
         block_l=block_l,
         rows=rows,
         block_h=block_h,

@@ -16,7 +16,7 @@ head block indexes both, V's lanes past HV masked off.
 
 With ``q_boundary_only`` (when the pack kernel reads Q once; :func:`prepare_qv_stats` only) Q
 is read for the first and last touched slot alone, the ones that can straddle ranks: slots
-``[1, n_touched - 1)`` of ``amax`` are not written (surplus slots are still 0).
+``[1, n_touched - 1)`` of ``amax`` hold the floor (surplus slots are still 0).
 
 The payload (fp32, sent in the statistics all_gather) is ``[Q first/last touched slot
 [B, H, 2] | V amax [B, HV, D]]``; the full Q partial [B, H, NS] stays local.
@@ -152,7 +152,8 @@ def _qv_stats_kernel(
         b_out = canonical_nan_bits(tl.max(b_qacc, axis=1))
         b_out = tl.maximum(b_out, floor_bits).to(tl.float32, bitcast=True)
         b_out = tl.where(i_s < n_touched, b_out, 0.0)
-        m_s = tl.where((i_s < n_slots) & ((i_s < q_skip_lo) | (i_s >= q_skip_hi)), m_h, False)
+        # skipped slots store the floor (their Q is not read): every output element is defined
+        m_s = tl.where(i_s < n_slots, m_h, False)
         tl.store(amax_ptr + i_b * H * n_slots + o_h * n_slots + i_s, b_out, mask=m_s)
         p_bound = payload_ptr + (i_b * H + o_h) * 2
         tl.store(p_bound, b_out, mask=tl.where(i_s == 0, m_h, False))
@@ -199,8 +200,8 @@ def prepare_qv_stats(
     launches the kernel. ``shape`` is q's [B, L, H, D]; v has ``v_heads`` heads (H when
     None; H must be a multiple). ``q_boundary_only``: Q's amax for the first and last
     touched slot only (the pack kernel's ``q_once`` derives the others from the rows it
-    reads): slots ``[1, n_touched - 1)`` of ``amax`` are left as they are (surplus slots are
-    still 0)."""
+    reads): slots ``[1, n_touched - 1)`` of ``amax`` hold the floor (surplus slots are still
+    0)."""
     B, L, H, D = shape
     HV = H if v_heads is None else v_heads
     G = group_size

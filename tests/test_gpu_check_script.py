@@ -79,3 +79,12 @@ def test_without_an_outdir_the_logs_go_to_a_new_temporary_folder(tmp_path):
     assert len(made) == 1, out
     assert (made[0] / "gpu_check_table.md").is_file(), out
     assert f"logs and the table (gpu_check_table.md) are in {made[0]}" in out, out
+
+
+def test_a_world_size_the_budget_cannot_hold_is_skipped_with_its_reason(tmp_path):
+    """A harness world size started with too little of the budget left would only time out
+    and read as a failure: it is a SKIP row that names the budget and how to run it."""
+    out = _run(tmp_path, "run", {"TRITON_CACHE_DIR": str(tmp_path / "c")})
+    table = (tmp_path / "run" / "gpu_check_table.md").read_text()
+    assert "harness_P2: SKIP:" in out and "of the 15 s budget" in out, out
+    assert "GPU_CHECK_WORLD_SIZES=2" in table, table

@@ -168,3 +168,30 @@ def test_local_stats_strided_equals_contiguous():
     n = ulysses.touched(r, L, G)
     assert n < mm1.shape[1]  # this shape has a surplus slot
     assert torch.equal(s1, s2) and torch.equal(mm1[:, :n], mm2[:, :n])
+
+
+@pytest.mark.parametrize("Hq,Hkv,used", [(4, 4, None), (4, 2, 20), (6, 1, 33)])
+def test_opcheck_exchange_steps(monkeypatch, Hq, Hkv, used):
+    """The exchange's custom ops (the full path torch.compile runs): lowp_local, lowp_post
+    (which merges Q's boundary slots into amax_q in place) and lowp_pack, at world size 1.
+    L = 33 touches every slot of both grids: K's min/max of a surplus slot is never written
+    nor read (as ``local_stats``'s), which opcheck would see as outputs that differ."""
+    from ulysses import lowp
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    g = torch.Generator().manual_seed(Hq * 10 + Hkv)
+    q = torch.randn(1, 33, Hq, 32, generator=g).bfloat16()
+    k = torch.randn(1, 33, Hkv, 32, generator=g).bfloat16()
+    v = torch.randn(1, 33, Hkv, 32, generator=g).bfloat16()
+    c = lowp._prepare(q, k, v, None, used, 16, 32, None)
+    assert c.part.layout.n_touched == c.part.layout.n_slots and c.lay_q.n_touched == c.lay_q.n_slots
+    local = lowp._local_args(c)
+    torch.library.opcheck(torch.ops.ulysses.lowp_local.default, (q, k, v), local)
+    payload, amax_q, minmax = lowp.local_op.impl(q=q, k=k, v=v, **local)
+    gathered = payload.view(1, -1)
+    torch.library.opcheck(
+        torch.ops.ulysses.lowp_post.default, (gathered, minmax, amax_q), lowp._post_args(c)
+    )
+    k_stats, amax_q, amax_v, _ = lowp._finish_stats(c, gathered, amax_q, minmax)
+    send = lowp._pack(c, k_stats, amax_q, amax_v)
+    assert send.dtype == torch.uint8 and send.numel() == c.wire.nbytes

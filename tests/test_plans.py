@@ -93,3 +93,136 @@ def test_launch_binds_fixed_arguments_once():
     assert ref.bitwise_diff(out, ref.grouped_amax_shard(k, mean, rank=1, world_size=2)) is None
     with pytest.raises(ValueError):  # a wrong number of tensors never launches
         step(k, mean)
+
+
+# ---- one pipeline: the plan, the full path and torch.compile run the same kernels ----------
+
+_FIELDS = ("q", "k", "v", "q_scale", "k_scale", "v_scale", "k_mean")
+
+
+def _kernel_log(monkeypatch) -> list[tuple]:
+    """Every Triton launch of the package, in order: (kernel name, grid, warps, every
+    argument that is not a tensor: sizes, strides, grid values, tiles, constexprs)."""
+    from ulysses.kernels._launch import Launch
+
+    seen: list[tuple] = []
+    run = Launch.__call__
+
+    def record(self, *tensors):
+        fixed = tuple(
+            a
+            for i, a in enumerate(self.args)
+            if i not in self.positions and not isinstance(a, torch.Tensor)
+        )
+        seen.append((self.kernel.fn.__name__, self.grid, self.num_warps, fixed))
+        return run(self, *tensors)
+
+    monkeypatch.setattr(Launch, "__call__", record)
+    return seen
+
+
+@pytest.fixture
+def fake_world(request):
+    """torch.distributed initialized with torch's fake process group (collectives do
+    nothing) as rank 1 of ``request.param`` ranks; torn down after the test."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=request.param)
+    yield request.param
+    dist.destroy_process_group()
+
+
+def _exchange_inputs(P, Hq=4, Hkv=2, L=40, D=32):
+    g = torch.Generator().manual_seed(P)
+    q = torch.randn(1, L, Hq, D, generator=g).bfloat16()
+    k = torch.randn(1, L, Hkv, D, generator=g).bfloat16()
+    v = torch.randn(1, L, Hkv, D, generator=g).bfloat16()
+    return q, k, v
+
+
+def _three_paths(monkeypatch, q, k, v, module=None, step=None, **kw):
+    """[(kernel launches, result)] of the eager plan, the full path and torch.compile of
+    ``step`` (default: the exchange's fields), whose plans live in ``module``."""
+    from ulysses import lowp
+
+    lowp = module or lowp
+    seen = _kernel_log(monkeypatch)
+
+    if step is None:
+
+        def step(q, k, v):
+            x = ulysses.exchange_qkv(q, k, v, **kw)
+            return tuple(getattr(x, f) for f in _FIELDS)
+
+    def logged(fn):
+        seen.clear()
+        out = fn(q, k, v)
+        return list(seen), out
+
+    lowp._PLANS.clear()
+    step(q, k, v)  # builds the plan
+    runs = [logged(step)]
+    assert lowp._PLANS, "the plan ran"
+    with monkeypatch.context() as mp:
+        mp.setattr(lowp, "_plan_key", lambda *a: None)
+        runs.append(logged(step))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(q, k, v)  # the first call traces
+    runs.append(logged(compiled))
+    return runs
+
+
+def test_exchange_runs_one_pipeline_at_world_size_one(monkeypatch):
+    """Plan, full path and compiled call: the same Triton kernels in the same order, and
+    the same bits (one process, the whole sequence local)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    q, k, v = _exchange_inputs(1)
+    runs = _three_paths(monkeypatch, q, k, v, used_sequence=37, q_group=16, k_group=32)
+    plan_kernels = runs[0][0]
+    assert plan_kernels[0][0] == "_block_stats_kernel" and plan_kernels[-1][0] == "_pack_kernel"
+    for kernels, out in runs[1:]:
+        assert kernels == plan_kernels
+        for name, a, b in zip(_FIELDS, out, runs[0][1], strict=True):
+            same_bytes = torch.equal(
+                a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+            )
+            assert a.shape == b.shape and a.dtype == b.dtype and same_bytes, name
+
+
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
+def test_exchange_runs_one_pipeline_under_a_process_group(monkeypatch, fake_world):
+    """Rank 1 of 4 (torch's fake process group: the collectives move no data, so only the
+    launches are compared): plan, full path and compiled call launch the same kernels in the
+    same order, the post-gather step as one launch."""
+    q, k, v = _exchange_inputs(fake_world, L=24)
+    runs = _three_paths(monkeypatch, q, k, v, q_group=16, k_group=32)
+    plan_kernels = runs[0][0]
+    assert [name for name, *_ in plan_kernels] == [
+        "_block_stats_kernel",
+        "_qv_stats_kernel",
+        "_post_gather_kernel",
+        "_pack_kernel",
+    ]
+    assert [r[0] for r in runs[1:]] == [plan_kernels, plan_kernels]
+
+
+@pytest.mark.parametrize("method", ["fused", "two_pass"])
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
+def test_smooth_k_stats_runs_one_pipeline(monkeypatch, fake_world, method):
+    """smooth_k_stats, rank 1 of 4: plan, full path and compiled call launch the same kernels
+    with the same arguments."""
+    from ulysses import stats
+
+    q, k, v = _exchange_inputs(fake_world, L=24)
+
+    def step(q, k, v):
+        s = ulysses.smooth_k_stats(k, group_size=16, method=method)
+        return s.k_mean_global, s.amax_final
+
+    runs = _three_paths(monkeypatch, q, k, v, module=stats, step=step)
+    names = [name for name, *_ in runs[0][0]]
+    assert names[0] == "_block_stats_kernel" and "_finalize_kernel" in names
+    assert [r[0] for r in runs[1:]] == [runs[0][0], runs[0][0]]

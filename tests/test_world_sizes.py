@@ -251,7 +251,10 @@ def test_lowp_finish_merges_many_sources(P, L, G, rank, n_sources, Hkv, assert_b
     bounds = gathered[:, n_k : n_k + 2 * B * Hq].reshape(P, B, Hq, 2)
     bounds[rank, ..., 0] = partial[..., 0]
     bounds[rank, ..., 1] = partial[..., lay.n_touched - 1]
-    want_q = lowp._merge_q_boundaries(partial, bounds, lay)
+    for q in range(P):  # a rank touching one group: its first and last record are that slot's
+        if grid.layout(q, L, P, G, None).n_touched == 1:
+            bounds[q, ..., 1] = bounds[q, ..., 0]
+    want_q = ref.merged_boundary_amax(partial, bounds, rank=rank, L=L, group_size=G)
     bits = gathered[:, n_k + 2 * B * Hq :].reshape(P, B, Hkv, D).view(torch.int32)
     want_v = bits.amax(dim=0).view(torch.float32)
     first = rank * hkv // rep
@@ -315,11 +318,11 @@ def test_exchange_at_world_size_one(no_collectives, Hq, Hkv):
     # the steps of the full path (the one torch.compile traces)
     c = lowp._prepare(q, k, v, None, used, 16, 32, None)
     assert (c.rank, c.P, c.pg) == (0, 1, None)
-    payload, amax_q = lowp._local_stats(c)
+    payload, amax_q, minmax = lowp._local_stats(c)
     gathered = stats.all_gather_payload(payload, c.pg, c.P)
-    k_stats, amax_q, amax_v = lowp._finish_stats(c, gathered, amax_q)
+    k_stats, amax_q, amax_v, v_scale = lowp._finish_stats(c, gathered, amax_q, minmax)
     send = lowp._pack(c, k_stats, amax_q, amax_v)
-    full = lowp._unpack(c, lowp._all_to_all(send, c.pg, c.P), k_stats, amax_v)
+    full = lowp._unpack(c, lowp._all_to_all(send, c.pg, c.P), k_stats, v_scale)
     _assert_fields(full, want, "full path")
 
 

@@ -24,10 +24,11 @@ __all__ = ["define_op", "is_compiling", "k_grouped_amax", "local_stats_op", "fin
 is_compiling = torch.compiler.is_compiling
 
 
-def define_op(name: str, impl: Callable, fake: Callable) -> Callable:
-    """Register ``impl`` as ``torch.ops.ulysses.<name>`` (no mutation) with ``fake``; return a
-    keyword-only dispatcher (``.op`` is the custom op, ``.impl`` the host function)."""
-    op = torch.library.custom_op(f"ulysses::{name}", impl, mutates_args=())
+def define_op(name: str, impl: Callable, fake: Callable, mutates: tuple[str, ...] = ()) -> Callable:
+    """Register ``impl`` as ``torch.ops.ulysses.<name>`` with ``fake``, mutating only the
+    arguments named in ``mutates``; return a keyword-only dispatcher (``.op`` is the custom
+    op, ``.impl`` the host function)."""
+    op = torch.library.custom_op(f"ulysses::{name}", impl, mutates_args=mutates)
     op.register_fake(fake)
 
     def dispatch(**kwargs):

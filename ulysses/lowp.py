@@ -45,12 +45,13 @@ from torch.distributed.distributed_c10d import AllToAllOptions
 
 from . import _ops, _validate, grid, stats
 from .kernels._runtime import output_template, stream_key, workspace
-from .kernels.block_stats import LocalStats
+from .kernels.block_stats import MINMAX_ALL, LocalStats, payload_numel
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
 from .kernels.lowp_dequant import dequantize_qkv
 from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
 from .kernels.lowp_pack import QOnce, pack_qkv, prepare_pack, q_once_fits
-from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, qv_stats
+from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel
+from .kernels.lowp_steps import exchange_local, exchange_post
 
 __all__ = ["LowpQKV", "exchange_qkv", "payload_bytes", "bf16_payload_bytes", "GROUP_SIZES"]
 
@@ -191,11 +192,25 @@ def bf16_payload_bytes(B: int, L: int, H: int, D: int, *, kv_heads: int | None =
 # ---- ops ---------------------------------------------------------------------------------------
 
 
-def _qv_stats_fake(q, v, payload=None, *, n_slots, **_):
-    B, _, H, D = q.shape
+def _local_fake(q, k, v, *, k_n_slots, q_n_slots, **_):
+    B, _, Hq, D = q.shape
+    Hkv = k.shape[2]
+    n = payload_numel(B, Hkv, D, MINMAX_ALL) + qv_payload_numel(B, Hq, D, Hkv)
     return (
-        q.new_empty((qv_payload_numel(B, H, D, v.shape[2]),), dtype=torch.float32),
-        q.new_empty((B, H, n_slots), dtype=torch.float32),
+        q.new_empty((n,), dtype=torch.float32),
+        q.new_empty((B, Hq, q_n_slots), dtype=torch.float32),
+        k.new_empty((B, k_n_slots, 2, Hkv, D)),
+    )
+
+
+def _post_fake(gathered, minmax, amax_q, *, dtype, B, Hkv, D, k_n_slots, kv_rep, **_):
+    hkv = Hkv * kv_rep // gathered.shape[0]
+    return (
+        gathered.new_empty((B, Hkv, D), dtype=dtype),
+        gathered.new_empty((B, Hkv, k_n_slots)),
+        gathered.new_empty((B, Hkv, k_n_slots)),
+        gathered.new_empty((B, Hkv, D)),
+        gathered.new_empty((B, hkv, D)),
     )
 
 
@@ -211,35 +226,15 @@ def _dequant_fake(q, k, v, q_scale, k_scale, v_scale, *, q_group, k_group, dtype
     )
 
 
-qv_stats_op = _ops.define_op("lowp_qv_stats", qv_stats, _qv_stats_fake)
-dequant_op = _ops.define_op("lowp_dequant", dequantize_qkv, _dequant_fake)
+# The steps of the exchange (kernels/lowp_steps.py): the same kernels, in the same order, as
+# the eager plan's launches
+local_op = _ops.define_op("lowp_local", exchange_local, _local_fake)
+post_op = _ops.define_op("lowp_post", exchange_post, _post_fake, mutates=("amax_q",))
 pack_op = _ops.define_op("lowp_pack", pack_qkv, _pack_fake)
+dequant_op = _ops.define_op("lowp_dequant", dequantize_qkv, _dequant_fake)
 
 
-# ---- after the statistics all_gather -----------------------------------------------------------
-
-
-def _merge_q_boundaries(amax_partial, bounds, lay: grid.Layout) -> torch.Tensor:
-    """amax_final of Q: the first and last touched slot take the max over every rank touching
-    their group (``bounds`` [P, B, H, 2]: each rank's first/last slot). NaN propagates."""
-    final = amax_partial
-    for s, sources in ((0, lay.first_sources), (lay.n_touched - 1, lay.last_sources)):
-        if len(sources) == 1:
-            continue
-        merged = None
-        for q, end in sources:
-            value = bounds[q, :, :, end]
-            merged = value if merged is None else torch.maximum(merged, value)
-        if final is amax_partial:
-            final = amax_partial.clone()
-        final[:, :, s] = merged
-    return final
-
-
-def _ieee_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
-    """``t / divisor``, one IEEE division per element on every device (CUDA turns a division
-    by a Python scalar into a multiplication by its reciprocal)."""
-    return t / torch.full((), divisor, dtype=t.dtype, device=t.device)
+# ---- after the all_to_all ----------------------------------------------------------------------
 
 
 _INDEX: dict[tuple, tuple] = {}
@@ -392,15 +387,16 @@ def exchange_qkv(
             _PLANS.clear()
         _PLANS[key] = plan
         return plan(q, k, v, call.pg)
-    payload, amax_q_partial = _local_stats(call)
+    payload, amax_q, minmax = _local_stats(call)
     gathered = stats.all_gather_payload(payload, call.pg, call.P)  # [P, n_k + n_qv]
-    k_stats, amax_q, amax_v = _finish_stats(call, gathered, amax_q_partial)
+    k_stats, amax_q, amax_v, v_scale = _finish_stats(call, gathered, amax_q, minmax)
     send = _pack(call, k_stats, amax_q, amax_v)
     recv = _all_to_all(send, call.pg, call.P)
-    return _unpack(call, recv, k_stats, amax_v)
+    return _unpack(call, recv, k_stats, v_scale)
 
 
-# ---- the steps of one call (separate so that scripts/bench_lowp.py can time each) -----------
+# ---- the steps of one call: the ops of kernels/lowp_steps.py and the pack, in the eager plan's
+# order (separate so that scripts/bench_lowp.py can time each) ------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +414,7 @@ class _Call:
     lay_q: grid.Layout
     wire: _Wire
     use_pdl: bool
+    q_once: bool  # the pack reads Q (kernels/lowp_pack.q_once_fits)
 
 
 def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Call:
@@ -459,50 +456,76 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
         lay_q=grid.layout(rank, L, P, q_group, used_sequence),
         wire=_wire(B, L, Hq, D, P, q_group, k_group, Hkv),
         use_pdl=part.use_pdl,
+        q_once=q_once_fits(q.shape, k.device, q_group),
     )
 
 
-def _local_stats(c: _Call) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local statistics kernels: (payload fp32 [n_k + n_qv], Q's partial amax [B, Hq, NSq])."""
-    B, _, Hq, D = c.q.shape
-    lay = c.lay_q
-    qv_args = dict(
-        group_size=c.q_group,
-        row0=lay.row0,
-        n_slots=lay.n_slots,
-        n_touched=lay.n_touched,
-        tail_group=lay.tail_group,
-        live_end=lay.live_end,
+def _local_args(c: _Call) -> dict:
+    """The keyword arguments of ``local_op`` but the tensors."""
+    lay_k, lay_q = c.part.layout, c.lay_q
+    assert c.part.minmax_mode == MINMAX_ALL
+    args = {f"k_{name}": value for name, value in lay_k.stats_args().items()}
+    args["k_group"] = args.pop("k_group_size")
+    return dict(
+        args,
+        tag=c.part.tag,
+        q_group=c.q_group,
+        q_row0=lay_q.row0,
+        q_n_slots=lay_q.n_slots,
+        q_n_touched=lay_q.n_touched,
+        q_tail_group=lay_q.tail_group,
+        q_live_end=lay_q.live_end,
         floor=grid.FLOOR,
+        q_boundary_only=c.q_once,
         use_pdl=c.use_pdl,
     )
-    if _ops.is_compiling():  # functional: no writes into slices of a shared buffer
-        payload_qv, amax_q_partial = qv_stats_op(q=c.q, v=c.v, **qv_args)
-        return torch.cat([c.part.write(None), payload_qv]), amax_q_partial
-    n_k = c.part.numel
-    n_qv = qv_payload_numel(B, Hq, D, c.v.shape[2])
-    payload = torch.empty(n_k + n_qv, dtype=torch.float32, device=c.k.device)
-    c.part.write(payload[:n_k])
-    _, amax_q_partial = qv_stats_op(q=c.q, v=c.v, payload=payload[n_k:], **qv_args)
-    return payload, amax_q_partial
 
 
-def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q_partial: torch.Tensor):
-    """After the all_gather: (SmoothKStats, Q's merged amax [B, Hq, NSq], V's amax
-    [B, Hkv, D])."""
-    B, _, Hkv, D = c.k.shape
-    Hq = c.q.shape[2]
-    P, n_k = c.P, c.part.numel
-    k_stats = c.part.finish(gathered[:, :n_k])  # a column slice: rows read by stride
-    bounds = gathered[:, n_k : n_k + 2 * B * Hq].reshape(P, B, Hq, 2)
-    amax_q = _merge_q_boundaries(amax_q_partial, bounds, c.lay_q)
-    amax_v_bits = gathered[:, n_k + 2 * B * Hq :].reshape(P, B, Hkv, D).view(torch.int32)
-    amax_v = amax_v_bits.amax(dim=0).view(torch.float32)  # int max: NaN sorts above +Inf
-    return k_stats, amax_q, amax_v
+def _post_args(c: _Call) -> dict:
+    """The keyword arguments of ``post_op`` but the tensors."""
+    fin = c.part.finalize_args()
+    lay_q = c.lay_q
+    return dict(
+        dtype=fin["dtype"],
+        B=fin["B"],
+        Hkv=fin["H"],
+        D=fin["D"],
+        k_n_slots=fin["n_slots"],
+        k_n_touched=fin["n_touched"],
+        divisor=fin["divisor"],
+        tag=fin["tag"],
+        k_first_sources=fin["first_sources"],
+        k_last_sources=fin["last_sources"],
+        floor=fin["floor"],
+        q_first_sources=[rank * 2 + end for rank, end in lay_q.first_sources],
+        q_last_sources=[rank * 2 + end for rank, end in lay_q.last_sources],
+        q_n_touched=lay_q.n_touched,
+        rank=c.rank,
+        kv_rep=c.wire.kv_rep,
+        use_pdl=c.use_pdl,
+    )
+
+
+def _local_stats(c: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The local statistics kernels: (payload fp32 [n_k + n_qv], Q's partial amax [B, Hq, NSq],
+    K's min/max per touched slot)."""
+    return local_op(q=c.q, k=c.k, v=c.v, **_local_args(c))
+
+
+def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q: torch.Tensor, minmax: torch.Tensor):
+    """After the all_gather, one launch: (SmoothKStats, Q's merged amax [B, Hq, NSq] (amax_q
+    merged in place), V's amax [B, Hkv, D], v_scale [B, hkv, D])."""
+    mean, partial, final, amax_v, v_scale = post_op(
+        gathered=gathered, minmax=minmax, amax_q=amax_q, **_post_args(c)
+    )
+    lay = c.part.layout
+    k_stats = stats.SmoothKStats(mean, partial, final, lay.rank, lay.P, lay.used, lay.G)
+    return k_stats, amax_q, amax_v, v_scale
 
 
 def _pack(c: _Call, k_stats, amax_q: torch.Tensor, amax_v: torch.Tensor) -> torch.Tensor:
     """Quantize and pack: the uint8 send buffer [P * L * row_bytes]."""
+    lay_q = c.lay_q
     return pack_op(
         q=c.q,
         k=c.k,
@@ -518,6 +541,11 @@ def _pack(c: _Call, k_stats, amax_q: torch.Tensor, amax_v: torch.Tensor) -> torc
         row_bytes=c.wire.row_bytes,
         scale_bytes=c.wire.scale_bytes,
         use_pdl=c.use_pdl,
+        q_once=c.q_once,
+        q_n_touched=lay_q.n_touched,
+        q_tail_group=lay_q.tail_group,
+        q_live_end=lay_q.live_end,
+        floor=grid.FLOOR,
     )
 
 
@@ -535,7 +563,7 @@ def _kv_heads(w: _Wire, rank: int) -> slice:
     return slice(first, first + w.hkv)
 
 
-def _unpack(c: _Call, recv: torch.Tensor, k_stats, amax_v: torch.Tensor) -> LowpQKV:
+def _unpack(c: _Call, recv: torch.Tensor, k_stats, v_scale: torch.Tensor) -> LowpQKV:
     """LowpQKV from the receive buffer: strided views of the codes (no copy), the scales
     gathered from the rows' scale slots, v_scale and k_mean from the gathered statistics."""
     B, _, _, D = c.k.shape
@@ -550,7 +578,7 @@ def _unpack(c: _Call, recv: torch.Tensor, k_stats, amax_v: torch.Tensor) -> Lowp
         v=recv.view(FP8).as_strided(size_kv, stride, ov),
         q_scale=q_scale,
         k_scale=k_scale,
-        v_scale=_ieee_div(amax_v[:, heads], FP8_MAX),
+        v_scale=v_scale,
         k_mean=k_stats.k_mean_global[:, heads],
         used_sequence=c.used_sequence,
         q_group=c.q_group,
@@ -632,7 +660,7 @@ class _ExchangePlan:
         # Q read once, by the pack kernel, where its group tile fits in registers; then the
         # statistics kernel reads Q only for the first and last touched slot
         q_once = None
-        if tiles.get("q_once", True) and q_once_fits(q.shape, dev, c.q_group):
+        if tiles.get("q_once", True) and c.q_once:
             q_once = QOnce(lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR)
         n_q = B * Hq * lay_q.n_slots
         self.amax_q = workspace("lowp_amax_q", n_q, torch.float32, dev)[:n_q]

@@ -45,6 +45,7 @@ __all__ = [
     "grouped_amax_shard",
     "grouped_amax_full",
     "merged_amax_shard",
+    "merged_boundary_amax",
     "slot_masks",
     "bitwise_diff",
     "format_value",
@@ -221,6 +222,31 @@ def merged_amax_shard(
         B, H, _slot_count(L, group_size), dtype=torch.float32, device=full_amax.device
     )
     out[:, :, : len(groups)] = full_amax[:, :, groups.start : groups.stop]
+    return out
+
+
+def merged_boundary_amax(
+    partial: torch.Tensor, bounds: torch.Tensor, *, rank: int, L: int, group_size: int
+) -> torch.Tensor:
+    """Rank ``rank``'s partial amax [B, H, slots] with its first and last touched slot
+    replaced by the max over every rank touching that slot's group. ``bounds`` [P, B, H, 2]:
+    each rank's record of its first (0) and last (1) touched slot; a rank's record of a
+    group is the one whose slot holds it. NaN propagates (torch.maximum)."""
+    P = bounds.shape[0]
+    mine = _touched_groups(rank, L, group_size)
+    out = partial.clone()
+    for s in (0, len(mine) - 1):
+        g = mine.start + s
+        merged = None
+        for q in range(P):
+            theirs = _touched_groups(q, L, group_size)
+            if g not in theirs:
+                continue
+            idx = g - theirs.start
+            assert idx in (0, len(theirs) - 1), "a group inside a rank's rows is not shared"
+            value = bounds[q, :, :, 0 if idx == 0 else 1]
+            merged = value if merged is None else torch.maximum(merged, value)
+        out[:, :, s] = merged
     return out
 
 
