@@ -226,3 +226,31 @@ def test_smooth_k_stats_runs_one_pipeline(monkeypatch, fake_world, method):
     names = [name for name, *_ in runs[0][0]]
     assert names[0] == "_block_stats_kernel" and "_finalize_kernel" in names
     assert [r[0] for r in runs[1:]] == [runs[0][0], runs[0][0]]
+
+
+def test_a_compiled_exchange_first_leaves_the_caches_alone(monkeypatch):
+    """torch.compile before any eager call (empty caches): the trace computes the wire
+    layout and scale index without storing them (nothing of the trace leaks into the
+    eager caches), and eager calls after it give the compiled call's bits."""
+    from ulysses import lowp
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for cache in (lowp._PLANS, lowp._WIRES, lowp._INDEX):
+        cache.clear()
+    q, k, v = _exchange_inputs(1, L=33)
+
+    def step(q, k, v):
+        x = ulysses.exchange_qkv(q, k, v, q_group=16, k_group=32)
+        return tuple(getattr(x, f) for f in _FIELDS)
+
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert not lowp._WIRES and not lowp._INDEX
+    want = step(q, k, v)
+    assert all(
+        isinstance(t, torch.Tensor) and t.device.type == "cpu"
+        for t in lowp._INDEX.values()
+        for t in t[:1]
+    )
+    for name, a, b in zip(_FIELDS, got, want, strict=True):
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name

@@ -138,6 +138,7 @@ def _wire(
     key = (B, L, H, D, P, q_group, k_group, kv_heads)
     found = _WIRES.get(key)
     if found is None:
+        compiling = _ops.is_compiling()  # a trace computes it and leaves the cache alone
         h = H // P
         hkv, kv_rep = grid.kv_split(H, H if kv_heads is None else kv_heads, P)
         n_sq = (L + 2 * q_group - 2) // q_group
@@ -145,9 +146,11 @@ def _wire(
         code_bytes = B * (h + 2 * hkv) * D
         per_row = -(-4 * B * (h * n_sq + hkv * n_sk) // L)  # ceil: scale bytes every row carries
         scale_bytes = -(-per_row // 16) * 16  # rows stay 16-byte aligned
-        found = _WIRES[key] = _Wire(
+        found = _Wire(
             P, L, h, hkv, kv_rep, n_sq, n_sk, code_bytes, scale_bytes, code_bytes + scale_bytes
         )
+        if not compiling:
+            _WIRES[key] = found
     return found
 
 
@@ -244,8 +247,11 @@ def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
     """(index, q shape, k shape): the fp32 element indices of the receive buffer holding each
     global group's Q scale ([B, h, n_q_groups], flattened) then K scale ([B, hkv, n_k_groups]):
     the slot of the FIRST rank touching the group (the others hold equal bits)."""
-    key = (w, B, q_group, k_group, device)
-    found = _INDEX.get(key)
+    # a plain tuple key (hashing the dataclass failed inside a torch 2.11 trace); a trace
+    # computes the index as constants and leaves the cache alone
+    compiling = _ops.is_compiling()
+    key = (*dataclasses.astuple(w), B, q_group, k_group, device) if not compiling else None
+    found = None if compiling else _INDEX.get(key)
     if found is not None:
         return found
     P, L, h = w.P, w.L, w.h
@@ -268,7 +274,9 @@ def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
     # tensor of its own would): a TMA descriptor or a vectorized load may need it
     pad = -out[0].numel() % 4
     index = torch.cat([out[0].flatten(), out[0].flatten()[:1].expand(pad), out[1].flatten()])
-    found = _INDEX[key] = (index, out[0].shape, out[1].shape)
+    found = (index, out[0].shape, out[1].shape)
+    if not compiling:
+        _INDEX[key] = found
     return found
 
 
