@@ -247,10 +247,7 @@ def test_a_compiled_exchange_first_leaves_the_caches_alone(monkeypatch):
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
     assert not lowp._WIRES and not lowp._INDEX
     want = step(q, k, v)
-    assert all(
-        isinstance(t, torch.Tensor) and t.device.type == "cpu"
-        for t in lowp._INDEX.values()
-        for t in t[:1]
-    )
+    # the eager call filled the cache with real tensors, none of the trace's fake ones
+    assert lowp._INDEX and all(type(i) is torch.Tensor for i, *_ in lowp._INDEX.values())
     for name, a, b in zip(_FIELDS, got, want, strict=True):
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
