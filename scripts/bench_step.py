@@ -11,8 +11,10 @@ modelled as ``bytes sent off-rank / link bandwidth``. Per shape (B 1, D 128, bf1
 * ``bf16``: q|k|v packed per destination -> all_to_all -> SDPA on [B, h, S, D] views ->
   heads->sequence all_to_all of the output (packing and merging as ``ulysses.attention``);
 * ``lowp-a``: ``exchange_qkv`` -> a dequantize in torch ops (``code.float() * scale``,
-  ``reference.lowp_dequantize_reference``) -> SDPA -> output all_to_all; ``lowp-b``: the fused
-  dequantize kernel (kernels/lowp_dequant.py, what ``LowpQKV.dequantize()`` runs) -> SDPA;
+  ``reference.lowp_dequantize_reference``) -> SDPA -> the output's INT8 way back (quantize,
+  all_to_all of the codes and scales, dequantize: kernels/lowp_out.py); ``lowp-b``: the fused
+  dequantize kernel (kernels/lowp_dequant.py, what ``LowpQKV.dequantize()`` runs) -> SDPA ->
+  the same INT8 output (what ``ulysses_attention(comm="lowp")`` runs);
   ``lowp-c16`` / ``lowp-c8``: the attention kernel on the codes (kernels/lowp_attention.py)
   with fp16 / fp8 P·V.
   The fake all_to_all leaves the exchange's receive buffer unwritten, so the consumers read
@@ -27,8 +29,9 @@ figures are taken before the profiler first runs (CUPTI may stay loaded, _bench.
 
 Model at link bandwidth ``beta`` (GB/s per direction; 50, 200, 450):
 ``t = dev + bytes_in * (P-1)/P / beta + bytes_out * (P-1)/P / beta`` with ``bytes_in`` =
-``3*B*L*H*D*2`` (bf16) or ``lowp.payload_bytes`` (lowp) and ``bytes_out = B*L*H*D*2``; the
-statistics all_gather (a few KB) is left out. ``speedup = t_bf16 / t_lowp``.
+``3*B*L*H*D*2`` (bf16) or ``lowp.payload_bytes`` (lowp) and ``bytes_out`` = ``B*L*H*D*2``
+(bf16) or ``P * out_chunk_bytes`` (lowp: ``D + 4`` bytes a row and head); the statistics
+all_gather (a few KB) is left out. ``speedup = t_bf16 / t_lowp``.
 
 Also: the exchange's local device time against one cold read of q, k, v (per-rank tensors of
 68 and 268 MB) and its host time per call beyond its two collectives (8 MB tensors); the fused
@@ -52,6 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from ulysses.kernels.lowp_attention import CONFIGS, AttnConfig, lowp_attention
 from ulysses.kernels.lowp_dequant import dequantize_qkv
+from ulysses.kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
 
 from ulysses import grid, lowp, reference
 
@@ -207,7 +211,15 @@ class Case:
             "bf16": lowp.bf16_payload_bytes(B, L, H, D),
             "lowp": lowp.payload_bytes(B, L, H, D, P),
         }
-        self.bytes_out = B * L * H * D * 2
+        self.bytes_out = {
+            "bf16": B * L * H * D * 2,
+            "lowp": P * out_chunk_bytes(B, L, h, D),
+        }
+        # the INT8 output's receive buffer: real codes and scales (the fake all_to_all writes
+        # nothing), quantized from a random head shard
+        self.out_recv_lowp = quantize_out(
+            torch.randn(B, S, h, D, device=dev).bfloat16(), world_size=P
+        )
 
     # the bf16 step, as ulysses.attention does it
     def pack(self):
@@ -228,6 +240,12 @@ class Case:
         send = out_h.reshape(B, self.P, self.L, self.h, D).transpose(0, 1).contiguous()
         dist.all_to_all_single(self.out_recv, send)
         return self.out_recv.permute(1, 2, 0, 3, 4).reshape(B, self.L, self.H, D)
+
+    def out_side_lowp(self, out_h):
+        quantize_out(out_h, world_size=self.P)
+        dist.all_to_all_single(self.out_recv_lowp, self.out_recv_lowp)
+        return dequantize_out(self.out_recv_lowp, B=B, L=self.L, h=self.h, D=D,
+                              world_size=self.P, dtype=out_h.dtype)  # fmt: skip
 
     def bf16_step(self):
         send = torch.empty_like(self.send)
@@ -257,7 +275,7 @@ class Case:
 
         def step():
             lowp.exchange_qkv(q, k, v)
-            return self.out_side(consume())
+            return self.out_side_lowp(consume())
 
         return step
 
@@ -278,8 +296,8 @@ class Case:
 
     def model_us(self, step: str, dev_us: float, gbps: float) -> float:
         wire = (self.P - 1) / self.P
-        b_in = self.bytes_in["bf16" if step == "bf16" else "lowp"]
-        return dev_us + (b_in + self.bytes_out) * wire / (gbps * 1e3)
+        kind = "bf16" if step == "bf16" else "lowp"
+        return dev_us + (self.bytes_in[kind] + self.bytes_out[kind]) * wire / (gbps * 1e3)
 
 
 def fake_collective_host_us(case: Case) -> dict:
@@ -710,8 +728,8 @@ def steps_tables(dev, cfgs, shapes, rows, meta):
         bytes_in, bytes_out, L, h = e["_case"]
 
         def model(step, gbps, c=c, P=P, bytes_in=bytes_in, bytes_out=bytes_out):
-            b = bytes_in["bf16" if step == "bf16" else "lowp"]
-            return c[step] + (b + bytes_out) * (P - 1) / P / (gbps * 1e3)
+            kind = "bf16" if step == "bf16" else "lowp"
+            return c[step] + (bytes_in[kind] + bytes_out[kind]) * (P - 1) / P / (gbps * 1e3)
 
         line = f"{S:>6} {H:>3} {P:>2} {causal!s:>6} | {c['bf16']:8.0f} |"
         for s in STEP_NAMES[1:]:
@@ -721,7 +739,7 @@ def steps_tables(dev, cfgs, shapes, rows, meta):
         coll = e["_collectives"]
         row = dict(kind="step", S=S, H=H, P=P, causal=causal, L=L, h=h,
                    bf16_bytes=bytes_in["bf16"], lowp_bytes=bytes_in["lowp"],
-                   out_bytes=bytes_out)  # fmt: skip
+                   out_bytes=bytes_out["bf16"], lowp_out_bytes=bytes_out["lowp"])  # fmt: skip
         for s in STEP_NAMES + PART_NAMES:
             row[f"dev_{s}"] = round(c.get(s, float("nan")), 1)
             kind = "bf16" if s == "bf16" else ("lowp" if s.startswith("lowp") else None)

@@ -195,3 +195,13 @@ def test_opcheck_exchange_steps(monkeypatch, Hq, Hkv, used):
     k_stats, amax_q, amax_v, _ = lowp._finish_stats(c, gathered, amax_q, minmax)
     send = lowp._pack(c, k_stats, amax_q, amax_v)
     assert send.dtype == torch.uint8 and send.numel() == c.wire.nbytes
+
+
+def test_opcheck_output_exchange_ops():
+    """The attention output's INT8 way back (kernels/lowp_out.py) as custom ops."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 21, 3, 32, generator=g).bfloat16()  # B * L * h = 42: a padded chunk
+    torch.library.opcheck(torch.ops.ulysses.lowp_out_quant.default, (x,), {"world_size": 3})
+    send = torch.ops.ulysses.lowp_out_quant.default(x, world_size=3)
+    kw = dict(B=2, L=7, h=3, D=32, world_size=3, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.ulysses.lowp_out_dequant.default, (send,), kw)

@@ -15,6 +15,8 @@ Data flow of :func:`ulysses_attention` (each arrow that crosses ranks is ONE col
     comm="lowp": ``lowp.exchange_qkv`` (one statistics all_gather, one uint8 all_to_all)
                  -> dequantize -> q_h, k_h, v_h
     -> attn(q_h, k_h, v_h) -> out_h [B, S, hq, D] -> one all_to_all -> out [B, L, Hq, D]
+       ("lowp": out_h travels as INT8 codes with one fp32 scale per (row, head),
+       kernels/lowp_out.py)
 Backward runs the mirror: one all_to_all of d(out) to heads, the attention's backward (local),
 one all_to_all of dq_h|dk_h|dv_h packed per destination back to rows (straight-through for
 "lowp": the gradients of the dequantized values, in the input dtype).
@@ -251,6 +253,28 @@ class _HeadsToSeq(torch.autograd.Function):
         return _merge_rows(recv), None, None
 
 
+class _LowpHeadsToSeq(torch.autograd.Function):
+    """Head shards -> sequence shards with the output sent as INT8 codes and one fp32 scale
+    per (row, head) (kernels/lowp_out.py); also at P = 1 (no collective), so that the result
+    does not depend on P. Backward is straight-through: the gradient goes to head shards in
+    its own dtype (one all_to_all), as in :class:`_HeadsToSeq`."""
+
+    @staticmethod
+    def forward(ctx, x, P, pg):
+        ctx.P, ctx.pg = P, pg
+        B, S, h, D = x.shape
+        send = lowp.out_quant_op(x=x, world_size=P)
+        recv = send if P == 1 else _all_to_all(send, pg)
+        return lowp.out_dequant_op(recv=recv, B=B, L=S // P, h=h, D=D, world_size=P, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.P == 1:
+            return dy, None, None
+        recv = _backward_all_to_all(_split_heads(dy, ctx.P).contiguous(), ctx.pg)
+        return _merge_rows(recv), None, None
+
+
 # ---- public: the two all-to-alls --------------------------------------------------------------
 
 
@@ -409,8 +433,10 @@ def ulysses_attention(
       independently, as torch's CPU SDPA does).
     * ``comm="lowp"``: q, k, v travel as INT8 Q/K and FP8 V with scales from global
       statistics (``ulysses.lowp.exchange_qkv``: bf16/fp16 inputs, D in 16..256), and
-      ``attn`` sees the dequantized values (K centred, which attention ignores). Backward is
-      straight-through in the input dtype. ``q_group``, ``k_group``: rows per scale.
+      ``attn`` sees the dequantized values (K centred, which attention ignores); the output
+      returns as INT8 with one scale per (row, head) (an error of at most ``amax / 254`` of
+      its row and head, before rounding to the dtype). Backward is straight-through in the
+      input dtype. ``q_group``, ``k_group``: rows per scale.
     * GQA/MQA: ``Hq % Hkv == 0`` and ``Hq % P == 0``; K/V heads are sharded when
       ``Hkv % P == 0`` and repeated on the wire (one per rank) when ``P % Hkv == 0``.
     * ``used_sequence``: global rows ``[used, S)`` are padding: never attended as keys, and
@@ -460,7 +486,10 @@ def ulysses_attention(
         if used_sequence is not None:
             out_h = torch.cat([out_h[:, :used_sequence], out_h.new_zeros(
                 B, S - used_sequence, hd.hq, D)], dim=1)  # fmt: skip
-    out = out_h if P == 1 else _HeadsToSeq.apply(out_h, P, pg)
+    if comm == "lowp":
+        out = _LowpHeadsToSeq.apply(out_h, P, pg)
+    else:
+        out = out_h if P == 1 else _HeadsToSeq.apply(out_h, P, pg)
     return out.transpose(1, 2) if layout == "bhsd" else out
 
 

@@ -49,6 +49,7 @@ from .kernels.block_stats import MINMAX_ALL, LocalStats, payload_numel
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
 from .kernels.lowp_dequant import dequantize_qkv
 from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
+from .kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
 from .kernels.lowp_pack import QOnce, pack_qkv, prepare_pack, q_once_fits
 from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel
 from .kernels.lowp_steps import exchange_local, exchange_post
@@ -229,12 +230,24 @@ def _dequant_fake(q, k, v, q_scale, k_scale, v_scale, *, q_group, k_group, dtype
     )
 
 
+def _out_quant_fake(x, *, world_size):
+    B, S, h, D = x.shape
+    return x.new_empty((world_size * out_chunk_bytes(B, S // world_size, h, D),), dtype=torch.uint8)
+
+
+def _out_dequant_fake(recv, *, B, L, h, D, world_size, dtype):
+    return recv.new_empty((B, L, world_size * h, D), dtype=dtype)
+
+
 # The steps of the exchange (kernels/lowp_steps.py): the same kernels, in the same order, as
 # the eager plan's launches
 local_op = _ops.define_op("lowp_local", exchange_local, _local_fake)
 post_op = _ops.define_op("lowp_post", exchange_post, _post_fake, mutates=("amax_q",))
 pack_op = _ops.define_op("lowp_pack", pack_qkv, _pack_fake)
 dequant_op = _ops.define_op("lowp_dequant", dequantize_qkv, _dequant_fake)
+# the attention output's INT8 way back (kernels/lowp_out.py; ulysses.attention uses them)
+out_quant_op = _ops.define_op("lowp_out_quant", quantize_out, _out_quant_fake)
+out_dequant_op = _ops.define_op("lowp_out_dequant", dequantize_out, _out_dequant_fake)
 
 
 # ---- after the all_to_all ----------------------------------------------------------------------

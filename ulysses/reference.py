@@ -46,6 +46,7 @@ __all__ = [
     "grouped_amax_full",
     "merged_amax_shard",
     "merged_boundary_amax",
+    "lowp_output_roundtrip",
     "slot_masks",
     "bitwise_diff",
     "format_value",
@@ -431,3 +432,14 @@ def lowp_dequantize_reference(
     if group is None:
         return (code.float() * scale[:, None]).to(dtype)
     return (code.float() * _rows_of_groups(scale, S, group)).to(dtype)
+
+
+def lowp_output_roundtrip(o: torch.Tensor) -> torch.Tensor:
+    """What the attention output ``o`` [..., D] (bf16/fp16) becomes on its INT8 way back
+    (docs/CONTRACT.md §9): per row of D channels ``amax = max(1e-7, max |fp32(o)|)`` (NaN
+    propagates), ``code = clamp(rne(fp32(o) * (127 / amax)), -127, 127)``, then ``code *
+    (amax / 127)`` in fp32, rounded to o's dtype; each division one IEEE fp32 division."""
+    x = o.float()
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(FLOOR)
+    code = quantize_int8(x, ieee_rdiv(127.0, amax))
+    return (code.float() * ieee_div(amax, 127.0)).to(o.dtype)
