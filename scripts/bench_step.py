@@ -528,6 +528,9 @@ def timed_pass(dev, cfgs, shapes, cold: bool) -> dict:
             for name, fn in fns.items():
                 if name not in STEP_NAMES + PART_NAMES:
                     continue
+                if ARGS.no_codes_attention and name.endswith(("-c16", "-c8")):
+                    r[name] = float("nan")
+                    continue
                 try:
                     ms = est_ms(fn)
                     r[name] = t_cold(fn, ms) if cold else t_eager(fn, ms)
@@ -642,6 +645,8 @@ def main():
     ap.add_argument("--shape", action="append", default=None, help="S,H,causal (repeatable)")
     ap.add_argument("--worlds", default="8,2", help="world sizes P, comma-separated")
     ap.add_argument("--steps-only", action="store_true", help="no host/exchange tables")
+    ap.add_argument("--no-codes-attention", action="store_true",
+                    help="skip the attention kernel on the codes (lowp-c16, lowp-c8)")  # fmt: skip
     ap.add_argument("--out", default=None, help="append CSV rows here (outside the repo)")
     ARGS = ap.parse_args()
     global WORLDS
