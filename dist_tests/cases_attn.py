@@ -4,7 +4,8 @@ how its inputs are built.
 A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}[-B{B}]``:
 
     part           meaning
-    comm           bf16 (exchange in the input dtype) or lowp (INT8 Q/K, FP8 V)
+    comm           bf16 (exchange in the input dtype), lowp (INT8 Q/K, FP8 V) or lowp8 (lowp,
+                   and the output back as INT8: ``int8_output=True``)
     L              local rows per rank; the global sequence has S = L * P rows
     hq             query heads per rank: Hq = hq * P at world size P
     kv             key/value heads: mha (Hkv = Hq); gqa (Hkv = P: K/V heads sharded, one per
@@ -33,7 +34,7 @@ from ulysses import testing
 
 from .cases import case_seed
 
-COMMS = ("bf16", "lowp")
+COMMS = ("bf16", "lowp", "lowp8")
 KV_KINDS = ("mha", "gqa", "gqarep", "mqa")
 USED_KINDS = ("none", "tail", "early")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -50,6 +51,11 @@ class Case:
     causal: bool
     used: str
     B: int = 1
+
+    @property
+    def lowp(self) -> bool:
+        """The call sends q, k, v in low precision (``comm="lowp"``)."""
+        return self.comm in ("lowp", "lowp8")
 
     @property
     def id(self) -> str:
@@ -90,6 +96,8 @@ DEFAULT_CASES = (
     Case("lowp", L=40, hq=2, kv="mha", D=64, dtype="bf16", causal=False, used="tail", B=2),
     Case("lowp", L=37, hq=2, kv="gqa", D=64, dtype="fp16", causal=False, used="early"),
     Case("lowp", L=33, hq=1, kv="mqa", D=64, dtype="bf16", causal=True, used="tail"),
+    Case("lowp8", L=40, hq=2, kv="mha", D=64, dtype="bf16", causal=True, used="tail", B=2),
+    Case("lowp8", L=37, hq=2, kv="gqarep", D=32, dtype="fp16", causal=False, used="early"),
 )
 
 # GPU-sized cases (--large)
@@ -97,6 +105,7 @@ LARGE_CASES = (
     Case("bf16", L=2048, hq=4, kv="gqa", D=128, dtype="bf16", causal=True, used="tail"),
     Case("lowp", L=2048, hq=4, kv="mha", D=128, dtype="bf16", causal=True, used="none"),
     Case("lowp", L=1000, hq=2, kv="gqarep", D=128, dtype="bf16", causal=False, used="early"),
+    Case("lowp8", L=2048, hq=4, kv="mha", D=128, dtype="bf16", causal=True, used="tail"),
 )
 
 

@@ -12,8 +12,8 @@ On every rank:
      heads of the whole sequence, over the live rows ``[0, used)`` only (GQA through
      ``enable_gqa``), rows ``[used, S)`` zero, then its backward; plus, for "lowp", the same
      attention in fp32 and the attention of the gather-then-quantize values
-     (``reference.lowp_exchange_reference``, dequantized), its output through
-     ``reference.lowp_output_roundtrip`` (the INT8 way back);
+     (``reference.lowp_exchange_reference``, dequantized; for "lowp8" its output through
+     ``reference.lowp_output_roundtrip``, the INT8 way back);
   3. the library: ``ulysses_attention`` forward, then backward with this rank's rows of the
      output gradient, logging every collective step it takes;
   4. compare this rank's rows:
@@ -21,7 +21,7 @@ On every rank:
        independently (CPU SDPA, K/V heads not repeated); else ``max|got - ref| <= (2 * rep +
        1) * BF16_TOL_PER_RANK * max|ref|`` (a K/V head repeated to ``rep`` ranks sums its
        gradient over them), at least ``CUDA_TOL * max|ref|`` on CUDA;
-     * comm "lowp": output within ``LOWP_FWD_BOUND * max|v|`` of the fp32 attention;
+     * comm "lowp" and "lowp8": output within ``LOWP_FWD_BOUND * max|v|`` of the fp32 attention;
        bit for bit equal to the attention of the gather-then-quantize values (CPU, K/V heads
        not repeated); gradients finite, with ``||g - g_bf16|| <= LOWP_GRAD_BOUND *
        ||g_bf16||`` against the reference's bf16 gradients;
@@ -106,7 +106,7 @@ def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
     L = case.L
     exp = {name: _rows(t, ctx, L).detach() for name, t in
            (("out", out), ("dq", dq), ("dk", dk), ("dv", dv))}  # fmt: skip
-    if case.comm == "lowp":
+    if case.lowp:
         with torch.no_grad():
             f32 = [x.float() for x in inputs.full]
             exp["out_fp32"] = _rows(_attend(*f32, case.causal, inputs.used), ctx, L)
@@ -130,8 +130,9 @@ def _quantized_attention(ctx: Context, case, inputs: Inputs) -> torch.Tensor:
             for c, s, g in (("q", "q_scale", 32), ("k", "k_scale", 64), ("v", "v_scale", None))
         ]
         heads.append(_attend(*deq, case.causal, inputs.used))
-    # the output's way back as INT8, one scale per (row, head)
-    return reference.lowp_output_roundtrip(torch.cat(heads, dim=2))
+    out = torch.cat(heads, dim=2)
+    # lowp8: the output's way back as INT8, one scale per (row, head)
+    return reference.lowp_output_roundtrip(out) if case.comm == "lowp8" else out
 
 
 @contextlib.contextmanager
@@ -160,8 +161,9 @@ def call_library(case, inputs: Inputs, log: list):
     q, k, v = inputs.leaves
     with logged_collectives(log):
         out = ulysses.ulysses_attention(
-            q, k, v, comm=case.comm, causal=case.causal, used_sequence=inputs.used
-        )
+            q, k, v, comm="lowp" if case.lowp else case.comm, causal=case.causal,
+            used_sequence=inputs.used, int8_output=case.comm == "lowp8",
+        )  # fmt: skip
         out.backward(inputs.grad_out)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -224,7 +226,7 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
     # forward: the input exchange (an all_to_all, or exchange_qkv) and the output all_to_all;
     # backward: two all_to_alls. P = 1: none, but "lowp" still calls exchange_qkv (which then
     # runs no collective)
-    expected_steps = 4 if ctx.world_size > 1 else int(case.comm == "lowp")
+    expected_steps = 4 if ctx.world_size > 1 else int(case.lowp)
     mine = logs[ctx.rank]
     detail = None
     if any(other != mine for other in logs):

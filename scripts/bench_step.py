@@ -11,10 +11,11 @@ modelled as ``bytes sent off-rank / link bandwidth``. Per shape (B 1, D 128, bf1
 * ``bf16``: q|k|v packed per destination -> all_to_all -> SDPA on [B, h, S, D] views ->
   heads->sequence all_to_all of the output (packing and merging as ``ulysses.attention``);
 * ``lowp-a``: ``exchange_qkv`` -> a dequantize in torch ops (``code.float() * scale``,
-  ``reference.lowp_dequantize_reference``) -> SDPA -> the output's INT8 way back (quantize,
-  all_to_all of the codes and scales, dequantize: kernels/lowp_out.py); ``lowp-b``: the fused
+  ``reference.lowp_dequantize_reference``) -> SDPA -> output all_to_all; ``lowp-b``: the fused
   dequantize kernel (kernels/lowp_dequant.py, what ``LowpQKV.dequantize()`` runs) -> SDPA ->
-  the same INT8 output (what ``ulysses_attention(comm="lowp")`` runs);
+  output all_to_all (what ``ulysses_attention(comm="lowp")`` runs); ``lowp-b8``: ``lowp-b``
+  with the output's INT8 way back (quantize, all_to_all of codes and scales, dequantize:
+  kernels/lowp_out.py; ``int8_output=True``);
   ``lowp-c16`` / ``lowp-c8``: the attention kernel on the codes (kernels/lowp_attention.py)
   with fp16 / fp8 P·V.
   The fake all_to_all leaves the exchange's receive buffer unwritten, so the consumers read
@@ -30,8 +31,8 @@ figures are taken before the profiler first runs (CUPTI may stay loaded, _bench.
 Model at link bandwidth ``beta`` (GB/s per direction; 50, 200, 450):
 ``t = dev + bytes_in * (P-1)/P / beta + bytes_out * (P-1)/P / beta`` with ``bytes_in`` =
 ``3*B*L*H*D*2`` (bf16) or ``lowp.payload_bytes`` (lowp) and ``bytes_out`` = ``B*L*H*D*2``
-(bf16) or ``P * out_chunk_bytes`` (lowp: ``D + 4`` bytes a row and head); the statistics
-all_gather (a few KB) is left out. ``speedup = t_bf16 / t_lowp``.
+(bf16 output) or ``P * out_chunk_bytes`` (``lowp-b8``: ``D + 4`` bytes a row and head); the
+statistics all_gather (a few KB) is left out. ``speedup = t_bf16 / t_lowp``.
 
 Also: the exchange's local device time against one cold read of q, k, v (per-rank tensors of
 68 and 268 MB) and its host time per call beyond its two collectives (8 MB tensors); the fused
@@ -269,13 +270,14 @@ class Case:
             k_group=lq.k_group, causal=causal, dtype=torch.bfloat16, config=cfg,
         )  # fmt: skip
 
-    def lowp_step(self, name):
+    def lowp_step(self, name, int8_out=False):
         consume = self.consumer(name)
         q, k, v = self.q, self.k, self.v
+        out_side = self.out_side_lowp if int8_out else self.out_side
 
         def step():
             lowp.exchange_qkv(q, k, v)
-            return self.out_side_lowp(consume())
+            return out_side(consume())
 
         return step
 
@@ -283,6 +285,7 @@ class Case:
         out = {"bf16": self.bf16_step}
         for name in ("a", "b", "c16", "c8"):
             out[f"lowp-{name}"] = self.lowp_step(name)
+        out["lowp-b8"] = self.lowp_step("b", int8_out=True)
         out["exchange"] = lambda: lowp.exchange_qkv(self.q, self.k, self.v)
         out["dequant-fused"] = lambda: dequantize_qkv(
             self.lq.q, self.lq.k, self.lq.v, self.lq.q_scale, self.lq.k_scale,
@@ -296,8 +299,9 @@ class Case:
 
     def model_us(self, step: str, dev_us: float, gbps: float) -> float:
         wire = (self.P - 1) / self.P
-        kind = "bf16" if step == "bf16" else "lowp"
-        return dev_us + (self.bytes_in[kind] + self.bytes_out[kind]) * wire / (gbps * 1e3)
+        b_in = self.bytes_in["bf16" if step == "bf16" else "lowp"]
+        b_out = self.bytes_out["lowp" if step == "lowp-b8" else "bf16"]
+        return dev_us + (b_in + b_out) * wire / (gbps * 1e3)
 
 
 def fake_collective_host_us(case: Case) -> dict:
@@ -512,7 +516,7 @@ def _compile_one(task) -> str:
 
 # ---- the step tables --------------------------------------------------------------------------
 
-STEP_NAMES = ("bf16", "lowp-a", "lowp-b", "lowp-c16", "lowp-c8")
+STEP_NAMES = ("bf16", "lowp-a", "lowp-b", "lowp-b8", "lowp-c16", "lowp-c8")
 PART_NAMES = ("exchange", "dequant-torch", "dequant-fused", "attn-sdpa", "attn-c16", "attn-c8")
 
 
@@ -733,8 +737,9 @@ def steps_tables(dev, cfgs, shapes, rows, meta):
         bytes_in, bytes_out, L, h = e["_case"]
 
         def model(step, gbps, c=c, P=P, bytes_in=bytes_in, bytes_out=bytes_out):
-            kind = "bf16" if step == "bf16" else "lowp"
-            return c[step] + (bytes_in[kind] + bytes_out[kind]) * (P - 1) / P / (gbps * 1e3)
+            b_in = bytes_in["bf16" if step == "bf16" else "lowp"]
+            b_out = bytes_out["lowp" if step == "lowp-b8" else "bf16"]
+            return c[step] + (b_in + b_out) * (P - 1) / P / (gbps * 1e3)
 
         line = f"{S:>6} {H:>3} {P:>2} {causal!s:>6} | {c['bf16']:8.0f} |"
         for s in STEP_NAMES[1:]:

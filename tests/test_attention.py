@@ -125,6 +125,8 @@ def _bad_calls():
         ({"q": q.int()}, TypeError, "q must have a dtype"),
         ({"comm": "lowp", "q": q.float(), "k": k.float(), "v": v.float()}, TypeError, "dtype"),
         ({"attn": lambda *a, **kw: a[0][:, :3]}, ValueError, "attn must return"),
+        ({"int8_output": True}, ValueError, "int8_output=True needs comm='lowp'"),
+        ({"comm": "lowp", "int8_output": 1}, TypeError, "int8_output must be a bool"),
     ]
 
 
@@ -222,3 +224,30 @@ def test_seq_heads_round_trip_simulated(P):
     back = [A._merge_heads(recv) for recv in _exchange([A._split_rows(h, P) for h in heads])]
     for r in range(P):
         assert torch.equal(back[r], x[:, r * L : (r + 1) * L])
+
+
+@pytest.mark.parametrize("causal,used", [(True, None), (False, 50)])
+def test_int8_output_at_world_of_one_is_the_lowp_output_through_its_roundtrip(causal, used):
+    """int8_output=True: the comm="lowp" output, quantized per (row, head) and dequantized
+    (reference.lowp_output_roundtrip, bit for bit), also at P = 1; gradients unchanged
+    (straight-through); padding rows stay zero."""
+    from ulysses import reference
+
+    q, k, v = _qkv(2, 64, 4, 2, 32, seed=5)
+    leaves = [[x.clone().requires_grad_() for x in (q, k, v)] for _ in range(2)]
+    go = torch.randn(2, 64, 4, 32).bfloat16()
+    outs = []
+    for int8_output, (lq, lk, lv) in zip((False, True), leaves, strict=True):
+        out = ulysses.ulysses_attention(lq, lk, lv, comm="lowp", causal=causal,
+                                        used_sequence=used, int8_output=int8_output)  # fmt: skip
+        out.backward(go)
+        outs.append(out.detach())
+    assert bitwise_diff(outs[1], reference.lowp_output_roundtrip(outs[0])) is None
+    assert not torch.equal(outs[0], outs[1])  # the roundtrip changed something
+    for a, b in zip(leaves[0], leaves[1], strict=True):
+        assert bitwise_diff(a.grad, b.grad) is None
+    if used is not None:
+        assert bool((outs[1][:, used:] == 0).all())
+    module = ulysses.UlyssesAttention(comm="lowp", int8_output=True)
+    assert "int8_output=True" in repr(module)
+    assert bitwise_diff(module(q, k, v, causal=causal, used_sequence=used), outs[1]) is None

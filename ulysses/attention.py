@@ -15,8 +15,8 @@ Data flow of :func:`ulysses_attention` (each arrow that crosses ranks is ONE col
     comm="lowp": ``lowp.exchange_qkv`` (one statistics all_gather, one uint8 all_to_all)
                  -> dequantize -> q_h, k_h, v_h
     -> attn(q_h, k_h, v_h) -> out_h [B, S, hq, D] -> one all_to_all -> out [B, L, Hq, D]
-       ("lowp": out_h travels as INT8 codes with one fp32 scale per (row, head),
-       kernels/lowp_out.py)
+       (in the input dtype; with ``int8_output=True`` as INT8 codes and one fp32 scale per
+       (row, head), kernels/lowp_out.py)
 Backward runs the mirror: one all_to_all of d(out) to heads, the attention's backward (local),
 one all_to_all of dq_h|dk_h|dv_h packed per destination back to rows (straight-through for
 "lowp": the gradients of the dequantized values, in the input dtype).
@@ -419,6 +419,7 @@ def ulysses_attention(
     q_group: int = 32,
     k_group: int = 64,
     layout: str = "bshd",
+    int8_output: bool = False,
 ) -> torch.Tensor:
     """Ulysses sequence-parallel attention: this rank's sequence shard in, its shard out.
 
@@ -433,10 +434,12 @@ def ulysses_attention(
       independently, as torch's CPU SDPA does).
     * ``comm="lowp"``: q, k, v travel as INT8 Q/K and FP8 V with scales from global
       statistics (``ulysses.lowp.exchange_qkv``: bf16/fp16 inputs, D in 16..256), and
-      ``attn`` sees the dequantized values (K centred, which attention ignores); the output
-      returns as INT8 with one scale per (row, head) (an error of at most ``amax / 254`` of
-      its row and head, before rounding to the dtype). Backward is straight-through in the
-      input dtype. ``q_group``, ``k_group``: rows per scale.
+      ``attn`` sees the dequantized values (K centred, which attention ignores). Backward is
+      straight-through in the input dtype. ``q_group``, ``k_group``: rows per scale.
+    * ``int8_output=True`` (with "lowp" only): the output returns as INT8 codes with one fp32
+      scale per (row, head), ``D + 4`` bytes instead of ``2 D``; it adds at most ``amax / 254``
+      of its (row, head) to the error, then the rounding to the dtype. Default: the input
+      dtype.
     * GQA/MQA: ``Hq % Hkv == 0`` and ``Hq % P == 0``; K/V heads are sharded when
       ``Hkv % P == 0`` and repeated on the wire (one per rank) when ``P % Hkv == 0``.
     * ``used_sequence``: global rows ``[used, S)`` are padding: never attended as keys, and
@@ -452,7 +455,8 @@ def ulysses_attention(
             from q's; non-bool ``causal``; bad ``scale``, ``used_sequence``, ``attn``, ``group``.
         ValueError: not 4-D; shapes that disagree; ``Hq % P``, ``Hq % Hkv`` or neither of
             ``Hkv % P``, ``P % Hkv`` zero; ``used_sequence`` outside [1, S]; unknown ``comm``
-            or ``layout``; what ``exchange_qkv`` rejects for "lowp".
+            or ``layout``; ``int8_output=True`` without ``comm="lowp"``; what
+            ``exchange_qkv`` rejects for "lowp".
 
     Example (under torchrun, one process per GPU)::
 
@@ -460,6 +464,7 @@ def ulysses_attention(
         out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp")
     """
     _check_call(q, k, v, comm, layout, causal, scale, used_sequence, attn)
+    _check_int8_output(int8_output, comm)
     if layout == "bhsd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     B, L, Hq, D = q.shape
@@ -486,11 +491,18 @@ def ulysses_attention(
         if used_sequence is not None:
             out_h = torch.cat([out_h[:, :used_sequence], out_h.new_zeros(
                 B, S - used_sequence, hd.hq, D)], dim=1)  # fmt: skip
-    if comm == "lowp":
+    if int8_output:
         out = _LowpHeadsToSeq.apply(out_h, P, pg)
     else:
         out = out_h if P == 1 else _HeadsToSeq.apply(out_h, P, pg)
     return out.transpose(1, 2) if layout == "bhsd" else out
+
+
+def _check_int8_output(int8_output, comm) -> None:
+    if not isinstance(int8_output, bool):
+        raise TypeError(f"int8_output must be a bool, got {type(int8_output).__name__}")
+    if int8_output and comm != "lowp":
+        raise ValueError(f"int8_output=True needs comm='lowp', got comm={comm!r}")
 
 
 def _check_attn_output(out, shape, dtype) -> None:
@@ -521,8 +533,10 @@ class UlyssesAttention(torch.nn.Module):
         q_group: int = 32,
         k_group: int = 64,
         layout: str = "bshd",
+        int8_output: bool = False,
     ):
         super().__init__()
+        _check_int8_output(int8_output, comm)
         if comm not in COMM_MODES:
             raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
         if layout not in LAYOUTS:
@@ -531,14 +545,16 @@ class UlyssesAttention(torch.nn.Module):
             raise TypeError(f"attn must be None or a callable, got {type(attn).__name__}")
         self.attn, self.group, self.comm = attn, group, comm
         self.q_group, self.k_group, self.layout = q_group, k_group, layout
+        self.int8_output = int8_output
 
     def forward(self, q, k, v, *, used_sequence=None, causal=False, scale=None):
         return ulysses_attention(
             q, k, v, group=self.group, attn=self.attn, comm=self.comm,
             used_sequence=used_sequence, causal=causal, scale=scale, q_group=self.q_group,
-            k_group=self.k_group, layout=self.layout,
+            k_group=self.k_group, layout=self.layout, int8_output=self.int8_output,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
         name = "sdpa" if self.attn is None else getattr(self.attn, "__name__", repr(self.attn))
-        return f"attn={name}, comm={self.comm!r}, layout={self.layout!r}"
+        out = ", int8_output=True" if self.int8_output else ""
+        return f"attn={name}, comm={self.comm!r}, layout={self.layout!r}{out}"
