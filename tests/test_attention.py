@@ -251,3 +251,24 @@ def test_int8_output_at_world_of_one_is_the_lowp_output_through_its_roundtrip(ca
     module = ulysses.UlyssesAttention(comm="lowp", int8_output=True)
     assert "int8_output=True" in repr(module)
     assert bitwise_diff(module(q, k, v, causal=causal, used_sequence=used), outs[1]) is None
+
+
+@pytest.mark.parametrize("comm,int8_output", [("bf16", False), ("lowp", False), ("lowp", True)])
+def test_the_layer_compiles_fullgraph_with_the_same_bits(comm, int8_output):
+    """torch.compile(fullgraph=True) of ulysses_attention (one process): forward and the
+    gradients of q, k, v equal the eager call's bit for bit (the same kernels run)."""
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 64, 4, 2, 32, seed=11))
+
+    def f(q, k, v):
+        return ulysses.ulysses_attention(
+            q, k, v, comm=comm, causal=True, used_sequence=60, int8_output=int8_output
+        )
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    want = f(q, k, v)
+    g_got = torch.autograd.grad(got.float().sum(), (q, k, v))
+    g_want = torch.autograd.grad(want.float().sum(), (q, k, v))
+    assert bitwise_diff(got, want) is None
+    for a, b in zip(g_got, g_want, strict=True):
+        assert bitwise_diff(a, b) is None
