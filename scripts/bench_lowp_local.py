@@ -32,18 +32,14 @@ def local_chain(plan, q, k, v, recv):
     all_gather and the all_to_all: the same launches on the same buffers."""
     plan.k_local(k)
     plan.qv(q, v)
-    dev = plan.device
-    mean = torch.empty(plan.mean_shape, dtype=plan.dtype, device=dev)
-    part = torch.empty(plan.amax_shape, dtype=torch.float32, device=dev)
-    final = torch.empty(plan.amax_shape, dtype=torch.float32, device=dev)
-    v_scale = torch.empty(plan.v_scale_shape, dtype=torch.float32, device=dev)
-    if hasattr(plan, "post"):  # one launch after the gather
-        plan.post(mean, part, final, v_scale)
-    else:
-        plan.k_finalize(mean, part, final)
-        plan.finish(v_scale)
-    plan.pack(q, k, v, plan.amax_q, final, mean, plan.amax_v)
-    return lowp._scales(recv, *plan.scale_index)
+    out = torch.empty_like(plan.out_bytes)
+    words, typed = out.view(torch.float32), out.view(plan.dtype)
+    mean = typed.as_strided(*plan.mean_view)
+    v_scale = words.as_strided(*plan.v_scale_view)
+    plan.post(mean, plan.part, plan.final, v_scale)
+    plan.pack(q, k, v, plan.amax_q, plan.final, mean, plan.amax_v)
+    plan.gather_scales(recv.view(torch.float32), words)
+    return words
 
 
 def rank_inputs(B, L, H, D, rank, dev):

@@ -205,3 +205,19 @@ def test_opcheck_output_exchange_ops():
     send = torch.ops.ulysses.lowp_out_quant.default(x, world_size=3)
     kw = dict(B=2, L=7, h=3, D=32, world_size=3, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.ulysses.lowp_out_dequant.default, (send,), kw)
+
+
+def test_opcheck_scale_gather_and_its_bits():
+    """The scale gather after the all_to_all (kernels/lowp_scales.py) as a custom op (opcheck
+    on finite words: it compares outputs as numbers), and it copies each indexed 32-bit word
+    as it is, NaN payloads and -0 included."""
+    g = torch.Generator().manual_seed(11)
+    recv = torch.randn(300, generator=g).view(torch.uint8)
+    index = torch.randint(0, 300, (77,), generator=g, dtype=torch.int64)
+    torch.library.opcheck(torch.ops.ulysses.lowp_scales.default, (recv, index), {})
+    words = torch.randint(-(2**31), 2**31 - 1, (300,), generator=g, dtype=torch.int32)
+    words[:3] = torch.tensor([0x7FC00001, 0x7F800001, -(2**31)], dtype=torch.int32)
+    index[:3] = torch.tensor([0, 1, 2])
+    out = torch.ops.ulysses.lowp_scales.default(words.view(torch.uint8), index)
+    assert out.dtype == torch.float32 and out.shape == (77,)
+    assert torch.equal(out.view(torch.int32), words[index])

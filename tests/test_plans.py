@@ -185,7 +185,10 @@ def test_exchange_runs_one_pipeline_at_world_size_one(monkeypatch):
     q, k, v = _exchange_inputs(1)
     runs = _three_paths(monkeypatch, q, k, v, used_sequence=37, q_group=16, k_group=32)
     plan_kernels = runs[0][0]
-    assert plan_kernels[0][0] == "_block_stats_kernel" and plan_kernels[-1][0] == "_pack_kernel"
+    assert plan_kernels[0][0] == "_block_stats_kernel" and [n for n, *_ in plan_kernels[-2:]] == [
+        "_pack_kernel",
+        "_gather_scales_kernel",
+    ]
     for kernels, out in runs[1:]:
         assert kernels == plan_kernels
         for name, a, b in zip(_FIELDS, out, runs[0][1], strict=True):
@@ -199,7 +202,7 @@ def test_exchange_runs_one_pipeline_at_world_size_one(monkeypatch):
 def test_exchange_runs_one_pipeline_under_a_process_group(monkeypatch, fake_world):
     """Rank 1 of 4 (torch's fake process group: the collectives move no data, so only the
     launches are compared): plan, full path and compiled call launch the same kernels in the
-    same order, the post-gather step as one launch."""
+    same order, the post-gather step as one launch, the scale gather as one launch."""
     q, k, v = _exchange_inputs(fake_world, L=24)
     runs = _three_paths(monkeypatch, q, k, v, q_group=16, k_group=32)
     plan_kernels = runs[0][0]
@@ -208,6 +211,7 @@ def test_exchange_runs_one_pipeline_under_a_process_group(monkeypatch, fake_worl
         "_qv_stats_kernel",
         "_post_gather_kernel",
         "_pack_kernel",
+        "_gather_scales_kernel",
     ]
     assert [r[0] for r in runs[1:]] == [plan_kernels, plan_kernels]
 

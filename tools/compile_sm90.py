@@ -69,6 +69,7 @@ KERNELS = (
     ("lowp_pack", "_pack_kernel"),
     ("lowp_finish", "_lowp_finish_kernel"),
     ("lowp_finish", "_post_gather_kernel"),
+    ("lowp_scales", "_gather_scales_kernel"),
 )
 DRIVERS = ("tests/test_amax.py", "tests/test_block_stats.py", "tests/test_lowp_kernels.py")
 _TYPES = {

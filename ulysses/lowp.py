@@ -37,6 +37,7 @@ round-half-to-even.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
 from .kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
 from .kernels.lowp_pack import QOnce, pack_qkv, prepare_pack, q_once_fits
 from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel
+from .kernels.lowp_scales import gather_scales, prepare_gather_scales
 from .kernels.lowp_steps import exchange_local, exchange_post
 
 __all__ = ["LowpQKV", "exchange_qkv", "payload_bytes", "bf16_payload_bytes", "GROUP_SIZES"]
@@ -230,6 +232,10 @@ def _dequant_fake(q, k, v, q_scale, k_scale, v_scale, *, q_group, k_group, dtype
     )
 
 
+def _scales_fake(recv, index):
+    return recv.new_empty((index.numel(),), dtype=torch.float32)
+
+
 def _out_quant_fake(x, *, world_size):
     B, S, h, D = x.shape
     return x.new_empty((world_size * out_chunk_bytes(B, S // world_size, h, D),), dtype=torch.uint8)
@@ -244,6 +250,7 @@ def _out_dequant_fake(recv, *, B, L, h, D, world_size, dtype):
 local_op = _ops.define_op("lowp_local", exchange_local, _local_fake)
 post_op = _ops.define_op("lowp_post", exchange_post, _post_fake, mutates=("amax_q",))
 pack_op = _ops.define_op("lowp_pack", pack_qkv, _pack_fake)
+scales_op = _ops.define_op("lowp_scales", gather_scales, _scales_fake)
 dequant_op = _ops.define_op("lowp_dequant", dequantize_qkv, _dequant_fake)
 # the attention output's INT8 way back (kernels/lowp_out.py; ulysses.attention uses them)
 out_quant_op = _ops.define_op("lowp_out_quant", quantize_out, _out_quant_fake)
@@ -294,9 +301,10 @@ def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
 
 
 def _scales(recv: torch.Tensor, index: torch.Tensor, q_shape, k_shape) -> tuple:
-    """(q_scale, k_scale) gathered from the receive buffer by one ``take``: two contiguous
-    views of one new tensor, each starting 16-byte aligned."""
-    both = recv.view(torch.float32).take(index)
+    """(q_scale, k_scale) gathered from the receive buffer by one launch
+    (kernels/lowp_scales.py): two contiguous views of one new tensor, each starting 16-byte
+    aligned."""
+    both = scales_op(recv=recv, index=index)
     n_q, n_k = q_shape.numel(), k_shape.numel()
     return both[:n_q].view(q_shape), both[index.numel() - n_k :].view(k_shape)
 
@@ -578,6 +586,11 @@ def _views(w: _Wire, B: int, D: int) -> tuple:
     return ((B, S, h, D), (B, S, hkv, D)), stride, (0, h * D, (h + hkv) * D)
 
 
+def _contiguous(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
 def _kv_heads(w: _Wire, rank: int) -> slice:
     """The K/V heads rank ``rank`` receives (``grid.kv_split``)."""
     first = rank * w.hkv // w.kv_rep
@@ -750,45 +763,60 @@ class _ExchangePlan:
         else:
             self.a2a = _all_to_all_launcher(send)
         (self.size_q, self.size_kv), self.stride, self.offsets = _views(w, B, D)
-        self.heads = _kv_heads(w, c.rank)
-        self.scale_index = _scale_index(w, B, c.q_group, c.k_group, dev)
         self.fields = (c.used_sequence, c.q_group, c.k_group)
-        self.mean_shape, self.amax_shape = (B, Hkv, D), (B, Hkv, lay_k.n_slots)
         self.dtype, self.device = k.dtype, dev
-        # the outputs' templates: torch.empty_like of them is the cheapest allocation
-        self.mean_out = output_template(self.mean_shape, k.dtype, dev)
-        self.amax_out = output_template(self.amax_shape, torch.float32, dev)
-        self.v_scale_out = output_template(self.v_scale_shape, torch.float32, dev)
+        # K's partial and final group amax: read by the pack only, so scratch (stream order
+        # makes the next call's overwrite safe)
+        n_ka = B * Hkv * lay_k.n_slots
+        self.part = workspace("lowp_amax_part", n_ka, FP32, dev)[:n_ka].view(B, Hkv, -1)
+        self.final = workspace("lowp_amax_final", n_ka, FP32, dev)[:n_ka].view(B, Hkv, -1)
+        # what a call returns besides the codes, in ONE new allocation a call (bytes, each
+        # part 16-byte aligned): the gathered group scales (Q's, padding, K's: the scale
+        # gather writes them from word 0), k_mean [B, Hkv, D] (input dtype), v_scale
+        index, q_shape, k_shape = _scale_index(w, B, c.q_group, c.k_group, dev)
+        self.gather_scales = prepare_gather_scales(index, dev)
+        n_idx, esize = index.numel(), k.element_size()
+        off_mean = -(-4 * n_idx // 16) * 16
+        off_vs = off_mean + -(-B * Hkv * D * esize // 16) * 16
+        self.out_bytes = output_template((off_vs + 4 * B * w.hkv * D,), torch.uint8, dev)
+        self.q_scale_view = (q_shape, _contiguous(q_shape), 0)
+        self.k_scale_view = (k_shape, _contiguous(k_shape), n_idx - k_shape.numel())
+        mean_shape = (B, Hkv, D)
+        self.mean_view = (mean_shape, _contiguous(mean_shape), off_mean // esize)
+        # this rank's K/V heads of the mean: [B, hkv, D] with the full mean's strides
+        first = _kv_heads(w, c.rank).start
+        self.k_mean_view = ((B, w.hkv, D), _contiguous(mean_shape), off_mean // esize + first * D)
+        self.v_scale_view = (self.v_scale_shape, _contiguous(self.v_scale_shape), off_vs // 4)
 
     def __call__(self, q, k, v, pg) -> LowpQKV:
         self.k_local(k)
         self.qv(q, v)
         if self.gather is not None:
             self.gather(pg)
-        mean = torch.empty_like(self.mean_out)
-        part = torch.empty_like(self.amax_out)
-        final = torch.empty_like(self.amax_out)
-        v_scale = torch.empty_like(self.v_scale_out)
+        out = torch.empty_like(self.out_bytes)
+        words, typed = out.view(FP32), out.view(self.dtype)
+        mean = typed.as_strided(*self.mean_view)
+        v_scale = words.as_strided(*self.v_scale_view)
         # K's finalize, then Q's boundary merge (in self.amax_q) and V's amax: one launch
-        self.post(mean, part, final, v_scale)
+        self.post(mean, self.part, self.final, v_scale)
         if self.a2a is not None:
-            self.pack(q, k, v, self.amax_q, final, mean, self.amax_v)
+            self.pack(q, k, v, self.amax_q, self.final, mean, self.amax_v)
             recv = self.a2a(pg)
         else:
             recv = torch.empty_like(self.send_out)
-            self.pack(q, k, v, self.amax_q, final, mean, self.amax_v, recv, recv.view(FP32))
+            self.pack(q, k, v, self.amax_q, self.final, mean, self.amax_v, recv, recv.view(FP32))
+        self.gather_scales(recv.view(FP32), words)
         codes = recv.view(torch.int8)
         stride, (oq, ok, ov) = self.stride, self.offsets
         used, q_group, k_group = self.fields
-        q_scale, k_scale = _scales(recv, *self.scale_index)
         return LowpQKV(
             codes.as_strided(self.size_q, stride, oq),
             codes.as_strided(self.size_kv, stride, ok),
             recv.view(FP8).as_strided(self.size_kv, stride, ov),
-            q_scale,
-            k_scale,
+            words.as_strided(*self.q_scale_view),
+            words.as_strided(*self.k_scale_view),
             v_scale,
-            mean[:, self.heads],
+            typed.as_strided(*self.k_mean_view),
             used,
             q_group,
             k_group,
