@@ -47,6 +47,7 @@ import csv
 import datetime
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -99,25 +100,29 @@ def t_eager(fn, ms: float) -> float:
     return eager_us(fn, n=n, repeats=3)
 
 
-def t_cold(fn, ms: float) -> float:
+def t_cold(fn, ms: float, share: int = 1) -> float:
+    """Cold device time; ``share`` > 1: one of that many interleaved rounds (fewer calls)."""
     if not _cuda():
         return ms * 1e3
     from _bench import cold_us
 
-    return cold_us(fn, None, iters=max(3, min(25, int(1500 / max(ms, 1e-3)))))
+    return cold_us(fn, None, iters=max(3, min(25, int(1500 / max(ms, 1e-3))) // share))
 
 
-def t_host(fn, n: int = 50) -> float:
+def t_host(fn, n: int = 20) -> float:
     """Host time per call: ``n`` calls issued while the GPU is held busy by a sleep kernel
-    (so no call waits for the device), best of 3."""
+    (so no call waits for the device), best of 5. ``n`` stays small: the launches of the
+    ``n`` calls must fit in the device's launch queue (about a thousand), or a launch blocks
+    until the sleep ends and the figure counts the wait (a lowp step launches about 25
+    kernels, the fake collectives at P 8 several more)."""
     if not _cuda():
         return float("nan")
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     best = float("inf")
-    for _ in range(3):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time
+    for _ in range(5):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of device time
         t = time.perf_counter()
         for _ in range(n):
             fn()
@@ -517,6 +522,7 @@ def _compile_one(task) -> str:
 # ---- the step tables --------------------------------------------------------------------------
 
 STEP_NAMES = ("bf16", "lowp-a", "lowp-b", "lowp-b8", "lowp-c16", "lowp-c8")
+COLD_ROUNDS = 3
 PART_NAMES = ("exchange", "dequant-torch", "dequant-fused", "attn-sdpa", "attn-c16", "attn-c8")
 
 
@@ -529,18 +535,30 @@ def timed_pass(dev, cfgs, shapes, cold: bool) -> dict:
             case = Case(S, H, P, causal, dev, cfgs)
             fns = case.steps()
             r = {}
-            for name, fn in fns.items():
-                if name not in STEP_NAMES + PART_NAMES:
-                    continue
-                if ARGS.no_codes_attention and name.endswith(("-c16", "-c8")):
-                    r[name] = float("nan")
-                    continue
-                try:
-                    ms = est_ms(fn)
-                    r[name] = t_cold(fn, ms) if cold else t_eager(fn, ms)
-                except Exception as e:
-                    print(f"  {name} S{S} H{H} P{P}: FAILED {type(e).__name__}: {str(e)[:200]}")
-                    r[name] = float("nan")
+            names = [n for n in fns if n in STEP_NAMES + PART_NAMES]
+            if ARGS.no_codes_attention:
+                names = [n for n in names if not n.endswith(("-c16", "-c8"))]
+            # cold figures: COLD_ROUNDS rounds over the steps, the median of the rounds (the
+            # same SDPA kernel drifts by a few percent over a run; interleaving gives every
+            # step the same drift)
+            rounds = COLD_ROUNDS if cold else 1
+            samples: dict[str, list] = {n: [] for n in names}
+            est: dict[str, float] = {}
+            for _ in range(rounds):
+                for name in names:
+                    fn = fns[name]
+                    try:
+                        if name not in est:
+                            est[name] = est_ms(fn)
+                        ms = est[name]
+                        samples[name].append(t_cold(fn, ms, rounds) if cold else t_eager(fn, ms))
+                    except Exception as e:
+                        print(f"  {name} S{S} H{H} P{P}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                        est[name] = float("nan")
+            for name in fns:
+                if name in STEP_NAMES + PART_NAMES:
+                    v = [x for x in samples.get(name, []) if x == x]
+                    r[name] = statistics.median(v) if v else float("nan")
             if not cold:
                 r["_collectives"] = fake_collective_host_us(case)
                 r["_case"] = (case.bytes_in, case.bytes_out, case.L, case.h)
@@ -577,36 +595,58 @@ def host_pass(dev, cfgs) -> dict:
 
 
 def exchange_pass(dev, cold: bool) -> dict:
-    """The exchange's local cost at 68 / 268 MB a tensor (P 8): device time against one cold
-    read of q, k, v; and (cold=False) its host time at 8 MB beyond its two collectives."""
-    init_world(8)
+    """Per world size P: the exchange's local cost at 68 / 268 MB a tensor against one cold
+    read of q, k, v, and ``smooth_k_stats`` (fused, eager) against one cold read of K; with
+    cold=False also their host time per call beyond their collectives (exchange at 8 MB a
+    tensor) and ``k_grouped_amax``'s host time at a tiny shape beside torch's one-launch
+    floor (a one-element ``zero_()``) and a ``torch.empty``."""
+    import ulysses
+    from ulysses import stats
+
     res = {}
-    for L, H in EXCHANGE_SHAPES:
-        q, k, v = rand_qkv((B, L, H, D), dev, 5)
-        ex = lambda q=q, k=k, v=v: lowp.exchange_qkv(q, k, v)  # noqa: E731
-        read = lambda q=q, k=k, v=v: (q.sum(), k.sum(), v.sum())  # noqa: E731
-        if cold and _cuda():
-            from _bench import cold_breakdown, cold_us
-
-            res[(L, H)] = dict(
-                exchange=cold_us(ex, None), read=cold_us(read, ("reduce", "Reduce")),
-                parts=cold_breakdown(ex),
-            )  # fmt: skip
-        elif not cold:
-            res[(L, H)] = dict(eager=t_eager(ex, est_ms(ex)))
-    if not cold:
-        L, H = HOST_SHAPE
-        q, k, v = rand_qkv((B, L, H, D), dev, 6)
-        from ulysses import stats
-
+    for P in WORLDS:
+        init_world(P)
         pg = dist.group.WORLD
         payload = torch.zeros(4096, device=dev)
-        gathered = torch.empty(8 * 4096, device=dev)
+        gathered = torch.empty(P * 4096, device=dev)
         gather = stats.all_gather_launcher(gathered, payload)
         a2a = lowp._all_to_all_launcher(torch.empty(4096, dtype=torch.uint8, device=dev))
-        coll = t_host(lambda: gather(pg)) + t_host(lambda: a2a(pg))
-        total = t_host(lambda: lowp.exchange_qkv(q, k, v))
-        res["host"] = dict(total=total, collectives=coll, beyond=total - coll)
+        g_us = t_host(lambda gather=gather, pg=pg: gather(pg)) if not cold else 0.0
+        a_us = t_host(lambda a2a=a2a, pg=pg: a2a(pg)) if not cold else 0.0
+        for L, H in EXCHANGE_SHAPES:
+            q, k, v = rand_qkv((B, L, H, D), dev, 5)
+            ex = lambda q=q, k=k, v=v: lowp.exchange_qkv(q, k, v)  # noqa: E731
+            sk = lambda k=k: stats.smooth_k_stats(k)  # noqa: E731
+            read = lambda q=q, k=k, v=v: (q.sum(), k.sum(), v.sum())  # noqa: E731
+            read_k = lambda k=k: k.sum()  # noqa: E731
+            if cold and _cuda():
+                from _bench import cold_breakdown, cold_us
+
+                res[(P, L, H)] = dict(
+                    exchange=cold_us(ex, None), read=cold_us(read, ("reduce", "Reduce")),
+                    smooth_k=cold_us(sk, None), read_k=cold_us(read_k, ("reduce", "Reduce")),
+                    parts=cold_breakdown(ex),
+                )  # fmt: skip
+            elif not cold:
+                res[(P, L, H)] = dict(
+                    eager=t_eager(ex, est_ms(ex)), smooth_k=t_eager(sk, est_ms(sk))
+                )
+        if not cold:
+            L, H = HOST_SHAPE
+            q, k, v = rand_qkv((B, L, H, D), dev, 6)
+            total = t_host(lambda: lowp.exchange_qkv(q, k, v))
+            res[(P, "host")] = dict(
+                total=total, collectives=g_us + a_us, beyond=total - g_us - a_us, gather=g_us
+            )
+    if not cold:
+        k = rand_qkv((B, 256, 8, D), dev, 7)[1]
+        mean = k.float().mean(1).to(k.dtype)
+        one = torch.zeros(1, device=dev)
+        res["amax-host"] = dict(
+            k_grouped_amax=t_host(lambda: ulysses.k_grouped_amax(k, mean, rank=0, world_size=1)),
+            zero_=t_host(lambda: one.zero_()),
+            empty=t_host(lambda: torch.empty(8, 4, device=dev)),
+        )
     print(f"  [exchange {'cold' if cold else 'eager'}] {res}", flush=True)
     return res
 
@@ -789,26 +829,40 @@ def steps_tables(dev, cfgs, shapes, rows, meta):
             rows.append(dict(kind="dequant", S=S, H=H, P=P, bytes=nbytes,
                              us=c["dequant-fused"], floor_us=floor, torch_us=c["dequant-torch"],
                              ceiling_tbs=ceiling))  # fmt: skip
-        print(
-            "\n# the exchange (P 8, fake collectives): local device time vs one cold read of q,k,v"
-        )
-        for (L, H), x in ex_cold.items():
+        print("\n# the exchange and smooth_k_stats (fake collectives): local device time "
+              "(cold) and eager per call vs one cold read of q, k, v (of K)")  # fmt: skip
+        for key, x in ex_cold.items():
+            P, L, H = key
+            e = ex_eager[key]
+            g_us = ex_eager[(P, "host")]["gather"]
             mb = B * L * H * D * 2 / 1e6
-            ratio = x["exchange"] / x["read"]
             tgt = 2.0 if mb < 100 else 1.8
-            print(f"  L{L} H{H} ({mb:.0f} MB a tensor): {x['exchange']:.1f} us vs read "
-                  f"{x['read']:.1f} us = {ratio:.2f}x (target <= {tgt}); eager "
-                  f"{ex_eager[(L, H)]['eager']:.1f} us a call")  # fmt: skip
+            print(f"  P{P} L{L} H{H} ({mb:.0f} MB a tensor): exchange cold {x['exchange']:.1f} us, "
+                  f"eager {e['eager']:.1f} us vs read {x['read']:.1f} us = "
+                  f"{x['exchange'] / x['read']:.2f}x cold, {e['eager'] / x['read']:.2f}x eager "
+                  f"(target <= {tgt}); smooth_k_stats cold {x['smooth_k']:.1f} us, eager "
+                  f"{e['smooth_k']:.1f} - fake gather {g_us:.1f} us vs read K {x['read_k']:.1f} us"
+                  f" = {(e['smooth_k'] - g_us) / x['read_k']:.2f}x (target <= 1.3)")  # fmt: skip
             for part, us in x["parts"].items():
                 print(f"      {part:40s} {us:8.1f}")
-            rows.append(dict(kind="exchange", L=L, H=H, dev_us=x["exchange"], read_us=x["read"],
-                             ratio=ratio))  # fmt: skip
-        hx = ex_eager.get("host", {"total": float("nan"), "collectives": float("nan"),
-                                   "beyond": float("nan")})  # fmt: skip
-        print(f"  host per call at L{HOST_SHAPE[0]} H{HOST_SHAPE[1]} (8 MB): {hx['total']:.1f} us, "
-              f"fake collectives {hx['collectives']:.1f} us -> {hx['beyond']:.1f} us beyond "
-              f"them (target <= 40)")  # fmt: skip
-        rows.append(dict(kind="exchange-host", **{k: round(v, 2) for k, v in hx.items()}))
+            rows.append(dict(kind="exchange", P=P, L=L, H=H, dev_us=x["exchange"],
+                             eager_us=e["eager"], read_us=x["read"],
+                             smooth_k_dev_us=x["smooth_k"], smooth_k_eager_us=e["smooth_k"],
+                             gather_host_us=g_us, read_k_us=x["read_k"]))  # fmt: skip
+        for key, hx in ex_eager.items():
+            if key == "amax-host" or key[1] != "host":
+                continue
+            print(f"  P{key[0]} host per call at L{HOST_SHAPE[0]} H{HOST_SHAPE[1]} (8 MB): "
+                  f"{hx['total']:.1f} us, fake collectives {hx['collectives']:.1f} us -> "
+                  f"{hx['beyond']:.1f} us beyond them (target <= 40)")  # fmt: skip
+            rows.append(dict(kind="exchange-host", P=key[0],
+                             **{k: round(v, 2) for k, v in hx.items()}))  # fmt: skip
+        ah = ex_eager.get("amax-host")
+        if ah:
+            print(f"  k_grouped_amax host at B1 L256 H8 D128: {ah['k_grouped_amax']:.1f} us; "
+                  f"torch zero_() of one element {ah['zero_']:.1f} us, torch.empty "
+                  f"{ah['empty']:.1f} us")  # fmt: skip
+            rows.append(dict(kind="amax-host", **{k: round(v, 2) for k, v in ah.items()}))
     print("\n# host time per call at a tiny shape (L 64, h 1), fake collectives subtracted (us)")
     for P, r in host.items():
         print(f"  P{P}: " + " ".join(f"{k} {v:.1f}" for k, v in r.items()))

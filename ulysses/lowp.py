@@ -347,7 +347,6 @@ def _check_qkv(q, k, v_) -> tuple[int, int, int, int, int]:
     return B, L, q.shape[2], Hkv, D
 
 
-@torch.no_grad()
 def exchange_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -408,7 +407,16 @@ def exchange_qkv(
         except TypeError:  # an unhashable argument: _prepare names it
             plan = None
         if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            # the plan runs kernels on q, k, v and views of new buffers: no autograd history
+            # without a no_grad context (about a microsecond a call)
             return plan(q, k, v, pg)
+    return _exchange_new(q, k, v, key, group, used_sequence, q_group, k_group, enable_pdl)
+
+
+@torch.no_grad()
+def _exchange_new(q, k, v, key, group, used_sequence, q_group, k_group, enable_pdl) -> LowpQKV:
+    """A call the plans do not hold: validate, then build its plan (eager) or run the full
+    path (``key`` None: torch.compile, tensor subclasses, other group types)."""
     call = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
     if key is not None:
         plan = _ExchangePlan(call)
