@@ -257,6 +257,104 @@ def _lowp_attn_kernel(
         tl.store(p_out, round_to(b_o, out_dtype, HW_ROUND), mask=m_rows)
 
 
+@triton.jit
+def _tma_block(
+    acc, l_i, m_i, b_q, b_a, k_desc, vt_desc, ks_base, k_row, k_col, vt_row, start_n, o_m, o_n,
+    used, k_group, n_kg,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HW_ROUND: tl.constexpr,
+):  # fmt: skip
+    b_k = k_desc.load([k_row + start_n, k_col])  # [BN, D] int8 (TMA: rows past the end read 0)
+    b_qk = tl.dot(b_q, tl.trans(b_k))  # [BM, BN] int32, exact
+    b_x = (b_qk + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    o_c = start_n + o_n
+    b_ks = tl.load(ks_base + tl.minimum(o_c // k_group, n_kg - 1))  # [BN] K scale a column
+    b_x = b_x * b_ks[None, :]
+    if MASKED:
+        m_valid = (o_c < used)[None, :]
+        if CAUSAL:
+            m_valid = m_valid & (o_c[None, :] <= o_m[:, None])
+        b_x = tl.where(m_valid, b_x, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(b_x, 1) * b_a)
+    alpha = tl.math.exp2(m_i - m_new)
+    # P * 2^8 directly: 2^(s - m + 8), the e4m3 range's scale folded into the exponent
+    b_p = tl.math.exp2(tl.fma(b_x, b_a[:, None], 8.0 - m_new[:, None]))
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    acc = acc * alpha[:, None]
+    if HW_ROUND:
+        b_p8 = b_p.to(tl.float8e4nv)
+    else:  # the interpreter rounds e4m3 subnormals wrongly: round on the bits
+        b_keep = tl.full(b_p.shape, 255, tl.uint8)
+        b_p8 = e4m3_code(b_p, 1.0, b_keep, False).to(tl.float8e4nv, bitcast=True)
+    b_vt = vt_desc.load([vt_row, start_n])  # [D, BN] e4m3, K-major for the fp8 MMA
+    acc = tl.dot(b_p8, tl.trans(b_vt), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["S", "used", "HQ", "HKV", "q_group", "k_group", "n_qg", "n_kg"])
+def _lowp_attn_tma_kernel(
+    q_desc, k_desc, vt_desc, q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+    q_cols_b, k_cols_b,
+    S, used, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr,
+):  # fmt: skip
+    """The fp8 P·V kernel with every block read by TMA (tensor descriptors): Q [BM, D] and K
+    [BN, D] from 2-D descriptors over the codes (row ``s``, column ``b * cols_b + head * D``,
+    ``cols_b`` the batch stride: rows past S read 0), V^T [D, BN] from ``transpose_v``'s
+    copy. No pointer tensors live across the key loop."""
+    i_m = tl.program_id(0)
+    if CAUSAL:
+        i_m = tl.num_programs(0) - 1 - i_m
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    i_hk = i_h // (HQ // HKV)
+    start_m = i_m * BLOCK_M
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, D)
+    out_dtype = out_ptr.dtype.element_ty
+    p_out = (
+        out_ptr + ((i_b.to(tl.int64) * S + o_m[:, None].to(tl.int64)) * HQ + i_h) * D + o_d[None, :]
+    )
+    m_rows = (o_m < S)[:, None]
+    if start_m >= used:
+        tl.store(p_out, tl.zeros([BLOCK_M, D], dtype=out_dtype), mask=m_rows)
+    else:
+        b_q = q_desc.load([start_m, i_b * q_cols_b + i_h * D])
+        b_qs = tl.load(
+            q_scale_ptr + (i_b * HQ + i_h) * n_qg + o_m // q_group, mask=o_m < S, other=0.0
+        )
+        b_a = b_qs * qk_scale
+        ks_base = k_scale_ptr + (i_b * HKV + i_hk) * n_kg
+        k_row = 0
+        k_col = i_b * k_cols_b + i_hk * D
+        vt_row = (i_b * HKV + i_hk) * D
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        if CAUSAL:  # key blocks wholly at or below the block's first row need no mask
+            hi = tl.minimum(used, start_m + BLOCK_M)
+            full_end = (start_m // BLOCK_N) * BLOCK_N
+        else:
+            hi = used
+            full_end = (used // BLOCK_N) * BLOCK_N
+        for start_n in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+            acc, l_i, m_i = _tma_block(
+                acc, l_i, m_i, b_q, b_a, k_desc, vt_desc, ks_base, k_row, k_col, vt_row,
+                start_n, o_m, o_n, used, k_group, n_kg, BLOCK_N, False, CAUSAL, HW_ROUND,
+            )  # fmt: skip
+        for start_n in tl.range(full_end, hi, BLOCK_N, num_stages=NUM_STAGES):
+            acc, l_i, m_i = _tma_block(
+                acc, l_i, m_i, b_q, b_a, k_desc, vt_desc, ks_base, k_row, k_col, vt_row,
+                start_n, o_m, o_n, used, k_group, n_kg, BLOCK_N, True, CAUSAL, HW_ROUND,
+            )  # fmt: skip
+        b_vs = tl.load(v_scale_ptr + (i_b * HKV + i_hk) * D + o_d)  # [D]
+        b_o = acc * (1.0 / l_i)[:, None] * b_vs[None, :]  # P's 2^8 is in acc and in l_i
+        b_o = tl.where((o_m < used)[:, None], b_o, 0.0)
+        tl.store(p_out, round_to(b_o, out_dtype, HW_ROUND), mask=m_rows)
+
+
 @triton.jit(do_not_specialize=["S", "S_pad", "HKV"])
 def _v_transpose_kernel(
     v_ptr,
@@ -269,7 +367,7 @@ def _v_transpose_kernel(
     HKV,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-):
+):  # S here is the rows kept (used); rows [S, S_pad) are written +0
     i_s, i_bh = tl.program_id(0), tl.program_id(1)
     i_b = i_bh // HKV
     i_h = i_bh % HKV
@@ -285,12 +383,15 @@ def _v_transpose_kernel(
     tl.store(p_vt, tl.trans(b_v), mask=(o_s < S_pad)[None, :])  # [D, BLOCK_S], pad rows 0
 
 
-def transpose_v(v: torch.Tensor) -> torch.Tensor:
-    """``vt`` [B, hkv, D, S_pad] e4m3 (S_pad: S rounded up to 16; the pad is +0) from the
-    strided codes ``v`` [B, S, hkv, D]: the K-major operand of the fp8 P·V product."""
-    B, S, HKV, D = v.shape
+def transpose_v(v: torch.Tensor, used: int | None = None) -> torch.Tensor:
+    """``vt`` [B, hkv, D, S_pad] e4m3 (S_pad: S rounded up to 16) from the strided codes ``v``
+    [B, S, hkv, D]: the K-major operand of the fp8 P·V product. Columns ``>= used`` (default
+    S) are +0: a consumer that reads whole blocks (TMA) multiplies them by P = 0, which a NaN
+    code in the padding would turn into NaN."""
+    B, S_all, HKV, D = v.shape
+    S = S_all if used is None else int(used)
     assert v.dtype == torch.float8_e4m3fn and v.stride(3) == 1
-    S_pad = cdiv(S, 16) * 16
+    S_pad = cdiv(S_all, 16) * 16
     vt = torch.empty((B, HKV, D, S_pad), dtype=v.dtype, device=v.device)
     block_s = 64 if compiled_for_gpu(v.device) else 128
     launch(
@@ -313,14 +414,18 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
 
 
 class AttnConfig(tuple):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, pv, lazy): one launch configuration; ``pv``
-    is "fp16" or "fp8" (how P·V is multiplied), ``lazy`` the skipped rescales (fp16 only)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, pv, lazy, tma): one launch configuration;
+    ``pv`` is "fp16" or "fp8" (how P·V is multiplied), ``lazy`` the skipped rescales (fp16
+    only), ``tma`` the kernel whose blocks are read through tensor descriptors (fp8 P·V)."""
 
     __slots__ = ()
 
-    def __new__(cls, block_m, block_n, num_warps, num_stages, pv="fp16", lazy=False):
-        assert block_m % block_n == 0 and pv in ("fp16", "fp8") and not (lazy and pv == "fp8")
-        return super().__new__(cls, (block_m, block_n, num_warps, num_stages, pv, bool(lazy)))
+    def __new__(cls, block_m, block_n, num_warps, num_stages, pv="fp16", lazy=False, tma=False):
+        assert pv in ("fp16", "fp8") and not (lazy and pv == "fp8") and not (tma and pv != "fp8")
+        assert tma or block_m % block_n == 0
+        return super().__new__(
+            cls, (block_m, block_n, num_warps, num_stages, pv, bool(lazy), bool(tma))
+        )
 
     def __getnewargs__(self):  # pickling (the benchmark's compile processes)
         return tuple(self)
@@ -331,10 +436,12 @@ class AttnConfig(tuple):
     num_stages = property(lambda self: self[3])
     pv = property(lambda self: self[4])
     lazy = property(lambda self: self[5])
+    tma = property(lambda self: self[6])
 
     def __repr__(self) -> str:
         lazy = "-lazy" if self.lazy else ""
-        return f"M{self[0]}-N{self[1]}-w{self[2]}-s{self[3]}-{self.pv}{lazy}"
+        tma = "-tma" if self.tma else ""
+        return f"M{self[0]}-N{self[1]}-w{self[2]}-s{self[3]}-{self.pv}{lazy}{tma}"
 
 
 # The configurations tried by ``autotune`` (and ``scripts/bench_step.py --sweep``) on Hopper.
@@ -478,8 +585,76 @@ def lowp_attention(
     return out
 
 
+def _descriptor(x: torch.Tensor, block_rows: int):
+    """A 2-D tensor descriptor over the codes ``x`` [B, S, H, D] (unit last stride, head
+    stride D): rows ``s`` (stride ``x.stride(1)``), columns ``b * x.stride(0) + h * D + d``,
+    blocks [block_rows, D]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, S, H, D = x.shape
+    assert x.stride(2) == D and x.stride(3) == 1, x.stride()
+    cols = (B - 1) * x.stride(0) + H * D
+    return TensorDescriptor(x, [S, cols], [x.stride(1), 1], [block_rows, D])
+
+
+def tma_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the TMA kernel takes these codes: head stride D, 16-byte aligned starts and
+    row strides (the exchange's receive buffer and contiguous tensors both are)."""
+    for x in (q, k, v):
+        B, S, H, D = x.shape
+        if x.stride(3) != 1 or x.stride(2) != D or x.data_ptr() % 16 or x.stride(1) % 16:
+            return False
+        if x.stride(0) % 16 and B > 1:
+            return False
+    return True
+
+
+def _run_tma(args, kw, out, cfg: AttnConfig) -> None:
+    q, k, v, q_scale, k_scale, v_scale = args
+    B, S, HQ, D = q.shape
+    HKV = k.shape[2]
+    vt = transpose_v(v, kw["used"])
+    S_pad = vt.shape[3]
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    vt_desc = TensorDescriptor(vt, [B * HKV * D, S_pad], [S_pad, 1], [D, cfg.block_n])
+    launch(
+        _lowp_attn_tma_kernel,
+        (cdiv(S, cfg.block_m), B * HQ),
+        q.device,
+        num_warps=cfg.num_warps,
+        q_desc=_descriptor(q, cfg.block_m),
+        k_desc=_descriptor(k, cfg.block_n),
+        vt_desc=vt_desc,
+        q_scale_ptr=q_scale,
+        k_scale_ptr=k_scale,
+        v_scale_ptr=v_scale,
+        out_ptr=out,
+        q_cols_b=q.stride(0) if B > 1 else 0,
+        k_cols_b=k.stride(0) if B > 1 else 0,
+        S=S,
+        used=kw["used"],
+        HQ=HQ,
+        HKV=HKV,
+        q_group=kw["q_group"],
+        k_group=kw["k_group"],
+        n_qg=cdiv(S, kw["q_group"]),
+        n_kg=cdiv(S, kw["k_group"]),
+        qk_scale=kw["qk_scale"],
+        D=D,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        CAUSAL=bool(kw["causal"]),
+        NUM_STAGES=cfg.num_stages,
+        HW_ROUND=compiled_for_gpu(q.device),
+    )
+
+
 def _run(args, kw, out, cfg: AttnConfig) -> None:
     q, k, v, q_scale, k_scale, v_scale = args
+    if cfg.tma:
+        _run_tma(args, kw, out, cfg)
+        return
     if cfg.pv == "fp8":
         vt = transpose_v(v)
         B, HKV, D, S_pad = vt.shape
