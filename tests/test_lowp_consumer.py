@@ -201,3 +201,40 @@ def test_transpose_v():
     assert vt.shape == (2, 3, 32, 48)
     assert torch.equal(vt[..., :37].view(torch.uint8), v.permute(0, 2, 3, 1).view(torch.uint8))
     assert not vt[..., 37:].view(torch.uint8).any()
+
+
+TMA = AttnConfig(32, 32, 1, 1, "fp8", tma=True)
+
+
+@pytest.mark.parametrize(
+    "case, causal, k_group",
+    [((1, 77, 2, 2, 64), False, 64), ((1, 77, 2, 2, 64), True, 64), ((2, 64, 4, 2, 64), True, 64),
+     ((1, 70, 2, 1, 64), True, 16), ((1, 40, 1, 1, 128), False, 64)],
+    ids=["full", "causal", "batch2-gqa", "key-scale-per-column", "d128"],
+)  # fmt: skip
+def test_tma_attention_vs_fp32(case, causal, k_group):
+    """The kernel reading its blocks through tensor descriptors: Q/K rows past S read as 0,
+    B > 1 through the batch stride, each key column its own K scale."""
+    out, ref, v = _run(case, TMA, causal=causal, k_group=k_group)
+    _check(out, ref, v, "fp8")
+
+
+@pytest.mark.parametrize("cfg", [TMA, AttnConfig(64, 32, 1, 1, "fp8", tma=True),
+                                 AttnConfig(32, 64, 1, 1, "fp8", tma=True)], ids=repr)  # fmt: skip
+def test_tma_attention_used_sequence(cfg):
+    """Keys [used, S) hold saturated K codes with huge scales and NaN V codes; the TMA kernel
+    reads whole blocks, so ``transpose_v`` must zero V's padding columns; rows [used, S) 0.
+    Query blocks smaller or larger than key blocks take the causal split at a block edge."""
+    used = 61
+    out, ref, v = _run((1, 100, 2, 2, 64), cfg, causal=True, used=used, garbage_tail=True)
+    assert torch.equal(out[:, used:], torch.zeros_like(out[:, used:]))
+    _check(out, ref, v, "fp8")
+
+
+def test_transpose_v_zeroes_columns_past_used():
+    (_, _, v), _, _ = _codes(1, 37, 1, 2, 32)
+    vt = transpose_v(v, 30)
+    assert torch.equal(
+        vt[..., :30].view(torch.uint8), v[:, :30].permute(0, 2, 3, 1).view(torch.uint8)
+    )
+    assert not vt[..., 30:].view(torch.uint8).any()
