@@ -35,7 +35,12 @@ Grid: (query blocks, B * hq), query blocks fastest so that concurrent programs s
 head's K/V in L2; causal launches the longest rows first. Two loops per program: full key
 blocks without masks, then the few blocks that need the key / causal mask.
 
-A second, small kernel writes ``vt`` for the fp8 P·V path.
+A second kernel (``_lowp_attn_tma_kernel``, ``AttnConfig(tma=True)``, the default on Hopper)
+runs the same math, fp8 P·V, with every Q, K and V^T block read through TMA tensor
+descriptors: no pointer tensors live across the key loop, rows past S read as 0, and the 2^8
+scale of P is folded into the exponent (``p = 2^(s - m + 8)``).
+
+A small kernel writes ``vt`` for the fp8 P·V paths (columns past ``used`` +0).
 """
 
 from __future__ import annotations
@@ -51,7 +56,15 @@ from ._quant import e4m3_code
 from ._runtime import cdiv, compiled_for_gpu, launch
 from .lowp_dequant import round_to
 
-__all__ = ["lowp_attention", "transpose_v", "AttnConfig", "default_config", "CONFIGS"]
+__all__ = [
+    "lowp_attention",
+    "transpose_v",
+    "tma_fits",
+    "AttnConfig",
+    "default_config",
+    "CONFIGS",
+    "TMA_DEFAULT",
+]
 
 LOG2E = 1.4426950408889634
 _MAGIC_I = 0x4B400000  # bits of 1.5 * 2^23
@@ -445,8 +458,9 @@ class AttnConfig(tuple):
 
 
 # The configurations tried by ``autotune`` (and ``scripts/bench_step.py --sweep``) on Hopper.
-# An H200 sweep (S 32768, h 4, D 128) had 4 warps a 128-row block fastest and 128-key blocks
-# 1.4-1.9x slower; the lazy rescale gained nothing.
+# An H200 sweep of the pointer kernel (S 32768, h 4, D 128) had 4 warps a 128-row block
+# fastest and 128-key blocks 1.4-1.9x slower; the lazy rescale gained nothing. The TMA kernel
+# is fastest with 64 rows and 128 keys (TMA_DEFAULT).
 CONFIGS = tuple(
     AttnConfig(bm, bn, w, s, pv)
     for pv in ("fp16", "fp8")
@@ -454,25 +468,45 @@ CONFIGS = tuple(
         (128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (64, 64, 4, 3), (64, 64, 4, 2),
         (256, 64, 8, 3), (128, 64, 8, 3),
     )
+) + tuple(
+    AttnConfig(bm, bn, w, s, "fp8", tma=True)
+    for bm, bn, w, s in ((64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3))
 )  # fmt: skip
 
-# (D, causal) -> the default configuration on CUDA: the fastest fp16-P·V configuration of an
-# H200 sweep (Triton 3.6, D 128: 4.25 ms non-causal at S 32768 h 4, 0.254 ms causal at
-# S 8192 h 4; fp8 P·V was 4-8% faster and ten times less accurate). Other head sizes, not
-# measured, take the non-causal D 128 configuration.
+# (D, causal) -> the default configuration on CUDA before Hopper: the fastest fp16-P·V
+# configuration of an H200 sweep of the pointer kernel (Triton 3.6, D 128). Other head sizes,
+# not measured, take the non-causal D 128 configuration.
 _DEFAULTS: dict[tuple[int, bool], AttnConfig] = {
     (128, False): AttnConfig(128, 64, 4, 3, "fp16"),
     (128, True): AttnConfig(128, 64, 8, 3, "fp16"),
 }
+# On Hopper (compute capability 9.0 and later): the TMA kernel, one warpgroup on 64 query rows
+# and 128-key blocks, the fastest of an H200 sweep (Triton 3.6, D 128, h 4: 3666 us at S 32768
+# against 4288 us for the best pointer-kernel configuration, 206 against 296 us causal at
+# S 8192; no register spills, where every 128-row configuration spilled or ran slower).
+TMA_DEFAULT = AttnConfig(64, 128, 4, 2, "fp8", tma=True)
 _CPU_CONFIG = AttnConfig(32, 32, 1, 1, "fp16", False)
 _TUNED: dict[tuple, AttnConfig] = {}
 
 
+def _has_tma(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def default_config(D: int, causal: bool, device: torch.device) -> AttnConfig:
-    """The configuration used when none is given: the autotuned one for this key if any,
-    else the table's, else BLOCK_M 128, BLOCK_N 64, 4 warps, 3 stages, fp16 P·V."""
+    """The configuration used when none is given (and none was autotuned): on Hopper
+    :data:`TMA_DEFAULT`, before it the table's, else BLOCK_M 128, BLOCK_N 64, 4 warps,
+    3 stages, fp16 P·V."""
     if not compiled_for_gpu(device):
         return _CPU_CONFIG
+    if _has_tma(device):
+        return TMA_DEFAULT
     return _DEFAULTS.get((D, causal), AttnConfig(128, 64, 4, 3, "fp16", False))
 
 
@@ -653,8 +687,14 @@ def _run_tma(args, kw, out, cfg: AttnConfig) -> None:
 def _run(args, kw, out, cfg: AttnConfig) -> None:
     q, k, v, q_scale, k_scale, v_scale = args
     if cfg.tma:
-        _run_tma(args, kw, out, cfg)
-        return
+        if compiled_for_gpu(q.device) and not (_has_tma(q.device) and tma_fits(q, k, v)):
+            # no tensor descriptors here (or codes they cannot address): the pointer kernel
+            # with the same tiles and fp8 P·V
+            cfg = AttnConfig(cfg.block_m, min(cfg.block_m, cfg.block_n), cfg.num_warps,
+                             cfg.num_stages, "fp8")  # fmt: skip
+        else:
+            _run_tma(args, kw, out, cfg)
+            return
     if cfg.pv == "fp8":
         vt = transpose_v(v)
         B, HKV, D, S_pad = vt.shape

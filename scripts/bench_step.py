@@ -16,8 +16,8 @@ modelled as ``bytes sent off-rank / link bandwidth``. Per shape (B 1, D 128, bf1
   output all_to_all (what ``ulysses_attention(comm="lowp")`` runs); ``lowp-b8``: ``lowp-b``
   with the output's INT8 way back (quantize, all_to_all of codes and scales, dequantize:
   kernels/lowp_out.py; ``int8_output=True``);
-  ``lowp-c16`` / ``lowp-c8``: the attention kernel on the codes (kernels/lowp_attention.py)
-  with fp16 / fp8 P·V.
+  ``lowp-c16`` / ``lowp-c8``: an attention kernel on the codes (kernels/lowp_attention.py):
+  the pointer kernel with fp16 P·V / the TMA kernel with fp8 P·V (its Hopper default).
   The fake all_to_all leaves the exchange's receive buffer unwritten, so the consumers read
   codes quantized (``reference.lowp_exchange_reference``) from random head shards and laid
   out in a buffer with the exchange's own strides: the same layout and bytes, real values.
@@ -55,7 +55,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ulysses.kernels.lowp_attention import CONFIGS, AttnConfig, lowp_attention
+from ulysses.kernels.lowp_attention import CONFIGS, TMA_DEFAULT, AttnConfig, lowp_attention
 from ulysses.kernels.lowp_dequant import dequantize_qkv
 from ulysses.kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
 
@@ -440,7 +440,8 @@ def check_attention(dev, rows: list) -> None:
 
 
 def _check_configs(d, causal):
-    return [AttnConfig(bm, 64, 4, 3, pv) for pv in ("fp16", "fp8") for bm in (128, 64)]
+    pointer = [AttnConfig(bm, 64, 4, 3, pv) for pv in ("fp16", "fp8") for bm in (128, 64)]
+    return pointer + [TMA_DEFAULT]
 
 
 def run_sweep(dev, rows: list) -> dict:
@@ -538,6 +539,9 @@ def timed_pass(dev, cfgs, shapes, cold: bool) -> dict:
             names = [n for n in fns if n in STEP_NAMES + PART_NAMES]
             if ARGS.no_codes_attention:
                 names = [n for n in names if not n.endswith(("-c16", "-c8"))]
+            elif ARGS.codes != "c16,c8":
+                skip = {"c16", "c8"} - set(ARGS.codes.split(","))
+                names = [n for n in names if n.rsplit("-", 1)[-1] not in skip]
             # cold figures: COLD_ROUNDS rounds over the steps, the median of the rounds (the
             # same SDPA kernel drifts by a few percent over a run; interleaving gives every
             # step the same drift)
@@ -691,6 +695,9 @@ def main():
     ap.add_argument("--steps-only", action="store_true", help="no host/exchange tables")
     ap.add_argument("--no-codes-attention", action="store_true",
                     help="skip the attention kernel on the codes (lowp-c16, lowp-c8)")  # fmt: skip
+    ap.add_argument("--codes", default="c16,c8",
+                    help="which attention kernels on the codes to time (c16: the pointer "
+                    "kernel, fp16 P·V; c8: the TMA kernel, fp8 P·V)")  # fmt: skip
     ap.add_argument("--out", default=None, help="append CSV rows here (outside the repo)")
     ARGS = ap.parse_args()
     global WORLDS
@@ -708,7 +715,7 @@ def main():
         guarded(precompile, ARGS.jobs)
     if ARGS.check and _cuda():
         guarded(run_checks, dev, rows)
-    cfgs = {c: {"c16": AttnConfig(128, 64, 8, 3, "fp16"), "c8": AttnConfig(128, 64, 8, 3, "fp8")}
+    cfgs = {c: {"c16": AttnConfig(128, 64, 4, 3, "fp16"), "c8": TMA_DEFAULT}
             for c in (False, True)}  # fmt: skip
     if dev.type == "cpu":
         cfgs = {c: {"c16": AttnConfig(32, 32, 1, 1, "fp16"), "c8": AttnConfig(32, 32, 1, 1, "fp8")}
