@@ -16,6 +16,7 @@ Triton's host cost.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 
@@ -281,17 +282,23 @@ def launch(
 
 def _launch_mirrored(kernel, grid: tuple, num_warps: int, kwargs: dict) -> None:
     storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mirror(value: torch.Tensor) -> torch.Tensor:
+        storage = value.untyped_storage()
+        pair = storages.get(storage.data_ptr())
+        if pair is None:  # one copy per storage keeps aliasing views aliased
+            host = torch.empty(0, dtype=torch.uint8).set_(storage)
+            pair = storages[storage.data_ptr()] = (host, host.to("cuda"))
+        return torch.empty(0, dtype=value.dtype, device="cuda").set_(
+            pair[1].untyped_storage(), value.storage_offset(), value.size(), value.stride()
+        )
+
     mirrored = {}
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-            storage = value.untyped_storage()
-            pair = storages.get(storage.data_ptr())
-            if pair is None:  # one copy per storage keeps aliasing views aliased
-                host = torch.empty(0, dtype=torch.uint8).set_(storage)
-                pair = storages[storage.data_ptr()] = (host, host.to("cuda"))
-            value = torch.empty(0, dtype=value.dtype, device="cuda").set_(
-                pair[1].untyped_storage(), value.storage_offset(), value.size(), value.stride()
-            )
+            value = mirror(value)
+        elif type(value).__name__ == "TensorDescriptor" and value.base.device.type == "cpu":
+            value = dataclasses.replace(value, base=mirror(value.base))  # a TMA descriptor
         mirrored[name] = value
     launch(kernel, grid, torch.device("cuda"), num_warps=num_warps, **mirrored)
     for host, device in storages.values():

@@ -490,13 +490,15 @@ _TUNED: dict[tuple, AttnConfig] = {}
 
 
 def _has_tma(device: torch.device) -> bool:
-    if device.type != "cuda":
+    """Whether launches on ``device`` run compiled on a GPU with TMA (Hopper or later); CPU
+    tensors under the test mirror ask the current GPU, which they run on."""
+    if not compiled_for_gpu(device):
         return False
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return torch.cuda.get_device_capability(device.index)[0] >= 9
 
 
 def default_config(D: int, causal: bool, device: torch.device) -> AttnConfig:
