@@ -481,9 +481,9 @@ _DEFAULTS: dict[tuple[int, bool], AttnConfig] = {
     (128, True): AttnConfig(128, 64, 8, 3, "fp16"),
 }
 # On Hopper (compute capability 9.0 and later): the TMA kernel, one warpgroup on 64 query rows
-# and 128-key blocks, the fastest of an H200 sweep (Triton 3.6, D 128, h 4: 3666 us at S 32768
-# against 4288 us for the best pointer-kernel configuration, 206 against 296 us causal at
-# S 8192; no register spills, where every 128-row configuration spilled or ran slower).
+# and 128-key blocks: the fastest configuration of an H200 sweep (Triton 3.6, D 128, h 4,
+# S 32768 full and S 8192 causal), with no register spills, where every 128-row
+# configuration spilled or split its rows across warpgroups and ran slower.
 TMA_DEFAULT = AttnConfig(64, 128, 4, 2, "fp8", tma=True)
 _CPU_CONFIG = AttnConfig(32, 32, 1, 1, "fp16", False)
 _TUNED: dict[tuple, AttnConfig] = {}
