@@ -79,7 +79,7 @@ def main():
         torch.cuda.synchronize()
         dist.barrier()
         if rank == 0:
-            (plan,) = [p for p in lowp._PLANS.values() if p.mean_shape == (B, H, D)][-1:]
+            (plan,) = [p for p in lowp._PLANS.values() if p.mean_view[0] == (B, H, D)][-1:]
             recv = torch.zeros(lowp.payload_bytes(B, L, H, D, P), dtype=torch.uint8, device=dev)
             total = cold_us(lambda: local_chain(plan, q, k, v, recv), None)
             parts = cold_breakdown(lambda: local_chain(plan, q, k, v, recv), exclude=())
