@@ -6,7 +6,7 @@
 # `pip install -e ".[test,dev]"`. The stamp .venv/.ulysses-ready records that this was done;
 # editing pyproject.toml redoes the package install.
 #
-#   make test                                   # uses (and if needed builds) .venv
+#   make test                                   # the fast tier; uses (and builds) .venv
 #   make clean-venv; make test TORCH_SPEC=torch==2.11.0 \
 #       TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130    # .venv with a CUDA build
 #   make test PYTHON=python3                    # an interpreter you manage; make installs into
@@ -30,6 +30,8 @@ PIP_FLAGS ?= --quiet
 WORLD_SIZES ?= 2 4 6 8
 # pytest-xdist workers; the CPU suite is interpreter-bound, one worker per core.
 XDIST ?= auto
+# Workers for the tests that start processes: each starts 2 to 8 ranks of its own.
+DIST_XDIST ?= 2
 # Where `make gpu-check` writes its logs; empty: a new temporary folder (printed at the end).
 OUT ?=
 
@@ -46,7 +48,7 @@ TORCH_INDEX_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(TORCH_INDEX_U
 # Modules the targets need; find_spec looks them up without importing torch.
 NEEDED := torch triton numpy ulysses pytest xdist pytest_timeout hypothesis ruff
 
-.PHONY: setup check-python install test validate validate-large gpu-check lint format bench \
+.PHONY: setup check-python install test test-dist test-slow test-all validate validate-large gpu-check lint format bench \
 	wheel-check clean-venv compile-check
 
 $(VENV)/.ulysses-ready: pyproject.toml
@@ -109,8 +111,23 @@ install: setup
 clean-venv:
 	rm -rf "$(VENV)"
 
-# Single-process tests and the torchrun harness on CPU (gloo + Triton interpreter).
+# The test tiers (pytest markers in pyproject.toml; README "Tests"):
+#   test       in-process unit tests at small shapes (Triton's interpreter on CPU)
+#   test-dist  tests that start processes: torchrun runs (the planted faults in one run, the
+#              watchdog, P = 3), the examples, scripts, a fresh interpreter
+#   test-slow  interpreter sweeps of launch tiles, P = 16, the harness under pytest at
+#              2/4/6/8 (what `make validate` runs), every kernel compiled for sm90
+#   test-all   all three
 test: $(READY)
+	"$(PYTHON)" -m pytest -n $(XDIST) -m "not dist and not slow" tests
+
+test-dist: $(READY)
+	"$(PYTHON)" -m pytest -n $(DIST_XDIST) -m "dist and not slow" tests
+
+test-slow: $(READY)
+	"$(PYTHON)" -m pytest -n $(DIST_XDIST) -m "slow" tests
+
+test-all: $(READY)
 	"$(PYTHON)" -m pytest -n $(XDIST) tests
 
 # The main job: every world size in WORLD_SIZES on the best backend this machine has.

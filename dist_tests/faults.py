@@ -162,6 +162,47 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Showcase:
+    """A fault, the suite and id of the smallest default case that show it at P = 2, and text that a
+    failing check's name must contain."""
+
+    fault: str
+    suite: str
+    case: str
+    must_fail: str
+
+
+_ONE_ROW = "L1-H3-D64-bf16-G64-used_padrank-smooth"  # L % G == 1; rank 1 holds only padding
+_MID_GROUP = "L50-H3-D64-bf16-G64-used_straddle-smooth"  # rank 1 starts mid-group; tail group
+_PADRANK = "L20-H3-D128-bf16-G64-used_padrank-smooth"
+_ATTN_TAIL = "bf16-L40-hq2-mha-D64-bf16-full-used_tail"
+
+# What ``harness --fault-sweep`` runs (tests/test_planted_faults.py checks that every fault
+# but ``error`` and ``hang`` appears): each grid fault on the smooth_k suite, the ones that
+# reach the exchange on the lowp suite, the attention faults on the attention suite.
+SHOWCASE: tuple[Showcase, ...] = (
+    Showcase("floor", "smooth_k", _PADRANK, "amax_partial == reference.grouped_amax_shard"),
+    Showcase("tail", "smooth_k", _MID_GROUP, "amax_partial == reference.grouped_amax_shard"),
+    Showcase("mean_divisor", "smooth_k", _MID_GROUP, "mean == reference.global_k_mean"),
+    Showcase("boundary_merge", "smooth_k", _MID_GROUP, "amax_final == full grouped amax"),
+    Showcase("floor_small", "smooth_k", _ONE_ROW, "amax_partial =="),
+    Showcase("slots", "smooth_k", _ONE_ROW, "amax_partial =="),
+    Showcase("tail_live_end", "smooth_k", _MID_GROUP, "amax_partial =="),
+    Showcase("group_first", "smooth_k", _MID_GROUP, "amax_partial =="),
+    Showcase("touched", "smooth_k", _MID_GROUP, "amax_partial =="),
+    Showcase("boundary_merge", "lowp", "L50-H24-D64-fp16-Gq32-Gk64-used_tail", "q_scale =="),
+    Showcase("tail", "lowp", "L7-H24-D64-fp16-Gq128-Gk256-used_early-qkv", "k_scale =="),
+    Showcase("mean_divisor", "lowp", "L7-H24-D64-fp16-Gq128-Gk256-used_early-qkv", "k_mean =="),
+    Showcase("floor", "lowp", "L20-H24-D64-bf16-Gq32-Gk64-used_one-qkv", "k_scale =="),
+    Showcase(
+        "head_order", "attention", "bf16-L40-hq2-mha-D64-bf16-causal-used_none-B2", "out bitwise"
+    ),
+    Showcase("key_mask", "attention", _ATTN_TAIL, "out bitwise"),
+    Showcase("backward_a2a", "attention", _ATTN_TAIL, "dq bitwise"),
+)
+
+
 def check_name(name: str | None) -> None:
     if name is not None and name not in FAULTS:
         raise SetupError(f"planted fault must be one of {tuple(FAULTS)}, got {name!r}")

@@ -24,6 +24,11 @@ Rank 0 prints a one-line summary and, with --json, writes it.
 --fault NAME (or ULYSSES_HARNESS_FAULT=NAME) plants a known bug in the library, in this
 process only, to prove the checks can fail (see dist_tests/faults.py): floor, tail,
 mean_divisor, boundary_merge, error, hang.
+
+--fault-sweep runs every row of ``faults.SHOWCASE`` in this one launch, one after another:
+each fault planted alone on the cases that show it, then the same cases with no fault. Every
+rank exits 0 only when each fault made its case fail through the expected check (a mismatch,
+never an exception) and the unfaulted run passed; the JSON summary holds one record a row.
 """
 
 from __future__ import annotations
@@ -169,6 +174,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=os.environ.get("ULYSSES_HARNESS_FAULT") or None,
         help="plant a library fault (default: $ULYSSES_HARNESS_FAULT); see dist_tests/faults.py",
     )
+    p.add_argument(
+        "--fault-sweep",
+        action="store_true",
+        help="plant every fault of faults.SHOWCASE in turn on the cases that show it, then run "
+        "those cases unfaulted: exit 0 only when every fault was caught and the clean run passed",
+    )
     p.add_argument("--list", action="store_true", help="print the selected cases and exit")
     return p.parse_args(argv)
 
@@ -262,11 +273,88 @@ def run_all(ctx: _dist.Context, selected: list[Selected], args) -> int:
     return 0 if passed else 1
 
 
+def _exact(wanted: list[tuple[str, str]]) -> list[Selected]:
+    """The default cases with exactly these (suite, case id) pairs, in that order."""
+    out = []
+    for suite, case_id in wanted:
+        found = [s for s in select([suite], False, False, None) if s.case.id == case_id]
+        if len(found) != 1:
+            raise SetupError(f"fault sweep: no default case {suite}/{case_id}")
+        out.extend(found)
+    return out
+
+
+def _sweep_row(ctx: _dist.Context, fault: str | None, selected: list[Selected], seed: int):
+    """Run ``selected`` with ``fault`` planted (None: unfaulted); the row's record."""
+    totals = Totals()
+    with faults.planted(fault):
+        for item in selected:
+            run_one(ctx, item, seed, totals)
+    mismatches, errors = ctx.sum_ints([totals.mismatches, totals.errors])
+    failed_checks = sorted(
+        {f["check"] for per_rank in ctx.gather_json(totals.failures) for f in per_rank}
+    )
+    return {
+        "fault": fault,
+        "case_ids": [s.name for s in selected],
+        "failed_cases": totals.failed_cases,
+        "mismatches": mismatches,
+        "errors": errors,
+        "failed_checks": failed_checks,
+    }
+
+
+def run_fault_sweep(ctx: _dist.Context, args) -> int:
+    """Every row of ``faults.SHOWCASE`` in this one launch, then its cases unfaulted."""
+    t0 = time.perf_counter()
+    rows, caught = [], True
+    for show in faults.SHOWCASE:
+        ctx.phase(f"fault {show.fault}")
+        selected = _exact([(show.suite, show.case)])
+        record = _sweep_row(ctx, show.fault, selected, args.seed)
+        record["must_fail"] = show.must_fail
+        record["caught"] = (
+            record["mismatches"] > 0
+            and record["errors"] == 0
+            and len(record["failed_cases"]) == len(selected)
+            and any(show.must_fail in c for c in record["failed_checks"])
+        )
+        caught = caught and record["caught"]
+        rows.append(record)
+        if ctx.rank == 0:
+            print(f"fault {show.fault}: {'caught' if record['caught'] else 'MISSED'}", flush=True)
+    clean_cases = sorted({(s.suite, s.case) for s in faults.SHOWCASE})
+    clean = _sweep_row(ctx, None, _exact(clean_cases), args.seed)
+    clean_passed = not clean["failed_cases"] and clean["mismatches"] == clean["errors"] == 0
+    passed = caught and clean_passed
+    if ctx.rank == 0:
+        summary = {
+            "world_size": ctx.world_size,
+            "backend": ctx.backend,
+            "fault_sweep": rows,
+            "clean": clean,
+            "passed": passed,
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        print(
+            f"harness fault sweep: faults={len(rows)} caught={sum(r['caught'] for r in rows)} "
+            f"clean={'PASS' if clean_passed else 'FAIL'} result={'PASS' if passed else 'FAIL'}",
+            flush=True,
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+    ctx.any_rank(False)
+    return 0 if passed else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         selected = select(args.suite, args.large, args.sweep, args.cases)
         faults.check_name(args.fault)
+        if args.fault_sweep and (args.fault or args.list):
+            raise SetupError("--fault-sweep plants its own faults: drop --fault / --list")
         if args.list:  # once, not once per rank
             if int(os.environ.get("RANK", "0")) == 0:
                 for item in selected:
@@ -278,6 +366,11 @@ def main(argv=None) -> int:
     except SetupError as exc:
         print(f"harness: {exc}", file=sys.stderr, flush=True)
         return 2
+    if args.fault_sweep:
+        with _dist.session(
+            "harness", plan, timeout_s=args.timeout_s, pg_timeout_s=args.pg_timeout_s
+        ) as ctx:
+            return run_fault_sweep(ctx, args)
     with (
         _dist.session(
             "harness", plan, timeout_s=args.timeout_s, pg_timeout_s=args.pg_timeout_s

@@ -6,6 +6,9 @@ G group size. ``k_full`` [B, S, H, D] is the whole sequence, a shard is [B, L, H
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 import torch
 
@@ -68,3 +71,33 @@ def _poison_empty(monkeypatch):
     travels with the buffers."""
     monkeypatch.setattr(torch, "empty", _poisoned_empty)
     monkeypatch.setattr(torch, "empty_like", _poisoned_empty_like)
+
+
+_REAL_POPEN_INIT = subprocess.Popen.__init__
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PROJECT_WORDS = ("torch.distributed.run", "torchrun", "dist_tests", "ulysses", _ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_the_dist_tier(request, monkeypatch):
+    """A test that starts one of this project's processes (torchrun, a script or example of
+    this checkout, an interpreter importing ulysses, a shell) must be marked ``dist``
+    (pyproject.toml's markers): the default tier stays in-process and fast. What torch.compile
+    starts (a C++ compiler, Inductor's probes and workers) is not counted."""
+    if request.node.get_closest_marker("dist") is not None:
+        return
+
+    def guarded_init(self, args, *rest, **kwargs):
+        argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+        words = " ".join(map(str, argv))
+        first = os.path.basename(str(argv[0])) if argv else ""
+        if first in ("bash", "sh") or any(w in words for w in _PROJECT_WORDS):
+            raise RuntimeError(
+                f"{request.node.nodeid} starts a process ({words[:120]}) "
+                "but is not marked @pytest.mark.dist"
+            )
+        _REAL_POPEN_INIT(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_init)

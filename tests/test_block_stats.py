@@ -18,10 +18,10 @@ from ulysses.testing import make_k_full
 # inside a superblock.
 P, L, H, D = 4, 4133, 3, 16
 CASES = [  # G (span shapes: 64 rows / 64 rows / 256 rows), rank, used, min/max mode, B
-    (16, 2, None, MINMAX_NONE, 2),
+    pytest.param(16, 2, None, MINMAX_NONE, 2, marks=pytest.mark.slow),  # 16-row spans: long
     (64, 2, 3 * L + 100, MINMAX_ALL, 1),
     (256, 3, None, MINMAX_ALL, 1),
-    (256, 2, 2 * L + 5, MINMAX_NONE, 2),
+    pytest.param(256, 2, 2 * L + 5, MINMAX_NONE, 2, marks=pytest.mark.slow),
     (64, 0, 70, MINMAX_NONE, 1),
 ]
 

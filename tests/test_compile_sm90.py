@@ -31,6 +31,8 @@ needs_ptxas = pytest.mark.skipif(
 )
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_ptxas
 def test_every_kernel_compiles_for_sm90(tmp_path):
     """The whole script in a fresh process (recording rewires the launch path of the process

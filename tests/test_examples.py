@@ -65,6 +65,7 @@ def test_readme_attention_snippet_is_the_example():
     )
 
 
+@pytest.mark.dist
 def test_attention_step_under_torchrun():
     proc = _torchrun(ATTENTION_STEP, CUDA_VISIBLE_DEVICES="")
     lines = re.findall(r"rank (\d): out \[2, 128, 8, 64\], \|grad\| ([0-9.]+)", proc.stdout)
@@ -74,6 +75,7 @@ def test_attention_step_under_torchrun():
     _check_exit(proc)
 
 
+@pytest.mark.dist
 def test_quickstart_under_torchrun():
     # CUDA hidden: the CPU path (gloo + Triton's interpreter) is the one every machine has.
     proc = _torchrun(QUICKSTART, CUDA_VISIBLE_DEVICES="")
@@ -87,6 +89,7 @@ def test_quickstart_under_torchrun():
     _check_exit(proc)
 
 
+@pytest.mark.dist
 def test_quickstart_outside_torchrun_says_how_to_run():
     env = {k: v for k, v in _env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     proc = subprocess.run(
@@ -96,6 +99,7 @@ def test_quickstart_outside_torchrun_says_how_to_run():
     assert "torchrun --standalone --nproc-per-node 2" in proc.stderr, _show(proc)
 
 
+@pytest.mark.dist
 def test_int8_attention_on_cpu():
     proc = _torchrun(INT8_ATTENTION, "--device", "cpu", "--L", "100")
     m = re.search(r"int8\+scales \d+ B \(([0-9.]+)% saved\)", proc.stdout)
@@ -105,6 +109,7 @@ def test_int8_attention_on_cpu():
     _check_exit(proc)
 
 
+@pytest.mark.dist
 def test_int8_attention_cuda_without_gpu_explains():
     # Once: ZeroDivisionError (integer modulo by zero) on a machine with no GPU.
     proc = _torchrun(INT8_ATTENTION, "--device", "cuda", CUDA_VISIBLE_DEVICES="")

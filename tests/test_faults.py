@@ -57,6 +57,7 @@ def _common(proc: subprocess.CompletedProcess, elapsed: float) -> str:
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("mode", list(SOME_RANK))
 def test_faulty_rank_ends_every_rank_nonzero(mode):
     proc, elapsed = _run(mode)
@@ -64,6 +65,7 @@ def test_faulty_rank_ends_every_rank_nonzero(mode):
     assert SOME_RANK[mode] in proc.stdout, out[-3000:]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("mode", list(DISAGREE))
 def test_disagreeing_ranks_all_raise_a_clear_error_quickly(mode):
     proc, elapsed = _run(mode)

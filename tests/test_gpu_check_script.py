@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,6 +33,7 @@ def _run(tmp_path: Path, name: str | None, env: dict) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.dist
 def test_triton_cache_is_saved_in_parts_and_restored(tmp_path):
     src, dst, parts = tmp_path / "cache_src", tmp_path / "cache_dst", tmp_path / "parts"
     (src / "ab").mkdir(parents=True)
@@ -48,6 +51,7 @@ def test_triton_cache_is_saved_in_parts_and_restored(tmp_path):
     assert (dst / "ab" / "kernel.json").read_text() == "{}"
 
 
+@pytest.mark.dist
 def test_missing_cache_parts_start_cold(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -56,6 +60,7 @@ def test_missing_cache_parts_start_cold(tmp_path):
     assert "holds no triton_cache.tgz.part*; starting cold" in out, out
 
 
+@pytest.mark.dist
 def test_the_run_reports_how_many_kernels_it_compiled(tmp_path):
     """The table's run says how many compiled kernels the Triton cache held before and after,
     so a carried cache that missed (every kernel compiled again) shows in the log."""
@@ -71,6 +76,7 @@ def test_the_run_reports_how_many_kernels_it_compiled(tmp_path):
     ), out
 
 
+@pytest.mark.dist
 def test_without_an_outdir_the_logs_go_to_a_new_temporary_folder(tmp_path):
     """`make gpu-check` without OUT: a fresh mktemp -d folder under $TMPDIR, named at the end;
     nothing is written into the checkout."""
@@ -81,6 +87,7 @@ def test_without_an_outdir_the_logs_go_to_a_new_temporary_folder(tmp_path):
     assert f"logs and the table (gpu_check_table.md) are in {made[0]}" in out, out
 
 
+@pytest.mark.dist
 def test_a_world_size_the_budget_cannot_hold_is_skipped_with_its_reason(tmp_path):
     """A harness world size started with too little of the budget left would only time out
     and read as a failure: it is a SKIP row that names the budget and how to run it."""

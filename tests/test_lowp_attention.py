@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ulysses_lowp_attention.py"
 
@@ -33,6 +35,7 @@ def _tail(proc) -> str:
     return f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
+@pytest.mark.dist
 def test_lowp_attention_within_bound_ws2():
     proc = _run(2, "--L", "80", "--H", "4", "--D", "64", "--used", "150")
     assert proc.returncode == 0, _tail(proc)
@@ -46,6 +49,7 @@ def test_lowp_attention_within_bound_ws2():
     assert err_bf16 < 1e-2 and err_lowp <= 2**-4, proc.stdout
 
 
+@pytest.mark.dist
 def test_lowp_attention_bound_catches_wrong_values():
     proc = _run(2, "--L", "40", "--H", "2", "--D", "32", "--inject-error")
     assert proc.returncode == 1, _tail(proc)

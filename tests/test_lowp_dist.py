@@ -59,6 +59,8 @@ def _tail(proc: subprocess.CompletedProcess) -> str:
     return f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_lowp_suite_passes_ws2(tmp_path):
     proc, summary = _launch(tmp_path, 2)
     assert proc.returncode == 0, _tail(proc)

@@ -118,7 +118,14 @@ def test_qv_stats_matches_reference(
 
 
 @pytest.mark.parametrize(
-    "span,rows,block_h", [(1, 1, 1), (2, 2, 2), (3, 4, 4), (8, 16, 1), (5, 3, 8)]
+    "span,rows,block_h",
+    [
+        pytest.param(1, 1, 1, marks=pytest.mark.slow),
+        (2, 2, 2),
+        pytest.param(3, 4, 4, marks=pytest.mark.slow),
+        pytest.param(8, 16, 1, marks=pytest.mark.slow),
+        pytest.param(5, 3, 8, marks=pytest.mark.slow),
+    ],
 )
 def test_qv_stats_tile_does_not_change_bits(span, rows, block_h):
     """Every tile (slots per program, rows unrolled per step, head block, a head block that is
@@ -352,7 +359,15 @@ def test_pack_matches_reference(
 
 
 @pytest.mark.parametrize(
-    "rows,block_l,block_h", [(1, 1, 1), (2, 8, 2), (4, 4, 4), (8, 24, 1), (16, 16, 8), (3, 5, 3)]
+    "rows,block_l,block_h",
+    [
+        pytest.param(1, 1, 1, marks=pytest.mark.slow),
+        pytest.param(2, 8, 2, marks=pytest.mark.slow),
+        (4, 4, 4),
+        pytest.param(8, 24, 1, marks=pytest.mark.slow),
+        pytest.param(16, 16, 8, marks=pytest.mark.slow),
+        (3, 5, 3),
+    ],
 )
 def test_pack_tile_does_not_change_bits(rows, block_l, block_h):
     """Every tile (rows per step, rows per program, head block; masked rows and heads past

@@ -119,6 +119,7 @@ def test_no_grad_history():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.dist
 def test_smooth_k_stats_compiles_fullgraph_under_torchrun():
     """smooth_k_stats inside torch.compile(fullgraph=True) on 2 gloo ranks: same bits."""
     import os

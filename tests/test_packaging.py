@@ -194,6 +194,7 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
     os.environ.get("ULYSSES_TEST_WHEEL") != "1",
     reason="builds a wheel and a venv with torch (minutes); run with make wheel-check",
 )
+@pytest.mark.dist
 def test_wheel_in_a_fresh_venv(tmp_path):
     # The source is copied first, so the build can neither see nor leave files in the clone.
     src = tmp_path / "src"

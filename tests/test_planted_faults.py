@@ -4,10 +4,9 @@
   ``kernels/``, gives the same bits as a plain loop over global rows written from the
   contract in this file, and gives the same bits with any grid fault planted;
 * every grid fault of ``dist_tests/faults.py`` changes what the library reads;
-* the harness run under torchrun (2 ranks, gloo, CPU tensors and the Triton interpreter)
-  fails with a reported mismatch for each grid fault, on the smallest default case that
-  shows it, and passes on the same cases with no fault (the four oldest grid faults run in
-  tests/test_dist_harness.py).
+* one harness run under torchrun (``--fault-sweep``: 2 ranks, gloo, CPU tensors and the
+  Triton interpreter) fails with a reported mismatch for each fault, on the smallest default
+  case that shows it, and passes on the same cases with no fault.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
     sys.path.insert(0, str(ROOT))
 
 import ulysses.grid  # noqa: E402
-from dist_tests import faults  # noqa: E402
+from dist_tests import faults, harness  # noqa: E402
 from ulysses import reference  # noqa: E402
 from ulysses.testing import make_k_full  # noqa: E402
 
@@ -37,19 +36,7 @@ from ulysses.testing import make_k_full  # noqa: E402
 NOT_GRID = {"error", "hang", "head_order", "key_mask", "backward_a2a"}
 GRID_FAULTS = sorted(set(faults.FAULTS) - NOT_GRID)
 
-# fault -> (the smallest default smooth_k case that shows it at P = 2, a check that must fail).
-# floor, tail, mean_divisor and boundary_merge run in tests/test_dist_harness.py
-# (test_harness_detects_planted_fault); together the two tables cover every grid fault.
-ONE_ROW = "L1-H3-D64-bf16-G64-used_padrank-smooth"  # L % G == 1; rank 1 holds only padding
-MID_GROUP = "L50-H3-D64-bf16-G64-used_straddle-smooth"  # rank 1 starts mid-group; tail group
-FAULT_CASES = {
-    "floor_small": (ONE_ROW, "amax_partial =="),
-    "slots": (ONE_ROW, "amax_partial =="),
-    "tail_live_end": (MID_GROUP, "amax_partial =="),
-    "group_first": (MID_GROUP, "amax_partial =="),
-    "touched": (MID_GROUP, "amax_partial =="),
-}
-RUN_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 300
 
 # ---- the contract, written out once more, as plainly as possible ---------------------------
 
@@ -229,22 +216,19 @@ def test_fault_changes_the_library_and_not_the_reference(fault, assert_bitwise):
         assert_bitwise(a, b, f"reference value {i} under fault {fault!r}")
 
 
-def test_every_grid_fault_has_a_harness_run():
-    """This file's table and test_dist_harness.py's ``_FAULT_EXPECTATIONS`` (read from its
-    source, not imported) name every grid fault, none twice."""
-    tree = ast.parse((ROOT / "tests" / "test_dist_harness.py").read_text())
-    there = None
-    for node in tree.body:
-        if isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(getattr(t, "id", None) == "_FAULT_EXPECTATIONS" for t in targets):
-                there = [ast.literal_eval(key) for key in node.value.keys]
-    assert there is not None, "test_dist_harness.py has no _FAULT_EXPECTATIONS: move them here"
-    assert not set(there) & set(FAULT_CASES), sorted(set(there) & set(FAULT_CASES))
-    assert sorted([*there, *FAULT_CASES]) == GRID_FAULTS
+def test_the_sweep_shows_every_fault_on_a_case_that_exists():
+    """``faults.SHOWCASE`` (what ``harness --fault-sweep`` plants) names every fault but the
+    two that end a run (``error``, ``hang``: tests/test_dist_harness.py), each on a default
+    case of its suite that runs at P = 2, every grid fault on the smooth_k suite."""
+    shown = {row.fault for row in faults.SHOWCASE}
+    assert shown == set(faults.FAULTS) - {"error", "hang"}, sorted(set(faults.FAULTS) - shown)
+    assert set(GRID_FAULTS) <= {row.fault for row in faults.SHOWCASE if row.suite == "smooth_k"}
+    for row in faults.SHOWCASE:
+        ids = [s.name for s in harness.select([row.suite], False, False, None)]
+        assert ids.count(f"{row.suite}/{row.case}") == 1, row
 
 
-# ---- the harness fails for each grid fault ----------------------------------------------------
+# ---- the harness fails for each fault: every one in one torchrun -------------------------------
 
 
 def _env() -> dict:
@@ -255,47 +239,35 @@ def _env() -> dict:
     return env
 
 
-def _harness(tmp_path: Path, cases: str, fault: str | None):
-    """torchrun, 2 ranks of the smooth_k suite on gloo with CPU tensors: (proc, summary)."""
+@pytest.mark.dist
+def test_every_planted_fault_is_caught_in_one_torchrun(tmp_path):
+    """``harness --fault-sweep`` at P = 2 (gloo, CPU tensors): each fault makes exactly its
+    case fail through a mismatch of the named check (a plausible wrong rule gives wrong
+    numbers, it never crashes the library), and the same cases pass with no fault."""
     summary_path = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += ["2", "-m", "dist_tests.harness", "--backend", "gloo-cpu", "--suite", "smooth_k"]
-    cmd += ["--cases", cases, "--json", str(summary_path), "--timeout-s", "200"]
-    if fault is not None:
-        cmd += ["--fault", fault]
+    cmd += ["2", "-m", "dist_tests.harness", "--backend", "gloo-cpu", "--fault-sweep"]
+    cmd += ["--json", str(summary_path), "--timeout-s", str(RUN_TIMEOUT_S - 40)]
     proc = subprocess.run(
         cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    return proc, summary
-
-
-def _tail(proc: subprocess.CompletedProcess) -> str:
-    out, err = proc.stdout[-4000:], proc.stderr[-4000:]
-    return f"rc={proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
-
-
-@pytest.mark.parametrize("fault", sorted(FAULT_CASES))
-def test_harness_fails_for_grid_fault(tmp_path, fault):
-    case, must_fail = FAULT_CASES[fault]
-    proc, summary = _harness(tmp_path, case, fault)
-    assert proc.returncode == 1, _tail(proc)
-    assert summary is not None, _tail(proc)
-    assert summary["fault"] == fault and summary["cases"] == 1, summary
-    assert summary["case_ids"] == [f"smooth_k/{case}"], summary["case_ids"]
-    assert summary["passed"] is False and summary["failed_cases"] == [f"smooth_k/{case}"]
-    # a plausible wrong rule gives wrong numbers; it never crashes the library
-    assert summary["mismatches"] > 0 and summary["errors"] == 0, summary["failures"]
-    failed_checks = {f["check"] for f in summary["failures"]}
-    assert any(must_fail in c for c in failed_checks), failed_checks
-    assert "MISMATCH" in proc.stdout and "result=FAIL" in proc.stdout, _tail(proc)
-
-
-def test_harness_passes_the_same_cases_without_a_fault(tmp_path):
-    cases = sorted({case for case, _ in FAULT_CASES.values()})
-    proc, summary = _harness(tmp_path, ",".join(cases), None)
-    assert proc.returncode == 0, _tail(proc)
-    assert summary is not None and summary["fault"] is None, _tail(proc)
-    assert sorted(summary["case_ids"]) == [f"smooth_k/{c}" for c in cases]
-    assert summary["passed"] is True and summary["checks"] > 0
-    assert summary["mismatches"] == 0 and summary["errors"] == 0, summary["failures"]
+    tail = f"rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert summary_path.exists(), tail
+    summary = json.loads(summary_path.read_text())
+    rows = summary["fault_sweep"]
+    assert [(r["fault"], r["case_ids"]) for r in rows] == [
+        (s.fault, [f"{s.suite}/{s.case}"]) for s in faults.SHOWCASE
+    ]
+    for row, show in zip(rows, faults.SHOWCASE, strict=True):
+        assert row["failed_cases"] == row["case_ids"], row
+        assert row["mismatches"] > 0 and row["errors"] == 0, row
+        assert any(show.must_fail in c for c in row["failed_checks"]), row
+        if (row["fault"], show.suite) == ("boundary_merge", "smooth_k"):
+            # only the merged amax is wrong: the partials and the mean stay right
+            assert all("amax_final" in c for c in row["failed_checks"]), row
+    clean = summary["clean"]
+    assert clean["fault"] is None and clean["failed_cases"] == [], clean
+    assert clean["mismatches"] == 0 and clean["errors"] == 0, clean
+    assert sorted(clean["case_ids"]) == sorted({f"{s.suite}/{s.case}" for s in faults.SHOWCASE})
+    assert summary["passed"] is True and proc.returncode == 0, tail
+    assert "result=PASS" in proc.stdout, tail

@@ -197,6 +197,7 @@ def test_cuda_launches_during_cpu_calls():
         assert ref.bitwise_diff(out, exp) is None
 
 
+@pytest.mark.dist
 def test_source_checkout_uses_its_own_kernels(tmp_path):
     """A checkout on PYTHONPATH imports its own kernels/, even when another tree would be
     found for ``ulysses.kernels`` (e.g. an editable install of another checkout)."""

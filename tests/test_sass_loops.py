@@ -42,6 +42,7 @@ def test_loops_are_the_backward_branches():
     assert sass_loops.opcode("@!P2 LDG.E.128 R4, desc[UR4][R6.64]") == "LDG"
 
 
+@pytest.mark.dist
 @needs_tools
 def test_pack_loop_issues_the_packed_conversions(tmp_path):
     """The pack's longest loop (its K/V rows) converts with I2IP.S8 (cvt.pack.sat.s8) and

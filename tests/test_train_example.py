@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ulysses.py"
 
 
+@pytest.mark.dist
 def test_short_training_run_tracks_one_device(tmp_path):
     png = tmp_path / "loss.png"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]

@@ -449,6 +449,7 @@ def test_validate_streams_the_ranks_logs_only_with_verbose(monkeypatch, tmp_path
         assert "  torchrun's own lines" in row["stderr"]  # shown when no summary came
 
 
+@pytest.mark.dist
 def test_validate_list_prints_the_cases_once(tmp_path):
     """--list runs the harness once, as a plain process: each selected case printed once,
     no torchrun, no table; it works where a run would be refused (nccl without a GPU)."""

@@ -379,7 +379,8 @@ _SMALL = {
 }
 
 
-@pytest.mark.parametrize("P", [3, 16], ids=["ws3", "ws16"])
+@pytest.mark.dist
+@pytest.mark.parametrize("P", [3, pytest.param(16, marks=pytest.mark.slow)], ids=["ws3", "ws16"])
 def test_harness_runs_at_world_size(tmp_path, P):
     summary = _harness(tmp_path, P, _SMALL[P])
     ran = summary["case_ids"]
