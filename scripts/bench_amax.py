@@ -115,9 +115,8 @@ SWEEP_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[3], SHAPES[4], SHAPES[5], SHAPES[6]
 def sweep(only: list[int] | None = None):
     """Cold time of the amax kernel per tile (ROWS, BLOCK_H, num_warps, SUB; the L2 hint as
     shipped); same bits for all."""
-    from ulysses.kernels.grouped_amax import grouped_amax
-
     from ulysses import grid
+    from ulysses.kernels.grouped_amax import grouped_amax
 
     print("# sweep: cold us per tile (rows, block_h, warps, sub); every tile bit-identical")
     table: dict[str, list[float]] = {}
@@ -164,7 +163,7 @@ def host_overhead() -> tuple[float, float]:
 def host_parts():
     """Host microseconds of each step of an eager k_grouped_amax call at a tiny shape, back to
     back: where the per-call time goes. The launcher rows call what the prepared launch's fast
-    path calls (``kernels/_launch.py``), so they need a Triton version it knows."""
+    path calls (``ulysses/kernels/_launch.py``), so they need a Triton version it knows."""
     import inspect
     import time
 

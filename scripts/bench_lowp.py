@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ulysses import lowp, stats
+from ulysses import comm, lowp
 from ulysses.testing import make_k_full
 
 SHAPES = ((1, 4736, 56, 128), (1, 32768, 32, 128))
@@ -104,18 +104,18 @@ def bench_shape(B, L, H, D, timer: Timer, dev, P, rank, profiled: bool = False) 
 
     call = lowp._prepare(q, k, v, None, None, 32, 64, None)
     payload, amax_q, minmax = lowp._local_stats(call)
-    gathered = stats.all_gather_payload(payload, call.pg, P)
+    gathered = comm.all_gather(payload, call.pg, P)
     k_stats, amax_q, amax_v, v_scale = lowp._finish_stats(call, gathered, amax_q, minmax)
     send = lowp._pack(call, k_stats, amax_q, amax_v)
-    recv = lowp._all_to_all(send, call.pg)
+    recv = comm.all_to_all(send, call.pg)
     # the full path's steps (the ones torch.compile runs), each a fresh allocation a call
     r["stats local"] = timer(lambda: lowp._local_stats(call), cold=True)
-    r["stats all_gather"] = timer(lambda: stats.all_gather_payload(payload, call.pg, P))
+    r["stats all_gather"] = timer(lambda: comm.all_gather(payload, call.pg, P))
     r["stats finish"] = timer(
         lambda: lowp._finish_stats(call, gathered, amax_q, minmax), cold=True
     )  # re-merging the boundary slots in place gives the same bits
     r["pack"] = timer(lambda: lowp._pack(call, k_stats, amax_q, amax_v), cold=True)
-    r["a2a uint8"] = timer(lambda: lowp._all_to_all(send, call.pg))
+    r["a2a uint8"] = timer(lambda: comm.all_to_all(send, call.pg))
     r["unpack"] = timer(lambda: lowp._unpack(call, recv, k_stats, v_scale), cold=True)
     r["local work"] = r["stats local"] + r["stats finish"] + r["pack"] + r["unpack"]
     r["cold read q,k,v"] = timer(lambda: (q.sum(), k.sum(), v.sum()), cold=True)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import triton
 from _bench import cold_us, eager_us, graph_us
-from ulysses.kernels.block_stats import MINMAX_ALL, payload_numel
 
 import ulysses
+from ulysses.kernels.block_stats import MINMAX_ALL, payload_numel
 
 SHAPES = [(1, 4736, 56, 128), (1, 32768, 32, 128)]
 OUR_KERNELS = ("_block_stats_kernel", "_finalize_kernel", "_grouped_amax")

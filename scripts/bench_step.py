@@ -12,11 +12,12 @@ modelled as ``bytes sent off-rank / link bandwidth``. Per shape (B 1, D 128, bf1
   heads->sequence all_to_all of the output (packing and merging as ``ulysses.attention``);
 * ``lowp-a``: ``exchange_qkv`` -> a dequantize in torch ops (``code.float() * scale``,
   ``reference.lowp_dequantize_reference``) -> SDPA -> output all_to_all; ``lowp-b``: the fused
-  dequantize kernel (kernels/lowp_dequant.py, what ``LowpQKV.dequantize()`` runs) -> SDPA ->
+  dequantize kernel (ulysses/kernels/lowp_dequant.py, what ``LowpQKV.dequantize()`` runs) -> SDPA ->
   output all_to_all (what ``ulysses_attention(comm="lowp")`` runs); ``lowp-b8``: ``lowp-b``
   with the output's INT8 way back (quantize, all_to_all of codes and scales, dequantize:
-  kernels/lowp_out.py; ``int8_output=True``);
-  ``lowp-c16`` / ``lowp-c8``: an attention kernel on the codes (kernels/lowp_attention.py):
+  ulysses/kernels/lowp_out.py; ``int8_output=True``);
+  ``lowp-c16`` / ``lowp-c8``: an attention kernel on the codes
+  (ulysses/experimental/lowp_attention.py):
   the pointer kernel with fp16 P·V / the TMA kernel with fp8 P·V (its Hopper default).
   The fake all_to_all leaves the exchange's receive buffer unwritten, so the consumers read
   codes quantized (``reference.lowp_exchange_reference``) from random head shards and laid
@@ -55,11 +56,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ulysses.kernels.lowp_attention import CONFIGS, TMA_DEFAULT, AttnConfig, lowp_attention
+
+from ulysses import comm, grid, lowp, reference
+from ulysses.experimental.lowp_attention import CONFIGS, TMA_DEFAULT, AttnConfig, lowp_attention
 from ulysses.kernels.lowp_dequant import dequantize_qkv
 from ulysses.kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
-
-from ulysses import grid, lowp, reference
 
 B, D = 1, 128
 SHAPES = ((32768, 32, False), (75600, 40, False), (8192, 32, True))  # (S, H, causal)
@@ -314,12 +315,10 @@ def fake_collective_host_us(case: Case) -> dict:
     pg = dist.group.WORLD
     a2a = t_host(lambda: dist.all_to_all_single(case.out_recv, case.out_recv))
     try:  # the launchers the exchange's eager plan calls
-        from ulysses import stats
-
         payload = torch.zeros(4096, device=case.q.device)
         gathered = torch.empty(case.P * 4096, device=case.q.device)
-        gather = stats.all_gather_launcher(gathered, payload)
-        a2a_lowp = lowp._all_to_all_launcher(case.send.view(-1)[:4096])
+        gather = comm.all_gather_launcher(gathered, payload)
+        a2a_lowp = comm.all_to_all_launcher(case.send.view(-1)[:4096])
         g_us = t_host(lambda: gather(pg))
         a_us = t_host(lambda: a2a_lowp(pg))
     except (AttributeError, ImportError):
@@ -613,8 +612,8 @@ def exchange_pass(dev, cold: bool) -> dict:
         pg = dist.group.WORLD
         payload = torch.zeros(4096, device=dev)
         gathered = torch.empty(P * 4096, device=dev)
-        gather = stats.all_gather_launcher(gathered, payload)
-        a2a = lowp._all_to_all_launcher(torch.empty(4096, dtype=torch.uint8, device=dev))
+        gather = comm.all_gather_launcher(gathered, payload)
+        a2a = comm.all_to_all_launcher(torch.empty(4096, dtype=torch.uint8, device=dev))
         g_us = t_host(lambda gather=gather, pg=pg: gather(pg)) if not cold else 0.0
         a_us = t_host(lambda a2a=a2a, pg=pg: a2a(pg)) if not cold else 0.0
         for L, H in EXCHANGE_SHAPES:
@@ -890,14 +889,14 @@ def layer_table(dev, shapes, rows):
             init_world(P)
             for S, H, causal in shapes:
                 q, k, v = rand_qkv((B, S // P, H, D), dev, 9)
-                for comm in ("bf16", "lowp"):
-                    fn = lambda q=q, k=k, v=v, comm=comm, causal=causal: ulysses_attention(  # noqa: E731
-                        q, k, v, comm=comm, causal=causal
+                for mode in ("bf16", "lowp"):
+                    fn = lambda q=q, k=k, v=v, mode=mode, causal=causal: ulysses_attention(  # noqa: E731
+                        q, k, v, comm=mode, causal=causal
                     )
                     with torch.no_grad():
                         ms = est_ms(fn)
                         us = t_cold(fn, ms) if cold else t_eager(fn, ms)
-                    res.append(((S, H, P, causal, comm), "cold" if cold else "eager", us))
+                    res.append(((S, H, P, causal, mode), "cold" if cold else "eager", us))
     for key, kind, us in res:
         print(f"  {key} {kind}: {us:.0f}")
         rows.append(dict(kind=f"layer-{kind}", S=key[0], H=key[1], P=key[2], causal=key[3],

@@ -172,7 +172,7 @@ harness_one() {
         return
     fi
     run_check "2$i" "harness_P$P" "$backend" "$limit" \
-        "$PY" -m dist_tests.validate --world-sizes "$P" --out-dir "$out/harness_P$P" \
+        "$PY" -m ulysses.dist_tests.validate --world-sizes "$P" --out-dir "$out/harness_P$P" \
         --timeout-s $((limit - 20)) --outer-timeout-s $((limit - 5)) "$@"
     summary="$out/harness_P$P/ws$P.json"
     if [ -f "$summary" ] && [ -f "$rows/2$i" ]; then
@@ -214,7 +214,7 @@ crashes in torch); run it on a 2-GPU machine"
     if [ "$ngpu" -gt 1 ]; then
         run_check 31 compile_check_cuda_graph "$(backend_for 2)" "$(limit_for 150)" \
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
-            -m dist_tests.compile_check --cuda-graph --timeout-s 140
+            -m ulysses.dist_tests.compile_check --cuda-graph --timeout-s 140
     fi
     if [ "$ngpu" -gt 0 ]; then
         ULYSSES_TEST_DEVICE=cuda run_check 32 opcheck_cuda cuda "$(limit_for 90)" \

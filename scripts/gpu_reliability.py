@@ -13,13 +13,13 @@ import sys
 import time
 
 import torch
-from ulysses.kernels.block_stats import MINMAX_ALL, local_stats
-from ulysses.kernels.finalize_stats import MODE_FUSED, finalize_stats
-from ulysses.kernels.grouped_amax import grouped_amax
 
 import ulysses
 from ulysses import grid, reference
 from ulysses.grid import slots, touched
+from ulysses.kernels.block_stats import MINMAX_ALL, local_stats
+from ulysses.kernels.finalize_stats import MODE_FUSED, finalize_stats
+from ulysses.kernels.grouped_amax import grouped_amax
 
 FAILS = []
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the distributed harness at every world size and print one table: `ulysses-validate`
-# from this checkout (it runs `python -m dist_tests.validate`, which does the work).
+# from this checkout (it runs `python -m ulysses.dist_tests.validate`, which does the work).
 #
 # Usage:  scripts/validate.sh [--large] [--suite NAME...] [-v] [HARNESS ARGS...]
 #   Arguments go to ulysses-validate; those it does not know go to the harness unchanged,
@@ -19,4 +19,4 @@
 # Exit status: 0 only if every world size passed.
 set -u
 cd "$(dirname "$0")/.." || exit 2
-exec "${PYTHON:-python3}" -m dist_tests.validate "$@"
+exec "${PYTHON:-python3}" -m ulysses.dist_tests.validate "$@"

@@ -67,7 +67,7 @@ def _poison_empty(monkeypatch):
     """Every ``torch.empty`` / ``torch.empty_like`` buffer starts as NaN (floats) or a nonzero
     pattern (ints), as flash-linear-attention's tests do: an output slot a kernel forgot to
     write can never pass as a plausible value. With ULYSSES_TEST_DEVICE=cuda the launches on
-    CPU tensors run compiled on the GPU (kernels/_launch.py's test mirror) and the poison
+    CPU tensors run compiled on the GPU (ulysses/kernels/_launch.py's test mirror) and the poison
     travels with the buffers."""
     monkeypatch.setattr(torch, "empty", _poisoned_empty)
     monkeypatch.setattr(torch, "empty_like", _poisoned_empty_like)
@@ -77,7 +77,23 @@ _REAL_POPEN_INIT = subprocess.Popen.__init__
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PROJECT_WORDS = ("torch.distributed.run", "torchrun", "dist_tests", "ulysses", _ROOT)
+
+
+def _starts_project_process(argv: list[str]) -> bool:
+    """torchrun, a shell, ``python -m ulysses...``, a script of this checkout (not of its
+    .venv), or an interpreter whose ``-c`` code imports ulysses."""
+    first = os.path.basename(argv[0]) if argv else ""
+    if first in ("torchrun", "bash", "sh") or "torch.distributed.run" in argv:
+        return True
+    for i, arg in enumerate(argv):
+        if arg == "-m" and i + 1 < len(argv) and argv[i + 1].startswith("ulysses"):
+            return True
+        if arg == "-c" and i + 1 < len(argv) and "ulysses" in argv[i + 1]:
+            return True
+        path = os.path.abspath(arg) if arg.endswith((".py", ".sh")) else ""
+        if path.startswith(_ROOT + os.sep) and os.sep + ".venv" + os.sep not in path:
+            return True
+    return False
 
 
 @pytest.fixture(autouse=True)
@@ -85,17 +101,16 @@ def _processes_only_in_the_dist_tier(request, monkeypatch):
     """A test that starts one of this project's processes (torchrun, a script or example of
     this checkout, an interpreter importing ulysses, a shell) must be marked ``dist``
     (pyproject.toml's markers): the default tier stays in-process and fast. What torch.compile
-    starts (a C++ compiler, Inductor's probes and workers) is not counted."""
+    or Triton start (a C++ compiler, ptxas, Inductor's probes and workers) is not counted."""
     if request.node.get_closest_marker("dist") is not None:
         return
 
     def guarded_init(self, args, *rest, **kwargs):
         argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
-        words = " ".join(map(str, argv))
-        first = os.path.basename(str(argv[0])) if argv else ""
-        if first in ("bash", "sh") or any(w in words for w in _PROJECT_WORDS):
+        argv = [os.fsdecode(a) if isinstance(a, bytes | os.PathLike) else str(a) for a in argv]
+        if _starts_project_process(argv):
             raise RuntimeError(
-                f"{request.node.nodeid} starts a process ({words[:120]}) "
+                f"{request.node.nodeid} starts a process ({' '.join(argv)[:120]}) "
                 "but is not marked @pytest.mark.dist"
             )
         _REAL_POPEN_INIT(self, args, *rest, **kwargs)

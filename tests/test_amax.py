@@ -19,12 +19,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from ulysses.kernels import _runtime
-from ulysses.kernels import grouped_amax as grouped_amax_module
 
 import ulysses
 from ulysses import grid
 from ulysses import reference as ref
+from ulysses.kernels import _runtime
+from ulysses.kernels import grouped_amax as grouped_amax_module
 
 B = 2
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

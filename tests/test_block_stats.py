@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ulysses.kernels import _runtime
-from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_NONE, local_stats
 
 from ulysses import grid, reference
+from ulysses.kernels import _runtime
+from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_NONE, local_stats
 from ulysses.testing import make_k_full
 
 # P = 4, L = 4133: rank 2 starts at global row 8266, block 129 (one block into a superblock),

@@ -147,9 +147,9 @@ def test_the_recorder_rewires_every_module_that_reads_its_settings(monkeypatch):
     import pkgutil
 
     import torch
-    from ulysses.kernels import _launch
 
     from ulysses import kernels
+    from ulysses.kernels import _launch
 
     modules = [
         importlib.import_module(f"ulysses.kernels.{info.name}")
@@ -177,6 +177,7 @@ def test_compilations_take_the_pinned_options(monkeypatch):
     """The script compiles with the options every compiled launch pins (FP fusion off), and
     --fusion-diff compiles a second time with fusion on."""
     import torch
+
     from ulysses.kernels import _runtime
 
     assert _runtime.COMPILE_OPTIONS == {"enable_fp_fusion": False}
@@ -238,6 +239,7 @@ def test_specialization_follows_triton():
     """Ints equal to 1 become constexprs, 16-divisible ints and aligned pointers get the
     divisibility attribute, and a do_not_specialize int gets neither."""
     import torch
+
     from ulysses.kernels.lowp_finish import _post_gather_kernel
 
     names = _post_gather_kernel.arg_names

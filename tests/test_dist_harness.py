@@ -1,10 +1,10 @@
-"""The torchrun harness (dist_tests/, docs/CONTRACT.md §5) at every world size, and proof that
-it can fail: planted library faults, an exception on one rank and a hung rank all make it exit
+"""The torchrun harness (ulysses/dist_tests/, docs/CONTRACT.md §5) at every world size, and proof
+that it can fail: planted library faults, an exception on one rank and a hung rank all make it exit
 non-zero; plus the pieces it is built from (cases, checks, faults, _dist, validate).
 
-Runs launch ``python -m dist_tests.validate --world-sizes P ...`` (which launches
-``torchrun --standalone ... -m dist_tests.harness`` and reads its JSON summary) or the harness
-itself in a subprocess; without a GPU the ranks use gloo with CPU tensors and the Triton
+Runs launch ``python -m ulysses.dist_tests.validate --world-sizes P ...`` (which launches
+``torchrun --standalone ... -m ulysses.dist_tests.harness`` and reads its JSON summary) or the
+harness itself in a subprocess; without a GPU the ranks use gloo with CPU tensors and the Triton
 interpreter. The planted grid faults (floor, tail, mean_divisor, boundary_merge) patch
 ``ulysses.grid``: they are caught only once the library reads its grid rules through that
 module.
@@ -23,13 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
-    sys.path.insert(0, str(ROOT))
-
-import ulysses.grid  # noqa: E402
-import ulysses.testing  # noqa: E402
-from dist_tests import (  # noqa: E402
+import ulysses.grid
+import ulysses.testing
+from ulysses.dist_tests import (
     _dist,
     cases,
     cases_attn,
@@ -39,6 +35,8 @@ from dist_tests import (  # noqa: E402
     harness,
     validate,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORLD_SIZES = (2, 4, 6, 8)
 # Under pytest -n 2 on two cores, 8 ranks share the CPUs with another test's ranks.
@@ -64,8 +62,9 @@ def _env(**extra: str) -> dict:
 
 
 def _validate(tmp_path: Path, world_size: int, *args: str, timeout_s: float = LAUNCH_TIMEOUT_S):
-    """``python -m dist_tests.validate --world-sizes P --out-dir tmp ARGS``: (proc, summary)."""
-    cmd = [sys.executable, "-m", "dist_tests.validate", "--world-sizes", str(world_size)]
+    """``python -m ulysses.dist_tests.validate --world-sizes P --out-dir tmp ARGS``:
+    (proc, summary)."""
+    cmd = [sys.executable, "-m", "ulysses.dist_tests.validate", "--world-sizes", str(world_size)]
     cmd += ["--out-dir", str(tmp_path), "--outer-timeout-s", str(timeout_s - 30), *args]
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout_s
@@ -79,7 +78,7 @@ def _harness(tmp_path: Path, *args: str, timeout_s: float = 240, **env: str):
     """torchrun with 2 ranks of the harness itself: (proc, summary)."""
     summary_path = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += ["2", "-m", "dist_tests.harness", "--json", str(summary_path), *args]
+    cmd += ["2", "-m", "ulysses.dist_tests.harness", "--json", str(summary_path), *args]
     proc = subprocess.run(
         cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout_s
     )
@@ -395,7 +394,7 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from dist_tests import _dist
+from ulysses.dist_tests import _dist
 
 
 def main():

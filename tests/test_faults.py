@@ -1,5 +1,5 @@
 """Faulty and disagreeing ranks under torchrun (gloo, CPU): every run ends non-zero, in
-bounded time, and no rank reports a normal result. See dist_tests/rank_faults.py. (Planted
+bounded time, and no rank reports a normal result. See ulysses/dist_tests/rank_faults.py. (Planted
 library faults, which the distributed harness must catch: tests/test_planted_faults.py.)
 
 The ``disagree_*`` modes rely on the library's consistency check on the first call of each
@@ -42,7 +42,14 @@ DISAGREE = {
 
 def _run(mode: str) -> tuple[subprocess.CompletedProcess, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={NPROC}", "-m", "dist_tests.rank_faults", mode, "--timeout-s", "60"]
+    cmd += [
+        f"--nproc-per-node={NPROC}",
+        "-m",
+        "ulysses.dist_tests.rank_faults",
+        mode,
+        "--timeout-s",
+        "60",
+    ]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     return proc, time.monotonic() - start

@@ -21,15 +21,15 @@ import math
 
 import pytest
 import torch
-from ulysses.kernels.lowp_attention import (
+
+from ulysses import reference
+from ulysses.experimental.lowp_attention import (
     AttnConfig,
     default_config,
     lowp_attention,
     transpose_v,
 )
 from ulysses.kernels.lowp_dequant import dequantize_qkv
-
-from ulysses import reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value):RuntimeWarning")
 FP8 = torch.float8_e4m3fn

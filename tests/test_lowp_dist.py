@@ -1,11 +1,11 @@
 """``ulysses.exchange_qkv`` on a real process group: a thin launcher of the harness's ``lowp``
-suite (the case matrix and the checks live in ``dist_tests/cases_lowp.py`` and
-``dist_tests/checks_lowp.py``), plus the pieces that need no process group: the case matrix,
+suite (the case matrix and the checks live in ``ulysses/dist_tests/cases_lowp.py`` and
+``ulysses/dist_tests/checks_lowp.py``), plus the pieces that need no process group: the case matrix,
 the bitwise comparison and the argument checks that run before any collective.
 
 The launch is the suite on its own at P = 2 on CPU (gloo, Triton interpreter):
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m dist_tests.harness \\
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m ulysses.dist_tests.harness \\
         --suite lowp --backend gloo-cpu
 
 tests/test_dist_harness.py runs it with the ``smooth_k`` suite at P = 2, 4, 6 and 8 and shows
@@ -24,14 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
-    sys.path.insert(0, str(ROOT))
+import ulysses.lowp as lowp
+from ulysses import reference
+from ulysses.dist_tests import cases_lowp, checks_lowp
+from ulysses.testing import make_qkv_full
 
-import ulysses.lowp as lowp  # noqa: E402
-from dist_tests import cases_lowp, checks_lowp  # noqa: E402
-from ulysses import reference  # noqa: E402
-from ulysses.testing import make_qkv_full  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WORLD_SIZES = (2, 4, 6, 8)
 LAUNCH_TIMEOUT_S = 480  # two cores shared with another test's ranks under pytest -n 2
@@ -46,7 +44,7 @@ def _launch(tmp_path: Path, P: int, *args: str):
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += [str(P), "-m", "dist_tests.harness", "--suite", "lowp", "--backend", "gloo-cpu"]
+    cmd += [str(P), "-m", "ulysses.dist_tests.harness", "--suite", "lowp", "--backend", "gloo-cpu"]
     cmd += ["--json", str(summary_path), "--timeout-s", str(LAUNCH_TIMEOUT_S - 60), *args]
     proc = subprocess.run(
         cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ulysses.kernels import lowp_pack
-from ulysses.kernels.lowp_pack import QOnce, pack_qkv, prepare_pack
-from ulysses.kernels.lowp_qv_stats import prepare_qv_stats, qv_stats
 
 import ulysses
 from ulysses import grid, lowp, reference
+from ulysses.kernels import lowp_pack
+from ulysses.kernels.lowp_pack import QOnce, pack_qkv, prepare_pack
+from ulysses.kernels.lowp_qv_stats import prepare_qv_stats, qv_stats
 from ulysses.testing import make_qkv_full
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,13 +1,13 @@
-"""The attention output's INT8 way back (kernels/lowp_out.py) against
+"""The attention output's INT8 way back (ulysses/kernels/lowp_out.py) against
 ``reference.lowp_output_roundtrip``, bit for bit, with the all_to_all simulated in-process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from ulysses.kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
 
 from ulysses import reference
+from ulysses.kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
 
 
 def _heads_out(B, S, H, D, dtype, seed):

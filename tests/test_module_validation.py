@@ -90,11 +90,11 @@ def test_any_world_size_is_accepted(world_size):
     group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ulysses import stats
+    from ulysses import comm
 
     dist.init_process_group("fake", store=FakeStore(), rank=world_size - 1, world_size=world_size)
     try:
-        _, rank, P = stats.resolve_group(None, torch.device("cpu"))
+        _, rank, P = comm.resolve_group(None, torch.device("cpu"))
         assert (rank, P) == (world_size - 1, world_size)
     finally:
         dist.destroy_process_group()
@@ -132,8 +132,8 @@ def test_not_initialized_is_a_group_of_one(monkeypatch):
 def test_real_gloo_group_of_one_makes_no_collective(monkeypatch):
     """A real group of one: accepted, and neither the statistics nor the argument check
     (check_consistency=True asks for it on every call) touches the backend."""
+    from ulysses import comm
     from ulysses import reference as ref
-    from ulysses import stats
 
     os.environ.setdefault("MASTER_ADDR", "localhost")
     store = dist.TCPStore("localhost", _free_port(), 1, is_master=True)
@@ -143,8 +143,8 @@ def test_real_gloo_group_of_one_makes_no_collective(monkeypatch):
         def no_collective(*args, **kwargs):
             raise AssertionError("a collective ran at world size 1")
 
-        monkeypatch.setattr(stats, "_all_gather_single", no_collective)
-        monkeypatch.setattr(stats, "all_gather_launcher", lambda out, inp: no_collective)
+        monkeypatch.setattr(comm, "_all_gather_single", no_collective)
+        monkeypatch.setattr(comm, "all_gather_launcher", lambda out, inp: no_collective)
         monkeypatch.setattr(dist.ProcessGroup, "_allgather_base", no_collective, raising=False)
         k = GOOD
         mean = ref.global_k_mean(k, world_size=1)

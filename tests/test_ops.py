@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
 
 import ulysses
 from ulysses import _ops, grid
+from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
 from ulysses.testing import make_k_full
 
 
@@ -143,7 +143,7 @@ def test_smooth_k_stats_compiles_fullgraph_under_torchrun():
             "--standalone",
             "--nproc-per-node=2",
             "-m",
-            "dist_tests.compile_check",
+            "ulysses.dist_tests.compile_check",
         ],
         cwd=root,
         env=env,
@@ -199,7 +199,7 @@ def test_opcheck_exchange_steps(monkeypatch, Hq, Hkv, used):
 
 
 def test_opcheck_output_exchange_ops():
-    """The attention output's INT8 way back (kernels/lowp_out.py) as custom ops."""
+    """The attention output's INT8 way back (ulysses/kernels/lowp_out.py) as custom ops."""
     g = torch.Generator().manual_seed(9)
     x = torch.randn(2, 21, 3, 32, generator=g).bfloat16()  # B * L * h = 42: a padded chunk
     torch.library.opcheck(torch.ops.ulysses.lowp_out_quant.default, (x,), {"world_size": 3})

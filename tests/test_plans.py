@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ulysses.kernels import _runtime
 
 import ulysses
 from ulysses import amax as amax_module
 from ulysses import grid
 from ulysses import reference as ref
+from ulysses.kernels import _runtime
 
 DEVICES = [
     "cpu",

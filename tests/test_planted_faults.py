@@ -1,9 +1,9 @@
 """The harness's truth stands apart from what it checks (docs/CONTRACT.md §5).
 
 * ``ulysses.reference`` imports nothing from ``ulysses.grid``, ``ulysses._*`` or
-  ``kernels/``, gives the same bits as a plain loop over global rows written from the
+  ``ulysses/kernels/``, gives the same bits as a plain loop over global rows written from the
   contract in this file, and gives the same bits with any grid fault planted;
-* every grid fault of ``dist_tests/faults.py`` changes what the library reads;
+* every grid fault of ``ulysses/dist_tests/faults.py`` changes what the library reads;
 * one harness run under torchrun (``--fault-sweep``: 2 ranks, gloo, CPU tensors and the
   Triton interpreter) fails with a reported mismatch for each fault, on the smallest default
   case that shows it, and passes on the same cases with no fault.
@@ -22,14 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
-    sys.path.insert(0, str(ROOT))
+import ulysses.grid
+from ulysses import reference
+from ulysses.dist_tests import faults, harness
+from ulysses.testing import make_k_full
 
-import ulysses.grid  # noqa: E402
-from dist_tests import faults, harness  # noqa: E402
-from ulysses import reference  # noqa: E402
-from ulysses.testing import make_k_full  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # faults that are not a wrong grid rule: an exception, a hung rank, and the attention layer's
 # (tests/test_dist_harness.py runs the attention suite with each)
@@ -246,7 +244,7 @@ def test_every_planted_fault_is_caught_in_one_torchrun(tmp_path):
     numbers, it never crashes the library), and the same cases pass with no fault."""
     summary_path = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += ["2", "-m", "dist_tests.harness", "--backend", "gloo-cpu", "--fault-sweep"]
+    cmd += ["2", "-m", "ulysses.dist_tests.harness", "--backend", "gloo-cpu", "--fault-sweep"]
     cmd += ["--json", str(summary_path), "--timeout-s", str(RUN_TIMEOUT_S - 40)]
     proc = subprocess.run(
         cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S

@@ -1,6 +1,6 @@
 """tools/sass_loops.py: the loop finder on hand-written SASS, and the pack's K/V loop as
 compiled here (CPU, Triton's ptxas and cuobjdump): the packed hardware conversions of
-kernels/_quant.py are what it issues, within an instruction budget (measured: 137 a trip on
+ulysses/kernels/_quant.py are what it issues, within an instruction budget (measured: 137 a trip on
 Triton 3.9, 136 on 3.6; a per-element lowering of the same conversions takes 253 / 245)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Validation, both kinds: invalid arguments to ``k_grouped_amax`` and the grid helpers
 (docs/CONTRACT.md §3 "Inputs"), and the ``ulysses-validate`` program's output and options
-(``dist_tests/validate.py``, at the end of this file).
+(``ulysses/dist_tests/validate.py``, at the end of this file).
 
 Each row of the argument table names one violation, the exception type it must raise
 (TypeError for a wrong type or dtype, ValueError otherwise) and the argument the message must
@@ -342,9 +342,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _validate_module():
-    if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
-        sys.path.insert(0, str(ROOT))
-    from dist_tests import validate
+    from ulysses.dist_tests import validate
 
     return validate
 
@@ -369,10 +367,11 @@ def test_validate_help_names_the_installed_command(capsys):
     assert "python -m ulysses.dist_tests.validate" in text
     assert "python -m ulysses.dist_tests.harness --help" in text
     assert "-v, --verbose" in text
-    assert not re.search(r"python -m dist_tests\.", text), "help names the checkout's module"
+    # one import name: never a bare ``dist_tests`` module
+    assert not re.search(r"(?<!ulysses\.)dist_tests\.", text), "help names a bare dist_tests"
     script = (ROOT / "scripts" / "validate.sh").read_text()
     assert "`ulysses-validate --help`" in script
-    assert "python -m dist_tests.validate --help" not in script
+    assert "python -m ulysses.dist_tests.validate --help" not in script
 
 
 def test_validate_prints_one_line_per_world_size(monkeypatch, capsys):
@@ -455,7 +454,7 @@ def test_validate_list_prints_the_cases_once(tmp_path):
     no torchrun, no table; it works where a run would be refused (nccl without a GPU)."""
     env = dict(os.environ, ULYSSES_BACKEND="nccl", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "dist_tests.validate", "--world-sizes", "2", "4"]
+    cmd = [sys.executable, "-m", "ulysses.dist_tests.validate", "--world-sizes", "2", "4"]
     cmd += ["--suite", "lowp", "--list", "--cases", "used_tail"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

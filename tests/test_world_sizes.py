@@ -19,18 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ulysses
+from ulysses import comm, grid, lowp, stats
+from ulysses import reference as ref
+from ulysses.dist_tests import cases, cases_lowp
+from ulysses.dist_tests.checks_lowp import gqa_reference, kv_heads_received
+from ulysses.kernels.lowp_pack import pack_qkv
+from ulysses.testing import make_k_full, make_qkv_full
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # dist_tests/ is a folder of the checkout
-    sys.path.insert(0, str(ROOT))
-
-from ulysses.kernels.lowp_pack import pack_qkv  # noqa: E402
-
-import ulysses  # noqa: E402
-from dist_tests import cases, cases_lowp  # noqa: E402
-from dist_tests.checks_lowp import gqa_reference, kv_heads_received  # noqa: E402
-from ulysses import grid, lowp, stats  # noqa: E402
-from ulysses import reference as ref  # noqa: E402
-from ulysses.testing import make_k_full, make_qkv_full  # noqa: E402
 
 # numpy (the interpreter) warns about 448 / 0 and NaN products: intended inputs here
 pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value):RuntimeWarning")
@@ -295,7 +292,7 @@ def no_collectives(monkeypatch):
 
     for name in ("all_gather_into_tensor", "all_to_all_single", "all_gather", "all_reduce"):
         monkeypatch.setattr(dist, name, boom)
-    monkeypatch.setattr(stats, "_all_gather_single", boom)
+    monkeypatch.setattr(comm, "_all_gather_single", boom)
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(8, 8), (8, 2), (6, 1)])
@@ -319,10 +316,10 @@ def test_exchange_at_world_size_one(no_collectives, Hq, Hkv):
     c = lowp._prepare(q, k, v, None, used, 16, 32, None)
     assert (c.rank, c.P, c.pg) == (0, 1, None)
     payload, amax_q, minmax = lowp._local_stats(c)
-    gathered = stats.all_gather_payload(payload, c.pg, c.P)
+    gathered = comm.all_gather(payload, c.pg, c.P)
     k_stats, amax_q, amax_v, v_scale = lowp._finish_stats(c, gathered, amax_q, minmax)
     send = lowp._pack(c, k_stats, amax_q, amax_v)
-    full = lowp._unpack(c, lowp._all_to_all(send, c.pg, c.P), k_stats, v_scale)
+    full = lowp._unpack(c, comm.all_to_all(send, c.pg, c.P), k_stats, v_scale)
     _assert_fields(full, want, "full path")
 
 
@@ -356,7 +353,7 @@ def _harness(tmp_path: Path, P: int, patterns: str):
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    cmd += [str(P), "-m", "dist_tests.harness", "--suite", "smooth_k", "lowp"]
+    cmd += [str(P), "-m", "ulysses.dist_tests.harness", "--suite", "smooth_k", "lowp"]
     cmd += ["--backend", "gloo-cpu", "--cases", patterns, "--json", str(summary_path)]
     cmd += ["--timeout-s", str(LAUNCH_TIMEOUT_S - 60)]
     proc = subprocess.run(

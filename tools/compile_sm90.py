@@ -13,7 +13,7 @@ whichever Triton it finds.
 How:
 1. Record. pytest runs in this process (default: the kernel test files below; or
    PYTEST_ARGS) with every launch on CPU tensors taking the compiled path's settings (tiles,
-   warps, rounding path: kernels/_launch.py's test mirror) and *recorded instead of run*.
+   warps, rounding path: ulysses/kernels/_launch.py's test mirror) and *recorded instead of run*.
    Nothing executes, so the tests' own checks fail and are ignored here: they are only the
    drivers that make the package plan its launches, as it does on a GPU. With ``--shapes``,
    the public calls (``global_k_mean``, ``k_grouped_amax``, ``smooth_k_stats`` both methods,
@@ -30,7 +30,7 @@ How:
    (``cuobjdump``, shipped with Triton) gives the registers and local memory of each.
 
 Every compilation takes the options every compiled launch of the package pins
-(``kernels/_launch.py`` ``COMPILE_OPTIONS``: FP fusion off). With ``--fusion-diff`` each
+(``ulysses/kernels/_launch.py`` ``COMPILE_OPTIONS``: FP fusion off). With ``--fusion-diff`` each
 specialization is compiled again with fusion on, and the table counts those whose SASS
 differs: what the pin costs with this Triton (nothing, where none differs).
 
@@ -93,6 +93,7 @@ def specialization(kernel, num_warps: int, kwargs: dict) -> dict:
     ``i32``, ``constexpr``...), the constexpr values (ints equal to 1 among them) and the
     16-divisible arguments, for :func:`compile_one`."""
     import torch
+
     from ulysses.kernels import _runtime
 
     names, modes = _runtime._params(kernel)
@@ -143,9 +144,8 @@ def _install_recorder(seen: dict[str, dict]) -> None:
     with it off and on, where this Triton has grid dependency control."""
     import pkgutil
 
-    from ulysses.kernels import _launch, _runtime
-
     from ulysses import kernels
+    from ulysses.kernels import _launch, _runtime
 
     def recorded(kernel, grid, num_warps, kwargs):
         try:
@@ -268,6 +268,7 @@ def _compile(spec: dict, arch: int, **options):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     from ulysses.kernels import _runtime
 
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])

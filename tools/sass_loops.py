@@ -65,9 +65,8 @@ def record(kernel: str, shape: tuple[int, int, int, int]) -> list[dict]:
     cs._install_recorder(seen)
     B, L, H, D = shape
     if kernel == "pack":
-        from ulysses.kernels import lowp_pack
-
         from ulysses import grid, lowp
+        from ulysses.kernels import lowp_pack
 
         P, rank, gq, gk = 2, 1, 32, 64
         w = lowp._wire(B, L, H, D, P, gq, gk)

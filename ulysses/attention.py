@@ -36,10 +36,9 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import _ops, lowp, stats
+from . import comm, lowp
 
 __all__ = [
     "ulysses_attention",
@@ -55,24 +54,10 @@ LAYOUTS = ("bshd", "bhsd")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# ---- the process group ------------------------------------------------------------------------
+# ---- the collectives (ulysses.comm; the names here are the harness's seams) ----------------
 
-
-def _resolve(group, device: torch.device) -> tuple[object, int, int]:
-    """(process group or None, rank, world size): ``stats.resolve_group``'s rules (``group=None``
-    with torch.distributed not initialized, outside a multi-rank launch, is a world of one)."""
-    return stats.resolve_group(group, device)
-
-
-def _all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
-    """[P, ...] -> [P, ...]: chunk p goes to rank p; chunk p of the result came from rank p."""
-    if _ops.is_compiling():
-        import torch.distributed._functional_collectives as funcol
-
-        return funcol.all_to_all_single(send, None, None, pg)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=pg)
-    return recv
+_resolve = comm.resolve_group
+_all_to_all = comm.all_to_all  # the harness's collective log patches this name
 
 
 def _backward_all_to_all(send: torch.Tensor, pg) -> torch.Tensor:

@@ -17,6 +17,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+# rows per block of the mean's fixed association (independent of G), blocks per superblock
+# (1024 global rows): the block-stats kernel's order, docs/DESIGN.md "Mean"
+from .kernels.block_stats import SUM_BLOCK, SUPER_BLOCK
+
 __all__ = [
     "FLOOR",
     "SUM_BLOCK",
@@ -42,8 +46,6 @@ __all__ = [
 ]
 
 FLOOR = 1e-7  # the smallest amax a live slot reports (as fp32); surplus slots report 0
-SUM_BLOCK = 64  # rows per block of the mean's fixed association (independent of G)
-SUPER_BLOCK = 16  # blocks per superblock (1024 global rows); see docs/DESIGN.md "Mean"
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256)
 
 

@@ -41,10 +41,8 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-from torch.distributed.distributed_c10d import AllToAllOptions
 
-from . import _ops, _validate, grid, stats
+from . import _ops, _validate, comm, grid, stats
 from .kernels._runtime import output_template, stream_key, workspace
 from .kernels.block_stats import MINMAX_ALL, LocalStats, payload_numel
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
@@ -309,18 +307,6 @@ def _scales(recv: torch.Tensor, index: torch.Tensor, q_shape, k_shape) -> tuple:
     return both[:n_q].view(q_shape), both[index.numel() - n_k :].view(k_shape)
 
 
-def _all_to_all(send: torch.Tensor, pg, world_size: int | None = None) -> torch.Tensor:
-    if world_size is None:
-        world_size = 1 if pg is None else pg.size()
-    if world_size == 1:  # the send buffer (new each call) is what this rank receives
-        return send
-    if _ops.is_compiling():
-        return funcol.all_to_all_single(send, None, None, pg)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=pg)
-    return recv
-
-
 # ---- the public call ---------------------------------------------------------------------------
 
 
@@ -425,10 +411,10 @@ def _exchange_new(q, k, v, key, group, used_sequence, q_group, k_group, enable_p
         _PLANS[key] = plan
         return plan(q, k, v, call.pg)
     payload, amax_q, minmax = _local_stats(call)
-    gathered = stats.all_gather_payload(payload, call.pg, call.P)  # [P, n_k + n_qv]
+    gathered = comm.all_gather(payload, call.pg, call.P)  # [P, n_k + n_qv]
     k_stats, amax_q, amax_v, v_scale = _finish_stats(call, gathered, amax_q, minmax)
     send = _pack(call, k_stats, amax_q, amax_v)
-    recv = _all_to_all(send, call.pg, call.P)
+    recv = comm.all_to_all(send, call.pg, call.P)
     return _unpack(call, recv, k_stats, v_scale)
 
 
@@ -459,7 +445,7 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
     B, L, Hq, Hkv, D = _check_qkv(q, k, v)
     grid.check_group_size(q_group, "q_group")
     grid.check_group_size(k_group, "k_group")
-    pg, rank, P = stats.resolve_group(group, k.device)
+    pg, rank, P = comm.resolve_group(group, k.device)
     grid.kv_split(Hq, Hkv, P)  # the head rules, named with their numbers
     if P * L > _MAX_GLOBAL_ROWS:
         # the pack's row and slot arithmetic is int32 (kernels/lowp_pack.py)
@@ -631,31 +617,6 @@ def _unpack(c: _Call, recv: torch.Tensor, k_stats, v_scale: torch.Tensor) -> Low
 # ---- the eager fast path ----------------------------------------------------------------------
 
 
-def _all_to_all_launcher(send: torch.Tensor):
-    """``a2a(pg) -> recv``: ``all_to_all_single`` of ``send`` into a new tensor, calling the
-    backend directly (see ``stats.all_gather_launcher``)."""
-    if not hasattr(dist.ProcessGroup, "alltoall_base"):  # pragma: no cover - other torch
-
-        def a2a_wrapped(pg):
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=pg)
-            return recv
-
-        return a2a_wrapped
-    opts = AllToAllOptions()
-    if hasattr(opts, "asyncOp"):  # a blocking call: the backend may use the current stream
-        opts.asyncOp = False
-
-    def a2a(pg):
-        recv = torch.empty_like(send)
-        work = pg.alltoall_base(recv, send, [], [], opts)
-        if work is not None:
-            work.wait()
-        return recv
-
-    return a2a
-
-
 class _ExchangePlan:
     """One eager call signature of :func:`exchange_qkv`, prepared (as ``stats._StatsPlan``):
     the statistics, finalize and pack launches bound to scratch buffers of this device and
@@ -680,7 +641,7 @@ class _ExchangePlan:
             gathered = payload.view(1, n)
         else:
             gathered = workspace("lowp_gathered", P * n, torch.float32, dev)[: P * n]
-            self.gather = stats.all_gather_launcher(gathered, payload)
+            self.gather = comm.all_gather_launcher(gathered, payload)
             gathered = gathered.view(P, n)
         n_mm = B * lay_k.n_slots * 2 * Hkv * D
         minmax = workspace("lowp_minmax", n_mm, k.dtype, dev)[:n_mm]
@@ -769,7 +730,7 @@ class _ExchangePlan:
             self.a2a = None
             self.send_out = output_template((w.nbytes,), torch.uint8, dev)
         else:
-            self.a2a = _all_to_all_launcher(send)
+            self.a2a = comm.all_to_all_launcher(send)
         (self.size_q, self.size_kv), self.stride, self.offsets = _views(w, B, D)
         self.fields = (c.used_sequence, c.q_group, c.k_group)
         self.dtype, self.device = k.dtype, dev
@@ -846,6 +807,6 @@ def _plan_key(q, k, v, group, used_sequence, q_group, k_group, enable_pdl):
     if pg is not None and type(pg) is not dist.ProcessGroup:
         return None
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-            v.dtype, q.device, v.device, *stats._pg_key(pg), used_sequence, q_group, k_group,
+            v.dtype, q.device, v.device, comm.group_key(pg), used_sequence, q_group, k_group,
             enable_pdl, type(used_sequence), type(q_group), type(k_group), type(enable_pdl),
             *stream_key(k.device)), pg  # fmt: skip

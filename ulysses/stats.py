@@ -18,15 +18,11 @@ Method "two_pass" reads K again with the ``k_grouped_amax`` kernel once the mean
 from __future__ import annotations
 
 import dataclasses
-import os
-import zlib
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-from torch.distributed.distributed_c10d import AllgatherOptions
 
-from . import _ops, grid
+from . import _ops, comm, grid
 from . import _validate as v
 from .kernels._runtime import output_template, stream_key, workspace
 from .kernels.block_stats import (
@@ -45,16 +41,11 @@ __all__ = [
     "global_k_mean",
     "smooth_k_stats",
     "k_stats_part",
-    "all_gather_payload",
-    "verify_call",
     "METHODS",
 ]
 
 METHODS = ("fused", "two_pass")
-# torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
-_SIGNATURE_FIELDS = 12  # ints per rank in the consistency check (fixed: sizes never differ)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,153 +66,6 @@ class SmoothKStats:
     world_size: int
     used_sequence: int | None
     group_size: int
-
-
-# ---- the process group --------------------------------------------------------------------
-
-_GROUPS: dict[tuple, tuple[int, int]] = {}
-
-
-def _pg_key(pg) -> tuple:
-    """A cache key for a process group that holds no reference to it (a cached reference kept
-    destroyed groups alive until interpreter exit, where their teardown aborted the process).
-    Size and rank are part of it: a group created after another was destroyed can reuse its
-    id and name."""
-    if pg is None:  # a world of one without torch.distributed
-        return (None, "", 1, 0)
-    return (id(pg), getattr(pg, "group_name", ""), pg.size(), pg.rank())
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    )
-
-
-def _launched_world_size() -> int:
-    """The world size a launcher (torchrun) announced for this process, or 1."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
-    """(process group, rank, world size), checked once per (group, device type).
-
-    ``group=None`` with torch.distributed not initialized, in a process no launcher started
-    with ``WORLD_SIZE > 1``, is a group of one: ``(None, 0, 1)`` (the whole sequence is local
-    and no collective runs). Under torchrun with several ranks that is a forgotten
-    ``init_process_group``, and raises ValueError."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
-        )
-    if not _initialized():
-        if group is None and _launched_world_size() <= 1:
-            return None, 0, 1
-        hint = (
-            "this process runs under torchrun but has not called "
-            "torch.distributed.init_process_group(backend) yet"
-            if _under_torchrun()
-            else "start the program with torchrun (one process per rank) and call "
-            "torch.distributed.init_process_group(backend) before this call"
-        )
-        raise ValueError(f"group: torch.distributed is not initialized; {hint}")
-    pg = dist.group.WORLD if group is None else group
-    if _ops.is_compiling():  # checked by the eager calls before; dynamo cannot trace id(pg)
-        return pg, dist.get_rank(pg), dist.get_world_size(pg)
-    key = (*_pg_key(pg), device.type)
-    found = _GROUPS.get(key)
-    if found is not None:
-        return pg, found[0], found[1]
-    world_size = dist.get_world_size(pg)
-    rank = dist.get_rank(pg)
-    if world_size < 1 or rank < 0:
-        raise ValueError("group: this process is not a member of the given process group")
-    backend = str(dist.get_backend(pg)).lower()
-    if device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
-        raise ValueError(
-            f"k is a CPU tensor but group uses backend {backend!r}; NCCL needs CUDA tensors "
-            "(move k to this rank's GPU, or use a gloo group for CPU tensors)"
-        )
-    _GROUPS[key] = (rank, world_size)
-    return pg, rank, world_size
-
-
-def all_gather_payload(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
-    """[N] -> [P, N]: every rank's payload in rank order (a copy, so order-exact); at P = 1
-    the payload itself, with no collective."""
-    if world_size == 1:
-        return payload.view(1, payload.numel())
-    if _ops.is_compiling():  # traceable functional collective, no graph break
-        gathered = funcol.all_gather_tensor(payload, 0, pg)
-        return gathered.view(world_size, payload.numel())
-    # Flat (gloo rejects a [P, N] output) and reused from call to call on this stream: a new
-    # NCCL output tensor per call cost ~24 us of host time (measured on an H200 host). Reuse is
-    # stream-ordered: the next all_gather waits for this call's kernels that read it.
-    n = world_size * payload.numel()
-    gathered = workspace("gathered", n, payload.dtype, payload.device)[:n]
-    _all_gather_single(gathered, payload, group=pg)
-    return gathered.view(world_size, payload.numel())
-
-
-# ---- ranks that disagree --------------------------------------------------------------------
-
-_VERIFIED: set[tuple] = set()
-_FN_CODES = {"smooth_k_stats": 1, "global_k_mean": 2, "exchange_qkv": 3}
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool, **fields) -> float:
-    """Check that every rank calls ``fn`` with the same ``fields`` (ints or None); return the
-    call's 24-bit tag (exact in fp32), which also travels in the payload.
-
-    The check is one all_gather of a fixed number of int64 values, so it cannot hang when
-    ranks disagree on sizes; on a mismatch every rank raises the same ValueError naming the
-    field and the per-rank values. It runs on the first call of each new signature per
-    process group (or every call with ``force``), never while compiling or capturing a CUDA
-    graph; later calls cost a dict lookup. What it cannot see (a rank that switches to a new
-    signature while the others reuse a verified one) the tag turns into NaN outputs.
-    """
-    values = [_FN_CODES.get(fn) or zlib.crc32(fn.encode()) & 0x7FFFFFFF]
-    values += [-1 if x is None else int(x) for x in fields.values()]
-    assert len(values) <= _SIGNATURE_FIELDS, fields
-    h = 0x811C9DC5  # FNV-1a over the ints, plain Python that torch.compile folds
-    for x in values:
-        h = ((h ^ (x & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
-    tag = float(h & 0xFFFFFF)
-    if world_size == 1 or _ops.is_compiling() or _capturing(device):
-        return tag
-    key = (*_pg_key(pg), fn, *fields.items())
-    if not force and key in _VERIFIED:
-        return tag
-    values += [0] * (_SIGNATURE_FIELDS - len(values))
-    mine = torch.tensor(values, dtype=torch.int64).to(device)
-    table = all_gather_payload(mine, pg, world_size).cpu()
-    names = ["function", *fields] + [""] * (_SIGNATURE_FIELDS - 1 - len(fields))
-    for i, name in enumerate(names):
-        column = table[:, i].tolist()
-        if len(set(column)) != 1:
-            if name == "function":
-                raise ValueError(
-                    f"ranks disagree on the function called: rank 0 called {fn}? per-rank "
-                    f"codes {column}; every rank of the group must make the same call"
-                )
-            shown = [None if x == -1 and name == "used_sequence" else x for x in column]
-            raise ValueError(
-                f"ranks disagree on {name} in {fn}: per-rank values {shown}; every rank of the "
-                f"group must call {fn} with the same {name}"
-            )
-    _VERIFIED.add(key)
-    return tag
 
 
 def _signature(k: torch.Tensor, used_sequence, group_size, method) -> dict:
@@ -320,30 +164,6 @@ class KStatsPart:
         )
 
 
-def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
-    """A function ``gather(pg)`` that all_gathers ``inp`` into ``out`` on ``pg`` (the same
-    group each call), calling the backend directly: ``torch.distributed``'s Python wrapper
-    (argument checks, options object, coalescing bookkeeping) cost several microseconds a
-    call. The group is passed at each call, never kept (a kept reference delays the
-    group's teardown to interpreter exit, where gloo aborts)."""
-    if not hasattr(dist.ProcessGroup, "_allgather_base"):  # pragma: no cover - other torch
-
-        def gather_wrapped(pg):
-            _all_gather_single(out, inp, group=pg)
-
-        return gather_wrapped
-    opts = AllgatherOptions()
-    if hasattr(opts, "asyncOp"):  # a blocking call: the backend may use the current stream
-        opts.asyncOp = False
-
-    def gather(pg):
-        work = pg._allgather_base(out, inp, opts)
-        if work is not None:
-            work.wait()
-
-    return gather
-
-
 class _StatsPlan:
     """One eager call signature of ``smooth_k_stats`` / ``global_k_mean``, prepared: its
     launches bound to scratch buffers of this device and stream (payload, min/max, gathered),
@@ -379,7 +199,7 @@ class _StatsPlan:
         else:
             gathered = workspace("gathered", world_size * numel, torch.float32, device)
             gathered = gathered[: world_size * numel]
-            self.gather = all_gather_launcher(gathered, payload)
+            self.gather = comm.all_gather_launcher(gathered, payload)
             gathered = gathered.view(world_size, numel)
         common = part.finalize_args()
         if self.method == "fused":
@@ -435,7 +255,7 @@ def _plan_key(k, group, used_sequence, enable_pdl, group_size, method, check_con
     pg = dist.group.WORLD if group is None else group
     if pg is not None and type(pg) is not dist.ProcessGroup:
         return None
-    return (k.shape, k.stride(), k.dtype, *_pg_key(pg), used_sequence, enable_pdl, group_size,
+    return (k.shape, k.stride(), k.dtype, comm.group_key(pg), used_sequence, enable_pdl, group_size,
             method, type(used_sequence), type(enable_pdl), type(group_size),
             *stream_key(k.device)), pg  # fmt: skip
 
@@ -454,7 +274,7 @@ def _run_planned(fn, k, group, used_sequence, enable_pdl, group_size, method, ch
         k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
     )
     if found is None:  # compiling (traced ops and a functional collective), or forced checks
-        return part.finish(all_gather_payload(part.write(), pg, world_size))
+        return part.finish(comm.all_gather(part.write(), pg, world_size))
     plan = _StatsPlan(part, world_size)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
@@ -472,11 +292,11 @@ def _validated_part(
     if not isinstance(check_consistency, bool):
         raise TypeError(f"check_consistency must be a bool, got {check_consistency!r}")
     use_pdl = v.resolve_pdl(enable_pdl, k.device)
-    pg, rank, world_size = resolve_group(group, k.device)
+    pg, rank, world_size = comm.resolve_group(group, k.device)
     grid.check_used(used_sequence, L * world_size)
     if not _ops.is_compiling():
         v.check_alignment(k)
-    tag = verify_call(
+    tag = comm.verify_call(
         pg,
         world_size,
         k.device,

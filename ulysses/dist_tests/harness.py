@@ -1,7 +1,7 @@
 """Distributed harness for ``ulysses`` (docs/CONTRACT.md §5): run the library on a real process
 group and compare every rank's result with the single-device reference, bit for bit.
 
-    python -m torch.distributed.run --standalone --nproc-per-node P -m dist_tests.harness \\
+    python -m torch.distributed.run --standalone --nproc-per-node P -m ulysses.dist_tests.harness \\
         [--suite NAME ...] [--large] [--sweep] [--cases SUBSTRING[,SUBSTRING...]] \\
         [--backend auto|nccl|gloo-cuda|gloo-cpu] [--timeout-s N] [--pg-timeout-s N] \\
         [--seed N] [--json PATH] [--fault NAME] [--list]
@@ -10,7 +10,7 @@ Multi-node works the same way (devices come from LOCAL_RANK / LOCAL_WORLD_SIZE, 
 from RANK / WORLD_SIZE):
 
     torchrun --nnodes N --nproc-per-node M --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m dist_tests.harness
+        -m ulysses.dist_tests.harness
 
 Backends (--backend, default $ULYSSES_BACKEND or auto): NCCL when every local rank has its
 own GPU; gloo with CUDA tensors when ranks share GPUs; gloo with CPU tensors and the Triton
@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+
 from ulysses.kernels import _runtime
 
 from . import _dist, cases, cases_attn, cases_lowp, checks, checks_attn, checks_lowp, faults
@@ -126,7 +127,7 @@ def _epilog() -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog=f"python -m {__package__ or 'dist_tests'}.harness",
+        prog=f"python -m {__package__}.harness",
         description=__doc__,
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..grid import kv_split
 from ._quant import canonical_nan_bits, e4m3_code, int8_code
 from ._runtime import (
     Launch,
@@ -429,7 +428,10 @@ def prepare_pack(
     B, L, H, D = shape
     P = world_size
     HK = H if kv_heads is None else kv_heads
-    hkv, kv_rep = kv_split(H, HK, P)
+    # the K/V heads a rank receives (the host checked the rule, ulysses.grid.kv_split): sharded
+    # when HK % P == 0, else one head, repeated to P // HK ranks
+    hkv, kv_rep = (HK // P, 1) if HK % P == 0 else (1, P // HK)
+    assert H % HK == 0 and (HK % P == 0 or P % HK == 0)
     h = H // P
     cb = B * (h + 2 * hkv) * D
     assert all(s[3] == 1 for s in strides)

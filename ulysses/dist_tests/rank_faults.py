@@ -1,6 +1,6 @@
 """Faulty ranks: every rank must end non-zero, with a clear message, in bounded time.
 
-    torchrun --standalone --nproc-per-node 2 -m dist_tests.rank_faults MODE [--timeout-s 60]
+    torchrun --standalone --nproc-per-node 2 -m ulysses.dist_tests.rank_faults MODE [--timeout-s 60]
 
 Runs on gloo with CPU tensors. The last rank is the faulty one. Each rank prints one line,
 ``rank R: result ok ...`` if ``smooth_k_stats`` returned finite numbers, else
@@ -64,7 +64,7 @@ def _broken_all_gather(*args, **kwargs):
 def _planted_collective_error(active: bool):
     """The raise_inside fault: the library's collective raises (on this rank only)."""
     if active:
-        return mock.patch("ulysses.stats.all_gather_payload", _broken_all_gather)
+        return mock.patch("ulysses.comm.all_gather", _broken_all_gather)
     return contextlib.nullcontext()
 
 
@@ -102,7 +102,7 @@ def run_mode(ctx: _dist.Context, mode: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(
-        prog=f"python -m {__package__ or 'dist_tests'}.rank_faults",
+        prog=f"python -m {__package__}.rank_faults",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

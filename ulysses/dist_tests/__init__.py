@@ -1,9 +1,8 @@
 """Programs that run under torchrun and check ``ulysses`` on a real process group
-(docs/CONTRACT.md §5). From a checkout they run as ``dist_tests``; installed, as
-``ulysses.dist_tests`` (the modules import each other relatively, so both work).
+(docs/CONTRACT.md §5), as ``ulysses.dist_tests`` from a checkout and installed alike.
 
-    python -m torch.distributed.run --standalone --nproc-per-node P -m dist_tests.harness
-    python -m dist_tests.validate --world-sizes 2 4 6 8        # every P, one table
+    python -m torch.distributed.run --standalone --nproc-per-node P -m ulysses.dist_tests.harness
+    python -m ulysses.dist_tests.validate --world-sizes 2 4 6 8        # every P, one table
 
 Modules:
     harness        the runner: suites of cases, bitwise checks, JSON summary

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-_PACKAGE = __package__ or "dist_tests"
+_PACKAGE = "ulysses.dist_tests"
 _STDERR_LINES = 15  # per rank, for a world size that left no summary
 _KILL_GRACE_S = 30
 
@@ -134,12 +134,11 @@ def preflight(args, harness_args: list[str]) -> str | None:
 
 
 def _child_env() -> dict:
-    """From a checkout the harness is the top-level ``dist_tests``: make it importable from
-    any working directory. Installed (``ulysses.dist_tests``) nothing is needed."""
+    """The ranks import the ``ulysses`` this program runs (a checkout or an install), from any
+    working directory: the folder holding it goes first on PYTHONPATH."""
     env = dict(os.environ)
-    if _PACKAGE == "dist_tests":
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env
 
 

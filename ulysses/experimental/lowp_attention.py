@@ -52,9 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant import e4m3_code
-from ._runtime import cdiv, compiled_for_gpu, launch
-from .lowp_dequant import round_to
+from ..kernels._quant import e4m3_code
+from ..kernels._runtime import cdiv, compiled_for_gpu, launch
+from ..kernels.lowp_dequant import round_to
 
 __all__ = [
     "lowp_attention",

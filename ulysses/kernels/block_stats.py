@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..grid import SUM_BLOCK, SUPER_BLOCK
 from ._runtime import (
     Launch,
     cdiv,
@@ -43,6 +42,11 @@ __all__ = [
     "MINMAX_ALL",
 ]
 
+# The mean's fixed summation order (docs/DESIGN.md "Mean"): rows are summed in blocks of
+# SUM_BLOCK global rows, blocks in superblocks of SUPER_BLOCK blocks (1024 rows). The kernel
+# owns these constants; ulysses.grid re-exports them.
+SUM_BLOCK = 64
+SUPER_BLOCK = 16
 SUM_BLOCK_C = tl.constexpr(SUM_BLOCK)
 SUPER_C = tl.constexpr(SUPER_BLOCK)
 MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2

@@ -1,7 +1,7 @@
 """smooth_k_stats inside torch.compile(fullgraph=True), and replayed from a CUDA graph where
 there is a GPU: the same bits as eager on every rank.
 
-    torchrun --standalone --nproc-per-node 2 -m dist_tests.compile_check [--cuda-graph]
+    torchrun --standalone --nproc-per-node 2 -m ulysses.dist_tests.compile_check [--cuda-graph]
         [--backend auto|nccl|gloo-cuda|gloo-cpu] [--timeout-s 600]
 
 CPU: gloo + Triton interpreter. CUDA: NCCL with a GPU per rank, else gloo on CUDA tensors;
@@ -93,7 +93,7 @@ def run(ctx: _dist.Context, cuda_graph: bool) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(
-        prog=f"python -m {__package__ or 'dist_tests'}.compile_check",
+        prog=f"python -m {__package__}.compile_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,0 +1,275 @@
+"""Every collective the library makes, and the process-group bookkeeping around them.
+
+No other module of ``ulysses`` calls ``torch.distributed``'s collectives: the statistics, the
+exchange and the attention layer come here for
+
+    resolve_group(group, device)   -> (pg or None, rank, world size), checked once per group
+    group_key(pg)                  -> an int naming this group object for caches (never reused)
+    verify_call(pg, P, device, fn, force, **fields) -> the call's tag; raises on disagreement
+    all_gather(payload, pg, P)     -> [P, N]: every rank's payload in rank order
+    all_to_all(send, pg, P=None)   -> recv: chunk p of ``send`` goes to rank p
+    all_gather_launcher(out, inp), all_to_all_launcher(send)
+                                   -> the same collectives bound to fixed buffers, calling the
+                                      backend directly (the eager fast path of the plans)
+
+Under ``torch.compile`` the collectives are torch's functional collectives (traceable, no
+graph break); the per-group caches are skipped there (the eager call before filled them).
+What is cached per group lives in weak dictionaries keyed by the group object itself: a
+destroyed group's entries go with it, and a new group never inherits them (an ``id()`` can
+be reused; an object identity held weakly cannot).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
+
+from . import _ops
+from .kernels._runtime import workspace
+
+__all__ = [
+    "resolve_group",
+    "group_key",
+    "verify_call",
+    "all_gather",
+    "all_to_all",
+    "all_gather_launcher",
+    "all_to_all_launcher",
+    "SIGNATURE_FIELDS",
+]
+
+# torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+SIGNATURE_FIELDS = 12  # ints per rank in the consistency check (fixed: sizes never differ)
+_FN_CODES = {"smooth_k_stats": 1, "global_k_mean": 2, "exchange_qkv": 3, "ulysses_attention": 4}
+
+
+class _PerGroup:
+    """What this module remembers about one process group (held weakly by the group)."""
+
+    __slots__ = ("key", "members", "verified")
+
+    def __init__(self, key: int):
+        self.key = key
+        self.members: dict[str, tuple[int, int]] = {}  # device type -> (rank, world size)
+        self.verified: set[tuple] = set()  # call signatures every rank agreed on
+
+
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SERIAL = itertools.count(1)
+
+
+def _state(pg) -> _PerGroup:
+    found = _GROUPS.get(pg)
+    if found is None:
+        found = _GROUPS[pg] = _PerGroup(next(_SERIAL))
+    return found
+
+
+def group_key(pg) -> int:
+    """An int that names ``pg`` for as long as it lives (0 for a world of one without
+    torch.distributed); a group created after another was destroyed gets a new one."""
+    return 0 if pg is None else _state(pg).key
+
+
+# ---- which group, which rank ------------------------------------------------------------------
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
+
+
+def _launched_world_size() -> int:
+    """The world size a launcher (torchrun) announced for this process, or 1."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
+    """(process group, rank, world size), checked once per (group, device type).
+
+    ``group=None`` with torch.distributed not initialized, in a process no launcher started
+    with ``WORLD_SIZE > 1``, is a group of one: ``(None, 0, 1)`` (the whole sequence is local
+    and no collective runs). Under torchrun with several ranks that is a forgotten
+    ``init_process_group``, and raises ValueError. A CPU tensor on an NCCL-only group raises
+    ValueError."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is None and _launched_world_size() <= 1:
+            return None, 0, 1
+        hint = (
+            "this process runs under torchrun but has not called "
+            "torch.distributed.init_process_group(backend) yet"
+            if _under_torchrun()
+            else "start the program with torchrun (one process per rank) and call "
+            "torch.distributed.init_process_group(backend) before this call"
+        )
+        raise ValueError(f"group: torch.distributed is not initialized; {hint}")
+    pg = dist.group.WORLD if group is None else group
+    if _ops.is_compiling():  # checked by the eager calls before; dynamo cannot trace the cache
+        return pg, dist.get_rank(pg), dist.get_world_size(pg)
+    state = _state(pg)
+    found = state.members.get(device.type)
+    if found is not None:
+        return pg, found[0], found[1]
+    world_size = dist.get_world_size(pg)
+    rank = dist.get_rank(pg)
+    if world_size < 1 or rank < 0:
+        raise ValueError("group: this process is not a member of the given process group")
+    backend = str(dist.get_backend(pg)).lower()
+    if device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
+        raise ValueError(
+            f"the tensors are on the CPU but group uses backend {backend!r}; NCCL needs CUDA "
+            "tensors (move them to this rank's GPU, or use a gloo group for CPU tensors)"
+        )
+    state.members[device.type] = (rank, world_size)
+    return pg, rank, world_size
+
+
+# ---- the collectives --------------------------------------------------------------------------
+
+
+def all_gather(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
+    """[N] -> [P, N]: every rank's payload in rank order (a copy, so order-exact); at P = 1
+    the payload itself, with no collective."""
+    if world_size == 1:
+        return payload.view(1, payload.numel())
+    if _ops.is_compiling():  # traceable functional collective, no graph break
+        gathered = funcol.all_gather_tensor(payload, 0, pg)
+        return gathered.view(world_size, payload.numel())
+    # Flat (gloo rejects a [P, N] output) and reused from call to call on this stream: a new
+    # NCCL output tensor per call cost ~24 us of host time (measured on an H200 host). Reuse is
+    # stream-ordered: the next all_gather waits for this call's kernels that read it.
+    n = world_size * payload.numel()
+    gathered = workspace("gathered", n, payload.dtype, payload.device)[:n]
+    _all_gather_single(gathered, payload, group=pg)
+    return gathered.view(world_size, payload.numel())
+
+
+def all_to_all(send: torch.Tensor, pg, world_size: int | None = None) -> torch.Tensor:
+    """[P, ...] (or flat, P equal chunks) -> the same shape: chunk p goes to rank p; chunk p of
+    the result came from rank p. At P = 1 the send buffer itself."""
+    if world_size is None:
+        world_size = 1 if pg is None else pg.size()
+    if world_size == 1:
+        return send
+    if _ops.is_compiling():
+        return funcol.all_to_all_single(send, None, None, pg)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=pg)
+    return recv
+
+
+def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
+    """A function ``gather(pg)`` that all_gathers ``inp`` into ``out`` on ``pg`` (the same
+    group each call), calling the backend directly: ``torch.distributed``'s Python wrapper
+    (argument checks, options object, coalescing bookkeeping) cost several microseconds a
+    call. The group is passed at each call, never kept (a kept reference delays the
+    group's teardown to interpreter exit, where gloo aborts)."""
+    if not hasattr(dist.ProcessGroup, "_allgather_base"):  # pragma: no cover - other torch
+
+        def gather_wrapped(pg):
+            _all_gather_single(out, inp, group=pg)
+
+        return gather_wrapped
+    opts = AllgatherOptions()
+    if hasattr(opts, "asyncOp"):  # a blocking call: the backend may use the current stream
+        opts.asyncOp = False
+
+    def gather(pg):
+        work = pg._allgather_base(out, inp, opts)
+        if work is not None:
+            work.wait()
+
+    return gather
+
+
+def all_to_all_launcher(send: torch.Tensor):
+    """``a2a(pg) -> recv``: ``all_to_all_single`` of ``send`` into a new tensor, calling the
+    backend directly (as :func:`all_gather_launcher`)."""
+    if not hasattr(dist.ProcessGroup, "alltoall_base"):  # pragma: no cover - other torch
+
+        def a2a_wrapped(pg):
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=pg)
+            return recv
+
+        return a2a_wrapped
+    opts = AllToAllOptions()
+    if hasattr(opts, "asyncOp"):  # a blocking call: the backend may use the current stream
+        opts.asyncOp = False
+
+    def a2a(pg):
+        recv = torch.empty_like(send)
+        work = pg.alltoall_base(recv, send, [], [], opts)
+        if work is not None:
+            work.wait()
+        return recv
+
+    return a2a
+
+
+# ---- ranks that disagree ----------------------------------------------------------------------
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool, **fields) -> float:
+    """Check that every rank calls ``fn`` with the same ``fields`` (ints or None); return the
+    call's 24-bit tag (exact in fp32), which also travels in the statistics payload.
+
+    The check is one all_gather of a fixed number of int64 values, so it cannot hang when
+    ranks disagree on sizes; on a mismatch every rank raises the same ValueError naming the
+    field and the per-rank values. It runs on the first call of each new signature per
+    process group (or every call with ``force``), never while compiling or capturing a CUDA
+    graph; later calls cost a set lookup. What it cannot see (a rank that switches to a new
+    signature while the others reuse a verified one) the tag turns into NaN outputs.
+    """
+    values = [_FN_CODES.get(fn) or zlib.crc32(fn.encode()) & 0x7FFFFFFF]
+    values += [-1 if x is None else int(x) for x in fields.values()]
+    assert len(values) <= SIGNATURE_FIELDS, fields
+    h = 0x811C9DC5  # FNV-1a over the ints, plain Python that torch.compile folds
+    for x in values:
+        h = ((h ^ (x & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
+    tag = float(h & 0xFFFFFF)
+    if world_size == 1 or _ops.is_compiling() or _capturing(device):
+        return tag
+    verified = _state(pg).verified
+    key = (fn, *fields.items())
+    if not force and key in verified:
+        return tag
+    values += [0] * (SIGNATURE_FIELDS - len(values))
+    mine = torch.tensor(values, dtype=torch.int64).to(device)
+    table = all_gather(mine, pg, world_size).cpu()
+    names = ["function", *fields] + [""] * (SIGNATURE_FIELDS - 1 - len(fields))
+    for i, name in enumerate(names):
+        column = table[:, i].tolist()
+        if len(set(column)) != 1:
+            if name == "function":
+                raise ValueError(
+                    f"ranks disagree on the function called: rank 0 called {fn}? per-rank "
+                    f"codes {column}; every rank of the group must make the same call"
+                )
+            shown = [None if x == -1 and name == "used_sequence" else x for x in column]
+            raise ValueError(
+                f"ranks disagree on {name} in {fn}: per-rank values {shown}; every rank of the "
+                f"group must call {fn} with the same {name}"
+            )
+    verified.add(key)
+    return tag
