@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import comm, lowp
+from . import comm, lowp, rowwire
 
 __all__ = [
     "ulysses_attention",
@@ -248,9 +248,11 @@ class _LowpHeadsToSeq(torch.autograd.Function):
     def forward(ctx, x, P, pg):
         ctx.P, ctx.pg = P, pg
         B, S, h, D = x.shape
-        send = lowp.out_quant_op(x=x, world_size=P)
+        send = rowwire.out_quant_op(x=x, world_size=P)
         recv = send if P == 1 else _all_to_all(send, pg)
-        return lowp.out_dequant_op(recv=recv, B=B, L=S // P, h=h, D=D, world_size=P, dtype=x.dtype)
+        return rowwire.out_dequant_op(
+            recv=recv, B=B, L=S // P, h=h, D=D, world_size=P, dtype=x.dtype
+        )
 
     @staticmethod
     def backward(ctx, dy):

@@ -48,7 +48,6 @@ from .kernels.block_stats import MINMAX_ALL, LocalStats, payload_numel
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
 from .kernels.lowp_dequant import dequantize_qkv
 from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
-from .kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
 from .kernels.lowp_pack import QOnce, pack_qkv, prepare_pack, q_once_fits
 from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel
 from .kernels.lowp_scales import gather_scales, prepare_gather_scales
@@ -234,15 +233,6 @@ def _scales_fake(recv, index):
     return recv.new_empty((index.numel(),), dtype=torch.float32)
 
 
-def _out_quant_fake(x, *, world_size):
-    B, S, h, D = x.shape
-    return x.new_empty((world_size * out_chunk_bytes(B, S // world_size, h, D),), dtype=torch.uint8)
-
-
-def _out_dequant_fake(recv, *, B, L, h, D, world_size, dtype):
-    return recv.new_empty((B, L, world_size * h, D), dtype=dtype)
-
-
 # The steps of the exchange (kernels/lowp_steps.py): the same kernels, in the same order, as
 # the eager plan's launches
 local_op = _ops.define_op("lowp_local", exchange_local, _local_fake)
@@ -250,9 +240,6 @@ post_op = _ops.define_op("lowp_post", exchange_post, _post_fake, mutates=("amax_
 pack_op = _ops.define_op("lowp_pack", pack_qkv, _pack_fake)
 scales_op = _ops.define_op("lowp_scales", gather_scales, _scales_fake)
 dequant_op = _ops.define_op("lowp_dequant", dequantize_qkv, _dequant_fake)
-# the attention output's INT8 way back (kernels/lowp_out.py; ulysses.attention uses them)
-out_quant_op = _ops.define_op("lowp_out_quant", quantize_out, _out_quant_fake)
-out_dequant_op = _ops.define_op("lowp_out_dequant", dequantize_out, _out_dequant_fake)
 
 
 # ---- after the all_to_all ----------------------------------------------------------------------
