@@ -1,4 +1,4 @@
-"""Global grid arithmetic for Ulysses shards (docs/CONTRACT.md §2). Pure Python, no torch.
+"""Global grid arithmetic for Ulysses shards (docs/CONTRACT.md §2), in plain Python ints.
 
 Shapes: L local rows per rank, P ranks, S = L * P global rows, G rows per group.
 Rank r owns global rows [r*L, (r+1)*L). Global group g covers rows [g*G, (g+1)*G).
@@ -15,7 +15,8 @@ patching one name here (then ``clear_caches()``).
 from __future__ import annotations
 
 import dataclasses
-import functools
+
+import torch
 
 # rows per block of the mean's fixed association (independent of G), blocks per superblock
 # (1024 global rows): the block-stats kernel's order, docs/DESIGN.md "Mean"
@@ -256,9 +257,29 @@ class Layout:
         )
 
 
-@functools.lru_cache(maxsize=1024)
+_LAYOUTS: dict[tuple, Layout] = {}
+_MAX_LAYOUTS = 1024
+
+
 def layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
-    """The :class:`Layout` of a call whose arguments are already validated (cached)."""
+    """The :class:`Layout` of a call whose arguments are already validated. Eager calls share
+    one cache (a plain dict: under torch.compile the rules are traced as constants instead,
+    with no cache wrapper for Dynamo to skip)."""
+    if torch.compiler.is_compiling():
+        return _layout(rank, L, P, G, used)
+    key = (rank, L, P, G, used)
+    found = _LAYOUTS.get(key)
+    if found is None:
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        found = _LAYOUTS[key] = _layout(rank, L, P, G, used)
+    return found
+
+
+layout.cache_clear = _LAYOUTS.clear  # what a planted fault's wrapper of layout carries on
+
+
+def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
     S = L * P
     row0 = rank * L
     first, last = boundary_sources(rank, L, P, G)
