@@ -29,6 +29,7 @@ import zlib
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from . import _ops
@@ -37,6 +38,8 @@ from .kernels._runtime import workspace
 __all__ = [
     "resolve_group",
     "group_key",
+    "group_name",
+    "group_from_name",
     "verify_call",
     "all_gather",
     "all_to_all",
@@ -77,6 +80,16 @@ def group_key(pg) -> int:
     """An int that names ``pg`` for as long as it lives (0 for a world of one without
     torch.distributed); a group created after another was destroyed gets a new one."""
     return 0 if pg is None else _state(pg).key
+
+
+def group_name(pg) -> str:
+    """The name a custom op carries for ``pg`` ("" for a world of one); traceable."""
+    return "" if pg is None else pg.group_name
+
+
+def group_from_name(name: str):
+    """The group :func:`group_name` named (None for "")."""
+    return None if not name else c10d._resolve_process_group(name)
 
 
 # ---- which group, which rank ------------------------------------------------------------------

@@ -53,7 +53,14 @@ from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel
 from .kernels.lowp_scales import gather_scales, prepare_gather_scales
 from .kernels.lowp_steps import exchange_local, exchange_post
 
-__all__ = ["LowpQKV", "exchange_qkv", "payload_bytes", "bf16_payload_bytes", "GROUP_SIZES"]
+__all__ = [
+    "LowpQKV",
+    "exchange_qkv",
+    "exchange_to_heads",
+    "payload_bytes",
+    "bf16_payload_bytes",
+    "GROUP_SIZES",
+]
 
 GROUP_SIZES = grid.SUPPORTED_GROUP_SIZES
 FP8 = torch.float8_e4m3fn
@@ -387,6 +394,66 @@ def exchange_qkv(
 
 
 @torch.no_grad()
+def exchange_to_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    used_sequence: int | None = None,
+    q_group: int = 32,
+    k_group: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``exchange_qkv(...).dequantize()``: the head shards q [B, S, h, D], k (centred) and v
+    [B, S, hkv, D] in the input dtype, what ``ulysses_attention(comm="lowp")`` attends over.
+
+    Eager and compiled calls run the same code: under ``torch.compile`` this is one opaque op
+    (``torch.ops.ulysses.lowp_to_heads``) whose kernel is this eager call (the cached plan:
+    validation, statistics, the all_gather, the pack, the all_to_all, the dequantize), so a
+    compiled layer pays the eager host cost plus one dispatch."""
+    if _ops.is_compiling():
+        pg = comm.resolve_group(group, q.device)[0]
+        return to_heads_op(
+            q=q, k=k, v=v, group_name=comm.group_name(pg), used_sequence=used_sequence,
+            q_group=q_group, k_group=k_group,
+        )  # fmt: skip
+    x = exchange_qkv(q, k, v, group=group, used_sequence=used_sequence, q_group=q_group,
+                     k_group=k_group)  # fmt: skip
+    return x.dequantize()
+
+
+def _to_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group_name: str,
+    used_sequence: int | None,
+    q_group: int,
+    k_group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return exchange_to_heads(
+        q, k, v, group=comm.group_from_name(group_name), used_sequence=used_sequence,
+        q_group=q_group, k_group=k_group,
+    )  # fmt: skip
+
+
+def _to_heads_fake(q, k, v, *, group_name, used_sequence, q_group, k_group):
+    pg = comm.group_from_name(group_name)
+    P = 1 if pg is None else pg.size()
+    B, L, Hq, D = q.shape
+    hkv = grid.kv_split(Hq, k.shape[2], P)[0]
+    return (
+        q.new_empty((B, L * P, Hq // P, D)),
+        k.new_empty((B, L * P, hkv, D)),
+        v.new_empty((B, L * P, hkv, D)),
+    )
+
+
+# the whole exchange and dequantize, eager, as one op of a compiled graph
+to_heads_op = _ops.define_op("lowp_to_heads", _to_heads, _to_heads_fake)
+
+
 def _exchange_new(q, k, v, key, group, used_sequence, q_group, k_group, enable_pdl) -> LowpQKV:
     """A call the plans do not hold: validate, then build its plan (eager) or run the full
     path (``key`` None: torch.compile, tensor subclasses, other group types)."""
