@@ -728,3 +728,27 @@ def _fake_launch_kernel(x_ptr, scratch_ptr, out_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _fake_launch_kernel3(a_ptr, b_ptr, scratch_ptr, c_ptr, n):
     pass
+
+
+def test_one_shot_launches_reuse_their_launch_per_configuration():
+    """``launch`` keeps the Launch of a configuration (grid, ints, tensor dtypes), the tensors
+    its slots: the next call with new tensors reuses it (and so, on CUDA, its fast path);
+    another int or dtype makes another; the results are those of each call's tensors."""
+    from ulysses.kernels import _launch
+    from ulysses.kernels.lowp_out import dequantize_out, quantize_out
+
+    _launch._LAUNCHES.clear()
+    x = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
+    a = dequantize_out(quantize_out(x, world_size=2), B=1, L=4, h=2, D=16, world_size=2,
+                       dtype=torch.bfloat16)  # fmt: skip
+    n = len(_launch._LAUNCHES)
+    assert n == 2  # the quantize and the dequantize
+    y = 3 * x
+    b = dequantize_out(quantize_out(y, world_size=2), B=1, L=4, h=2, D=16, world_size=2,
+                       dtype=torch.bfloat16)  # fmt: skip
+    assert len(_launch._LAUNCHES) == n
+    assert torch.equal(b, dequantize_out(quantize_out(y, world_size=2), B=1, L=4, h=2, D=16,
+                                         world_size=2, dtype=torch.bfloat16))  # fmt: skip
+    assert not torch.equal(a, b)
+    quantize_out(x.half(), world_size=2)  # another dtype: another Launch
+    assert len(_launch._LAUNCHES) == n + 1
