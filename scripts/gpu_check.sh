@@ -10,9 +10,9 @@
 # Runs from the checkout (PYTHONPATH is set to it; nothing needs installing) with $PYTHON
 # (default python3). Three lanes run in parallel, each check with its own timeout, all within
 # one budget:
-#   lane 1  (a) the unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 tests, 200 s a test (on the
-#           last GPU), without the torchrun tests (UNIT_CUDA_IGNORED: they would inherit the
-#           CUDA switch, and the harness rows run their suites on the GPUs)
+#   lane 1  (a) the unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 -m "not dist"
+#           tests, 200 s a test (on the last GPU): the tests that start processes would
+#           inherit the CUDA switch, and the harness rows run their suites on the GPUs
 #   lane 2  (b) the harness --large at P = 2, 4, 6, 8 (dist_tests.validate), every suite
 #           (smooth_k, lowp), best backend: NCCL when there is a GPU per rank, else gloo on
 #           CUDA tensors; the world sizes run at the same time
@@ -110,53 +110,25 @@ skip() {
     echo "[gpu_check] $2: SKIP: $4"
 }
 
-# run_check ORDER CHECK BACKEND LIMIT_S COMMAND...: run with a timeout, log to OUTDIR/CHECK.log
-run_check() {
-    local order=$1 name=$2 backend=$3 limit=$4
-    shift 4
-    if [ "$limit" -lt 15 ]; then
-        skip "$order" "$name" "$backend" "no time left in the ${budget} s budget"
-        return
-    fi
-    echo "[gpu_check] start $name (limit ${limit} s): $*"
-    local t0 rc result
-    t0=$(date +%s)
-    {
-        echo "\$ $*"
-        timeout --kill-after=10 "$limit" "$@"
-    } >"$out/$name.log" 2>&1
-    rc=$?
-    case $rc in
-    0) result=PASS ;;
-    124 | 137) result="TIMEOUT (${limit} s)" ;;
-    *) result="FAIL (rc=$rc)" ;;
-    esac
-    record "$order" "$name" "$backend" "$result" $(($(date +%s) - t0))
-    echo "[gpu_check] $name: $result ($(($(date +%s) - t0)) s)"
-}
-
-# torchrun tests: their subprocesses would inherit ULYSSES_TEST_DEVICE=cuda (CPU tensors on
-# gloo, launches mirrored to one GPU), and what they launch is what the harness rows run;
-# test_compile_sm90.py compiles for sm90 on CPU (minutes, beyond the per-test timeout under
-# -n 8): CI's check of its Triton, which on a GPU the suite itself does
-UNIT_CUDA_IGNORED="tests/test_dist_harness.py tests/test_faults.py tests/test_lowp_dist.py
-tests/test_compile_sm90.py"
+# The unit suite on CUDA is every test not marked dist (pyproject.toml's markers): the tests
+# that start processes would inherit ULYSSES_TEST_DEVICE=cuda (CPU tensors on gloo, launches
+# mirrored to one GPU), and what they launch is what the harness rows run. The slow tier's
+# sweeps are in (compiled, they are quick).
+UNIT_CUDA_MARKERS="not dist"
 
 lane_unit() {
     if [ "$quick" = 1 ]; then
         run_check 1 unit_tests "cpu (quick: test_grid.py)" "$(limit_for 300)" \
             "$PY" -m pytest -q -p no:cacheprovider tests/test_grid.py
     elif [ "$ngpu" -gt 0 ]; then
-        local gpu=$((ngpu - 1)) ignore=() f
-        for f in $UNIT_CUDA_IGNORED; do ignore+=(--ignore "$f"); done
-        echo "[gpu_check] unit_tests_cuda: ignoring" $UNIT_CUDA_IGNORED": torchrun tests that" \
-            "would inherit ULYSSES_TEST_DEVICE=cuda (the harness rows, harness_P*, run their" \
-            "suites) and the CPU compile check for sm90 (CI's)"
+        local gpu=$((ngpu - 1))
+        echo "[gpu_check] unit_tests_cuda: -m '$UNIT_CUDA_MARKERS' (the tests that start" \
+            "processes would inherit ULYSSES_TEST_DEVICE=cuda; the harness rows run their suites)"
         CUDA_VISIBLE_DEVICES=$gpu ULYSSES_TEST_DEVICE=cuda run_check 1 unit_tests_cuda "cuda:$gpu" \
-            "$(limit_for 480)" "$PY" -m pytest -n 8 -rfEs -p no:cacheprovider --timeout 200 -o timeout_method=thread --durations 25 "${ignore[@]}" tests
+            "$(limit_for 480)" "$PY" -m pytest -n 8 -rfEs -p no:cacheprovider --timeout 200 -o timeout_method=thread --durations 25 -m "$UNIT_CUDA_MARKERS" tests
     else
         run_check 1 unit_tests "cpu" "$(limit_for 480)" \
-            "$PY" -m pytest -n auto -p no:cacheprovider tests
+            "$PY" -m pytest -n auto -p no:cacheprovider -m "not dist and not slow" tests
     fi
 }
 
