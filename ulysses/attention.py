@@ -19,7 +19,9 @@ Data flow of :func:`ulysses_attention` (each arrow that crosses ranks is ONE col
        (row, head), kernels/lowp_out.py)
 Backward runs the mirror: one all_to_all of d(out) to heads, the attention's backward (local),
 one all_to_all of dq_h|dk_h|dv_h packed per destination back to rows (straight-through for
-"lowp": the gradients of the dequantized values, in the input dtype).
+"lowp": the gradients of the dequantized values, in the input dtype; with
+``backward_comm="lowp"`` both gradient all_to_alls carry INT8 codes and one fp32 scale per
+(row, head), kernels/lowp_out.py, dq|dk|dv sharing one buffer).
 
 Why backward issues its collectives in the same order on every rank: each direction of each
 call is ONE autograd node issuing ONE collective (q, k and v share a buffer, so there are no
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 COMM_MODES = ("bf16", "lowp")
+BACKWARD_COMMS = ("bf16", "lowp")
 LAYOUTS = ("bshd", "bhsd")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -196,11 +199,13 @@ class _QKVToHeads(torch.autograd.Function):
 class _LowpToHeads(torch.autograd.Function):
     """The same exchange through ``lowp.exchange_qkv`` (INT8 Q/K, FP8 V, global scales); the
     outputs are the dequantized values (K centred). Backward is straight-through: the head
-    shards' gradients go back in the input dtype exactly as in :class:`_QKVToHeads`."""
+    shards' gradients go back exactly as in :class:`_QKVToHeads`, in the input dtype, or with
+    ``lowp_backward`` as INT8 codes and one fp32 scale per (row, head) in one buffer (also at
+    P = 1, with no collective, so that the gradients do not depend on P)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, hd, pg, used_sequence, q_group, k_group):
-        ctx.hd, ctx.pg = hd, pg
+    def forward(ctx, q, k, v, hd, pg, used_sequence, q_group, k_group, lowp_backward):
+        ctx.hd, ctx.pg, ctx.lowp_backward = hd, pg, lowp_backward
         x = lowp.exchange_qkv(
             q, k, v, group=pg, used_sequence=used_sequence, q_group=q_group, k_group=k_group
         )
@@ -208,10 +213,48 @@ class _LowpToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        if ctx.hd.P == 1:  # the head shard is the sequence shard
-            return dq, dk, dv, None, None, None, None, None
-        recv = _backward_all_to_all(_pack_grads(dq, dk, dv, ctx.hd), ctx.pg)
-        return (*_unpack_grads(recv, ctx.hd), None, None, None, None, None)
+        hd, none = ctx.hd, (None,) * 6
+        if ctx.lowp_backward:
+            return (*_lowp_grads_to_seq(dq, dk, dv, hd, ctx.pg), *none)
+        if hd.P == 1:  # the head shard is the sequence shard
+            return dq, dk, dv, *none
+        recv = _backward_all_to_all(_pack_grads(dq, dk, dv, hd), ctx.pg)
+        return (*_unpack_grads(recv, hd), *none)
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit last stride, as the INT8 wire's kernels read it (an incoming gradient
+    can be an expanded view)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _lowp_grads_to_seq(dq, dk, dv, hd: _Heads, pg):
+    """Head-shard gradients dq [B, S, hq, D], dk, dv [B, S, hkv, D] -> sequence shards dq
+    [B, L, Hq, D], dk, dv [B, L, Hkv, D] over the INT8 wire: one uint8 buffer, one
+    all_to_all. A K/V head sent to ``rep`` ranks gets the sum of their dequantized partials,
+    in fp32, in rank order (as :func:`_unpack_grads`)."""
+    B, S, _, D = dq.shape
+    P, L = hd.P, S // hd.P
+    send = rowwire.grads_quant_op(dq=_unit_last(dq), dk=_unit_last(dk), dv=_unit_last(dv),
+                                  world_size=P)  # fmt: skip
+    recv = send if P == 1 else _backward_all_to_all(send, pg)
+    gq, gk, gv = rowwire.grads_dequant_op(
+        recv=recv, B=B, L=L, hq=hd.hq, hkv=hd.hkv, D=D, world_size=P, dtype=dq.dtype
+    )
+    if hd.rep == 1:
+        return gq, gk, gv
+    return gq, _sum_partials(gk, hd), _sum_partials(gv, hd)
+
+
+def _sum_partials(x: torch.Tensor, hd: _Heads) -> torch.Tensor:
+    """[B, L, P, D] (head p: rank p's partial of K/V head p // rep) -> [B, L, Hkv, D]: the
+    partials of each head summed in fp32 in rank order, rounded to x's dtype."""
+    B, L, _, D = x.shape
+    per_head = x.view(B, L, hd.Hkv, hd.rep, D)
+    total = per_head[:, :, :, 0].float()
+    for j in range(1, hd.rep):
+        total = total + per_head[:, :, :, j].float()
+    return total.to(x.dtype)
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -239,15 +282,22 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 class _LowpHeadsToSeq(torch.autograd.Function):
-    """Head shards -> sequence shards with the output sent as INT8 codes and one fp32 scale
-    per (row, head) (kernels/lowp_out.py); also at P = 1 (no collective), so that the result
-    does not depend on P. Backward is straight-through: the gradient goes to head shards in
-    its own dtype (one all_to_all), as in :class:`_HeadsToSeq`."""
+    """Head shards -> sequence shards of the attention output with the INT8 wire in one or
+    both directions (kernels/lowp_out.py: codes and one fp32 scale per (row, head)), also at
+    P = 1 (no collective), so that the result does not depend on P.
+
+    Forward: with ``int8_output`` the output travels as INT8, else in its dtype as in
+    :class:`_HeadsToSeq`. Backward: with ``lowp_backward`` the output's gradient travels to
+    head shards as INT8, else in its dtype (straight-through)."""
 
     @staticmethod
-    def forward(ctx, x, P, pg):
-        ctx.P, ctx.pg = P, pg
+    def forward(ctx, x, P, pg, int8_output, lowp_backward):
+        ctx.P, ctx.pg, ctx.lowp_backward = P, pg, lowp_backward
         B, S, h, D = x.shape
+        if not int8_output:
+            if P == 1:
+                return x.clone()
+            return _merge_heads(_all_to_all(_split_rows(x, P).contiguous(), pg))
         send = rowwire.out_quant_op(x=x, world_size=P)
         recv = send if P == 1 else _all_to_all(send, pg)
         return rowwire.out_dequant_op(
@@ -256,10 +306,19 @@ class _LowpHeadsToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if ctx.P == 1:
-            return dy, None, None
-        recv = _backward_all_to_all(_split_heads(dy, ctx.P).contiguous(), ctx.pg)
-        return _merge_rows(recv), None, None
+        P, none = ctx.P, (None,) * 4
+        if ctx.lowp_backward:
+            B, L, Hq, D = dy.shape
+            send = rowwire.dout_quant_op(x=_unit_last(dy), world_size=P)
+            recv = send if P == 1 else _backward_all_to_all(send, ctx.pg)
+            dx = rowwire.dout_dequant_op(
+                recv=recv, B=B, L=L, h=Hq // P, D=D, world_size=P, dtype=dy.dtype
+            )
+            return dx, *none
+        if P == 1:
+            return dy, *none
+        recv = _backward_all_to_all(_split_heads(dy, P).contiguous(), ctx.pg)
+        return _merge_rows(recv), *none
 
 
 # ---- public: the two all-to-alls --------------------------------------------------------------
@@ -407,6 +466,7 @@ def ulysses_attention(
     k_group: int = 64,
     layout: str = "bshd",
     int8_output: bool = False,
+    backward_comm: str = "bf16",
 ) -> torch.Tensor:
     """Ulysses sequence-parallel attention: this rank's sequence shard in, its shard out.
 
@@ -427,6 +487,12 @@ def ulysses_attention(
       scale per (row, head), ``D + 4`` bytes instead of ``2 D``; it adds at most ``amax / 254``
       of its (row, head) to the error, then the rounding to the dtype. Default: the input
       dtype.
+    * ``backward_comm="lowp"`` (with "lowp" only): in backward the output's gradient (to head
+      shards) and dq|dk|dv (back to sequence shards, one buffer) travel as INT8 codes with one
+      fp32 scale per (row, head), by the rule of ``int8_output``: each gradient element moves
+      by at most ``amax / 254`` of its (row, head), then the rounding to the dtype; a NaN or
+      Inf in a (row, head) arrives as a (row, head) of NaN. Also at P = 1, so that gradients
+      do not depend on P. The forward is unchanged. Default ``"bf16"``: the input dtype.
     * GQA/MQA: ``Hq % Hkv == 0`` and ``Hq % P == 0``; K/V heads are sharded when
       ``Hkv % P == 0`` and repeated on the wire (one per rank) when ``P % Hkv == 0``.
     * ``used_sequence``: global rows ``[used, S)`` are padding: never attended as keys, and
@@ -439,19 +505,24 @@ def ulysses_attention(
 
     Raises:
         TypeError: a tensor that is not floating (bf16/fp16 for "lowp") or whose dtype differs
-            from q's; non-bool ``causal``; bad ``scale``, ``used_sequence``, ``attn``, ``group``.
+            from q's; non-bool ``causal`` or ``int8_output``; non-str ``backward_comm``; bad
+            ``scale``, ``used_sequence``, ``attn``, ``group``.
         ValueError: not 4-D; shapes that disagree; ``Hq % P``, ``Hq % Hkv`` or neither of
-            ``Hkv % P``, ``P % Hkv`` zero; ``used_sequence`` outside [1, S]; unknown ``comm``
-            or ``layout``; ``int8_output=True`` without ``comm="lowp"``; what
-            ``exchange_qkv`` rejects for "lowp".
+            ``Hkv % P``, ``P % Hkv`` zero; ``used_sequence`` outside [1, S]; unknown ``comm``,
+            ``backward_comm`` or ``layout``; ``int8_output=True`` or
+            ``backward_comm="lowp"`` without ``comm="lowp"``; what ``exchange_qkv`` rejects
+            for "lowp".
 
     Example (under torchrun, one process per GPU)::
 
         out = ulysses.ulysses_attention(q, k, v, causal=True)           # [B, L, Hq, D]
         out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp")
+        out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp", backward_comm="lowp")
     """
     _check_call(q, k, v, comm, layout, causal, scale, used_sequence, attn)
     _check_int8_output(int8_output, comm)
+    _check_backward_comm(backward_comm, comm)
+    lowp_backward = backward_comm == "lowp"
     if layout == "bhsd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     B, L, Hq, D = q.shape
@@ -466,7 +537,9 @@ def ulysses_attention(
     if used_sequence == S:
         used_sequence = None
     if comm == "lowp":
-        q_h, k_h, v_h = _LowpToHeads.apply(q, k, v, hd, pg, used_sequence, q_group, k_group)
+        q_h, k_h, v_h = _LowpToHeads.apply(
+            q, k, v, hd, pg, used_sequence, q_group, k_group, lowp_backward
+        )
     elif P == 1:
         q_h, k_h, v_h = q, k, v
     else:
@@ -478,8 +551,8 @@ def ulysses_attention(
         if used_sequence is not None:
             out_h = torch.cat([out_h[:, :used_sequence], out_h.new_zeros(
                 B, S - used_sequence, hd.hq, D)], dim=1)  # fmt: skip
-    if int8_output:
-        out = _LowpHeadsToSeq.apply(out_h, P, pg)
+    if int8_output or lowp_backward:
+        out = _LowpHeadsToSeq.apply(out_h, P, pg, int8_output, lowp_backward)
     else:
         out = out_h if P == 1 else _HeadsToSeq.apply(out_h, P, pg)
     return out.transpose(1, 2) if layout == "bhsd" else out
@@ -490,6 +563,18 @@ def _check_int8_output(int8_output, comm) -> None:
         raise TypeError(f"int8_output must be a bool, got {type(int8_output).__name__}")
     if int8_output and comm != "lowp":
         raise ValueError(f"int8_output=True needs comm='lowp', got comm={comm!r}")
+
+
+def _check_backward_comm(backward_comm, comm) -> None:
+    if not isinstance(backward_comm, str):
+        raise TypeError(
+            f"backward_comm must be a str, one of {BACKWARD_COMMS}, got "
+            f"{type(backward_comm).__name__}"
+        )
+    if backward_comm not in BACKWARD_COMMS:
+        raise ValueError(f"backward_comm must be one of {BACKWARD_COMMS}, got {backward_comm!r}")
+    if backward_comm == "lowp" and comm != "lowp":
+        raise ValueError(f"backward_comm='lowp' needs comm='lowp', got comm={comm!r}")
 
 
 def _check_attn_output(out, shape, dtype) -> None:
@@ -521,27 +606,32 @@ class UlyssesAttention(torch.nn.Module):
         k_group: int = 64,
         layout: str = "bshd",
         int8_output: bool = False,
+        backward_comm: str = "bf16",
     ):
         super().__init__()
-        _check_int8_output(int8_output, comm)
         if comm not in COMM_MODES:
             raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
+        _check_int8_output(int8_output, comm)
+        _check_backward_comm(backward_comm, comm)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if attn is not None and not callable(attn):
             raise TypeError(f"attn must be None or a callable, got {type(attn).__name__}")
         self.attn, self.group, self.comm = attn, group, comm
         self.q_group, self.k_group, self.layout = q_group, k_group, layout
-        self.int8_output = int8_output
+        self.int8_output, self.backward_comm = int8_output, backward_comm
 
     def forward(self, q, k, v, *, used_sequence=None, causal=False, scale=None):
         return ulysses_attention(
             q, k, v, group=self.group, attn=self.attn, comm=self.comm,
             used_sequence=used_sequence, causal=causal, scale=scale, q_group=self.q_group,
             k_group=self.k_group, layout=self.layout, int8_output=self.int8_output,
+            backward_comm=self.backward_comm,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
         name = "sdpa" if self.attn is None else getattr(self.attn, "__name__", repr(self.attn))
         out = ", int8_output=True" if self.int8_output else ""
+        if self.backward_comm != "bf16":
+            out += f", backward_comm={self.backward_comm!r}"
         return f"attn={name}, comm={self.comm!r}, layout={self.layout!r}{out}"

@@ -47,6 +47,7 @@ __all__ = [
     "merged_amax_shard",
     "merged_boundary_amax",
     "lowp_output_roundtrip",
+    "lowp_gradient_wire",
     "slot_masks",
     "bitwise_diff",
     "format_value",
@@ -443,3 +444,22 @@ def lowp_output_roundtrip(o: torch.Tensor) -> torch.Tensor:
     amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(FLOOR)
     code = quantize_int8(x, ieee_rdiv(127.0, amax))
     return (code.float() * ieee_div(amax, 127.0)).to(o.dtype)
+
+
+def lowp_gradient_wire(partials) -> torch.Tensor:
+    """What a gradient becomes on its INT8 way between ranks with ``backward_comm="lowp"``
+    (docs/CONTRACT.md §11), written from the contract: ``partials`` is a sequence of [..., D]
+    tensors (bf16/fp16), the gradient of one head as each rank that holds it computed it, in
+    rank order (one, unless a K/V head is repeated over ranks). Each goes through the rule of
+    the INT8 output (:func:`lowp_output_roundtrip`: per (row, head) over D, ``amax =
+    max(1e-7, max |fp32|)``, ``code = clamp(rne(x * (127 / amax)), -127, 127)``, ``code *
+    (amax / 127)`` rounded to the dtype); several are then summed in fp32 from the first, in
+    rank order, and rounded to the dtype. The output's gradient on its way to the head shards
+    is ``lowp_gradient_wire([grad_out])``."""
+    parts = [lowp_output_roundtrip(p) for p in partials]
+    if len(parts) == 1:
+        return parts[0]
+    total = parts[0].float()
+    for p in parts[1:]:
+        total = total + p.float()
+    return total.to(parts[0].dtype)

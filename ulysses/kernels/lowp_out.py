@@ -1,19 +1,35 @@
-"""The attention output's way back as INT8: head shards to sequence shards (docs/CONTRACT.md §9).
+"""The per-(row, head) INT8 wire: a tensor that crosses ranks as INT8 codes and one fp32 scale
+per (row, head), in both all-to-all directions (docs/CONTRACT.md §9, §11).
 
-Shape legend: B batch, S = P * L global rows, L rows a rank holds, h heads a rank attends, D
-head dim, P world size.
+Shape legend: B batch, P world size, L rows a rank holds, S = P * L global rows, h heads of one
+piece a rank sends per destination, HT the heads of a chunk's record (one piece, or dq|dk|dv:
+``hq + 2 hkv``), D head dim.
 
-    x      [B, S, h, D]   bf16/fp16, unit last stride: this rank's heads of every row
-    send   uint8 [P * chunk]: chunk p holds rows [p*L, (p+1)*L) of x, for rank p
-           chunk = [codes int8 [B, L, h, D] | scales fp32 [B, L, h] | pad to 16 bytes]
-    recv   the same layout, chunk p from rank p (its heads [p*h, (p+1)*h))
-    out    [B, L, P*h, D] in x's dtype
+    send   uint8 [P * chunk]: chunk p goes to rank p
+           chunk = [codes int8 [B, L, HT, D] | scales fp32 [B, L, HT] | pad to 16 bytes]
+    recv   the same layout, chunk p from rank p
+
+Who uses it, and what a chunk holds:
+
+    direction        x                   chunk p holds                  result
+    heads -> rows    [B, S, h, D]        rows [p*L, (p+1)*L) of x       [B, L, P*h, D]
+      (the attention output; the gradients dq|dk|dv, three pieces of one record, HT = hq+2hkv)
+    rows -> heads    [B, L, P*h, D]      heads [p*h, (p+1)*h) of x      [B, S, h, D]
+      (the gradient of the attention output)
+
+Both kernels see the P chunks as P * L source rows: source row ``s`` is row ``s % L`` of chunk
+``s // L``, read at ``(s // L) * stride_xp + (s % L) * stride_xs`` (heads -> rows:
+``stride_xp = L * stride_xs``; rows -> heads: ``stride_xp`` is the stride of h heads). The
+dequantize kernel writes through the result's strides (b, l, p, h): one host function per
+kernel serves every direction and piece.
 
 Per (b, row, head), over the D channels: ``amax = max(1e-7, max |fp32(x)|)`` (NaN propagates),
 ``scale = div_rn(amax, 127)``, ``code = clamp(rne(fp32(x) * div_rn(127, amax)), -127, 127)``
-(a NaN product gives 0; the scale is NaN then), and ``out = round(code * scale)`` in x's
-dtype: bit for bit ``ulysses.reference.lowp_output_roundtrip``. A zero row (padding) comes
-back exactly zero. The error is at most ``amax / 254`` per element plus the output rounding.
+(a NaN product gives 0; the scale is NaN then, an Inf amax gives an Inf scale), and ``out =
+round(code * scale)`` in x's dtype: bit for bit ``ulysses.reference.lowp_output_roundtrip``.
+A (row, head) holding a NaN or an Inf arrives as D NaNs (``0 * NaN``, ``0 * Inf``); a zero
+row (padding) arrives exactly zero. The error is at most ``amax / 254`` per element plus the
+rounding to the dtype.
 
 Bytes: ``D + 4`` a (row, head) on the wire against ``2 D`` in bf16 (0.52x at D 128). Both
 kernels read and write each element once; one program handles BLOCK_S rows of one head.
@@ -29,16 +45,25 @@ from ._quant import canonical_nan_bits, int8_code
 from ._runtime import cdiv, compiled_for_gpu, launch
 from .lowp_dequant import round_to
 
-__all__ = ["quantize_out", "dequantize_out", "out_chunk_bytes"]
+__all__ = [
+    "quantize_out",
+    "dequantize_out",
+    "quantize_to_heads",
+    "dequantize_to_heads",
+    "quantize_grads",
+    "dequantize_grads",
+    "out_chunk_bytes",
+]
 
 FLOOR = 1e-7
 
 # chunk (a multiple of 16) stays specialized: its alignment lets the code stores vectorize
-_NOT_SPECIALIZED = ["B", "S", "L", "H"]
+_NOT_SPECIALIZED = ["B", "S", "L", "H", "HT", "h_off"]
 
 
 def out_chunk_bytes(B: int, L: int, h: int, D: int) -> int:
-    """Bytes of one rank's chunk of the send buffer (module docstring)."""
+    """Bytes of one rank's chunk of the send buffer with ``h`` heads a record (module
+    docstring)."""
     n = B * L * h
     return -(-(n * D + 4 * n) // 16) * 16
 
@@ -47,6 +72,7 @@ def out_chunk_bytes(B: int, L: int, h: int, D: int) -> int:
 def _quant_out_kernel(
     x_ptr,
     stride_xb,
+    stride_xp,
     stride_xs,
     stride_xh,
     send_ptr,
@@ -55,6 +81,8 @@ def _quant_out_kernel(
     S,
     L,
     H,
+    HT,
+    h_off,
     chunk,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -65,9 +93,13 @@ def _quant_out_kernel(
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, D)
     m_s = o_s < S
+    # source row s goes to rank s // L, as its row s % L
     o_s64 = o_s.to(tl.int64)
+    i_p = o_s64 // L
+    i_l = o_s64 - i_p * L
     p_x = x_ptr + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
-    b_x = tl.load(p_x + o_s64[:, None] * stride_xs + o_d[None, :], mask=m_s[:, None], other=0.0)
+    o_x = i_p * stride_xp + i_l * stride_xs  # [BLOCK_S]
+    b_x = tl.load(p_x + o_x[:, None] + o_d[None, :], mask=m_s[:, None], other=0.0)
     b_x = b_x.to(tl.float32)
     b_bits = canonical_nan_bits(tl.max(tl.abs(b_x).to(tl.int32, bitcast=True), axis=1))
     floor_bits = tl.full([BLOCK_S], FLOOR, tl.float32).to(tl.int32, bitcast=True)
@@ -75,14 +107,11 @@ def _quant_out_kernel(
     b_scale = tl.math.div_rn(b_amax, tl.full([BLOCK_S], 127.0, tl.float32))
     b_inv = tl.math.div_rn(tl.full([BLOCK_S], 127.0, tl.float32), b_amax)
     b_code = int8_code(b_x, b_inv[:, None], HW_ROUND)
-    # row s goes to rank s // L, as its row s % L
-    i_p = o_s64 // L
-    i_l = o_s64 - i_p * L
-    o_rec = (i_b.to(tl.int64) * L + i_l) * H + i_h  # (b, l, head) within the chunk
+    o_rec = (i_b.to(tl.int64) * L + i_l) * HT + h_off + i_h  # (b, l, head) within the chunk
     p_code = send_ptr + i_p * chunk + o_rec * D
     tl.store(p_code[:, None] + o_d[None, :], b_code, mask=m_s[:, None])
-    # the scales: fp32 elements, the chunk's scale block after its B * L * H * D codes
-    p_scale = scale_ptr + (i_p * chunk + B * L * H * D) // 4 + o_rec
+    # the scales: fp32 elements, the chunk's scale block after its B * L * HT * D codes
+    p_scale = scale_ptr + (i_p * chunk + B * L * HT * D) // 4 + o_rec
     tl.store(p_scale, b_scale, mask=m_s)
 
 
@@ -91,31 +120,43 @@ def _dequant_out_kernel(
     recv_ptr,
     scale_ptr,
     out_ptr,
+    stride_ob,
+    stride_ol,
+    stride_op,
+    stride_oh,
     B,
     L,
     H,
+    HT,
+    h_off,
     chunk,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HW_ROUND: tl.constexpr,
 ):
     i_l, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_heads = tl.num_programs(1)  # P * H: the heads of an output row
-    i_p = i_slot // H
+    i_p = i_slot // H  # the grid's axis 1 runs over P * H (chunk, head) pairs
     i_h = i_slot - i_p * H
     o_l = i_l * BLOCK_S + tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, D)
     m_l = o_l < L
-    o_rec = (i_b.to(tl.int64) * L + o_l.to(tl.int64)) * H + i_h
+    o_l64 = o_l.to(tl.int64)
+    o_rec = (i_b.to(tl.int64) * L + o_l64) * HT + h_off + i_h
     base = i_p.to(tl.int64) * chunk
     b_code = tl.load(
         recv_ptr + base + o_rec[:, None] * D + o_d[None, :], mask=m_l[:, None], other=0
     )
-    b_scale = tl.load(scale_ptr + (base + B * L * H * D) // 4 + o_rec, mask=m_l, other=0.0)
+    b_scale = tl.load(scale_ptr + (base + B * L * HT * D) // 4 + o_rec, mask=m_l, other=0.0)
     out_dtype = out_ptr.dtype.element_ty
     b_out = round_to(b_code.to(tl.int8, bitcast=True).to(tl.float32) * b_scale[:, None],
                      out_dtype, HW_ROUND)  # fmt: skip
-    p_out = out_ptr + ((i_b.to(tl.int64) * L + o_l.to(tl.int64)) * n_heads + i_slot) * D
+    p_out = (
+        out_ptr
+        + i_b.to(tl.int64) * stride_ob
+        + i_p.to(tl.int64) * stride_op
+        + i_h.to(tl.int64) * stride_oh
+        + o_l64 * stride_ol
+    )
     tl.store(p_out[:, None] + o_d[None, :], b_out, mask=m_l[:, None])
 
 
@@ -126,54 +167,57 @@ def _tile(D: int, device: torch.device) -> tuple[int, int]:
     return 128, 1
 
 
-def quantize_out(x: torch.Tensor, *, world_size: int) -> torch.Tensor:
-    """The send buffer, uint8 [P * out_chunk_bytes(B, S / P, h, D)], of ``x`` [B, S, h, D]
-    (module docstring). Launcher: invariants are asserted; ``ulysses`` validates input."""
-    B, S, H, D = x.shape
-    P = world_size
-    assert S % P == 0 and x.stride(3) == 1 and x.dtype in (torch.bfloat16, torch.float16)
+def _check_piece(x: torch.Tensor) -> None:
+    assert x.dim() == 4 and x.stride(3) == 1, "unit last stride"
+    assert x.dtype in (torch.bfloat16, torch.float16)
+    D = x.shape[3]
     assert D >= 16 and D & (D - 1) == 0, "D must be a power of two >= 16"
-    L = S // P
-    chunk = out_chunk_bytes(B, L, H, D)
-    send = torch.empty(P * chunk, dtype=torch.uint8, device=x.device)
-    used = B * L * H * (D + 4)
+
+
+def _new_send(P: int, chunk: int, used: int, device: torch.device) -> torch.Tensor:
+    send = torch.empty(P * chunk, dtype=torch.uint8, device=device)
     if used < chunk:  # the pad: defined bytes (a buffer compares equal to its recomputation)
         send.view(P, chunk)[:, used:].zero_()
+    return send
+
+
+def _quantize(x, send, *, P, L, h, stride_xp, stride_xs, HT, h_off, chunk) -> None:
+    """The one launch of the quantize kernel: ``h`` heads of ``x`` (head stride x.stride(2))
+    into records ``[h_off, h_off + h)`` of every chunk of ``send``; source row ``s`` of the
+    ``P * L`` is read at ``(s // L) * stride_xp + (s % L) * stride_xs``."""
+    B, D = x.shape[0], x.shape[3]
     block_s, num_warps = _tile(D, x.device)
     launch(
         _quant_out_kernel,
-        (cdiv(S, block_s), H, B),
+        (cdiv(P * L, block_s), h, B),
         x.device,
         num_warps=num_warps,
         x_ptr=x,
         stride_xb=x.stride(0),
-        stride_xs=x.stride(1),
+        stride_xp=stride_xp,
+        stride_xs=stride_xs,
         stride_xh=x.stride(2),
         send_ptr=send,
         scale_ptr=send.view(torch.float32),
         B=B,
-        S=S,
+        S=P * L,
         L=L,
-        H=H,
+        H=h,
+        HT=HT,
+        h_off=h_off,
         chunk=chunk,
         D=D,
         BLOCK_S=block_s,
         FLOOR=FLOOR,
         HW_ROUND=compiled_for_gpu(x.device),
     )
-    return send
 
 
-def dequantize_out(
-    recv: torch.Tensor, *, B: int, L: int, h: int, D: int, world_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """``out`` [B, L, P*h, D] in ``dtype`` from the received chunks (module docstring)."""
-    P = world_size
-    chunk = out_chunk_bytes(B, L, h, D)
-    assert recv.dtype == torch.uint8 and recv.numel() == P * chunk and recv.is_contiguous()
-    assert dtype in (torch.bfloat16, torch.float16)
-    out = torch.empty((B, L, P * h, D), dtype=dtype, device=recv.device)
+def _dequantize(recv, out, *, P, B, L, h, D, HT, h_off, chunk, strides) -> None:
+    """The one launch of the dequantize kernel: records ``[h_off, h_off + h)`` of every chunk
+    of ``recv`` into ``out``, element (b, l, chunk p, head i) at ``strides`` (b, l, p, i)."""
     block_s, num_warps = _tile(D, recv.device)
+    stride_ob, stride_ol, stride_op, stride_oh = strides
     launch(
         _dequant_out_kernel,
         (cdiv(L, block_s), P * h, B),
@@ -182,12 +226,140 @@ def dequantize_out(
         recv_ptr=recv,
         scale_ptr=recv.view(torch.float32),
         out_ptr=out,
+        stride_ob=stride_ob,
+        stride_ol=stride_ol,
+        stride_op=stride_op,
+        stride_oh=stride_oh,
         B=B,
         L=L,
         H=h,
+        HT=HT,
+        h_off=h_off,
         chunk=chunk,
         D=D,
         BLOCK_S=block_s,
         HW_ROUND=compiled_for_gpu(recv.device),
     )
+
+
+def _check_recv(recv: torch.Tensor, nbytes: int, dtype: torch.dtype) -> None:
+    assert recv.dtype == torch.uint8 and recv.numel() == nbytes and recv.is_contiguous()
+    assert dtype in (torch.bfloat16, torch.float16)
+
+
+# ---- heads -> rows: the attention output ------------------------------------------------------
+
+
+def quantize_out(x: torch.Tensor, *, world_size: int) -> torch.Tensor:
+    """The send buffer, uint8 [P * out_chunk_bytes(B, S / P, h, D)], of ``x`` [B, S, h, D]:
+    chunk p holds rows [p*L, (p+1)*L) (module docstring). Launcher: invariants are asserted;
+    ``ulysses`` validates input."""
+    B, S, h, D = x.shape
+    P = world_size
+    assert S % P == 0
+    _check_piece(x)
+    L = S // P
+    chunk = out_chunk_bytes(B, L, h, D)
+    send = _new_send(P, chunk, B * L * h * (D + 4), x.device)
+    _quantize(x, send, P=P, L=L, h=h, stride_xp=L * x.stride(1), stride_xs=x.stride(1),
+              HT=h, h_off=0, chunk=chunk)  # fmt: skip
+    return send
+
+
+def dequantize_out(
+    recv: torch.Tensor, *, B: int, L: int, h: int, D: int, world_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``out`` [B, L, P*h, D] in ``dtype`` from the received chunks, chunk p holding heads
+    [p*h, (p+1)*h) (module docstring)."""
+    P = world_size
+    chunk = out_chunk_bytes(B, L, h, D)
+    _check_recv(recv, P * chunk, dtype)
+    out = torch.empty((B, L, P * h, D), dtype=dtype, device=recv.device)
+    strides = (out.stride(0), out.stride(1), h * out.stride(2), out.stride(2))
+    _dequantize(recv, out, P=P, B=B, L=L, h=h, D=D, HT=h, h_off=0, chunk=chunk, strides=strides)
     return out
+
+
+# ---- rows -> heads: the gradient of the attention output --------------------------------------
+
+
+def quantize_to_heads(x: torch.Tensor, *, world_size: int) -> torch.Tensor:
+    """The send buffer, uint8 [P * out_chunk_bytes(B, L, H / P, D)], of ``x`` [B, L, H, D]
+    (this rank's rows): chunk p holds heads [p*h, (p+1)*h) of every row, ``h = H / P``."""
+    B, L, H, D = x.shape
+    P = world_size
+    assert H % P == 0
+    _check_piece(x)
+    h = H // P
+    chunk = out_chunk_bytes(B, L, h, D)
+    send = _new_send(P, chunk, B * L * h * (D + 4), x.device)
+    _quantize(x, send, P=P, L=L, h=h, stride_xp=h * x.stride(2), stride_xs=x.stride(1),
+              HT=h, h_off=0, chunk=chunk)  # fmt: skip
+    return send
+
+
+def dequantize_to_heads(
+    recv: torch.Tensor, *, B: int, L: int, h: int, D: int, world_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``x_h`` [B, S, h, D] in ``dtype`` from the received chunks, chunk p holding rows
+    [p*L, (p+1)*L) (rank p's rows of this rank's heads)."""
+    P = world_size
+    chunk = out_chunk_bytes(B, L, h, D)
+    _check_recv(recv, P * chunk, dtype)
+    out = torch.empty((B, P * L, h, D), dtype=dtype, device=recv.device)
+    strides = (out.stride(0), out.stride(1), L * out.stride(1), out.stride(2))
+    _dequantize(recv, out, P=P, B=B, L=L, h=h, D=D, HT=h, h_off=0, chunk=chunk, strides=strides)
+    return out
+
+
+# ---- heads -> rows: dq | dk | dv in one buffer ------------------------------------------------
+
+
+def quantize_grads(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, world_size: int
+) -> torch.Tensor:
+    """The send buffer, uint8 [P * out_chunk_bytes(B, L, hq + 2*hkv, D)], of the head-shard
+    gradients ``dq`` [B, S, hq, D], ``dk``, ``dv`` [B, S, hkv, D]: chunk p holds rows
+    [p*L, (p+1)*L), each record q's heads then k's then v's (three launches, no copy)."""
+    B, S, hq, D = dq.shape
+    hkv = dk.shape[2]
+    P = world_size
+    assert S % P == 0 and dk.shape == dv.shape == (B, S, hkv, D)
+    assert dk.dtype == dv.dtype == dq.dtype
+    L, HT = S // P, hq + 2 * hkv
+    chunk = out_chunk_bytes(B, L, HT, D)
+    send = _new_send(P, chunk, B * L * HT * (D + 4), dq.device)
+    for x, h_off in ((dq, 0), (dk, hq), (dv, hq + hkv)):
+        _check_piece(x)
+        _quantize(x, send, P=P, L=L, h=x.shape[2], stride_xp=L * x.stride(1),
+                  stride_xs=x.stride(1), HT=HT, h_off=h_off, chunk=chunk)  # fmt: skip
+    return send
+
+
+def dequantize_grads(
+    recv: torch.Tensor,
+    *,
+    B: int,
+    L: int,
+    hq: int,
+    hkv: int,
+    D: int,
+    world_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq [B, L, P*hq, D], dk [B, L, P*hkv, D], dv)`` in ``dtype`` from the received chunks
+    (chunk p: rank p's gradients of its heads, for this rank's rows), three launches. Head
+    ``p*h + i`` holds head i of chunk p: with K/V heads repeated over ranks (hkv = 1) it is
+    rank p's partial, which the caller sums."""
+    P = world_size
+    HT = hq + 2 * hkv
+    chunk = out_chunk_bytes(B, L, HT, D)
+    _check_recv(recv, P * chunk, dtype)
+    outs = []
+    for h, h_off in ((hq, 0), (hkv, hq), (hkv, hq + hkv)):
+        out = torch.empty((B, L, P * h, D), dtype=dtype, device=recv.device)
+        strides = (out.stride(0), out.stride(1), h * out.stride(2), out.stride(2))
+        _dequantize(recv, out, P=P, B=B, L=L, h=h, D=D, HT=HT, h_off=h_off, chunk=chunk,
+                    strides=strides)  # fmt: skip
+        outs.append(out)
+    return outs[0], outs[1], outs[2]
