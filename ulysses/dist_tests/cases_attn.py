@@ -4,8 +4,10 @@ how its inputs are built.
 A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}[-B{B}]``:
 
     part           meaning
-    comm           bf16 (exchange in the input dtype), lowp (INT8 Q/K, FP8 V) or lowp8 (lowp,
-                   and the output back as INT8: ``int8_output=True``)
+    comm           bf16 (exchange in the input dtype), lowp (INT8 Q/K, FP8 V), lowp8 (lowp,
+                   and the output back as INT8: ``int8_output=True``), lowpbw (lowp, and the
+                   backward's all-to-alls as INT8: ``backward_comm="lowp"``) or lowpbw8
+                   (lowpbw with ``int8_output=True``)
     L              local rows per rank; the global sequence has S = L * P rows
     hq             query heads per rank: Hq = hq * P at world size P
     kv             key/value heads: mha (Hkv = Hq); gqa (Hkv = P: K/V heads sharded, one per
@@ -34,7 +36,7 @@ from ulysses import testing
 
 from .cases import case_seed
 
-COMMS = ("bf16", "lowp", "lowp8")
+COMMS = ("bf16", "lowp", "lowp8", "lowpbw", "lowpbw8")
 KV_KINDS = ("mha", "gqa", "gqarep", "mqa")
 USED_KINDS = ("none", "tail", "early")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -55,7 +57,17 @@ class Case:
     @property
     def lowp(self) -> bool:
         """The call sends q, k, v in low precision (``comm="lowp"``)."""
-        return self.comm in ("lowp", "lowp8")
+        return self.comm in ("lowp", "lowp8", "lowpbw", "lowpbw8")
+
+    @property
+    def int8_output(self) -> bool:
+        """The output returns as INT8 (``int8_output=True``)."""
+        return self.comm in ("lowp8", "lowpbw8")
+
+    @property
+    def backward_comm(self) -> str:
+        """``backward_comm`` of the call: "lowp" sends the gradients as INT8."""
+        return "lowp" if self.comm in ("lowpbw", "lowpbw8") else "bf16"
 
     @property
     def id(self) -> str:
@@ -98,6 +110,11 @@ DEFAULT_CASES = (
     Case("lowp", L=33, hq=1, kv="mqa", D=64, dtype="bf16", causal=True, used="tail"),
     Case("lowp8", L=40, hq=2, kv="mha", D=64, dtype="bf16", causal=True, used="tail", B=2),
     Case("lowp8", L=37, hq=2, kv="gqarep", D=32, dtype="fp16", causal=False, used="early"),
+    Case("lowpbw", L=40, hq=2, kv="mha", D=64, dtype="bf16", causal=True, used="none", B=2),
+    Case("lowpbw", L=40, hq=2, kv="mha", D=64, dtype="bf16", causal=False, used="tail"),
+    Case("lowpbw", L=37, hq=2, kv="gqa", D=64, dtype="fp16", causal=True, used="early"),
+    Case("lowpbw", L=33, hq=1, kv="gqarep", D=32, dtype="bf16", causal=False, used="tail"),
+    Case("lowpbw8", L=40, hq=2, kv="mha", D=32, dtype="fp16", causal=True, used="early", B=2),
 )
 
 # GPU-sized cases (--large)
@@ -106,6 +123,8 @@ LARGE_CASES = (
     Case("lowp", L=2048, hq=4, kv="mha", D=128, dtype="bf16", causal=True, used="none"),
     Case("lowp", L=1000, hq=2, kv="gqarep", D=128, dtype="bf16", causal=False, used="early"),
     Case("lowp8", L=2048, hq=4, kv="mha", D=128, dtype="bf16", causal=True, used="tail"),
+    Case("lowpbw", L=2048, hq=4, kv="gqa", D=128, dtype="bf16", causal=True, used="tail"),
+    Case("lowpbw8", L=1000, hq=2, kv="gqarep", D=128, dtype="bf16", causal=False, used="early"),
 )
 
 

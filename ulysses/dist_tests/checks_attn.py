@@ -11,9 +11,12 @@ On every rank:
   2. the reference, written here and sharing nothing with the library: torch's SDPA over ALL
      heads of the whole sequence, over the live rows ``[0, used)`` only (GQA through
      ``enable_gqa``), rows ``[used, S)`` zero, then its backward; plus, for "lowp", the same
-     attention in fp32 and the attention of the gather-then-quantize values
-     (``reference.lowp_exchange_reference``, dequantized; for "lowp8" its output through
-     ``reference.lowp_output_roundtrip``, the INT8 way back);
+     attention in fp32 and, on CPU, the attention of the gather-then-quantize values computed
+     head shard by head shard as each rank holds them (``reference.lowp_exchange_reference``,
+     dequantized; for "lowp8" its output through ``reference.lowp_output_roundtrip``, the
+     INT8 way back); for "lowpbw" also its backward with the output gradient through the INT8
+     wire and each gradient through it (``reference.lowp_gradient_wire``: a K/V head repeated
+     over ranks sums their partials);
   3. the library: ``ulysses_attention`` forward, then backward with this rank's rows of the
      output gradient, logging every collective step it takes;
   4. compare this rank's rows:
@@ -21,10 +24,12 @@ On every rank:
        independently (CPU SDPA, K/V heads not repeated); else ``max|got - ref| <= (2 * rep +
        1) * BF16_TOL_PER_RANK * max|ref|`` (a K/V head repeated to ``rep`` ranks sums its
        gradient over them), at least ``CUDA_TOL * max|ref|`` on CUDA;
-     * comm "lowp" and "lowp8": output within ``LOWP_FWD_BOUND * max|v|`` of the fp32 attention;
-       bit for bit equal to the attention of the gather-then-quantize values (CPU, K/V heads
-       not repeated); gradients finite, with ``||g - g_bf16|| <= LOWP_GRAD_BOUND *
-       ||g_bf16||`` against the reference's bf16 gradients;
+     * comm "lowp", "lowp8", "lowpbw", "lowpbw8": output within ``LOWP_FWD_BOUND * max|v|``
+       of the fp32 attention; bit for bit equal to the attention of the gather-then-quantize
+       values (CPU, K/V heads not repeated); gradients finite, with ``||g - g_bf16|| <=
+       LOWP_GRAD_BOUND * ||g_bf16||`` (``LOWPBW_GRAD_BOUND`` with the INT8 backward) against
+       the reference's bf16 gradients; "lowpbw", "lowpbw8": q/k/v gradients bit for bit equal
+       to the gather-then-quantize backward (CPU, every GQA kind);
      * padding: output and gradient rows ``>= used`` exactly zero;
      * the collectives: every rank took the same steps, as many as the design says (forward:
        the input exchange and the output all_to_all; backward: two all_to_alls; none at P = 1).
@@ -66,6 +71,11 @@ CUDA_TOL = 2.0**-5
 LOWP_FWD_BOUND = 0.07
 # straight-through gradients against the bf16 path's: measured up to 0.032
 LOWP_GRAD_BOUND = 0.08
+# backward_comm="lowp" adds the INT8 wire twice (the output gradient, then each q/k/v
+# gradient: at most amax / 254 of a (row, head) each, 0.6% relative L2 on Gaussian rows),
+# about 1% relative L2 on the gradients, in quadrature with the forward's 3%: measured up to
+# 0.035 on CPU at P = 1 to 4 (straight-through: 0.034 on the same runs)
+LOWPBW_GRAD_BOUND = 0.08
 
 
 @dataclasses.dataclass
@@ -113,27 +123,64 @@ def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
             exp["out_fp32"] = _rows(_attend(*f32, case.causal, inputs.used), ctx, L)
             n = q.shape[1] if inputs.used is None else inputs.used
             exp["v_max"] = inputs.full[2][:, :n].float().abs().max().item()
-            if case.kv == "mha":
-                exp["out_quant"] = _rows(_quantized_attention(ctx, case, inputs), ctx, L)
+        if ctx.device.type == "cpu":  # only compared where bit-exactness holds
+            quant = _quantized_attention(ctx, case, inputs)
+            exp.update({name: _rows(t, ctx, L) for name, t in quant.items()})
     return exp
 
 
-def _quantized_attention(ctx: Context, case, inputs: Inputs) -> torch.Tensor:
-    """The attention, over all heads, of what gather-then-quantize gives each rank."""
+def _gathered_then_quantized(q, k, v, P: int, r: int, used: int | None, rep: int):
+    """What rank r attends over with comm="lowp": its heads of the gather-then-quantize values
+    (dequantized). Statistics are per head, so Q is quantized on its own (any Hq), and K/V
+    heads repeated over ``rep`` ranks are quantized as P heads, one a rank."""
+    deq = reference.lowp_dequantize_reference
+    xq = reference.lowp_exchange_reference(q, q, q, world_size=P, rank=r, used_sequence=used)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    xkv = reference.lowp_exchange_reference(k, k, v, world_size=P, rank=r, used_sequence=used)
+    return (
+        deq(xq["q"], xq["q_scale"], q.dtype, 32),
+        deq(xkv["k"], xkv["k_scale"], q.dtype, 64),
+        deq(xkv["v"], xkv["v_scale"], q.dtype, None),
+    )
+
+
+def _quantized_attention(ctx: Context, case, inputs: Inputs) -> dict:
+    """The attention of what gather-then-quantize gives each rank, head shard by head shard:
+    ``out_quant`` [B, S, Hq, D] and, with the INT8 backward, its q/k/v gradients
+    (``dq_quant`` ... of the whole sequence and all heads) with the output gradient through
+    the wire and each rank's gradients through it."""
     q, k, v = inputs.full
-    heads = []
-    for r in range(ctx.world_size):
-        x = reference.lowp_exchange_reference(
-            q, k, v, world_size=ctx.world_size, rank=r, used_sequence=inputs.used
-        )
-        deq = [
-            reference.lowp_dequantize_reference(x[c], x[s], q.dtype, g)
-            for c, s, g in (("q", "q_scale", 32), ("k", "k_scale", 64), ("v", "v_scale", None))
-        ]
-        heads.append(_attend(*deq, case.causal, inputs.used))
-    out = torch.cat(heads, dim=2)
+    P = ctx.world_size
+    Hq, Hkv = q.shape[2], k.shape[2]
+    rep = 1 if Hkv % P == 0 else P // Hkv
+    hq, hkv = Hq // P, max(1, Hkv // P)
+    lowp_backward = case.backward_comm == "lowp"
+    wire = reference.lowp_gradient_wire
+    go = wire([inputs.full_go]) if lowp_backward else None
+    outs, dq, dk, dv = [], [], [[] for _ in range(Hkv)], [[] for _ in range(Hkv)]
+    for r in range(P):
+        leaves = [x.requires_grad_(lowp_backward) for x in
+                  _gathered_then_quantized(q, k, v, P, r, inputs.used, rep)]  # fmt: skip
+        out = _attend(*leaves, case.causal, inputs.used)
+        outs.append(out.detach())
+        if not lowp_backward:
+            continue
+        go_r = go[:, :, r * hq : (r + 1) * hq].contiguous()  # as the rank receives it
+        gq, gk, gv = torch.autograd.grad(out, leaves, go_r)
+        dq.append(wire([gq]))
+        first_kv = r * hkv if rep == 1 else r // rep
+        for i in range(hkv):  # this rank's partial of K/V head first_kv + i
+            dk[first_kv + i].append(gk[:, :, i])
+            dv[first_kv + i].append(gv[:, :, i])
+    out = torch.cat(outs, dim=2)
     # lowp8: the output's way back as INT8, one scale per (row, head)
-    return reference.lowp_output_roundtrip(out) if case.comm == "lowp8" else out
+    result = {"out_quant": reference.lowp_output_roundtrip(out) if case.int8_output else out}
+    if lowp_backward:
+        result["dq_quant"] = torch.cat(dq, dim=2)
+        result["dk_quant"] = torch.stack([wire(parts) for parts in dk], dim=2)
+        result["dv_quant"] = torch.stack([wire(parts) for parts in dv], dim=2)
+    return result
 
 
 @contextlib.contextmanager
@@ -163,7 +210,8 @@ def call_library(case, inputs: Inputs, log: list):
     with logged_collectives(log):
         out = ulysses.ulysses_attention(
             q, k, v, comm="lowp" if case.lowp else case.comm, causal=case.causal,
-            used_sequence=inputs.used, int8_output=case.comm == "lowp8",
+            used_sequence=inputs.used, int8_output=case.int8_output,
+            backward_comm=case.backward_comm,
         )  # fmt: skip
         out.backward(inputs.grad_out)
     return out.detach(), q.grad, k.grad, v.grad
@@ -212,15 +260,19 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
         )  # fmt: skip
         if "out_quant" in exp and exact:
             run.check("out bitwise vs gather-then-quantize", bitwise_diff(out, exp["out_quant"]))
+        bound = LOWPBW_GRAD_BOUND if case.backward_comm == "lowp" else LOWP_GRAD_BOUND
         for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+            if f"{name}_quant" in exp:  # CPU: every GQA kind (partials summed in rank order)
+                run.check(f"{name} bitwise vs gather-then-quantize backward",
+                          bitwise_diff(g, exp[f"{name}_quant"]))  # fmt: skip
             finite = bool(torch.isfinite(g).all())
             ref = exp[name].float()
             rel = (g.float() - ref).norm().item() / max(ref.norm().item(), 1e-30)
             detail = None
             if not finite:
                 detail = f"{name} has non-finite values"
-            elif rel > LOWP_GRAD_BOUND:
-                detail = f"{name}: ||g - g_bf16|| / ||g_bf16|| = {rel:.3g} > {LOWP_GRAD_BOUND}"
+            elif rel > bound:
+                detail = f"{name}: ||g - g_bf16|| / ||g_bf16|| = {rel:.3g} > {bound}"
             run.check(f"{name} close to bf16", detail)
     for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         run.check(f"{name} padding rows zero", _zero_rows(name, t, ctx, case.L, inputs.used))

@@ -32,6 +32,10 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
     key_mask        ulysses.attention._live_keys    every row is a key: padding keys attended
     backward_a2a    ulysses.attention.              the backward all_to_all dropped: each rank
                     _backward_all_to_all            keeps its own gradient chunks
+    grad_scales     ulysses.rowwire.                backward_comm="lowp": dq|dk|dv dequantized
+                    grads_dequant_op (hook)         with the previous rank's scales
+    dout_scales     ulysses.rowwire.                backward_comm="lowp": the output's gradient
+                    dout_dequant_op (hook)          dequantized with the previous rank's scales
     error           ulysses.k_grouped_amax          hook: raises on the last rank
     hang            ulysses.testing.make_k_full     hook: blocks forever on the last rank
 
@@ -138,6 +142,25 @@ def _no_backward_all_to_all(send, pg):
     return send
 
 
+def _scales_of_previous_rank(heads: Callable[[dict], int]) -> Hook:
+    """A hook for a dequantize op of the per-(row, head) INT8 wire (ulysses/rowwire.py): the
+    received chunk p keeps its codes but gets chunk p-1's scales (``heads(kwargs)``: the
+    records' heads, to find where the scales start)."""
+
+    def make(original):
+        def dequant(*, recv, **kwargs):
+            P = kwargs["world_size"]
+            n = kwargs["B"] * kwargs["L"] * heads(kwargs)  # (row, head) records a chunk
+            start = n * kwargs["D"]
+            chunks = recv.view(P, -1).clone()
+            chunks[:, start : start + 4 * n] = chunks[:, start : start + 4 * n].roll(1, dims=0)
+            return original(recv=chunks.view(-1), **kwargs)
+
+        return dequant
+
+    return Hook(make)
+
+
 FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "floor": (("ulysses.grid.FLOOR", 1e-3),),
     "floor_small": (("ulysses.grid.FLOOR", 1e-6),),
@@ -157,6 +180,15 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "head_order": (("ulysses.attention._merge_heads", _merge_heads_rank_minor),),
     "key_mask": (("ulysses.attention._live_keys", _every_row_a_key),),
     "backward_a2a": (("ulysses.attention._backward_all_to_all", _no_backward_all_to_all),),
+    "grad_scales": (
+        (
+            "ulysses.rowwire.grads_dequant_op",
+            _scales_of_previous_rank(lambda kw: kw["hq"] + 2 * kw["hkv"]),
+        ),
+    ),
+    "dout_scales": (
+        ("ulysses.rowwire.dout_dequant_op", _scales_of_previous_rank(lambda kw: kw["h"])),
+    ),
     "error": (("ulysses.k_grouped_amax", Hook(_raise_on_last_rank)),),
     "hang": (("ulysses.testing.make_k_full", Hook(_hang_on_last_rank)),),
 }
@@ -177,6 +209,7 @@ _ONE_ROW = "L1-H3-D64-bf16-G64-used_padrank-smooth"  # L % G == 1; rank 1 holds 
 _MID_GROUP = "L50-H3-D64-bf16-G64-used_straddle-smooth"  # rank 1 starts mid-group; tail group
 _PADRANK = "L20-H3-D128-bf16-G64-used_padrank-smooth"
 _ATTN_TAIL = "bf16-L40-hq2-mha-D64-bf16-full-used_tail"
+_ATTN_LOWPBW = "lowpbw-L40-hq2-mha-D64-bf16-full-used_tail"
 
 # What ``harness --fault-sweep`` runs (tests/test_planted_faults.py checks that every fault
 # but ``error`` and ``hang`` appears): each grid fault on the smooth_k suite, the ones that
@@ -200,6 +233,8 @@ SHOWCASE: tuple[Showcase, ...] = (
     ),
     Showcase("key_mask", "attention", _ATTN_TAIL, "out bitwise"),
     Showcase("backward_a2a", "attention", _ATTN_TAIL, "dq bitwise"),
+    Showcase("grad_scales", "attention", _ATTN_LOWPBW, "dk bitwise vs gather-then-quantize"),
+    Showcase("dout_scales", "attention", _ATTN_LOWPBW, "dq bitwise vs gather-then-quantize"),
 )
 
 
