@@ -6,16 +6,24 @@ The task is generated (no downloads): sequences of S tokens whose second half re
 half, so the second half can only be predicted by attending S/2 rows back, across ranks.
 With W processes the same model, data and seed are trained in several configurations:
 
-    single      one device (a group of one: the layer runs no collective)
-    bf16 P=2/4  Ulysses, exchanges in the input dtype, over groups of 2 and 4 ranks (those
-                that divide W)
-    lowp P=W    Ulysses with the INT8/FP8 exchange, all W ranks
+    single       one device (a group of one: the layer runs no collective)
+    bf16 P=2/4   Ulysses, exchanges in the input dtype, over groups of 2 and 4 ranks (those
+                 that divide W)
+    lowp P=W     Ulysses with the INT8/FP8 exchange, all W ranks; backward in the input
+                 dtype (straight-through)
+    lowp+bw P=W  the same with ``backward_comm="lowp"``: the gradients cross ranks as INT8
+                 with one scale per (row, head) too
 
 Each rank holds rows [r*L, (r+1)*L) of every sequence; the parameters are replicated and their
 gradients summed over the group (one all_reduce a step). The attention is GQA (4 query heads,
-2 key/value heads). Rank 0 prints the loss table and, when matplotlib is installed, writes the
-loss curves to --plot. CPU (gloo, fp32 model; the lowp run sends bf16 q/k/v through the
-exchange) and CUDA (NCCL, one GPU per rank) both work.
+2 key/value heads). Rank 0 prints the loss table (step 1, every --every steps, the last step)
+and the mean loss of the last --every steps of each run, and, when matplotlib is installed,
+writes the loss curves to --plot. The model is fp32; q, k, v enter the attention in
+--attn-dtype (the low-precision runs always send bf16 q/k/v through the exchange). CPU (gloo)
+and CUDA (NCCL, one GPU per rank; gloo when ranks share a GPU) both work, e.g. on one GPU:
+
+    torchrun --standalone --nproc-per-node 4 examples/train_ulysses.py --backend gloo \
+        --attn-dtype bf16 --steps 300
 """
 
 from __future__ import annotations
@@ -36,8 +44,10 @@ VOCAB = 32
 
 
 class Block(nn.Module):
-    def __init__(self, d_model, n_heads, n_kv_heads, attention: ulysses.UlyssesAttention):
+    def __init__(self, d_model, n_heads, n_kv_heads, attention: ulysses.UlyssesAttention,
+                 attn_dtype: torch.dtype):  # fmt: skip
         super().__init__()
+        self.attn_dtype = attn_dtype
         self.h, self.hkv, self.hd = n_heads, n_kv_heads, d_model // n_heads
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.q = nn.Linear(d_model, n_heads * self.hd)
@@ -54,20 +64,21 @@ class Block(nn.Module):
         q = self.q(h).view(B, L, self.h, self.hd)
         k, v = self.kv(h).view(B, L, 2, self.hkv, self.hd).unbind(2)
         # the low-precision exchange takes bf16/fp16: cast around the layer
-        dtype = torch.bfloat16 if self.attention.comm == "lowp" else x.dtype
+        dtype = torch.bfloat16 if self.attention.comm == "lowp" else self.attn_dtype
         out = self.attention(q.to(dtype), k.to(dtype), v.to(dtype), causal=True).to(x.dtype)
         x = x + self.o(out.reshape(B, L, -1))
         return x + self.mlp(self.ln2(x))
 
 
 class TinyLM(nn.Module):
-    def __init__(self, seq_len, *, comm, group, d_model=256, n_layers=2, n_heads=4, n_kv=2):
+    def __init__(self, seq_len, *, comm, backward_comm, group, attn_dtype, d_model=256,
+                 n_layers=2, n_heads=4, n_kv=2):  # fmt: skip
         super().__init__()
         self.tok = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        attention = ulysses.UlyssesAttention(group=group, comm=comm)
+        attention = ulysses.UlyssesAttention(group=group, comm=comm, backward_comm=backward_comm)
         self.blocks = nn.ModuleList(
-            Block(d_model, n_heads, n_kv, attention) for _ in range(n_layers)
+            Block(d_model, n_heads, n_kv, attention, attn_dtype) for _ in range(n_layers)
         )
         self.head = nn.Linear(d_model, VOCAB)
 
@@ -85,12 +96,14 @@ def batch(step: int, B: int, S: int, device) -> torch.Tensor:
     return torch.cat([half, half], dim=1).to(device)
 
 
-def train(name, group, comm, args, device) -> list[float]:
+def train(name, group, comm, backward_comm, args, device) -> list[float]:
     P = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     S, L = args.seq, args.seq // P
     torch.manual_seed(0)  # the same initial model in every configuration
-    model = TinyLM(S, comm=comm, group=group).to(device)
+    attn_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.attn_dtype]
+    model = TinyLM(S, comm=comm, backward_comm=backward_comm, group=group,
+                   attn_dtype=attn_dtype).to(device)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rows = slice(rank * L, (rank + 1) * L)
     positions = torch.arange(S, device=device)[rows].expand(args.batch, L)
@@ -154,7 +167,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--plot", default="train_ulysses_loss.png")
-    p.add_argument("--no-lowp", action="store_true", help="skip the low-precision run")
+    p.add_argument("--every", type=int, default=50, help="loss table: a row every N steps")
+    p.add_argument(
+        "--attn-dtype", choices=("fp32", "bf16"), default="fp32",
+        help="dtype of q, k, v in the runs that exchange in the input dtype (default fp32)",
+    )  # fmt: skip
+    p.add_argument("--no-lowp", action="store_true", help="skip the low-precision runs")
+    p.add_argument(
+        "--backward-comm", choices=("bf16", "lowp", "both"), default="both",
+        help="backward_comm of the low-precision runs: bf16 (straight-through, 'lowp P=W'), "
+        "lowp (INT8 gradients, 'lowp+bw P=W') or both runs (default)",
+    )  # fmt: skip
     p.add_argument(
         "--backend", choices=("auto", "nccl", "gloo"), default="auto",
         help="auto: NCCL with a GPU per rank, else gloo (CPU, or CUDA tensors on shared GPUs)",
@@ -172,6 +195,8 @@ def main() -> None:
     W, rank = dist.get_world_size(), dist.get_rank()
     if args.seq % W or args.seq % 2:
         raise SystemExit(f"--seq must be even and divisible by the world size {W}")
+    if args.every < 1 or args.steps < 1:
+        raise SystemExit("--steps and --every must be >= 1")
 
     def groups_of(size):  # every rank calls new_group for every group, in the same order
         mine = None
@@ -181,24 +206,30 @@ def main() -> None:
                 mine = g
         return mine
 
-    runs = [("single", groups_of(1), "bf16")]
-    runs += [(f"bf16 P={P}", groups_of(P), "bf16") for P in (2, 4) if P <= W and W % P == 0]
+    runs = [("single", groups_of(1), "bf16", "bf16")]
+    runs += [(f"bf16 P={P}", groups_of(P), "bf16", "bf16") for P in (2, 4) if P <= W and W % P == 0]
     if not args.no_lowp:
-        runs.append((f"lowp P={W}", dist.group.WORLD, "lowp"))
+        if args.backward_comm in ("bf16", "both"):
+            runs.append((f"lowp P={W}", dist.group.WORLD, "lowp", "bf16"))
+        if args.backward_comm in ("lowp", "both"):
+            runs.append((f"lowp+bw P={W}", dist.group.WORLD, "lowp", "lowp"))
     if rank == 0:
         print(
             f"train_ulysses: world {W}, {backend}, device {device}, S={args.seq}, "
-            f"B={args.batch}, torch {torch.__version__}"
+            f"B={args.batch}, attention in {args.attn_dtype} (lowp runs: bf16), "
+            f"torch {torch.__version__}"
         )
-    curves = {name: train(name, g, comm, args, device) for name, g, comm in runs}
+    curves = {name: train(name, g, c, bc, args, device) for name, g, c, bc in runs}
 
     if rank == 0:
         names = list(curves)
         print("\nstep  " + "  ".join(f"{n:>12}" for n in names))
-        marks = sorted({1, *range(args.steps // 6 or 1, args.steps + 1, args.steps // 6 or 1)})
-        for s in marks:
-            if s <= args.steps:
-                print(f"{s:>4}  " + "  ".join(f"{curves[n][s - 1]:>12.5f}" for n in names))
+        for s in sorted({1, *range(args.every, args.steps + 1, args.every), args.steps}):
+            print(f"{s:>4}  " + "  ".join(f"{curves[n][s - 1]:>12.5f}" for n in names))
+        tail = min(args.every, args.steps)
+        means = [sum(curves[n][-tail:]) / tail for n in names]
+        print(f"mean of the last {tail} steps: " + ", ".join(
+            f"{n} {m:.5f}" for n, m in zip(names, means, strict=True)))  # fmt: skip
         ref = torch.tensor(curves["single"])
         for n in names[1:]:
             diff = (torch.tensor(curves[n]) - ref).abs().max().item()
