@@ -644,13 +644,14 @@ def report(run: Run, meta: dict, links: list[float]) -> list[dict]:
         if DEV.type == "cpu"
         else "calls issued while the GPU is busy, best of 5"
     )
-    table(
-        f"Host time per call, µs (B {a.batch}, L {a.host_len}, H {a.heads}, D {a.head_dim}; "
-        f"{where}; the stand-in collectives, replayed alone, subtracted)",
-        head,
-        ["P", "mode"] + cols,
-        rows,
-    )
+    if rows:
+        table(
+            f"Host time per call, µs (B {a.batch}, L {a.host_len}, H {a.heads}, D {a.head_dim};"
+            f" {where}; the stand-in collectives, replayed alone, subtracted)",
+            head,
+            ["P", "mode"] + cols,
+            rows,
+        )
 
     def step_us(P, lab, mode, path, kind, gbps):
         return us(P, lab, mode, path, kind) + run.shapes[(P, lab)].wire_us(mode, kind, gbps)
