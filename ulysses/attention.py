@@ -206,10 +206,10 @@ class _LowpToHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, hd, pg, used_sequence, q_group, k_group, lowp_backward):
         ctx.hd, ctx.pg, ctx.lowp_backward = hd, pg, lowp_backward
-        x = lowp.exchange_qkv(
+        # exchange_qkv(...).dequantize(); under torch.compile one op running that eager call
+        return lowp.exchange_to_heads(
             q, k, v, group=pg, used_sequence=used_sequence, q_group=q_group, k_group=k_group
         )
-        return x.dequantize()
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
