@@ -594,6 +594,8 @@ class UlyssesAttention(torch.nn.Module):
 
         self.attn = ulysses.UlyssesAttention(comm="lowp")   # in __init__
         out = self.attn(q, k, v, causal=True)                # in forward
+        # the gradients cross ranks as INT8 too (docs/CONTRACT.md §11)
+        ulysses.UlyssesAttention(comm="lowp", backward_comm="lowp")
     """
 
     def __init__(
