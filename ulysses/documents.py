@@ -55,7 +55,8 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # SDPA's. Measured (H200, torch 2.11, causal, hq 8, hkv 2, D 128, bf16, fwd+bwd, slices vs flex,
 # block mask cached): 32K rows as 1 document 14.1 vs 19.8 ms, 2 x 16K 7.4 vs 10.4, 4 x 8K 4.7
 # vs 5.4, 8 x 4K 4.0 vs 3.0, 16 x 2K 4.8 vs 1.8, 64 x 512 16.1 vs 0.9; 8K rows as 2 x 4K 1.0 vs
-# 1.0, 4 x 2K 1.7 vs 0.65. Compiled flex finds no kernel for S < 128 (torch 2.11).
+# 1.0, 4 x 2K 1.7 vs 0.65 (scripts/bench_documents.py, 2026-12-04). Compiled flex finds no
+# kernel for S < 128 (torch 2.11).
 _FLEX_MIN_CALLS = 2
 _FLEX_MAX_MEAN_ROWS = 4096
 
