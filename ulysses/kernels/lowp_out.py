@@ -250,20 +250,36 @@ def _check_recv(recv: torch.Tensor, nbytes: int, dtype: torch.dtype) -> None:
 # ---- heads -> rows: the attention output ------------------------------------------------------
 
 
+def _send_one(x: torch.Tensor, P: int, L: int, h: int, stride_xp: int) -> torch.Tensor:
+    """The send buffer of one piece ``x`` (every chunk p: ``L`` rows of ``h`` heads, chunk p
+    starting ``stride_xp`` elements after chunk p - 1)."""
+    B, D = x.shape[0], x.shape[3]
+    _check_piece(x)
+    chunk = out_chunk_bytes(B, L, h, D)
+    send = _new_send(P, chunk, B * L * h * (D + 4), x.device)
+    _quantize(x, send, P=P, L=L, h=h, stride_xp=stride_xp, stride_xs=x.stride(1),
+              HT=h, h_off=0, chunk=chunk)  # fmt: skip
+    return send
+
+
+def _recv_one(recv, *, B, L, h, D, P, dtype, shape, stride_p: int) -> torch.Tensor:
+    """One piece of ``shape`` in ``dtype`` from the received chunks, chunk p written from
+    element ``p * stride_p`` on (rows ``L``, heads ``h`` each)."""
+    chunk = out_chunk_bytes(B, L, h, D)
+    _check_recv(recv, P * chunk, dtype)
+    out = torch.empty(shape, dtype=dtype, device=recv.device)
+    strides = (out.stride(0), out.stride(1), stride_p, out.stride(2))
+    _dequantize(recv, out, P=P, B=B, L=L, h=h, D=D, HT=h, h_off=0, chunk=chunk, strides=strides)
+    return out
+
+
 def quantize_out(x: torch.Tensor, *, world_size: int) -> torch.Tensor:
     """The send buffer, uint8 [P * out_chunk_bytes(B, S / P, h, D)], of ``x`` [B, S, h, D]:
     chunk p holds rows [p*L, (p+1)*L) (module docstring). Launcher: invariants are asserted;
     ``ulysses`` validates input."""
-    B, S, h, D = x.shape
-    P = world_size
+    S, h, P = x.shape[1], x.shape[2], world_size
     assert S % P == 0
-    _check_piece(x)
-    L = S // P
-    chunk = out_chunk_bytes(B, L, h, D)
-    send = _new_send(P, chunk, B * L * h * (D + 4), x.device)
-    _quantize(x, send, P=P, L=L, h=h, stride_xp=L * x.stride(1), stride_xs=x.stride(1),
-              HT=h, h_off=0, chunk=chunk)  # fmt: skip
-    return send
+    return _send_one(x, P, S // P, h, stride_xp=(S // P) * x.stride(1))
 
 
 def dequantize_out(
@@ -272,12 +288,8 @@ def dequantize_out(
     """``out`` [B, L, P*h, D] in ``dtype`` from the received chunks, chunk p holding heads
     [p*h, (p+1)*h) (module docstring)."""
     P = world_size
-    chunk = out_chunk_bytes(B, L, h, D)
-    _check_recv(recv, P * chunk, dtype)
-    out = torch.empty((B, L, P * h, D), dtype=dtype, device=recv.device)
-    strides = (out.stride(0), out.stride(1), h * out.stride(2), out.stride(2))
-    _dequantize(recv, out, P=P, B=B, L=L, h=h, D=D, HT=h, h_off=0, chunk=chunk, strides=strides)
-    return out
+    return _recv_one(recv, B=B, L=L, h=h, D=D, P=P, dtype=dtype, shape=(B, L, P * h, D),
+                     stride_p=h * D)  # fmt: skip
 
 
 # ---- rows -> heads: the gradient of the attention output --------------------------------------
@@ -286,16 +298,9 @@ def dequantize_out(
 def quantize_to_heads(x: torch.Tensor, *, world_size: int) -> torch.Tensor:
     """The send buffer, uint8 [P * out_chunk_bytes(B, L, H / P, D)], of ``x`` [B, L, H, D]
     (this rank's rows): chunk p holds heads [p*h, (p+1)*h) of every row, ``h = H / P``."""
-    B, L, H, D = x.shape
-    P = world_size
+    L, H, P = x.shape[1], x.shape[2], world_size
     assert H % P == 0
-    _check_piece(x)
-    h = H // P
-    chunk = out_chunk_bytes(B, L, h, D)
-    send = _new_send(P, chunk, B * L * h * (D + 4), x.device)
-    _quantize(x, send, P=P, L=L, h=h, stride_xp=h * x.stride(2), stride_xs=x.stride(1),
-              HT=h, h_off=0, chunk=chunk)  # fmt: skip
-    return send
+    return _send_one(x, P, L, H // P, stride_xp=(H // P) * x.stride(2))
 
 
 def dequantize_to_heads(
@@ -304,12 +309,8 @@ def dequantize_to_heads(
     """``x_h`` [B, S, h, D] in ``dtype`` from the received chunks, chunk p holding rows
     [p*L, (p+1)*L) (rank p's rows of this rank's heads)."""
     P = world_size
-    chunk = out_chunk_bytes(B, L, h, D)
-    _check_recv(recv, P * chunk, dtype)
-    out = torch.empty((B, P * L, h, D), dtype=dtype, device=recv.device)
-    strides = (out.stride(0), out.stride(1), L * out.stride(1), out.stride(2))
-    _dequantize(recv, out, P=P, B=B, L=L, h=h, D=D, HT=h, h_off=0, chunk=chunk, strides=strides)
-    return out
+    return _recv_one(recv, B=B, L=L, h=h, D=D, P=P, dtype=dtype, shape=(B, P * L, h, D),
+                     stride_p=L * h * D)  # fmt: skip
 
 
 # ---- heads -> rows: dq | dk | dv in one buffer ------------------------------------------------
