@@ -143,12 +143,68 @@ def test_bad_arguments_raise_clear_errors(i):
 
 
 @pytest.mark.parametrize(
-    "Hq, Hkv, P, match",
-    [(6, 6, 4, "Hq % P"), (8, 3, 4, "Hq % Hkv"), (12, 6, 4, "divide one another")],
+    "Hq, Hkv, P, comm, match",
+    [
+        (6, 6, 4, "lowp", "comm='lowp' needs heads that split evenly"),
+        (8, 3, 4, "bf16", "Hq % Hkv"),
+        (12, 6, 4, "lowp", "comm='lowp'"),
+        (3, 3, 4, "bf16", "Hq >= P"),
+    ],
 )
-def test_head_rules(Hq, Hkv, P, match):
+def test_head_rules(Hq, Hkv, P, comm, match):
     with pytest.raises(ValueError, match=match):
-        A._heads(Hq, Hkv, P)
+        A._heads(Hq, Hkv, P, comm)
+
+
+@pytest.mark.parametrize(
+    "Hq, Hkv, P, q_counts, kv_ranges",
+    [
+        (3, 3, 2, (2, 1), ((0, 2), (2, 1))),
+        (7, 7, 2, (4, 3), ((0, 4), (4, 3))),
+        (7, 1, 2, (4, 3), ((0, 1), (0, 1))),
+        (40, 8, 16, (3,) * 8 + (2,) * 8, None),
+        (28, 14, 8, (4,) * 4 + (3,) * 4, None),
+        (9, 3, 2, (5, 4), ((0, 2), (1, 2))),
+        (6, 3, 4, (2, 2, 1, 1), ((0, 1), (1, 1), (2, 1), (2, 1))),
+    ],
+)
+def test_uneven_head_split_is_deepspeeds_and_keeps_query_heads_with_their_kv_heads(
+    Hq, Hkv, P, q_counts, kv_ranges
+):
+    hd = A._heads(Hq, Hkv, P)
+    assert isinstance(hd, A._UnevenHeads)
+    assert tuple(n for _, n in hd.q_ranges) == q_counts
+    assert [s for s, _ in hd.q_ranges] == [sum(q_counts[:r]) for r in range(P)]
+    if kv_ranges is not None:
+        assert hd.kv_ranges == kv_ranges
+    g = Hq // Hkv
+    for r in range(P):
+        (q0, nq), (k0, nk) = hd.q_ranges[r], hd.kv_ranges[r]
+        used_kv = sorted({i // g for i in range(q0, q0 + nq)})
+        assert used_kv == list(range(k0, k0 + nk))  # exactly the K/V heads its queries use
+        reps = hd.kv_repeats(r)
+        # the K/V head each local query head sees, after the repeat (or SDPA's GQA grouping)
+        if reps is None:
+            seen = [k0 + i // (nq // nk) for i in range(nq)]
+        else:
+            seen = [k0 + j for j, n in enumerate(reps) for _ in range(n)]
+        assert seen == [i // g for i in range(q0, q0 + nq)]
+
+
+@pytest.mark.parametrize("Hq, Hkv, P", [(3, 3, 2), (7, 1, 2), (40, 8, 16), (28, 14, 8), (9, 3, 4)])
+def test_uneven_exchange_simulated_moves_every_head_and_row(Hq, Hkv, P):
+    """The split-size all_to_all of q|k|v simulated for P ranks in one process: rank r
+    receives its segments of every rank's rows, in rank order."""
+    B, L, D = 2, 3, 4
+    x = torch.randn(B, P * L, Hq + 2 * Hkv, D)
+    hd = A._heads(Hq, Hkv, P)
+    sends = [A._send_segments(x[:, p * L : (p + 1) * L], hd.segments) for p in range(P)]
+    for r in range(P):
+        recv = torch.cat([buf.split(sizes)[r] for buf, sizes in sends])
+        n_r = sum(n for _, n in hd.segments[r])
+        got = A._merge_rows(recv.view(P, B, L, n_r, D))
+        want = torch.cat([x[:, :, s0 : s0 + n] for s0, n in hd.segments[r]], dim=2)
+        assert torch.equal(got, want)
 
 
 # ---- the all_to_alls, simulated: P ranks in one process ------------------------------------

@@ -34,13 +34,17 @@ and still issues its collective.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import zlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from . import comm, lowp, rowwire
+from . import _ops, comm, documents, lowp, rowwire
 
 __all__ = [
     "ulysses_attention",
@@ -83,25 +87,77 @@ class _Heads:
     rep: int  # ranks that receive the same K/V head (1 when K/V heads are sharded)
 
 
-def _heads(Hq: int, Hkv: int, P: int) -> _Heads:
-    if Hq % P:
-        raise ValueError(
-            f"q head count Hq must be divisible by the world size: Hq % P == 0, got Hq={Hq}, P={P}"
-        )
+def _heads(Hq: int, Hkv: int, P: int, comm: str = "bf16"):
+    """The head split of a call: :class:`_Heads` when ``Hq % P == 0`` and Hkv and P divide
+    one another (every rank the same head counts), else :class:`_UnevenHeads` (bf16 only)."""
     if Hq % Hkv:
         raise ValueError(
             f"q head count must be a multiple of the k/v head count: Hq % Hkv == 0, got "
             f"Hq={Hq}, Hkv={Hkv}"
         )
-    if Hkv % P == 0:
+    if Hq % P == 0 and Hkv % P == 0:
         return _Heads(P, Hq, Hkv, Hq // P, Hkv // P, 1)
-    if P % Hkv == 0:
+    if Hq % P == 0 and P % Hkv == 0:
         return _Heads(P, Hq, Hkv, Hq // P, 1, P // Hkv)
-    raise ValueError(
-        f"k/v head count Hkv and the world size P must divide one another (Hkv % P == 0: "
-        f"K/V heads are sharded; P % Hkv == 0: each rank receives one repeated K/V head), got "
-        f"Hkv={Hkv}, P={P}"
+    if comm == "lowp":
+        raise ValueError(
+            f"comm='lowp' needs heads that split evenly over the world size: Hq % P == 0 and "
+            f"(Hkv % P == 0 or P % Hkv == 0), got Hq={Hq}, Hkv={Hkv}, P={P}; comm='bf16' "
+            f"takes any head counts"
+        )
+    if Hq < P:
+        raise ValueError(f"every rank needs at least one query head: Hq >= P, got Hq={Hq}, P={P}")
+    return _uneven_heads(Hq, Hkv, P)
+
+
+def _head_ranges(H: int, P: int) -> tuple[tuple[int, int], ...]:
+    """DeepSpeed's split of H heads over P ranks: contiguous ranges ``(start, count)``, the
+    first ``H % P`` ranks one head more."""
+    counts = [H // P + (r < H % P) for r in range(P)]
+    starts = [sum(counts[:r]) for r in range(P)]
+    return tuple(zip(starts, counts, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class _UnevenHeads:
+    """A head split with different head counts per rank (``comm="bf16"`` only).
+
+    Query heads: :func:`_head_ranges` (rank r attends ``q_ranges[r]``). K/V heads: rank r
+    receives the contiguous range of K/V heads its query heads use (query head i uses K/V head
+    ``i // (Hq // Hkv)``), so a K/V head can go to several ranks; its gradient is the sum of
+    their partials. ``segments[p]``: the (first head, count) ranges of the concatenated heads
+    ``q | k | v`` [B, L, Hq + 2 Hkv, D] that rank p receives, in that order."""
+
+    P: int
+    Hq: int
+    Hkv: int
+    q_ranges: tuple
+    kv_ranges: tuple
+    segments: tuple
+
+    def counts(self, p: int) -> tuple[int, int]:
+        """(query heads, K/V heads) rank p attends over."""
+        return self.q_ranges[p][1], self.kv_ranges[p][1]
+
+    def kv_repeats(self, p: int) -> tuple[int, ...] | None:
+        """For each K/V head rank p receives, how many of its query heads use it; None when
+        they are evenly grouped (the attention then takes GQA-shaped tensors as they are)."""
+        (q0, nq), (k0, nk) = self.q_ranges[p], self.kv_ranges[p]
+        g = self.Hq // self.Hkv
+        reps = tuple(sum(1 for i in range(q0, q0 + nq) if i // g == j) for j in range(k0, k0 + nk))
+        return None if len(set(reps)) == 1 else reps
+
+
+@functools.lru_cache(maxsize=64)
+def _uneven_heads(Hq: int, Hkv: int, P: int) -> _UnevenHeads:
+    g = Hq // Hkv
+    q_ranges = _head_ranges(Hq, P)
+    kv_ranges = tuple((q0 // g, (q0 + nq - 1) // g - q0 // g + 1) for q0, nq in q_ranges)
+    segments = tuple(
+        ((q0, nq), (Hq + k0, nk), (Hq + Hkv + k0, nk))
+        for (q0, nq), (k0, nk) in zip(q_ranges, kv_ranges, strict=True)
     )
+    return _UnevenHeads(P, Hq, Hkv, q_ranges, kv_ranges, segments)
 
 
 def _split_heads(x: torch.Tensor, P: int) -> torch.Tensor:
@@ -321,6 +377,110 @@ class _LowpHeadsToSeq(torch.autograd.Function):
         return _merge_rows(recv), *none
 
 
+# ---- uneven head counts: all_to_all with split sizes ------------------------------------------
+
+
+def _all_to_all_uneven(send: torch.Tensor, in_splits, out_splits, pg) -> torch.Tensor:
+    """1-D ``send``: its ``in_splits[p]`` elements (in rank order) go to rank p; returns the
+    1-D receive buffer, ``out_splits[p]`` elements from rank p in rank order."""
+    in_splits, out_splits = list(in_splits), list(out_splits)
+    if _ops.is_compiling():
+        return funcol.all_to_all_single(send, out_splits, in_splits, pg)
+    recv = send.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
+    return recv
+
+
+def _send_segments(x: torch.Tensor, segments) -> tuple[torch.Tensor, list[int]]:
+    """x [B, L, H, D] -> (one 1-D buffer: for each rank p in order, its head ranges
+    ``segments[p]`` of x as [B, L, n_p, D]; the element count of each rank's part)."""
+    parts, sizes = [], []
+    for segs in segments:
+        chunk = [x[:, :, s0 : s0 + n] for s0, n in segs if n]
+        part = chunk[0] if len(chunk) == 1 else torch.cat(chunk, dim=2)
+        parts.append(part.reshape(-1))
+        sizes.append(parts[-1].numel())
+    return torch.cat(parts), sizes
+
+
+class _UnevenSeqToHeads(torch.autograd.Function):
+    """x [B, L, H, D] (sequence shards) -> [B, S, n_r, D]: rank r receives the head ranges
+    ``segments[r]`` of every rank's rows (one all_to_all with split sizes). Backward: the
+    inverse; a head sent to several ranks gets the sum of their gradients in fp32, in rank
+    order, rounded to x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, segments, rank, pg):
+        B, L, _, D = x.shape
+        P = len(segments)
+        ctx.segments, ctx.rank, ctx.pg, ctx.shape = segments, rank, pg, x.shape
+        n_r = sum(n for _, n in segments[rank])
+        send, in_splits = _send_segments(x, segments)
+        recv = _all_to_all_uneven(send, in_splits, [B * L * n_r * D] * P, pg)
+        return _merge_rows(recv.view(P, B, L, n_r, D))
+
+    @staticmethod
+    def backward(ctx, dy):
+        B, L, H, D = ctx.shape
+        segments = ctx.segments
+        P = len(segments)
+        send = _split_rows(dy, P).contiguous().view(-1)
+        counts = [sum(n for _, n in segs) for segs in segments]
+        out_splits = [B * L * n * D for n in counts]
+        recv = _all_to_all_uneven(send, [send.numel() // P] * P, out_splits, ctx.pg)
+        # -0.0 + x == x for every x (+0.0 would turn a -0.0 gradient into +0.0)
+        dx = torch.full((B, L, H, D), -0.0, dtype=torch.float32, device=dy.device)
+        for chunk, segs, n in zip(recv.split(out_splits), segments, counts, strict=True):
+            chunk, off = chunk.view(B, L, n, D), 0
+            for s0, m in segs:
+                dx[:, :, s0 : s0 + m] += chunk[:, :, off : off + m].float()
+                off += m
+        return dx.to(dy.dtype), None, None, None
+
+
+class _UnevenHeadsToSeq(torch.autograd.Function):
+    """x [B, S, n_r, D] (rank r's heads ``ranges[r]`` of every row) -> [B, L, H, D], the
+    inverse of :class:`_UnevenSeqToHeads` for disjoint contiguous ranges in rank order."""
+
+    @staticmethod
+    def forward(ctx, x, ranges, rank, pg):
+        B, S, n_r, D = x.shape
+        P = len(ranges)
+        L = S // P
+        ctx.ranges, ctx.rank, ctx.pg = ranges, rank, pg
+        send = _split_rows(x, P).contiguous().view(-1)
+        out_splits = [B * L * n * D for _, n in ranges]
+        recv = _all_to_all_uneven(send, [send.numel() // P] * P, out_splits, pg)
+        parts = [c.view(B, L, n, D) for c, (_, n) in zip(recv.split(out_splits), ranges,
+                                                          strict=True)]  # fmt: skip
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        B, L, _, D = dy.shape
+        P = len(ctx.ranges)
+        n_r = ctx.ranges[ctx.rank][1]
+        send, in_splits = _send_segments(dy, tuple((r,) for r in ctx.ranges))
+        recv = _all_to_all_uneven(send, in_splits, [B * L * n_r * D] * P, ctx.pg)
+        return _merge_rows(recv.view(P, B, L, n_r, D)), None, None, None
+
+
+def _uneven_to_heads(q, k, v, hd: _UnevenHeads, rank: int, pg):
+    """q, k, v sequence shards -> rank r's head shards q_h [B, S, nq, D], k_h, v_h (one
+    all_to_all of q|k|v); K/V heads repeated per query head where they are not evenly grouped
+    (the attention then sees as many K/V heads as query heads)."""
+    nq, nk = hd.counts(rank)
+    x = torch.cat([q, k, v], dim=2)
+    y = _UnevenSeqToHeads.apply(x, hd.segments, rank, pg)
+    q_h, k_h, v_h = y[:, :, :nq], y[:, :, nq : nq + nk], y[:, :, nq + nk :]
+    reps = hd.kv_repeats(rank)
+    if reps is not None:
+        repeats = torch.tensor(reps, device=q.device)
+        k_h = k_h.repeat_interleave(repeats, dim=2, output_size=nq)
+        v_h = v_h.repeat_interleave(repeats, dim=2, output_size=nq)
+    return q_h, k_h, v_h
+
+
 # ---- public: the two all-to-alls --------------------------------------------------------------
 
 
@@ -334,13 +494,16 @@ def _check_4d(x, name: str, dtypes=_FLOAT_DTYPES) -> None:
 
 
 def seq_to_heads(x: torch.Tensor, *, group=None) -> torch.Tensor:
-    """Sequence shard ``[B, L, H, D]`` -> head shard ``[B, S, H/P, D]`` (one all_to_all).
+    """Sequence shard ``[B, L, H, D]`` -> head shard ``[B, S, h_r, D]`` (one all_to_all).
 
-    Rank r receives heads ``[r*H/P, (r+1)*H/P)`` of all ``S = L*P`` rows, ranks' rows in rank
-    order. Differentiable (backward is :func:`heads_to_seq`); P = 1 returns ``x`` unchanged.
+    Rank r receives a contiguous range of ``h_r`` heads of all ``S = L*P`` rows, ranks' rows
+    in rank order: heads ``[r*H/P, (r+1)*H/P)`` when ``H % P == 0``; otherwise DeepSpeed's
+    split, the first ``H % P`` ranks one head more (``H // P + 1`` heads), the others
+    ``H // P`` (then :func:`heads_to_seq` needs ``num_heads=H``). Differentiable (backward is
+    :func:`heads_to_seq`); P = 1 returns ``x`` unchanged.
 
     Raises TypeError (not a floating tensor, bad ``group``) or ValueError (not 4-D,
-    ``H % P != 0``).
+    ``H < P``).
 
     Example::
 
@@ -348,29 +511,52 @@ def seq_to_heads(x: torch.Tensor, *, group=None) -> torch.Tensor:
         out = ulysses.heads_to_seq(attn(q_h))  # back to [B, L, H, D]
     """
     _check_4d(x, "x")
-    pg, _, P = _resolve(group, x.device)
-    if x.shape[2] % P:
+    pg, rank, P = _resolve(group, x.device)
+    H = x.shape[2]
+    if P == 1:
+        return x
+    if H % P == 0:
+        return _SeqToHeads.apply(x, P, pg)
+    if H < P:
         raise ValueError(
-            f"x head count H must be divisible by the world size P={P}, got shape {tuple(x.shape)}"
+            f"x must have at least one head per rank: H >= P={P}, got shape {tuple(x.shape)}"
         )
-    return x if P == 1 else _SeqToHeads.apply(x, P, pg)
+    return _UnevenSeqToHeads.apply(x, tuple((r,) for r in _head_ranges(H, P)), rank, pg)
 
 
-def heads_to_seq(x: torch.Tensor, *, group=None) -> torch.Tensor:
-    """Head shard ``[B, S, H/P, D]`` -> sequence shard ``[B, L, H, D]``, the inverse of
+def heads_to_seq(x: torch.Tensor, *, group=None, num_heads: int | None = None) -> torch.Tensor:
+    """Head shard ``[B, S, h_r, D]`` -> sequence shard ``[B, L, H, D]``, the inverse of
     :func:`seq_to_heads` (one all_to_all). Differentiable; P = 1 returns ``x`` unchanged.
 
-    Raises TypeError (not a floating tensor, bad ``group``) or ValueError (not 4-D,
-    ``S % P != 0``).
+    ``num_heads``: the total head count H. Default ``h_r * P`` (every rank holds the same
+    count); pass it when ``H % P != 0`` (rank r then holds the range :func:`seq_to_heads`
+    gave it, and ``x`` must have that many heads).
+
+    Raises TypeError (not a floating tensor, bad ``group``, ``num_heads`` not an int) or
+    ValueError (not 4-D, ``S % P != 0``, ``x``'s head count is not this rank's share of
+    ``num_heads``).
     """
     _check_4d(x, "x")
-    pg, _, P = _resolve(group, x.device)
+    if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int)):
+        raise TypeError(f"num_heads must be None or an int, got {type(num_heads).__name__}")
+    pg, rank, P = _resolve(group, x.device)
     if x.shape[1] % P:
         raise ValueError(
             f"x sequence length S must be divisible by the world size P={P}, got shape "
             f"{tuple(x.shape)}"
         )
-    return x if P == 1 else _HeadsToSeq.apply(x, P, pg)
+    H = x.shape[2] * P if num_heads is None else num_heads
+    if H < P or _head_ranges(H, P)[rank][1] != x.shape[2]:
+        raise ValueError(
+            f"x must hold this rank's share of num_heads={H} heads over P={P} ranks (rank "
+            f"{rank}: {_head_ranges(H, P)[rank][1] if H >= P else 0}), got shape "
+            f"{tuple(x.shape)}"
+        )
+    if P == 1:
+        return x
+    if H % P == 0:
+        return _HeadsToSeq.apply(x, P, pg)
+    return _UnevenHeadsToSeq.apply(x, _head_ranges(H, P), rank, pg)
 
 
 # ---- the default attention --------------------------------------------------------------------
@@ -407,10 +593,11 @@ def sdpa_attention(q, k, v, *, causal=False, scale=None, used_sequence=None) -> 
     return out
 
 
-# ---- public: the layer ------------------------------------------------------------------------
+# ---- public: the layer: checks ---------------------------------------------------------------
 
 
-def _check_call(q, k, v, comm, layout, causal, scale, used_sequence, attn) -> None:
+def _check_call(q, k, v, comm, layout, causal, scale, attn) -> None:
+    """The checks that need no other rank (every rank runs the same code)."""
     if comm not in COMM_MODES:
         raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
     if layout not in LAYOUTS:
@@ -443,12 +630,191 @@ def _check_call(q, k, v, comm, layout, causal, scale, used_sequence, attn) -> No
             raise TypeError(f"scale must be None or a float, got {type(scale).__name__}")
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale must be a finite number > 0, got {scale}")
-    if used_sequence is not None and (
-        isinstance(used_sequence, bool) or not isinstance(used_sequence, int)
-    ):
-        raise TypeError(f"used_sequence must be None or an int, got {type(used_sequence).__name__}")
     if attn is not None and not callable(attn):
         raise TypeError(f"attn must be None or a callable, got {type(attn).__name__}")
+
+
+_USED_TYPES = "None, an int, a sequence of B ints or a 1-D integer tensor [B]"
+
+
+def _used_values(used_sequence):
+    """``used_sequence`` as given -> None, an int, or a tuple of ints (per batch row). Reads a
+    tensor back to the host."""
+    if used_sequence is None or (
+        isinstance(used_sequence, int) and not isinstance(used_sequence, bool)
+    ):
+        return used_sequence
+    if isinstance(used_sequence, torch.Tensor):
+        if used_sequence.dtype not in documents._INT_DTYPES or used_sequence.dim() != 1:
+            raise TypeError(
+                f"used_sequence must be {_USED_TYPES}, got a tensor of dtype "
+                f"{used_sequence.dtype} and shape {tuple(used_sequence.shape)}"
+            )
+        return tuple(used_sequence.tolist())
+    if isinstance(used_sequence, (list, tuple)) and all(
+        isinstance(u, int) and not isinstance(u, bool) for u in used_sequence
+    ):
+        return tuple(used_sequence)
+    raise TypeError(f"used_sequence must be {_USED_TYPES}, got {type(used_sequence).__name__}")
+
+
+def _check_used(used, B: int, S: int, comm_mode: str):
+    """Range and length checks (after the ranks agreed on B, L and used_sequence) -> None (no
+    padding), an int (one count for every batch row) or a tuple of B counts."""
+    if isinstance(used, tuple):
+        if len(used) != B:
+            raise ValueError(
+                f"used_sequence must hold one live-row count per batch row (B = {B}), got "
+                f"{len(used)} counts: {list(used)}"
+            )
+        if len(set(used)) == 1:
+            used = used[0]
+    counts = (used,) if isinstance(used, int) else used or ()
+    for u in counts:
+        if not 1 <= u <= S:
+            raise ValueError(
+                f"used_sequence must be None or global row counts in [1, S = L * P = {S}], "
+                f"got {list(used) if isinstance(used, tuple) else used}"
+            )
+    if isinstance(used, tuple) and comm_mode == "lowp":
+        raise ValueError(
+            f"comm='lowp' takes one used_sequence for every batch row (its statistics are "
+            f"computed over one live length); got per-row counts {list(used)}; use "
+            f"comm='bf16' for per-row lengths"
+        )
+    if used == S:
+        return None
+    if isinstance(used, tuple) and all(u == S for u in used):
+        return None
+    return used
+
+
+_DTYPE_CODES = {
+    dt: i
+    for i, dt in enumerate(
+        (torch.bfloat16, torch.float16, torch.float32, *documents._INT_DTYPES, torch.bool)
+    )
+}
+
+
+def _used_field(used) -> int | None:
+    """One int for the signature: the count, or a digest of per-row counts (< -1)."""
+    if isinstance(used, tuple):
+        if len(set(used)) == 1:
+            return used[0]
+        return -2 - (zlib.crc32(repr(used).encode()) & 0x3FFFFFFF)
+    return used
+
+
+def _ids_fields(document_ids) -> dict:
+    """The signature fields of ``document_ids``: its batch, row count and dtype (-1: none)."""
+    if document_ids is None:
+        return {"document_ids_batch": -1, "document_ids_rows": -1, "document_ids_dtype": -1}
+    if isinstance(document_ids, documents.DocumentPlan):
+        document_ids = document_ids.ids
+    if not isinstance(document_ids, torch.Tensor):
+        return {"document_ids_batch": -3, "document_ids_rows": -3, "document_ids_dtype": -3}
+    batch = document_ids.shape[0] if document_ids.dim() == 2 else -10 - document_ids.dim()
+    return {
+        "document_ids_batch": batch,
+        "document_ids_rows": document_ids.shape[-1] if document_ids.dim() else 0,
+        "document_ids_dtype": _DTYPE_CODES.get(document_ids.dtype, -4),
+    }
+
+
+def _verify_batch(pg, P: int, q, k, comm_mode: str, used, document_ids) -> None:
+    """Every rank must call with the same sizes, dtype, mode, live counts and document-id
+    shape: checked on the first call of each signature (one all_gather of 12 ints), so that a
+    rank that differs gets the same ValueError on every rank instead of a backend abort, a
+    hang or silently wrong rows."""
+    B, L, Hq, D = q.shape
+    fields = {
+        "B": B, "L": L, "Hq": Hq, "Hkv": k.shape[2], "D": D, "dtype": _DTYPE_CODES[q.dtype],
+        "comm": COMM_MODES.index(comm_mode), "used_sequence": _used_field(used),
+        **_ids_fields(document_ids),
+    }  # fmt: skip
+    try:
+        comm.verify_call(pg, P, q.device, "ulysses_attention", False, **fields)
+    except ValueError as exc:
+        raise _readable_disagreement(exc, pg, P, q.device, used, B) from None
+
+
+def _readable_disagreement(exc: ValueError, pg, P: int, device, used, B: int) -> ValueError:
+    """The signature check's error with dtype names and per-row counts spelled out (every
+    rank holds the same error, so every rank takes the same branch here)."""
+    import ast
+    import re
+
+    found = re.search(r"disagree on (\w+) in ulysses_attention: per-rank values (\[.*?\])",
+                      str(exc))  # fmt: skip
+    if found is None:
+        return exc
+    name, values = found.group(1), ast.literal_eval(found.group(2))
+    names = {code: str(dt).removeprefix("torch.") for dt, code in _DTYPE_CODES.items()}
+    hint = ""
+    if name in ("dtype", "document_ids_dtype"):
+        values = [names.get(x, "none" if x == -1 else "not a tensor") for x in values]
+    elif name == "used_sequence":
+        if any(x is not None and x < -1 for x in values):  # some rank passed per-row counts
+            mine = list(used) if isinstance(used, tuple) else [used] * B
+            row = [len(mine)] + [-1 if u is None else u for u in mine[:B]]
+            row += [-1] * (B + 1 - len(row))
+            table = comm.all_gather(torch.tensor(row, dtype=torch.int64).to(device), pg, P)
+            values = [
+                r[1 : 1 + r[0]] if r[0] <= B else r[1:] + ["..."] for r in table.cpu().tolist()
+            ]
+            values = [[None if u == -1 else u for u in r] for r in values]
+        hint = " (a global live-row count of the whole sequence, not of this rank's shard)"
+    elif name == "L":
+        hint = " (every rank holds L = S / P rows of the global sequence)"
+    elif name.startswith("document_ids"):
+        hint = " (document_ids: an integer tensor [B, L] of this rank's rows on every rank)"
+    return ValueError(
+        f"ranks disagree on {name} in ulysses_attention: per-rank values {values}; every rank "
+        f"of the group must call ulysses_attention with the same {name}{hint}"
+    )
+
+
+def _document_plan(document_ids, B: int, L: int, P: int, pg, device):
+    """``document_ids`` -> a :class:`documents.DocumentPlan` of the global ids [B, S] (one
+    all_gather of the [B, L] ids, checked non-decreasing and non-negative: the same ids and
+    the same error on every rank), or None."""
+    if document_ids is None:
+        return None
+    S = L * P
+    if isinstance(document_ids, documents.DocumentPlan):
+        if document_ids.shape != (B, S):
+            raise ValueError(
+                f"document_ids plan must be of the global ids [B, S] = [{B}, {S}], got "
+                f"{list(document_ids.shape)}"
+            )
+        return document_ids
+    if not isinstance(document_ids, torch.Tensor):
+        raise TypeError(
+            f"document_ids must be None, an integer tensor [B, L] = [{B}, {L}] of this rank's "
+            f"rows or a documents.DocumentPlan, got {type(document_ids).__name__}"
+        )
+    if document_ids.dtype not in documents._INT_DTYPES:
+        raise TypeError(
+            f"document_ids must have an integer dtype in {documents._INT_DTYPES}, got "
+            f"{document_ids.dtype}"
+        )
+    if tuple(document_ids.shape) != (B, L):
+        raise ValueError(
+            f"document_ids must have shape [B, L] = [{B}, {L}] (this rank's rows, as q), got "
+            f"{tuple(document_ids.shape)}"
+        )
+    if document_ids.device != device:
+        raise ValueError(f"document_ids must be on q's device {device}, got {document_ids.device}")
+    if P == 1:
+        ids_full = document_ids
+    else:
+        gathered = comm.all_gather(document_ids.reshape(-1), pg, P)  # [P, B * L]
+        ids_full = gathered.view(P, B, L).permute(1, 0, 2).reshape(B, S).clone()
+    return documents.plan_documents(ids_full, local_rows=L)
+
+
+# ---- public: the layer ------------------------------------------------------------------------
 
 
 def ulysses_attention(
@@ -459,7 +825,7 @@ def ulysses_attention(
     group=None,
     attn: Callable | None = None,
     comm: str = "bf16",
-    used_sequence: int | None = None,
+    used_sequence=None,
     causal: bool = False,
     scale: float | None = None,
     q_group: int = 32,
@@ -467,6 +833,7 @@ def ulysses_attention(
     layout: str = "bshd",
     int8_output: bool = False,
     backward_comm: str = "bf16",
+    document_ids=None,
 ) -> torch.Tensor:
     """Ulysses sequence-parallel attention: this rank's sequence shard in, its shard out.
 
@@ -476,7 +843,7 @@ def ulysses_attention(
     q's dtype. Differentiable in q, k and v.
 
     * ``comm="bf16"`` (the input dtype, whatever it is): one all_to_all of q|k|v to head
-      shards, ``attn`` over all rows of ``Hq / P`` heads, one all_to_all back: exactly the
+      shards, ``attn`` over all rows of the rank's heads, one all_to_all back: exactly the
       attention of the gathered sequence (bit for bit where ``attn`` treats heads
       independently, as torch's CPU SDPA does).
     * ``comm="lowp"``: q, k, v travel as INT8 Q/K and FP8 V with scales from global
@@ -493,22 +860,50 @@ def ulysses_attention(
       by at most ``amax / 254`` of its (row, head), then the rounding to the dtype; a NaN or
       Inf in a (row, head) arrives as a (row, head) of NaN. Also at P = 1, so that gradients
       do not depend on P. The forward is unchanged. Default ``"bf16"``: the input dtype.
-    * GQA/MQA: ``Hq % Hkv == 0`` and ``Hq % P == 0``; K/V heads are sharded when
-      ``Hkv % P == 0`` and repeated on the wire (one per rank) when ``P % Hkv == 0``.
-    * ``used_sequence``: global rows ``[used, S)`` are padding: never attended as keys, and
-      the output rows there are 0 (and so are their gradients).
+    * Heads: ``Hq % Hkv == 0`` (GQA/MQA). When ``Hq % P == 0`` and ``Hkv % P == 0`` K/V heads
+      are sharded like Q's; when ``Hq % P == 0`` and ``P % Hkv == 0`` each rank receives the
+      one K/V head its query heads use (repeated on the wire). Any other counts (``Hq >= P``,
+      ``comm="bf16"`` only): rank r attends a contiguous range of query heads, the first
+      ``Hq % P`` ranks one more (``Hq // P + 1``, the others ``Hq // P``), and receives the
+      contiguous range of K/V heads those query heads use (query head i uses K/V head
+      ``i // (Hq // Hkv)``); a K/V head several ranks use goes to each of them and its
+      gradient is the sum of theirs. Where a rank's query heads do not share its K/V heads
+      evenly, ``attn`` receives the K/V heads repeated per query head.
+    * ``used_sequence``: an int, or per batch row a sequence of B ints or an integer tensor
+      [B] (read back to the host), global live-row counts in [1, S], the same on every rank:
+      rows ``[used_b, S)`` of batch row b are padding, never attended as keys; the output
+      rows there are 0 (and so are their gradients). Per-row counts that differ need
+      ``comm="bf16"``.
+    * ``document_ids``: packed documents. An integer tensor [B, L] of this rank's rows of
+      each batch row's document ids, non-negative and non-decreasing along the global
+      sequence (one all_gather of the ids, checked: the same error on every rank), or a
+      ``ulysses.documents.DocumentPlan`` of the global ids [B, S] (no collective, no host
+      read: what compiled code passes). A query attends only keys of its own document
+      (causal within it when ``causal``). The default attention is then
+      ``documents.document_attention``; no statistic of "lowp" depends on documents.
     * ``attn(q_h, k_h, v_h, *, causal, scale, used_sequence) -> [B, S, hq, D]`` on head shards
       [B, S, h, D] (k_h/v_h with ``hkv`` heads, see the module docstring); default
-      :func:`sdpa_attention`. A custom ``attn`` must not attend keys ``>= used_sequence``.
+      :func:`sdpa_attention`. ``used_sequence`` reaches it as None, an int or a tuple of B
+      ints; with ``document_ids`` it also receives ``document_ids=`` (the global ids
+      [B, S]). A custom ``attn`` must not attend padding keys or across documents.
     * ``group``: the Ulysses process group (default: the world group; with torch.distributed
       not initialized, a world of one). P = 1 runs no collective.
+
+    Ranks must agree on B, L, Hq, Hkv, D, dtype, ``comm``, ``used_sequence`` and the shape
+    and dtype of ``document_ids``: the first call of each such signature checks it (one small
+    all_gather; skipped while compiling or capturing a CUDA graph), and a difference raises
+    the same ValueError on every rank, naming the field and the per-rank values.
 
     Raises:
         TypeError: a tensor that is not floating (bf16/fp16 for "lowp") or whose dtype differs
             from q's; non-bool ``causal`` or ``int8_output``; non-str ``backward_comm``; bad
-            ``scale``, ``used_sequence``, ``attn``, ``group``.
-        ValueError: not 4-D; shapes that disagree; ``Hq % P``, ``Hq % Hkv`` or neither of
-            ``Hkv % P``, ``P % Hkv`` zero; ``used_sequence`` outside [1, S]; unknown ``comm``,
+            ``scale``, ``used_sequence``, ``attn``, ``group``; ``document_ids`` not an integer
+            tensor or plan.
+        ValueError: not 4-D; shapes that disagree; ``Hq % Hkv != 0``; ``Hq < P`` where the
+            heads do not split evenly; uneven heads with ``comm="lowp"``; ``used_sequence``
+            outside [1, S], not B counts, or per-row counts that differ with "lowp"; ranks
+            that disagree (see above); ``document_ids`` not [B, L] (a plan: not [B, S]),
+            decreasing along a row's global sequence or negative; unknown ``comm``,
             ``backward_comm`` or ``layout``; ``int8_output=True`` or
             ``backward_comm="lowp"`` without ``comm="lowp"``; what ``exchange_qkv`` rejects
             for "lowp".
@@ -517,45 +912,79 @@ def ulysses_attention(
 
         out = ulysses.ulysses_attention(q, k, v, causal=True)           # [B, L, Hq, D]
         out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp")
-        out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp", backward_comm="lowp")
+        out = ulysses.ulysses_attention(q, k, v, causal=True, document_ids=ids)  # ids [B, L]
     """
-    _check_call(q, k, v, comm, layout, causal, scale, used_sequence, attn)
+    _check_call(q, k, v, comm, layout, causal, scale, attn)
     _check_int8_output(int8_output, comm)
     _check_backward_comm(backward_comm, comm)
     lowp_backward = backward_comm == "lowp"
     if layout == "bhsd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     B, L, Hq, D = q.shape
-    pg, _, P = _resolve(group, q.device)
-    hd = _heads(Hq, k.shape[2], P)
+    pg, rank, P = _resolve(group, q.device)
+    used = _used_values(used_sequence)
+    _verify_batch(pg, P, q, k, comm, used, document_ids)
+    hd = _heads(Hq, k.shape[2], P, comm)
     S = L * P
-    if used_sequence is not None and not 1 <= used_sequence <= S:
-        raise ValueError(
-            f"used_sequence must be None or a global row count in [1, S = L * P = {S}], got "
-            f"{used_sequence}"
-        )
-    if used_sequence == S:
-        used_sequence = None
+    used = _check_used(used, B, S, comm)
+    plan = _document_plan(document_ids, B, L, P, pg, q.device)
+
+    # 1. sequence shards -> head shards of the whole sequence
     if comm == "lowp":
-        q_h, k_h, v_h = _LowpToHeads.apply(
-            q, k, v, hd, pg, used_sequence, q_group, k_group, lowp_backward
-        )
+        q_h, k_h, v_h = _LowpToHeads.apply(q, k, v, hd, pg, used, q_group, k_group, lowp_backward)
     elif P == 1:
         q_h, k_h, v_h = q, k, v
+    elif isinstance(hd, _UnevenHeads):
+        q_h, k_h, v_h = _uneven_to_heads(q, k, v, hd, rank, pg)
     else:
         q_h, k_h, v_h = _QKVToHeads.apply(q, k, v, hd, pg)
-    fn = sdpa_attention if attn is None else attn
-    out_h = fn(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used_sequence)
-    if attn is not None:
-        _check_attn_output(out_h, (B, S, hd.hq, D), q.dtype)
-        if used_sequence is not None:
-            out_h = torch.cat([out_h[:, :used_sequence], out_h.new_zeros(
-                B, S - used_sequence, hd.hq, D)], dim=1)  # fmt: skip
+
+    # 2. the attention on this rank's heads, every row
+    hq = q_h.shape[2]
+    if attn is None:
+        out_h = _default_attention(q_h, k_h, v_h, causal=causal, scale=scale, used=used,
+                                   plan=plan)  # fmt: skip
+    else:
+        extra = {} if plan is None else {"document_ids": plan.ids}
+        out_h = attn(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used, **extra)
+        _check_attn_output(out_h, (B, S, hq, D), q.dtype)
+        out_h = _zero_padding(out_h, used)
+
+    # 3. head shards -> sequence shards of the output
     if int8_output or lowp_backward:
         out = _LowpHeadsToSeq.apply(out_h, P, pg, int8_output, lowp_backward)
+    elif P == 1:
+        out = out_h
+    elif isinstance(hd, _UnevenHeads):
+        out = _UnevenHeadsToSeq.apply(out_h, hd.q_ranges, rank, pg)
     else:
-        out = out_h if P == 1 else _HeadsToSeq.apply(out_h, P, pg)
+        out = _HeadsToSeq.apply(out_h, P, pg)
     return out.transpose(1, 2) if layout == "bhsd" else out
+
+
+def _default_attention(q_h, k_h, v_h, *, causal, scale, used, plan):
+    """SDPA over the live rows; per-row counts or documents: ``documents.document_attention``
+    (SDPA per document slice on CPU, flex_attention with a block mask on CUDA)."""
+    if plan is None and not isinstance(used, tuple):
+        return sdpa_attention(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used)
+    if plan is None:
+        plan = documents.single_document_plan(q_h.shape[0], q_h.shape[1], q_h.device)
+    return documents.document_attention(
+        q_h, k_h, v_h, document_ids=plan, causal=causal, scale=scale, used_sequence=used
+    )
+
+
+def _zero_padding(out_h: torch.Tensor, used) -> torch.Tensor:
+    """Rows ``[used_b, S)`` of each batch row b set to 0 (what a custom ``attn`` returned
+    there is discarded)."""
+    if used is None:
+        return out_h
+    B, S = out_h.shape[:2]
+    if isinstance(used, int):
+        return torch.cat([out_h[:, :used], out_h.new_zeros(B, S - used, *out_h.shape[2:])], dim=1)
+    rows = torch.arange(S, device=out_h.device)
+    live = rows[None, :] < torch.tensor(used, device=out_h.device)[:, None]  # [B, S]
+    return torch.where(live[:, :, None, None], out_h, out_h.new_zeros(()))
 
 
 def _check_int8_output(int8_output, comm) -> None:

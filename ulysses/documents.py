@@ -41,6 +41,7 @@ __all__ = [
     "check_document_ids",
     "check_global_document_ids",
     "plan_documents",
+    "single_document_plan",
     "DocumentPlan",
     "document_attention",
     "IMPLS",
@@ -287,6 +288,13 @@ class DocumentPlan:
         if key not in self._masks:
             self._masks[key] = _make_block_mask(self.ids.to(device), causal, used, device)
         return self._masks[key]
+
+
+def single_document_plan(B: int, S: int, device=None) -> DocumentPlan:
+    """The plan of B rows that are one document each (ids all 0, no host read): with per-row
+    ``used_sequence`` counts, :func:`document_attention` then attends each row's live rows."""
+    ids = torch.zeros(B, S, dtype=torch.int64, device=device)
+    return DocumentPlan(ids, (((0, S),),) * B)
 
 
 def plan_documents(document_ids, *, local_rows=None, name: str = "document_ids") -> DocumentPlan:

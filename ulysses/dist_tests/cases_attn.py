@@ -1,7 +1,8 @@
 """Cases of the ``attention`` suite (``ulysses.ulysses_attention``): what each case id means and
 how its inputs are built.
 
-A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}[-B{B}]``:
+A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}[-B{B}]``
+``[-docs_packed][-disagree_{field}]`` (the uneven head kinds drop ``hq{hq}``):
 
     part           meaning
     comm           bf16 (exchange in the input dtype), lowp (INT8 Q/K, FP8 V), lowp8 (lowp,
@@ -17,8 +18,14 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
     causal | full  causal attention, or every query attends every live key
     used_<kind>    none (no padding); tail (the last live row mid-way through the last rank);
                    early (the last live row mid-way through rank P/2 - 1: later ranks hold
-                   only padding, whose keys a non-causal call must mask)
+                   only padding, whose keys a non-causal call must mask); rows (one count
+                   per batch row: tail, early, then the whole sequence, repeating)
     B{B}           batch size (1 when absent)
+    docs_packed    ``document_ids``: each batch row packs several documents (boundaries
+                   inside ranks and on rank boundaries, drawn from the case's seed)
+    disagree_used_sequence
+                   rank r passes ``used_sequence = used + r``: every rank must raise the
+                   same ValueError naming used_sequence and the per-rank values
 
 Every rank builds the same global q [B, S, Hq, D], k, v [B, S, Hkv, D] and output gradient
 [B, S, Hq, D] with ``ulysses.testing.make_k_full`` (seed: crc32 of the case id plus --seed;
@@ -37,8 +44,10 @@ from ulysses import testing
 from .cases import case_seed
 
 COMMS = ("bf16", "lowp", "lowp8", "lowpbw", "lowpbw8")
-KV_KINDS = ("mha", "gqa", "gqarep", "mqa")
-USED_KINDS = ("none", "tail", "early")
+KV_KINDS = ("mha", "gqa", "gqarep", "mqa", "odd", "g40", "kv3")
+UNEVEN_KINDS = ("odd", "g40", "kv3")
+USED_KINDS = ("none", "tail", "early", "rows")
+DOCS_KINDS = ("none", "packed")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -53,6 +62,8 @@ class Case:
     causal: bool
     used: str
     B: int = 1
+    docs: str = "none"
+    disagree: str = ""
 
     @property
     def lowp(self) -> bool:
@@ -71,14 +82,23 @@ class Case:
 
     @property
     def id(self) -> str:
-        parts = [self.comm, f"L{self.L}", f"hq{self.hq}", self.kv, f"D{self.D}", self.dtype]
+        heads = [self.kv] if self.kv in UNEVEN_KINDS else [f"hq{self.hq}", self.kv]
+        parts = [self.comm, f"L{self.L}", *heads, f"D{self.D}", self.dtype]
         parts += ["causal" if self.causal else "full", f"used_{self.used}"]
         if self.B != 1:
             parts.append(f"B{self.B}")
+        if self.docs != "none":
+            parts.append(f"docs_{self.docs}")
+        if self.disagree:
+            parts.append(f"disagree_{self.disagree}")
         return "-".join(parts)
 
     def heads(self, world_size: int) -> tuple[int, int]:
         """(Hq, Hkv) at this world size."""
+        P = world_size
+        uneven = {"odd": (2 * P - 1, 2 * P - 1), "g40": (40, 8), "kv3": (3 * (P + 1), 3)}
+        if self.kv in uneven:
+            return uneven[self.kv]
         Hq = self.hq * world_size
         Hkv = {
             "mha": Hq,
@@ -89,10 +109,14 @@ class Case:
         return Hq, Hkv
 
 
-def resolve_used(kind: str, L: int, world_size: int) -> int | None:
-    """The global live-row count of a used kind at this world size."""
+def resolve_used(kind: str, L: int, world_size: int, B: int = 1):
+    """The global live-row count of a used kind at this world size (a tuple of B counts for
+    ``rows``)."""
     if kind == "none":
         return None
+    if kind == "rows":
+        cycle = (resolve_used("tail", L, world_size), resolve_used("early", L, world_size))
+        return tuple((*cycle, L * world_size)[b % 3] for b in range(B))
     rank = world_size - 1 if kind == "tail" else max(0, world_size // 2 - 1)
     return rank * L + L // 2 + 1
 
@@ -115,6 +139,60 @@ DEFAULT_CASES = (
     Case("lowpbw", L=37, hq=2, kv="gqa", D=64, dtype="fp16", causal=True, used="early"),
     Case("lowpbw", L=33, hq=1, kv="gqarep", D=32, dtype="bf16", causal=False, used="tail"),
     Case("lowpbw8", L=40, hq=2, kv="mha", D=32, dtype="fp16", causal=True, used="early", B=2),
+    # head counts that do not split evenly over the ranks
+    Case("bf16", L=5, hq=0, kv="odd", D=16, dtype="bf16", causal=True, used="tail"),
+    Case("bf16", L=6, hq=0, kv="g40", D=16, dtype="bf16", causal=False, used="none"),
+    Case("bf16", L=5, hq=0, kv="kv3", D=16, dtype="fp16", causal=True, used="early", B=2),
+    # per-row live counts, packed documents
+    Case("bf16", L=10, hq=1, kv="mha", D=16, dtype="bf16", causal=True, used="rows", B=3),
+    Case(
+        "bf16",
+        L=12,
+        hq=1,
+        kv="gqa",
+        D=16,
+        dtype="bf16",
+        causal=True,
+        used="tail",
+        B=2,
+        docs="packed",
+    ),  # fmt: skip
+    Case(
+        "bf16",
+        L=10,
+        hq=2,
+        kv="mha",
+        D=16,
+        dtype="fp32",
+        causal=False,
+        used="rows",
+        B=3,
+        docs="packed",
+    ),  # fmt: skip
+    Case(
+        "lowp",
+        L=12,
+        hq=1,
+        kv="mha",
+        D=16,
+        dtype="bf16",
+        causal=False,
+        used="early",
+        B=2,
+        docs="packed",
+    ),  # fmt: skip
+    # ranks that disagree: the same ValueError on every rank (a shape no other case uses)
+    Case(
+        "bf16",
+        L=11,
+        hq=1,
+        kv="mha",
+        D=16,
+        dtype="bf16",
+        causal=False,
+        used="tail",
+        disagree="used_sequence",
+    ),  # fmt: skip
 )
 
 # GPU-sized cases (--large)
@@ -132,15 +210,40 @@ def select_cases(*, large: bool, sweep: bool) -> list[Case]:
     return list(DEFAULT_CASES) + (list(LARGE_CASES) if large else [])
 
 
+def document_ids(case: Case, world_size: int, base_seed: int):
+    """The global document ids [B, S] of a ``docs_packed`` case (None otherwise): per batch
+    row 1 to 5 documents with boundaries drawn from the case's seed, one of them on a rank
+    boundary, ids non-decreasing and skipping values now and then."""
+    if case.docs == "none":
+        return None
+    S = case.L * world_size
+    gen = torch.Generator().manual_seed(case_seed(case, base_seed) + 7)
+    rows = []
+    for b in range(case.B):
+        cuts = torch.randint(1, S, (b % 5,), generator=gen).tolist()
+        cuts = sorted({*cuts, case.L * (world_size // 2)} - {0})
+        ids, doc = torch.zeros(S, dtype=torch.int64), 0
+        for c in cuts:
+            doc += 1 + (c % 2)
+            ids[c:] = doc
+        rows.append(ids)
+    return torch.stack(rows)
+
+
 def build_full(case: Case, world_size: int, used, device, base_seed: int):
     """(q, k, v, grad_out) of the whole sequence, identical on every rank."""
     Hq, Hkv = case.heads(world_size)
     S, dtype, seed = case.L * world_size, DTYPES[case.dtype], case_seed(case, base_seed)
 
     def make(H, data, i, used_rows, **kw):
+        per_row = isinstance(used_rows, tuple)
         x = testing.make_k_full(
-            case.B, S, H, case.D, dtype, data, used=used_rows, seed=seed + i, **kw
-        )
+            case.B, S, H, case.D, dtype, data, used=None if per_row else used_rows,
+            seed=seed + i, **kw,
+        )  # fmt: skip
+        if per_row:  # rows [used_b, S) of batch row b zero
+            for b, n in enumerate(used_rows):
+                x[b, n:] = 0
         return x.to(device)
 
     q = make(Hq, "randn", 1, used)

@@ -80,7 +80,8 @@ LOWPBW_GRAD_BOUND = 0.08
 
 @dataclasses.dataclass
 class Inputs:
-    used: int | None
+    used: int | tuple | None  # a tuple: one count per batch row
+    ids: torch.Tensor | None  # the global document ids [B, S] (docs_packed cases)
     full: tuple  # q, k, v of the whole sequence
     full_go: torch.Tensor  # the output gradient of the whole sequence
     leaves: tuple  # this rank's q, k, v (requires grad)
@@ -92,14 +93,19 @@ def _rows(x: torch.Tensor, ctx: Context, L: int) -> torch.Tensor:
 
 
 def build_inputs(ctx: Context, case, seed: int) -> Inputs:
-    used = cases_attn.resolve_used(case.used, case.L, ctx.world_size)
+    used = cases_attn.resolve_used(case.used, case.L, ctx.world_size, case.B)
+    ids = cases_attn.document_ids(case, ctx.world_size, seed)
     q, k, v, go = cases_attn.build_full(case, ctx.world_size, used, ctx.device, seed)
     leaves = tuple(_rows(x, ctx, case.L).clone().requires_grad_() for x in (q, k, v))
-    return Inputs(used, (q, k, v), go, leaves, _rows(go, ctx, case.L).clone())
+    return Inputs(used, ids, (q, k, v), go, leaves, _rows(go, ctx, case.L).clone())
 
 
-def _attend(q, k, v, causal: bool, used: int | None):
-    """Plain SDPA over the live rows of [B, S, H, D] tensors; rows [used, S) zero."""
+def _attend(q, k, v, causal: bool, used, ids=None):
+    """Plain SDPA over the live rows of [B, S, H, D] tensors; rows [used, S) zero. Per-row
+    counts (a tuple) or document ids [B, S]: batch row by batch row, one SDPA call per run
+    of equal ids within the live rows."""
+    if ids is not None or isinstance(used, tuple):
+        return _attend_rows(q, k, v, causal, used, ids)
     S = q.shape[1]
     n = S if used is None else used
     gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
@@ -110,9 +116,29 @@ def _attend(q, k, v, causal: bool, used: int | None):
     return torch.cat([out, out.new_zeros(out.shape[0], S - n, *out.shape[2:])], dim=1)
 
 
+def _attend_rows(q, k, v, causal: bool, used, ids):
+    B, S = q.shape[:2]
+    counts = used if isinstance(used, tuple) else (S if used is None else used,) * B
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
+    rows = []
+    for b in range(B):
+        n = counts[b]
+        row_ids = [0] * n if ids is None else ids[b, :n].tolist()
+        pieces, s0 = [], 0
+        for s in range(1, n + 1):
+            if s == n or row_ids[s] != row_ids[s0]:
+                qs, ks, vs = (x[b : b + 1, s0:s].transpose(1, 2) for x in (q, k, v))
+                pieces.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal,
+                                                             **gqa).transpose(1, 2))  # fmt: skip
+                s0 = s
+        pieces.append(q.new_zeros(1, S - n, *q.shape[2:]))
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0)
+
+
 def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
     q, k, v = (x.clone().requires_grad_() for x in inputs.full)
-    out = _attend(q, k, v, case.causal, inputs.used)
+    out = _attend(q, k, v, case.causal, inputs.used, inputs.ids)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.full_go)
     L = case.L
     exp = {name: _rows(t, ctx, L).detach() for name, t in
@@ -120,7 +146,7 @@ def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
     if case.lowp:
         with torch.no_grad():
             f32 = [x.float() for x in inputs.full]
-            exp["out_fp32"] = _rows(_attend(*f32, case.causal, inputs.used), ctx, L)
+            exp["out_fp32"] = _rows(_attend(*f32, case.causal, inputs.used, inputs.ids), ctx, L)
             n = q.shape[1] if inputs.used is None else inputs.used
             exp["v_max"] = inputs.full[2][:, :n].float().abs().max().item()
         if ctx.device.type == "cpu":  # only compared where bit-exactness holds
@@ -162,7 +188,7 @@ def _quantized_attention(ctx: Context, case, inputs: Inputs) -> dict:
     for r in range(P):
         leaves = [x.requires_grad_(lowp_backward) for x in
                   _gathered_then_quantized(q, k, v, P, r, inputs.used, rep)]  # fmt: skip
-        out = _attend(*leaves, case.causal, inputs.used)
+        out = _attend(*leaves, case.causal, inputs.used, inputs.ids)
         outs.append(out.detach())
         if not lowp_backward:
             continue
@@ -188,11 +214,16 @@ def logged_collectives(log: list):
     """Record each collective step of ``ulysses.attention`` (its all_to_alls, and the
     low-precision exchange as one step) in ``log``."""
     a2a = ulysses.attention._all_to_all
+    a2a_uneven = ulysses.attention._all_to_all_uneven
     exchange = ulysses.lowp.exchange_qkv
 
     def logged_a2a(send, pg):
         log.append(f"all_to_all {list(send.shape)}")
         return a2a(send, pg)
+
+    def logged_a2a_uneven(send, in_splits, out_splits, pg):
+        log.append(f"all_to_all with split sizes, {len(in_splits)} parts")  # sizes differ by rank
+        return a2a_uneven(send, in_splits, out_splits, pg)
 
     def logged_exchange(q, k, v, **kw):
         log.append(f"exchange_qkv {list(q.shape)} {list(k.shape)}")
@@ -200,21 +231,50 @@ def logged_collectives(log: list):
 
     with (
         mock.patch("ulysses.attention._all_to_all", logged_a2a),
+        mock.patch("ulysses.attention._all_to_all_uneven", logged_a2a_uneven),
         mock.patch("ulysses.lowp.exchange_qkv", logged_exchange),
     ):
         yield
 
 
-def call_library(case, inputs: Inputs, log: list):
+def _used_argument(used):
+    """Per-row counts go in as a tensor [B] (the other accepted forms: unit tests)."""
+    return torch.tensor(used) if isinstance(used, tuple) else used
+
+
+def call_library(ctx: Context, case, inputs: Inputs, log: list):
     q, k, v = inputs.leaves
+    ids = None if inputs.ids is None else _rows(inputs.ids, ctx, case.L).to(ctx.device)
     with logged_collectives(log):
         out = ulysses.ulysses_attention(
             q, k, v, comm="lowp" if case.lowp else case.comm, causal=case.causal,
-            used_sequence=inputs.used, int8_output=case.int8_output,
-            backward_comm=case.backward_comm,
+            used_sequence=_used_argument(inputs.used), int8_output=case.int8_output,
+            backward_comm=case.backward_comm, document_ids=ids,
         )  # fmt: skip
         out.backward(inputs.grad_out)
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def call_disagreeing(ctx: Context, case, inputs: Inputs):
+    """Rank r passes ``used + r``: the message of the ValueError this rank raised, or None
+    when the call returned."""
+    q, k, v = (x.detach() for x in inputs.leaves)
+    try:
+        ulysses.ulysses_attention(q, k, v, causal=case.causal,
+                                  used_sequence=inputs.used + ctx.rank)  # fmt: skip
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def compare_disagreeing(run: CaseRun, ctx: Context, inputs: Inputs, message) -> None:
+    values = [inputs.used + r for r in range(ctx.world_size)]
+    detail = None
+    if message is None:
+        detail = "the call returned although the ranks passed different used_sequence"
+    elif "used_sequence" not in message or str(values) not in message:
+        detail = f"the error does not name used_sequence and the values {values}: {message}"
+    run.check("every rank raises ValueError naming used_sequence", detail)
 
 
 def _rel_max(got: torch.Tensor, exp: torch.Tensor, scale: float) -> float:
@@ -227,27 +287,53 @@ def _within(name: str, got, exp, tol: float) -> str | None:
     return None if err <= tol else f"{name}: max|got - ref| / max|ref| = {err:.3g} > {tol:.3g}"
 
 
-def _zero_rows(name: str, t: torch.Tensor, ctx: Context, L: int, used: int | None) -> str | None:
+def _zero_rows(name: str, t: torch.Tensor, ctx: Context, L: int, used) -> str | None:
     if used is None:
         return None
-    first_pad = max(0, min(L, used - ctx.rank * L))
-    tail = t[:, first_pad:]
-    if tail.numel() == 0 or bool((tail == 0).all()):
-        return None
-    return f"{name}: padding rows [used, S) are not zero on this rank"
+    counts = used if isinstance(used, tuple) else (used,) * t.shape[0]
+    for b, n in enumerate(counts):
+        tail = t[b, max(0, min(L, n - ctx.rank * L)) :]
+        if tail.numel() and not bool((tail == 0).all()):
+            return f"{name}: padding rows [used, S) of batch row {b} are not zero on this rank"
+    return None
+
+
+def kv_sharing(Hq: int, Hkv: int, P: int) -> tuple[int, bool]:
+    """(the most ranks that receive one K/V head, whether some rank's query heads use its K/V
+    heads unevenly), from the contract's head rules written out here: evenly split heads
+    (Hq % P == 0 and Hkv, P dividing one another), else query heads in contiguous ranges,
+    the first Hq % P ranks one more, each rank with the K/V heads its query heads use."""
+    if Hq % P == 0 and Hkv % P == 0:
+        return 1, False
+    if Hq % P == 0 and P % Hkv == 0:
+        return P // Hkv, False
+    g, start, receivers, uneven = Hq // Hkv, 0, [0] * Hkv, False
+    for r in range(P):
+        n = Hq // P + (r < Hq % P)
+        used = [i // g for i in range(start, start + n)]
+        for h in set(used):
+            receivers[h] += 1
+        uneven |= len({used.count(h) for h in set(used)}) > 1
+        start += n
+    return max(receivers), uneven
 
 
 def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, logs) -> None:
     out, dq, dk, dv = got
-    Hkv, P = case.heads(ctx.world_size)[1], ctx.world_size
-    rep = 1 if Hkv % P == 0 else P // Hkv
-    exact = ctx.device.type == "cpu" and rep == 1
-    tol = BF16_TOL_PER_RANK * (2 * rep + 1)
+    (Hq, Hkv), P = case.heads(ctx.world_size), ctx.world_size
+    rep, repeated = kv_sharing(Hq, Hkv, P)
+    exact = ctx.device.type == "cpu" and rep == 1 and not repeated
+    # a rank whose query heads use its K/V heads unevenly sums their gradients over its
+    # query heads too: at most Hq / Hkv more partials, each rounded
+    partials = rep * (Hq // Hkv if repeated else 1)
+    tol = BF16_TOL_PER_RANK * (2 * partials + 1)
     if ctx.device.type == "cuda":
         tol = max(tol, CUDA_TOL)
     if case.comm == "bf16":
         for name, g in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-            if exact:
+            # the forward treats heads independently: bitwise on CPU for every head split
+            if exact or (name == "out" and ctx.device.type == "cpu" and case.kv in
+                         cases_attn.UNEVEN_KINDS):  # fmt: skip
                 run.check(f"{name} bitwise", bitwise_diff(g, exp[name]))
             else:
                 run.check(f"{name} within {tol:.3g}", _within(name, g, exp[name], tol))
@@ -292,9 +378,13 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
 def run_case(ctx: Context, case, seed: int) -> CaseRun:
     run = CaseRun(ctx, case.id)
     inputs = run.local("build", lambda: build_inputs(ctx, case, seed))
+    if case.disagree:
+        message = run.collective("ulysses_attention", lambda: call_disagreeing(ctx, case, inputs))
+        run.local("compare", lambda: compare_disagreeing(run, ctx, inputs, message))
+        return run
     exp = run.local("reference", lambda: expected_values(ctx, case, inputs))
     log: list[str] = []
-    got = run.collective("ulysses_attention", lambda: call_library(case, inputs, log))
+    got = run.collective("ulysses_attention", lambda: call_library(ctx, case, inputs, log))
     logs = run.collective("gather logs", lambda: ctx.gather_json(log))
     run.local("compare", lambda: compare(run, ctx, case, inputs, exp, got, logs))
     return run
