@@ -45,6 +45,10 @@ __all__ = [
     "all_to_all",
     "all_gather_launcher",
     "all_to_all_launcher",
+    "all_to_all_start",
+    "start_on_side",
+    "Pending",
+    "set_link",
     "SIGNATURE_FIELDS",
 ]
 
@@ -161,6 +165,11 @@ def all_gather(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
     the payload itself, with no collective."""
     if world_size == 1:
         return payload.view(1, payload.numel())
+    if _LINK is not None and _LINK.pg is pg and not _ops.is_compiling():
+        gathered = torch.empty(world_size * payload.numel(), dtype=payload.dtype,
+                               device=payload.device)  # fmt: skip
+        _LINK.all_gather(gathered, payload)
+        return gathered.view(world_size, payload.numel())
     if _ops.is_compiling():  # traceable functional collective, no graph break
         gathered = funcol.all_gather_tensor(payload, 0, pg)
         return gathered.view(world_size, payload.numel())
@@ -183,6 +192,9 @@ def all_to_all(send: torch.Tensor, pg, world_size: int | None = None) -> torch.T
     if _ops.is_compiling():
         return funcol.all_to_all_single(send, None, None, pg)
     recv = torch.empty_like(send)
+    if _LINK is not None and _LINK.pg is pg:
+        _LINK.all_to_all(recv, send)
+        return recv
     dist.all_to_all_single(recv, send, group=pg)
     return recv
 
@@ -204,6 +216,8 @@ def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
         opts.asyncOp = False
 
     def gather(pg):
+        if _LINK is not None and _LINK.pg is pg:
+            return _LINK.all_gather(out, inp)
         work = pg._allgather_base(out, inp, opts)
         if work is not None:
             work.wait()
@@ -228,12 +242,117 @@ def all_to_all_launcher(send: torch.Tensor):
 
     def a2a(pg):
         recv = torch.empty_like(send)
+        if _LINK is not None and _LINK.pg is pg:
+            _LINK.all_to_all(recv, send)
+            return recv
         work = pg.alltoall_base(recv, send, [], [], opts)
         if work is not None:
             work.wait()
         return recv
 
     return a2a
+
+
+# ---- asynchronous steps ------------------------------------------------------------------------
+
+
+_LINK = None  # a network stand-in (ulysses.testing_link.LinkModel) or None: the real backend
+
+
+def set_link(link) -> object:
+    """Route every collective on ``link.pg`` through ``link`` (``link.all_to_all(recv, send)``,
+    ``link.all_gather(out, inp)``: each fills its output, ordered like a blocking collective
+    on the current stream) instead of the backend; ``None`` restores the backend. Returns the
+    link it replaced. For measuring on one device (``ulysses.testing_link``), never for
+    training."""
+    global _LINK
+    previous, _LINK = _LINK, link
+    return previous
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """This device's communication stream (created once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+class Pending:
+    """A started step. ``wait()`` returns its result, ready for the current stream (CUDA: the
+    current stream waits for the step's event) or for this thread (CPU: the collective's work
+    has finished). Call ``wait()`` once; later calls return the same result."""
+
+    __slots__ = ("_result", "_work", "_event", "_device")
+
+    def __init__(self, result, work=None, event=None, device=None):
+        self._result, self._work, self._event, self._device = result, work, event, device
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._event is not None:
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(self._event)
+            for t in _tensors(self._result):  # freed later only after this stream's reads
+                t.record_stream(stream)
+            self._event = None
+        return self._result
+
+
+def start_on_side(fn, *tensors) -> Pending:
+    """Start ``fn(*tensors)`` (tensors, then the step's own arguments bound in ``fn``) off the
+    current stream; ``wait()`` returns what it returned (a tensor or a tuple of tensors).
+
+    CUDA (the tensors' device): ``fn`` runs on the communication stream after the current
+    stream's work so far; its collectives block that stream, not the current one. The input
+    tensors are marked as used there (the caller may drop them at once). CPU: ``fn`` runs now.
+    """
+    device = tensors[0].device
+    if device.type != "cuda" or _ops.is_compiling():
+        return Pending(fn(*tensors))
+    current = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        result = fn(*tensors)
+        event = torch.cuda.Event()
+        event.record(side)
+    for t in tensors:
+        t.record_stream(side)
+    return Pending(result, event=event, device=device)
+
+
+def all_to_all_start(send: torch.Tensor, pg, world_size: int | None = None) -> Pending:
+    """:func:`all_to_all` started without waiting: ``wait()`` returns ``recv`` (chunk p came
+    from rank p). CUDA: on the communication stream (:func:`start_on_side`); CPU: the
+    backend's asynchronous work (gloo), joined by ``wait()``. At P = 1 (or under
+    ``torch.compile``, or through a CPU stand-in link) it has finished when it returns."""
+    if world_size is None:
+        world_size = 1 if pg is None else pg.size()
+    if world_size == 1 or _ops.is_compiling():
+        return Pending(all_to_all(send, pg, world_size))
+    if send.device.type == "cuda":
+        return start_on_side(lambda x: all_to_all(x, pg, world_size), send)
+    recv = torch.empty_like(send)
+    if _LINK is not None and _LINK.pg is pg:
+        _LINK.all_to_all(recv, send)
+        return Pending(recv)
+    work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
+    return Pending(recv, work=work)
 
 
 # ---- ranks that disagree ----------------------------------------------------------------------
