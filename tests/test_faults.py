@@ -37,6 +37,16 @@ DISAGREE = {
     "disagree_dtype": ("dtype", None),  # the values' spelling is the library's choice
     "disagree_used_sequence": ("used_sequence", [139, 135]),
     "disagree_group_size": ("group_size", [64, 128]),
+    # ulysses_attention (comm="bf16"): without the check, L, Hq, Hkv, D or dtype abort gloo's
+    # all_to_all and the live counts or document ids give silently wrong rows
+    "attn_disagree_L": ("L", [12, 13]),
+    "attn_disagree_Hq": ("Hq", [4, 6]),
+    "attn_disagree_Hkv": ("Hkv", [2, 4]),
+    "attn_disagree_D": ("D", [16, 32]),
+    "attn_disagree_dtype": ("dtype", ["bfloat16", "float16"]),
+    "attn_disagree_used_sequence": ("used_sequence", [23, 19]),
+    "attn_disagree_used_rows": ("used_sequence", [[23, 22], [23, 21]]),
+    "attn_disagree_document_ids": ("document_ids_rows", [12, 11]),
 }
 
 

@@ -453,7 +453,7 @@ class _UnevenHeadsToSeq(torch.autograd.Function):
         recv = _all_to_all_uneven(send, [send.numel() // P] * P, out_splits, pg)
         parts = [c.view(B, L, n, D) for c, (_, n) in zip(recv.split(out_splits), ranges,
                                                           strict=True)]  # fmt: skip
-        return torch.cat(parts, dim=2)
+        return _merge_uneven(parts)
 
     @staticmethod
     def backward(ctx, dy):
@@ -463,6 +463,11 @@ class _UnevenHeadsToSeq(torch.autograd.Function):
         send, in_splits = _send_segments(dy, tuple((r,) for r in ctx.ranges))
         recv = _all_to_all_uneven(send, in_splits, [B * L * n_r * D] * P, ctx.pg)
         return _merge_rows(recv.view(P, B, L, n_r, D)), None, None, None
+
+
+def _merge_uneven(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Each rank's heads [B, L, n_p, D], in rank order -> [B, L, H, D]."""
+    return torch.cat(parts, dim=2)
 
 
 def _uneven_to_heads(q, k, v, hd: _UnevenHeads, rank: int, pg):

@@ -32,6 +32,14 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
     key_mask        ulysses.attention._live_keys    every row is a key: padding keys attended
     backward_a2a    ulysses.attention.              the backward all_to_all dropped: each rank
                     _backward_all_to_all            keeps its own gradient chunks
+    uneven_heads    ulysses.attention._merge_uneven heads that do not split evenly come back
+                                                    with the ranks' head ranges reversed
+    document_runs   ulysses.documents.              every batch row one document: queries
+                    plan_documents (hook)           attend keys of other documents
+    per_row_used    ulysses.documents._used_rows    per-row live counts: every row gets the
+                    (hook)                          first row's count
+    no_verify       ulysses.attention._verify_batch the ranks' batch signature is not checked:
+                                                    a rank's own used_sequence goes unnoticed
     grad_scales     ulysses.rowwire.                backward_comm="lowp": dq|dk|dv dequantized
                     grads_dequant_op (hook)         with the previous rank's scales
     dout_scales     ulysses.rowwire.                backward_comm="lowp": the output's gradient
@@ -55,6 +63,7 @@ import threading
 from collections.abc import Callable, Iterator
 from unittest import mock
 
+import torch
 import torch.distributed as dist
 
 import ulysses.grid
@@ -142,6 +151,30 @@ def _no_backward_all_to_all(send, pg):
     return send
 
 
+def _merge_uneven_reversed(parts):
+    return torch.cat(parts[::-1], dim=2)
+
+
+def _one_document_per_row(original):
+    def plan_documents(document_ids, **kwargs):
+        plan = original(document_ids, **kwargs)
+        S = plan.shape[1]
+        return dataclasses.replace(plan, runs=(((0, S),),) * plan.shape[0], _masks={})
+
+    return plan_documents
+
+
+def _first_row_count(original):
+    def used_rows(used_sequence, B, S):
+        return (original(used_sequence, B, S)[0],) * B
+
+    return used_rows
+
+
+def _no_verify(*args, **kwargs):
+    return None
+
+
 def _scales_of_previous_rank(heads: Callable[[dict], int]) -> Hook:
     """A hook for a dequantize op of the per-(row, head) INT8 wire (ulysses/rowwire.py): the
     received chunk p keeps its codes but gets chunk p-1's scales (``heads(kwargs)``: the
@@ -180,6 +213,10 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "head_order": (("ulysses.attention._merge_heads", _merge_heads_rank_minor),),
     "key_mask": (("ulysses.attention._live_keys", _every_row_a_key),),
     "backward_a2a": (("ulysses.attention._backward_all_to_all", _no_backward_all_to_all),),
+    "uneven_heads": (("ulysses.attention._merge_uneven", _merge_uneven_reversed),),
+    "document_runs": (("ulysses.documents.plan_documents", Hook(_one_document_per_row)),),
+    "per_row_used": (("ulysses.documents._used_rows", Hook(_first_row_count)),),
+    "no_verify": (("ulysses.attention._verify_batch", _no_verify),),
     "grad_scales": (
         (
             "ulysses.rowwire.grads_dequant_op",
@@ -235,6 +272,22 @@ SHOWCASE: tuple[Showcase, ...] = (
     Showcase("backward_a2a", "attention", _ATTN_TAIL, "dq bitwise"),
     Showcase("grad_scales", "attention", _ATTN_LOWPBW, "dk bitwise vs gather-then-quantize"),
     Showcase("dout_scales", "attention", _ATTN_LOWPBW, "dq bitwise vs gather-then-quantize"),
+    Showcase("uneven_heads", "attention", "bf16-L5-odd-D16-bf16-causal-used_tail", "out bitwise"),
+    Showcase(
+        "document_runs",
+        "attention",
+        "bf16-L12-hq1-gqa-D16-bf16-causal-used_tail-B2-docs_packed",
+        "out bitwise",
+    ),
+    Showcase(
+        "per_row_used", "attention", "bf16-L10-hq1-mha-D16-bf16-causal-used_rows-B3", "out bitwise"
+    ),  # fmt: skip
+    Showcase(
+        "no_verify",
+        "attention",
+        "bf16-L11-hq1-mha-D16-bf16-full-used_tail-disagree_used_sequence",
+        "every rank raises ValueError naming used_sequence",
+    ),
 )
 
 

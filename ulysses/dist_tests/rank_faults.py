@@ -17,6 +17,11 @@ Modes:
                        argument signature on its first call (one all_gather), so every rank
                        must raise ValueError naming <arg> and the per-rank values, within
                        seconds.
+    attn_disagree_<arg>
+                       the same for ``ulysses_attention`` (comm="bf16"), whose all_to_alls
+                       would otherwise abort (sizes: L, Hq, Hkv, D, dtype) or return wrong
+                       rows (used_sequence, used_rows: per-row counts, document_ids: its
+                       shape)
 """
 
 from __future__ import annotations
@@ -44,7 +49,34 @@ DISAGREE = {
     "used_sequence": -5,
     "group_size": 128,
 }
-MODES = ("raise_before", "raise_inside", "exit") + tuple(f"disagree_{a}" for a in DISAGREE)
+ATTN_BASE = {"B": 2, "L": 12, "Hq": 4, "Hkv": 2, "D": 16, "dtype": torch.bfloat16}
+ATTN_DISAGREE = ("L", "Hq", "Hkv", "D", "dtype", "used_sequence", "used_rows", "document_ids")
+MODES = (
+    ("raise_before", "raise_inside", "exit")
+    + tuple(f"disagree_{a}" for a in DISAGREE)
+    + tuple(f"attn_disagree_{a}" for a in ATTN_DISAGREE)
+)
+
+
+def _attention_call(mode: str, faulty: bool, world_size: int):
+    """The q, k, v and keyword arguments of an ``attn_disagree_*`` mode on this rank."""
+    a = dict(ATTN_BASE)
+    name = mode.removeprefix("attn_disagree_")
+    if faulty and name in a:
+        a[name] = {"L": 13, "Hq": 6, "Hkv": 4, "D": 32, "dtype": torch.float16}[name]
+    S = ATTN_BASE["L"] * world_size
+    kwargs = {}
+    if name == "used_sequence":
+        kwargs["used_sequence"] = S - 5 if faulty else S - 1
+    elif name == "used_rows":
+        kwargs["used_sequence"] = [S - 1, S - 3 if faulty else S - 2]
+    elif name == "document_ids":
+        rows = a["L"] - 1 if faulty else a["L"]
+        kwargs["document_ids"] = torch.zeros(a["B"], rows, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(a["B"], a["L"], a["Hq"], a["D"], generator=gen).to(a["dtype"])
+    k = torch.randn(a["B"], a["L"], a["Hkv"], a["D"], generator=gen).to(a["dtype"])
+    return q, k, k.clone(), kwargs
 
 
 def _arguments(mode: str, faulty: bool, world_size: int) -> dict:
@@ -81,11 +113,15 @@ def run_mode(ctx: _dist.Context, mode: str) -> int:
         if faulty and mode == "exit":
             print(f"rank {rank}: planted os._exit(7)", flush=True)
             _dist.exit_now(7)
-        with _planted_collective_error(faulty and mode == "raise_inside"):
-            st = ulysses.smooth_k_stats(
-                k, used_sequence=a["used_sequence"], group_size=a["group_size"]
-            )
-        outputs = (st.k_mean_global, st.amax_partial, st.amax_final)
+        if mode.startswith("attn_"):
+            q, k_, v, kwargs = _attention_call(mode, faulty, ctx.world_size)
+            outputs = (ulysses.ulysses_attention(q, k_, v, **kwargs),)
+        else:
+            with _planted_collective_error(faulty and mode == "raise_inside"):
+                st = ulysses.smooth_k_stats(
+                    k, used_sequence=a["used_sequence"], group_size=a["group_size"]
+                )
+            outputs = (st.k_mean_global, st.amax_partial, st.amax_final)
         if any(bool(torch.isnan(t).any()) for t in outputs):
             raise RuntimeError("outputs are NaN: the ranks disagree")
         ctx.any_rank(False)  # a peer that failed after its collective fails this too
