@@ -19,11 +19,12 @@ becomes, on the current stream's order,
   is made (about 55 GB/s on an H200). A copy engine takes no SM, so the attention running
   beside it keeps every SM, as it would beside a real NIC; a sleeping kernel would not.
 
-CUDA: the copies run on the link's own stream, which first waits for the current stream; the
-current stream then waits for the link (a blocking collective, as NCCL's is for the stream
-that issued it). So a collective started on ``ulysses.comm``'s communication stream
-(``comm.all_to_all_start``) overlaps the current stream's kernels, and a blocking one does
-not. CPU: the copies run at once and the link takes no time (for smoke tests).
+CUDA: the link's copy runs on the link's own stream and the receive buffer's fill on a second
+one beside it (so the fill's own time does not add to the link's), both after the current
+stream's work so far; the current stream then waits for both (a blocking collective, as
+NCCL's is for the stream that issued it). So a collective started on ``ulysses.comm``'s
+communication stream (``comm.all_to_all_start``) overlaps the current stream's kernels, and a
+blocking one does not. CPU: the copies run at once and the link takes no time (for smoke tests).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class LinkModel:
         self._src = self._dst = None
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(device=self.device)
+            self.fill_stream = torch.cuda.Stream(device=self.device)
             self.copy_gbps = copy_gbps if copy_gbps is not None else _copy_gbps(self.device)
         else:
             self.stream = None
@@ -121,12 +123,15 @@ class LinkModel:
             return
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
+        self.fill_stream.wait_stream(current)
+        with torch.cuda.stream(self.fill_stream):
             fill()
+        with torch.cuda.stream(self.stream):
             self._move(received)
         current.wait_stream(self.stream)
+        current.wait_stream(self.fill_stream)
         for t in tensors:
-            t.record_stream(self.stream)
+            t.record_stream(self.fill_stream)
 
     def _move(self, received: int) -> None:
         """On the link's stream: a device -> pinned-host copy that lasts ``received / gbps``."""
