@@ -258,6 +258,10 @@ def test_head_chunks_must_divide_the_kv_heads_of_a_rank():
     with pytest.raises(ValueError, match="repeated to 4 ranks"):
         overlap.resolve_head_chunks(2, B=1, S=64, hd=repeated)
     assert overlap.resolve_head_chunks(1, B=1, S=64, hd=repeated) == 1
+    uneven = types.SimpleNamespace(P=4, Hq=6, Hkv=6)  # ulysses.attention's uneven split
+    with pytest.raises(ValueError, match=r"head_chunks=2 .*unevenly.*Hq=6, Hkv=6, P=4"):
+        overlap.resolve_head_chunks(2, B=1, S=64, hd=uneven)
+    assert overlap.resolve_head_chunks("auto", B=1, S=1 << 20, hd=uneven) == 1
 
 
 @pytest.mark.parametrize(

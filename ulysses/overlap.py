@@ -98,18 +98,26 @@ def auto_head_chunks(B: int, S: int, hd) -> int:
 
 def resolve_head_chunks(head_chunks, *, B: int, S: int, hd) -> int:
     """The chunk count of a call: ``head_chunks`` checked against the heads (``hd``: P, Hq,
-    Hkv, hq, hkv, rep as ``ulysses.attention`` splits them), ``"auto"`` resolved by
-    :func:`auto_head_chunks`; 1 under ``torch.compile``.
+    Hkv, hq, hkv, rep as ``ulysses.attention`` splits them; a split without ``rep`` is an
+    uneven one, ranks holding different head counts), ``"auto"`` resolved by
+    :func:`auto_head_chunks`; 1 under ``torch.compile`` (the same bits).
 
     Raises TypeError/ValueError: not a positive int or ``"auto"``; a count that does not
     divide the key/value heads a rank receives (``hkv``; a chunk holds whole GQA groups, so
     it also divides ``hq``); more than one chunk when K/V heads are repeated (``P % Hkv ==
-    0`` with Hkv < P). The message names the head counts."""
+    0`` with Hkv < P) or the heads split unevenly. The message names the head counts."""
     check_head_chunks(head_chunks)
+    uneven = not hasattr(hd, "rep")
     if head_chunks == AUTO:
-        n = auto_head_chunks(B, S, hd)
+        n = 1 if uneven else auto_head_chunks(B, S, hd)
     else:
         n = head_chunks
+        if n > 1 and uneven:
+            raise ValueError(
+                f"head_chunks={n} is not allowed: the heads split unevenly over the ranks "
+                f"(Hq={hd.Hq}, Hkv={hd.Hkv}, P={hd.P}); head_chunks > 1 needs Hq % P == 0 and "
+                f"Hkv % P == 0"
+            )
         if n > 1 and (hd.rep != 1 or hd.hkv % n):
             why = (
                 f"the K/V heads are repeated to {hd.rep} ranks (one K/V head a rank)"
