@@ -52,7 +52,9 @@ __all__ = [
     "seq_to_heads",
     "heads_to_seq",
     "sdpa_attention",
+    "masked_attention",
     "COMM_MODES",
+    "ATTN_OPTIONS",
 ]
 
 COMM_MODES = ("bf16", "lowp")
@@ -572,13 +574,16 @@ def _live_keys(S: int, used_sequence: int | None) -> int:
     return S if used_sequence is None else used_sequence
 
 
-def sdpa_attention(q, k, v, *, causal=False, scale=None, used_sequence=None) -> torch.Tensor:
+def sdpa_attention(
+    q, k, v, *, causal=False, scale=None, used_sequence=None, dropout_p=0.0
+) -> torch.Tensor:
     """The default ``attn``: torch's ``scaled_dot_product_attention`` on head shards.
 
     ``q`` [B, S, hq, D], ``k``, ``v`` [B, S, hkv, D] (``hq % hkv == 0``: GQA) -> [B, S, hq, D].
     With ``used_sequence < S`` it attends over the live rows only (queries and keys
     ``[0, used)``, so no mask is needed and flash kernels stay eligible) and returns zeros in
-    rows ``[used, S)``. ``causal``: query i attends keys ``j <= i``.
+    rows ``[used, S)``. ``causal``: query i attends keys ``j <= i``. ``dropout_p``: SDPA's
+    dropout on the attention weights (each rank draws its own).
     """
     S = q.shape[1]
     n = _live_keys(S, used_sequence)
@@ -592,6 +597,7 @@ def sdpa_attention(q, k, v, *, causal=False, scale=None, used_sequence=None) -> 
         is_causal=causal,
         scale=scale,
         **kwargs,
+        **({"dropout_p": dropout_p} if dropout_p else {}),
     ).transpose(1, 2)
     if n < S:
         out = F.pad(out, (0, 0, 0, 0, 0, S - n))
@@ -839,6 +845,7 @@ def ulysses_attention(
     int8_output: bool = False,
     backward_comm: str = "bf16",
     document_ids=None,
+    attn_kwargs: dict | None = None,
 ) -> torch.Tensor:
     """Ulysses sequence-parallel attention: this rank's sequence shard in, its shard out.
 
@@ -891,6 +898,13 @@ def ulysses_attention(
       :func:`sdpa_attention`. ``used_sequence`` reaches it as None, an int or a tuple of B
       ints; with ``document_ids`` it also receives ``document_ids=`` (the global ids
       [B, S]). A custom ``attn`` must not attend padding keys or across documents.
+    * ``attn_kwargs``: options for the attention, passed to a custom ``attn`` as keyword
+      arguments as they are. The default attention takes ``dropout_p`` (SDPA's),
+      ``window_size=(left, right)`` (a sliding window, flash-attn's convention: query i
+      attends keys ``[i - left, i + right]``, -1 unbounded) and ``softcap`` (scores become
+      ``softcap * tanh(s / softcap)``); a window or a soft cap runs
+      :func:`masked_attention` (fp32 scores, ``O(S**2)`` memory per head). Anything else:
+      TypeError naming it.
     * ``group``: the Ulysses process group (default: the world group; with torch.distributed
       not initialized, a world of one). P = 1 runs no collective.
 
@@ -903,7 +917,8 @@ def ulysses_attention(
         TypeError: a tensor that is not floating (bf16/fp16 for "lowp") or whose dtype differs
             from q's; non-bool ``causal`` or ``int8_output``; non-str ``backward_comm``; bad
             ``scale``, ``used_sequence``, ``attn``, ``group``; ``document_ids`` not an integer
-            tensor or plan.
+            tensor or plan; ``attn_kwargs`` not a dict, or (default attention) with options
+            other than ``dropout_p``, ``window_size``, ``softcap``.
         ValueError: not 4-D; shapes that disagree; ``Hq % Hkv != 0``; ``Hq < P`` where the
             heads do not split evenly; uneven heads with ``comm="lowp"``; ``used_sequence``
             outside [1, S], not B counts, or per-row counts that differ with "lowp"; ranks
@@ -911,7 +926,7 @@ def ulysses_attention(
             decreasing along a row's global sequence or negative; unknown ``comm``,
             ``backward_comm`` or ``layout``; ``int8_output=True`` or
             ``backward_comm="lowp"`` without ``comm="lowp"``; what ``exchange_qkv`` rejects
-            for "lowp".
+            for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``.
 
     Example (under torchrun, one process per GPU)::
 
@@ -920,6 +935,7 @@ def ulysses_attention(
         out = ulysses.ulysses_attention(q, k, v, causal=True, document_ids=ids)  # ids [B, L]
     """
     _check_call(q, k, v, comm, layout, causal, scale, attn)
+    options = _check_attn_kwargs(attn_kwargs, custom=attn is not None)
     _check_int8_output(int8_output, comm)
     _check_backward_comm(backward_comm, comm)
     lowp_backward = backward_comm == "lowp"
@@ -948,9 +964,9 @@ def ulysses_attention(
     hq = q_h.shape[2]
     if attn is None:
         out_h = _default_attention(q_h, k_h, v_h, causal=causal, scale=scale, used=used,
-                                   plan=plan)  # fmt: skip
+                                   plan=plan, options=options)  # fmt: skip
     else:
-        extra = {} if plan is None else {"document_ids": plan.ids}
+        extra = dict(options) if plan is None else {**options, "document_ids": plan.ids}
         out_h = attn(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used, **extra)
         _check_attn_output(out_h, (B, S, hq, D), q.dtype)
         out_h = _zero_padding(out_h, used)
@@ -967,11 +983,119 @@ def ulysses_attention(
     return out.transpose(1, 2) if layout == "bhsd" else out
 
 
-def _default_attention(q_h, k_h, v_h, *, causal, scale, used, plan):
+ATTN_OPTIONS = ("dropout_p", "window_size", "softcap")
+
+
+def _check_attn_kwargs(attn_kwargs, custom: bool) -> dict:
+    """``attn_kwargs`` -> a dict; for the default attention only :data:`ATTN_OPTIONS`, each
+    checked (a custom ``attn`` receives them as given)."""
+    if attn_kwargs is None:
+        return {}
+    if not isinstance(attn_kwargs, dict) or not all(isinstance(x, str) for x in attn_kwargs):
+        raise TypeError(
+            f"attn_kwargs must be None or a dict of keyword arguments, got "
+            f"{type(attn_kwargs).__name__}"
+        )
+    if custom:
+        return attn_kwargs
+    unknown = sorted(set(attn_kwargs) - set(ATTN_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"attn_kwargs has options the default attention does not take: {unknown}; it "
+            f"takes {list(ATTN_OPTIONS)} (pass attn= for others)"
+        )
+    p = attn_kwargs.get("dropout_p", 0.0)
+    if isinstance(p, bool) or not isinstance(p, int | float):
+        raise TypeError(f"attn_kwargs['dropout_p'] must be a float, got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"attn_kwargs['dropout_p'] must be in [0, 1), got {p}")
+    w = attn_kwargs.get("window_size")
+    if w is not None and not (
+        isinstance(w, tuple | list)
+        and len(w) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in w)
+    ):
+        raise ValueError(
+            f"attn_kwargs['window_size'] must be None or (left, right), ints >= -1 (-1: no "
+            f"limit on that side), got {w!r}"
+        )
+    c = attn_kwargs.get("softcap")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or c <= 0):
+        raise ValueError(f"attn_kwargs['softcap'] must be None or a number > 0, got {c!r}")
+    return attn_kwargs
+
+
+def masked_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    scale=None,
+    used_sequence=None,
+    document_ids=None,
+    window_size=None,
+    softcap=None,
+    dropout_p=0.0,
+) -> torch.Tensor:
+    """Attention with a sliding window, a soft cap on the scores, packed documents and
+    per-row live counts, written out in fp32 (the default attention's path for those
+    options): ``O(S**2)`` memory per head, for moderate S.
+
+    ``q`` [B, S, hq, D], ``k``, ``v`` [B, S, hkv, D] (``hq % hkv == 0``) -> [B, S, hq, D] in
+    q's dtype. Query i of batch row b attends key j iff ``j <= i`` (``causal``),
+    ``i - left <= j <= i + right`` (``window_size=(left, right)``, flash-attn's convention,
+    -1: unbounded), ``ids[b, i] == ids[b, j]`` (``document_ids`` [B, S]) and ``i, j < used_b``
+    (None, an int or B counts); scores ``s = scale * q.k`` become ``softcap * tanh(s /
+    softcap)``; dropout ``dropout_p`` on the weights. Rows with no key (padding) are 0.
+    """
+    B, S, hq, D = q.shape
+    if k.shape[2] != hq:
+        k, v = (x.repeat_interleave(hq // k.shape[2], dim=2) for x in (k, v))
+    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, h, S, D]
+    scores = (qf @ kf.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(S, device=q.device)[:, None]
+    j = torch.arange(S, device=q.device)[None, :]
+    allowed = torch.ones(S, S, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed &= j <= i
+    if window_size is not None:
+        left, right = window_size
+        if left >= 0:
+            allowed &= j >= i - left
+        if right >= 0:
+            allowed &= j <= i + right
+    counts = documents._used_rows(used_sequence, B, S)
+    live = (
+        torch.arange(S, device=q.device)[None, :] < torch.tensor(counts, device=q.device)[:, None]
+    )
+    allowed = allowed[None] & live[:, :, None] & live[:, None, :]  # [B, S, S]
+    if document_ids is not None:
+        ids = document_ids.to(q.device)
+        allowed &= ids[:, :, None] == ids[:, None, :]
+    scores = scores.masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    weights = torch.softmax(scores, dim=-1) * allowed[:, None]
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
+    return (weights @ vf).transpose(1, 2).to(q.dtype)
+
+
+def _default_attention(q_h, k_h, v_h, *, causal, scale, used, plan, options):
     """SDPA over the live rows; per-row counts or documents: ``documents.document_attention``
-    (SDPA per document slice on CPU, flex_attention with a block mask on CUDA)."""
+    (SDPA per document slice on CPU, flex_attention with a block mask on CUDA); a window, a
+    soft cap, or dropout with documents or per-row counts: :func:`masked_attention`."""
+    dropout_p = options.get("dropout_p", 0.0)
+    special = options.get("window_size") is not None or options.get("softcap") is not None
+    if special or (dropout_p and (plan is not None or isinstance(used, tuple))):
+        return masked_attention(
+            q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used,
+            document_ids=None if plan is None else plan.ids, **options,
+        )  # fmt: skip
     if plan is None and not isinstance(used, tuple):
-        return sdpa_attention(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used)
+        return sdpa_attention(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used,
+                              dropout_p=dropout_p)  # fmt: skip
     if plan is None:
         plan = documents.single_document_plan(q_h.shape[0], q_h.shape[1], q_h.device)
     return documents.document_attention(
@@ -1018,11 +1142,13 @@ def _check_attn_output(out, shape, dtype) -> None:
 
 
 class UlyssesAttention(torch.nn.Module):
-    """:func:`ulysses_attention` as a module: the communication settings are fixed at
-    construction, the per-call ones go to ``forward``.
+    """:func:`ulysses_attention` as a module: the communication settings (and default
+    attention options) are fixed at construction, the per-call ones go to ``forward``.
 
-    ``forward(q, k, v, *, used_sequence=None, causal=False, scale=None)``: q [B, L, Hq, D],
-    k, v [B, L, Hkv, D] sequence shards (``layout="bhsd"``: [B, H, L, D]) -> [B, L, Hq, D].
+    ``forward(q, k, v, *, used_sequence=None, causal=False, scale=None, document_ids=None,
+    attn_kwargs=None)``: q [B, L, Hq, D], k, v [B, L, Hkv, D] sequence shards
+    (``layout="bhsd"``: [B, H, L, D]) -> [B, L, Hq, D]. ``attn_kwargs`` of ``forward`` update
+    those given at construction.
 
     Example::
 
@@ -1030,6 +1156,8 @@ class UlyssesAttention(torch.nn.Module):
         out = self.attn(q, k, v, causal=True)                # in forward
         # the gradients cross ranks as INT8 too (docs/CONTRACT.md §11)
         ulysses.UlyssesAttention(comm="lowp", backward_comm="lowp")
+        # a sliding window of 256 keys back
+        ulysses.UlyssesAttention(attn_kwargs={"window_size": (256, 0)})
     """
 
     def __init__(
@@ -1043,6 +1171,7 @@ class UlyssesAttention(torch.nn.Module):
         layout: str = "bshd",
         int8_output: bool = False,
         backward_comm: str = "bf16",
+        attn_kwargs: dict | None = None,
     ):
         super().__init__()
         if comm not in COMM_MODES:
@@ -1053,16 +1182,21 @@ class UlyssesAttention(torch.nn.Module):
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if attn is not None and not callable(attn):
             raise TypeError(f"attn must be None or a callable, got {type(attn).__name__}")
+        self.attn_kwargs = dict(_check_attn_kwargs(attn_kwargs, custom=attn is not None))
         self.attn, self.group, self.comm = attn, group, comm
         self.q_group, self.k_group, self.layout = q_group, k_group, layout
         self.int8_output, self.backward_comm = int8_output, backward_comm
 
-    def forward(self, q, k, v, *, used_sequence=None, causal=False, scale=None):
+    def forward(self, q, k, v, *, used_sequence=None, causal=False, scale=None,
+                document_ids=None, attn_kwargs=None):  # fmt: skip
+        if attn_kwargs is not None and not isinstance(attn_kwargs, dict):
+            raise TypeError(f"attn_kwargs must be None or a dict, got {type(attn_kwargs).__name__}")
+        options = {**self.attn_kwargs, **(attn_kwargs or {})} or None
         return ulysses_attention(
             q, k, v, group=self.group, attn=self.attn, comm=self.comm,
             used_sequence=used_sequence, causal=causal, scale=scale, q_group=self.q_group,
             k_group=self.k_group, layout=self.layout, int8_output=self.int8_output,
-            backward_comm=self.backward_comm,
+            backward_comm=self.backward_comm, document_ids=document_ids, attn_kwargs=options,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -1070,4 +1204,6 @@ class UlyssesAttention(torch.nn.Module):
         out = ", int8_output=True" if self.int8_output else ""
         if self.backward_comm != "bf16":
             out += f", backward_comm={self.backward_comm!r}"
+        if self.attn_kwargs:
+            out += f", attn_kwargs={self.attn_kwargs!r}"
         return f"attn={name}, comm={self.comm!r}, layout={self.layout!r}{out}"
