@@ -146,7 +146,7 @@ class Shape:
         return [n for n in chunks if self.hd.hkv % n == 0]
 
     def auto(self) -> int:
-        return overlap.auto_head_chunks(1, self.S, self.hd)
+        return overlap.auto_head_chunks(1, self.S, self.hd, D=self.D, causal=self.causal)
 
     def layer(self, comm: str, n: int):
         """The call with ``head_chunks=n``: through ulysses_attention once it has the
@@ -273,6 +273,38 @@ def run_shape(shape: Shape, link, clock: Clock, args, failures: list) -> dict:
     for key, values in samples.items():
         results[key] = statistics.median(values)
     return {"times": results, "wire": wire, "links": links, "kinds": kinds, "chunks": chunks}
+
+
+def exchange_cost(shape: Shape, link, clock: Clock, args) -> str:
+    """The lowp exchange with the link's time left out (a link of 1e9 GB/s): one call over all
+    heads against n calls over head chunks (what head_chunks=n runs: n statistics
+    all_gathers and n packs), including the chunks' copies; µs, median of the rounds."""
+    P, hd = shape.P, shape.hd
+    link.gbps = 1e9
+    calls = {1: lambda: ulysses.lowp.exchange_to_heads(shape.q, shape.k, shape.v, group=link.pg)}
+    for n in shape.valid_chunks(args.chunks):
+        if n == 1:
+            continue
+
+        def chunks(n=n):
+            for c in range(n):
+                parts = [overlap._chunk_heads(x, P, hd.hq, c, hd.hq // n)
+                         for x in (shape.q, shape.k, shape.v)]  # fmt: skip
+                ulysses.lowp.exchange_to_heads(*parts, group=link.pg)
+
+        calls[n] = chunks
+    for fn in calls.values():
+        fn()
+    samples = {n: [] for n in calls}
+    for _ in range(max(3, args.rounds)):
+        for n, fn in calls.items():
+            mark = clock.start()
+            fn()
+            mark = clock.stop(mark)
+            clock.sync()
+            samples[n].append(clock.seconds(mark))
+    cells = [f"n={n}: {statistics.median(v) * 1e6:.0f}" for n, v in samples.items()]
+    return "lowp exchange without the link's time, µs: " + ", ".join(cells)
 
 
 def fmt_ms(x) -> str:
@@ -438,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                 calib = check_link(link, shape, clock, failures)
                 print(f"\nlink stand-in at {shape.label}: copy engine {copy:.1f} GB/s; {calib}")
                 res = run_shape(shape, link, clock, args, failures)
+                if "lowp" in args.comms:
+                    print(f"\n{exchange_cost(shape, link, clock, args)}")
             rows += report(shape, res, args)
             print(f"\n({time.time() - began:.0f} s so far)")
             del shape

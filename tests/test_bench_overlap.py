@@ -56,6 +56,7 @@ def test_runs_and_prints_every_table(bench, capsys):
                 float(cell)
             assert n4 == "–"  # 4 does not divide the 2 K/V heads a rank receives
             assert best_n in ("1", "2")
+    assert "lowp exchange without the link's time, µs: n=1: " in out and ", n=2: " in out
     assert "### Targets" in out and "head_chunks='auto'" in out
     assert "- all passed" in out
 

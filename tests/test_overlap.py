@@ -265,20 +265,22 @@ def test_head_chunks_must_divide_the_kv_heads_of_a_rank():
 
 
 @pytest.mark.parametrize(
-    "B, S, H, P, expected",
+    "B, S, causal, H, P, expected",
     [
-        (1, 8192, 32, 8, 1),  # 64 tiles x 4 heads = 256: chunks would starve the SMs
-        (1, 32768, 32, 8, 2),  # 1024 tiles: 2 chunks of 512
-        (1, 131072, 32, 8, 4),  # capped at 4
-        (1, 8192, 32, 2, 2),  # 16 heads a rank: 1024 tiles
-        (1, 32768, 32, 2, 4),
-        (1, 131072, 32, 1, 1),  # P = 1: nothing to hide
-        (4, 32768, 32, 32, 1),  # one head a rank
+        (1, 8192, True, 32, 8, 1),  # 64 tiles x 4 heads = 256: chunks would starve the SMs
+        (1, 32768, False, 32, 8, 2),  # 1024 tiles: 2 chunks of 512
+        (1, 131072, False, 32, 8, 4),  # capped at 4
+        (1, 8192, True, 32, 2, 1),  # 16 heads: 1024 tiles, but 2 chunks of 3.4e10 MACs
+        (1, 8192, False, 32, 2, 2),  # not causal: 2 chunks of 6.9e10 MACs
+        (1, 32768, False, 32, 2, 4),
+        (1, 131072, False, 32, 1, 1),  # P = 1: nothing to hide
+        (4, 32768, False, 32, 32, 1),  # one head a rank
     ],
 )
-def test_auto_rule(B, S, H, P, expected):
+def test_auto_rule(B, S, causal, H, P, expected):
     hd = split(H, H, P)
-    assert overlap.resolve_head_chunks("auto", B=B, S=S, hd=hd) == expected
+    got = overlap.resolve_head_chunks("auto", B=B, S=S, hd=hd, D=128, causal=causal)
+    assert got == expected
 
 
 # ---- through the layer (once ulysses_attention has head_chunks) ---------------------------------

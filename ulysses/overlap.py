@@ -62,6 +62,7 @@ __all__ = ["pipelined_attention", "resolve_head_chunks", "check_head_chunks", "A
 AUTO = "auto"
 AUTO_MAX_CHUNKS = 4
 AUTO_MIN_TILES = 512  # B * (query heads of a chunk) * ceil(S / 128): about 4 waves of 132 SMs
+AUTO_MIN_WORK = 5e10  # multiply-adds of a chunk's attention forward: ~0.5 ms on an H200
 
 # the collective seams (a test or the harness may wrap them to log the calls)
 _all_to_all_start = comm.all_to_all_start
@@ -81,22 +82,31 @@ def check_head_chunks(head_chunks) -> None:
         raise ValueError(f"head_chunks must be a positive int or {AUTO!r}, got {head_chunks}")
 
 
-def auto_head_chunks(B: int, S: int, hd) -> int:
+def auto_head_chunks(B: int, S: int, hd, *, D: int = 128, causal: bool = False) -> int:
     """The ``"auto"`` rule, from the shape alone (so every rank picks the same): the largest
-    n <= 4 that divides the key/value heads a rank receives and leaves each chunk at least
-    512 query tiles of 128 rows (``B * hq / n * ceil(S / 128)``, a few waves of a GPU's SMs:
-    fewer heads a launch would leave SMs idle); 1 at P = 1 (nothing to hide) and when the
-    key/value heads are repeated to several ranks (``P % Hkv == 0``: one head a rank)."""
+    n <= 4 that divides the key/value heads a rank receives and leaves each chunk
+
+    * at least 512 query tiles of 128 rows (``B * hq / n * ceil(S / 128)``, a few waves of a
+      GPU's SMs: fewer heads a launch would leave SMs idle), and
+    * at least ``5e10`` multiply-adds of attention (``B * hq / n * S**2 * D``, halved when
+      causal; about 0.5 ms of an H200's forward: the per-chunk host and launch costs stay
+      small beside it);
+
+    1 at P = 1 (nothing to hide) and when the key/value heads are repeated to several ranks
+    (``P % Hkv == 0``: one head a rank)."""
     if hd.P == 1 or hd.rep != 1:
         return 1
     tiles = B * hd.hq * -(-S // 128)
+    work = B * hd.hq * S * S * D * (0.5 if causal else 1.0)
     for n in range(min(AUTO_MAX_CHUNKS, hd.hkv), 1, -1):
-        if hd.hkv % n == 0 and tiles // n >= AUTO_MIN_TILES:
+        if hd.hkv % n == 0 and tiles // n >= AUTO_MIN_TILES and work / n >= AUTO_MIN_WORK:
             return n
     return 1
 
 
-def resolve_head_chunks(head_chunks, *, B: int, S: int, hd) -> int:
+def resolve_head_chunks(
+    head_chunks, *, B: int, S: int, hd, D: int = 128, causal: bool = False
+) -> int:
     """The chunk count of a call: ``head_chunks`` checked against the heads (``hd``: P, Hq,
     Hkv, hq, hkv, rep as ``ulysses.attention`` splits them; a split without ``rep`` is an
     uneven one, ranks holding different head counts), ``"auto"`` resolved by
@@ -109,7 +119,7 @@ def resolve_head_chunks(head_chunks, *, B: int, S: int, hd) -> int:
     check_head_chunks(head_chunks)
     uneven = not hasattr(hd, "rep")
     if head_chunks == AUTO:
-        n = 1 if uneven else auto_head_chunks(B, S, hd)
+        n = 1 if uneven else auto_head_chunks(B, S, hd, D=D, causal=causal)
     else:
         n = head_chunks
         if n > 1 and uneven:
