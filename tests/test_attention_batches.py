@@ -324,3 +324,32 @@ def test_masked_attention_without_options_is_sdpa():
     got = A.masked_attention(q, k, v, causal=True, used_sequence=33)
     want = A.sdpa_attention(q, k, v, causal=True, used_sequence=33)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- torch.compile -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["plan_and_rows", "window"])
+def test_compiles_fullgraph_with_a_document_plan_and_options(what):
+    """Compiled code passes a DocumentPlan (no gather, no host read) and per-row counts as a
+    list: no graph break, the eager bits."""
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 48, 4, 2, 16, seed=2))
+    plan = documents.plan_documents(_ids(2, 48))
+
+    def f(q, k, v):
+        if what == "window":
+            return ulysses.ulysses_attention(q, k, v, causal=True, used_sequence=40,
+                                             attn_kwargs={"window_size": (4, 0)})  # fmt: skip
+        return ulysses.ulysses_attention(q, k, v, causal=True, document_ids=plan,
+                                         used_sequence=[40, 48])  # fmt: skip
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(f)(q, k, v).graph_break_count == 0
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    want = f(q, k, v)
+    assert bitwise_diff(got, want) is None
+    g_got = torch.autograd.grad(got.float().sum(), (q, k, v))
+    g_want = torch.autograd.grad(want.float().sum(), (q, k, v))
+    for a, b in zip(g_got, g_want, strict=True):
+        assert bitwise_diff(a, b) is None

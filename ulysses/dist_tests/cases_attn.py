@@ -21,6 +21,7 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
                    only padding, whose keys a non-causal call must mask); rows (one count
                    per batch row: tail, early, then the whole sequence, repeating)
     B{B}           batch size (1 when absent)
+    win{l}_{r}     ``attn_kwargs={"window_size": (l, r)}``: query i attends keys [i - l, i + r]
     docs_packed    ``document_ids``: each batch row packs several documents (boundaries
                    inside ranks and on rank boundaries, drawn from the case's seed)
     disagree_used_sequence
@@ -64,6 +65,7 @@ class Case:
     B: int = 1
     docs: str = "none"
     disagree: str = ""
+    window: tuple[int, int] | None = None
 
     @property
     def lowp(self) -> bool:
@@ -89,6 +91,8 @@ class Case:
             parts.append(f"B{self.B}")
         if self.docs != "none":
             parts.append(f"docs_{self.docs}")
+        if self.window is not None:
+            parts.append(f"win{self.window[0]}_{self.window[1]}")
         if self.disagree:
             parts.append(f"disagree_{self.disagree}")
         return "-".join(parts)
@@ -180,6 +184,22 @@ DEFAULT_CASES = (
         used="early",
         B=2,
         docs="packed",
+    ),  # fmt: skip
+    # a sliding window across rank boundaries (attn_kwargs={"window_size": ...})
+    Case(
+        "bf16",
+        L=9,
+        hq=1,
+        kv="gqa",
+        D=16,
+        dtype="bf16",
+        causal=True,
+        used="tail",
+        B=2,
+        window=(5, 0),
+    ),  # fmt: skip
+    Case(
+        "lowp", L=12, hq=2, kv="mha", D=16, dtype="bf16", causal=False, used="none", window=(6, 2)
     ),  # fmt: skip
     # ranks that disagree: the same ValueError on every rank (a shape no other case uses)
     Case(

@@ -136,7 +136,32 @@ def _attend_rows(q, k, v, causal: bool, used, ids):
     return torch.cat(rows, dim=0)
 
 
+def _windowed(q, k, v, causal: bool, used, ids, window):
+    """fp32 attention of [B, S, H, D] tensors with a sliding window, from the rule: query i
+    of row b attends key j iff j <= i (causal), i - left <= j <= i + right (-1: unbounded),
+    the same document, both live; rows without a key are 0."""
+    B, S, Hq, D = q.shape
+    k, v = (x.float().repeat_interleave(Hq // k.shape[2], dim=2) for x in (k, v))
+    counts = used if isinstance(used, tuple) else (S if used is None else used,) * B
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    left, right = window
+    keep = (j >= i - left if left >= 0 else j >= 0) & (j <= i + right if right >= 0 else j >= 0)
+    if causal:
+        keep = keep & (j <= i)
+    live = torch.arange(S)[None, :] < torch.tensor(counts)[:, None]  # [B, S]
+    keep = keep[None] & live[:, :, None] & live[:, None, :]
+    if ids is not None:
+        keep = keep & (ids[:, :, None] == ids[:, None, :])
+    keep = keep.to(q.device)
+    scores = torch.einsum("bihd,bjhd->bhij", q.float(), k) / D**0.5
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    return torch.einsum("bhij,bjhd->bihd", weights, v)
+
+
 def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
+    if case.window is not None:
+        return _expected_windowed(ctx, case, inputs)
     q, k, v = (x.clone().requires_grad_() for x in inputs.full)
     out = _attend(q, k, v, case.causal, inputs.used, inputs.ids)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.full_go)
@@ -152,6 +177,19 @@ def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
         if ctx.device.type == "cpu":  # only compared where bit-exactness holds
             quant = _quantized_attention(ctx, case, inputs)
             exp.update({name: _rows(t, ctx, L) for name, t in quant.items()})
+    return exp
+
+
+def _expected_windowed(ctx: Context, case, inputs: Inputs) -> dict:
+    """Window cases: the fp32 attention of the gathered sequence and its fp32 gradients."""
+    q, k, v = (x.float().requires_grad_() for x in inputs.full)
+    out = _windowed(q, k, v, case.causal, inputs.used, inputs.ids, case.window)
+    grads = torch.autograd.grad(out, (q, k, v), inputs.full_go.float())
+    exp = {name: _rows(t, ctx, case.L).detach() for name, t in
+           zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True)}  # fmt: skip
+    exp["out_fp32"] = exp["out"]
+    n = q.shape[1] if inputs.used is None else inputs.used
+    exp["v_max"] = inputs.full[2][:, :n].float().abs().max().item()
     return exp
 
 
@@ -250,6 +288,7 @@ def call_library(ctx: Context, case, inputs: Inputs, log: list):
             q, k, v, comm="lowp" if case.lowp else case.comm, causal=case.causal,
             used_sequence=_used_argument(inputs.used), int8_output=case.int8_output,
             backward_comm=case.backward_comm, document_ids=ids,
+            attn_kwargs=None if case.window is None else {"window_size": case.window},
         )  # fmt: skip
         out.backward(inputs.grad_out)
     return out.detach(), q.grad, k.grad, v.grad
@@ -329,7 +368,12 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
     tol = BF16_TOL_PER_RANK * (2 * partials + 1)
     if ctx.device.type == "cuda":
         tol = max(tol, CUDA_TOL)
-    if case.comm == "bf16":
+    if case.comm == "bf16" and case.window is not None:
+        # fp32 attention on the head shards, rounded once to the dtype: within 2**-8 of the
+        # fp32 reference's largest value (the K/V gradients sum over ranks as above)
+        for name, g in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+            run.check(f"{name} within {tol:.3g} of fp32", _within(name, g, exp[name], tol))
+    elif case.comm == "bf16":
         for name, g in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
             # the forward treats heads independently: bitwise on CPU for every head split
             if exact or (name == "out" and ctx.device.type == "cpu" and case.kv in

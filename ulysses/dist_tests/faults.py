@@ -38,6 +38,8 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
                     plan_documents (hook)           attend keys of other documents
     per_row_used    ulysses.documents._used_rows    per-row live counts: every row gets the
                     (hook)                          first row's count
+    window_shift    ulysses.attention.              a sliding window one key wider on the left
+                    masked_attention (hook)
     no_verify       ulysses.attention._verify_batch the ranks' batch signature is not checked:
                                                     a rank's own used_sequence goes unnoticed
     grad_scales     ulysses.rowwire.                backward_comm="lowp": dq|dk|dv dequantized
@@ -171,6 +173,15 @@ def _first_row_count(original):
     return used_rows
 
 
+def _window_one_wider(original):
+    def masked_attention(*args, window_size=None, **kwargs):
+        if window_size is not None and window_size[0] >= 0:
+            window_size = (window_size[0] + 1, window_size[1])
+        return original(*args, window_size=window_size, **kwargs)
+
+    return masked_attention
+
+
 def _no_verify(*args, **kwargs):
     return None
 
@@ -216,6 +227,7 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "uneven_heads": (("ulysses.attention._merge_uneven", _merge_uneven_reversed),),
     "document_runs": (("ulysses.documents.plan_documents", Hook(_one_document_per_row)),),
     "per_row_used": (("ulysses.documents._used_rows", Hook(_first_row_count)),),
+    "window_shift": (("ulysses.attention.masked_attention", Hook(_window_one_wider)),),
     "no_verify": (("ulysses.attention._verify_batch", _no_verify),),
     "grad_scales": (
         (
@@ -282,6 +294,12 @@ SHOWCASE: tuple[Showcase, ...] = (
     Showcase(
         "per_row_used", "attention", "bf16-L10-hq1-mha-D16-bf16-causal-used_rows-B3", "out bitwise"
     ),  # fmt: skip
+    Showcase(
+        "window_shift",
+        "attention",
+        "bf16-L9-hq1-gqa-D16-bf16-causal-used_tail-B2-win5_0",
+        "out within",
+    ),
     Showcase(
         "no_verify",
         "attention",
