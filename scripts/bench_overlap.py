@@ -28,10 +28,11 @@ with ``head_chunks`` n in ``--chunks`` (and ``auto``, shown as the n it picks):
 
 Checks (exit status 1 if one fails): the stand-in's copy lasts the modelled time (a lone
 all_to_all of the largest send within 10% of ``bytes / GB/s``); every configuration's
-forward output is finite and equals n = 1's bit for bit (the attention's forward treats heads
-independently; its backward may accumulate in a nondeterministic order on a GPU, so the
-gradients are compared within 2e-2 relative); the targets of the overlap are printed as met
-or missed (they do not change the exit status).
+forward output is finite and equals n = 1's bit for bit, where the attention alone gives the
+same bits on a chunk's heads as on all heads (a GPU kernel may split the keys differently for
+fewer heads: then within 1e-2 relative, and a note says so); its backward may accumulate in a
+nondeterministic order on a GPU, so the gradients are compared within 2e-2 relative. The
+targets of the overlap are printed as met or missed (they do not change the exit status).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ KINDS = {"fwd": "fwd", "train": "fwd+bwd"}
 HEAVY = {(2, 131072)}
 HEAVY_LINKS = (50.0, 450.0)
 GRAD_RTOL = 2e-2
+OUT_RTOL = 1e-2
 CALIB_TOL = 0.10
 
 
@@ -218,7 +220,27 @@ def check_link(link: testing_link.LinkModel, shape: Shape, clock: Clock, failure
     return "; ".join(lines)
 
 
-def run_shape(shape: Shape, link, clock: Clock, args, failures: list) -> dict:
+def rel_diff(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return (x.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-30)
+
+
+def attention_splits_heads(shape: Shape, n: int) -> bool:
+    """Whether the attention alone, on each chunk's heads (contiguous, as the pipeline holds
+    them), gives the bits it gives on all heads (a GPU kernel may choose another split of the
+    keys for fewer heads)."""
+    hqc, causal = shape.hd.hq // n, shape.causal
+    with torch.no_grad():
+        whole = sdpa_attention(shape.q_h, shape.k_h, shape.v_h, causal=causal)
+        for c in range(n):
+            part = [x[:, :, c * hqc : (c + 1) * hqc].contiguous()
+                    for x in (shape.q_h, shape.k_h, shape.v_h)]  # fmt: skip
+            got = sdpa_attention(*part, causal=causal)
+            if bitwise_diff(got, whole[:, :, c * hqc : (c + 1) * hqc]) is not None:
+                return False
+    return True
+
+
+def run_shape(shape: Shape, link, clock: Clock, args, failures: list, notes: list) -> dict:
     """{(comm, gbps, n or "attn", kind): seconds (median)} and {(comm, gbps, kind): wire s}."""
     heavy = (shape.P, shape.S) in HEAVY and not args.no_heavy_rule
     links = [g for g in args.links if not heavy or g in HEAVY_LINKS]
@@ -243,6 +265,7 @@ def run_shape(shape: Shape, link, clock: Clock, args, failures: list) -> dict:
         if gbps is not None:
             wire[(key[0], gbps, key[3])] = link.seconds(link.received - before)
             first.setdefault((key[0], key[2], key[3]), got)
+    independent = {1: True}
     for (comm, n, kind), got in first.items():
         ref = first[(comm, 1, kind)]
         outs = got if isinstance(got, tuple) else (got,)
@@ -250,12 +273,20 @@ def run_shape(shape: Shape, link, clock: Clock, args, failures: list) -> dict:
         if not all(bool(torch.isfinite(x).all()) for x in outs):
             failures.append(f"{shape.label} {comm} n={n} {kind}: not finite")
         diff = bitwise_diff(outs[0], refs[0])
-        if diff is not None:
+        if n not in independent:
+            independent[n] = attention_splits_heads(shape, n)
+            if not independent[n]:
+                notes.append(
+                    f"{shape.label}: the attention alone gives other bits on {n} head chunks "
+                    f"than on all heads; outputs compared within {OUT_RTOL}"
+                )
+        if diff is not None and independent[n]:
             failures.append(f"{shape.label} {comm} n={n} {kind}: output differs from n=1: {diff}")
+        elif diff is not None and not rel_diff(outs[0], refs[0]) <= OUT_RTOL:
+            failures.append(f"{shape.label} {comm} n={n} {kind}: output rel diff "
+                            f"{rel_diff(outs[0], refs[0]):.3g} vs n=1")  # fmt: skip
         for name, x, r in zip(("dq", "dk", "dv")[: len(outs) - 1], outs[1:], refs[1:], strict=True):
-            err = (x.float() - r.float()).abs().max().item() / max(
-                r.float().abs().max().item(), 1e-30
-            )
+            err = rel_diff(x, r)
             if not err <= GRAD_RTOL:
                 failures.append(f"{shape.label} {comm} n={n}: {name} rel diff {err:.3g} vs n=1")
     del first
@@ -446,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - triton ships with torch here
         triton_version = "none"
-    clock, failures, rows = Clock(device), [], []
+    clock, failures, rows, notes = Clock(device), [], [], []
     began = time.time()
     print(
         "## Head-chunked Ulysses attention: overlap of the all-to-alls (one device, link modelled)"
@@ -469,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             with link:
                 calib = check_link(link, shape, clock, failures)
                 print(f"\nlink stand-in at {shape.label}: copy engine {copy:.1f} GB/s; {calib}")
-                res = run_shape(shape, link, clock, args, failures)
+                res = run_shape(shape, link, clock, args, failures, notes)
                 if "lowp" in args.comms:
                     print(f"\n{exchange_cost(shape, link, clock, args)}")
             rows += report(shape, res, args)
@@ -480,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in targets(rows):
         print(f"- {line}")
     print("\n### Checks\n")
+    for line in notes:
+        print(f"- note: {line}")
     if failures:
         for f in failures:
             print(f"- FAILED: {f}")
