@@ -353,3 +353,13 @@ def test_compiles_fullgraph_with_a_document_plan_and_options(what):
     g_want = torch.autograd.grad(want.float().sum(), (q, k, v))
     for a, b in zip(g_got, g_want, strict=True):
         assert bitwise_diff(a, b) is None
+
+
+def test_the_signature_field_of_used_sequence_depends_on_the_values_only():
+    """None, S and [S, S] mean the same: ranks passing them agree; per-row counts that
+    differ get a digest that no count can take."""
+    S = 40
+    assert A._used_field(None, S) is A._used_field(S, S) is A._used_field((S, S), S) is None
+    assert A._used_field(30, S) == A._used_field((30, 30), S) == 30
+    a, b = A._used_field((30, 40), S), A._used_field((40, 30), S)
+    assert a < -1 and b < -1 and a != b

@@ -707,16 +707,18 @@ _DTYPE_CODES = {
 }
 
 
-def _used_field(used) -> int | None:
-    """One int for the signature: the count, or a digest of per-row counts (< -1)."""
+def _used_field(used, S: int) -> int | None:
+    """One int for the signature: None when every row is live, the count, or a digest of
+    per-row counts (< -1)."""
     if isinstance(used, tuple):
         if len(set(used)) == 1:
-            return used[0]
-        digest = len(used)
-        for u in used:  # plain integer arithmetic, which torch.compile folds
-            digest = (digest * 1000003 + u) & 0x3FFFFFFF
-        return -2 - digest
-    return used
+            used = used[0]
+        else:
+            digest = len(used)
+            for u in used:  # plain integer arithmetic, which torch.compile folds
+                digest = (digest * 1000003 + u) & 0x3FFFFFFF
+            return -2 - digest
+    return None if used == S else used
 
 
 def _ids_fields(document_ids) -> dict:
@@ -740,10 +742,12 @@ def _verify_batch(pg, P: int, q, k, comm_mode: str, used, document_ids) -> None:
     shape: checked on the first call of each signature (one all_gather of 12 ints), so that a
     rank that differs gets the same ValueError on every rank instead of a backend abort, a
     hang or silently wrong rows."""
+    if P == 1:
+        return
     B, L, Hq, D = q.shape
     fields = {
         "B": B, "L": L, "Hq": Hq, "Hkv": k.shape[2], "D": D, "dtype": _DTYPE_CODES[q.dtype],
-        "comm": COMM_MODES.index(comm_mode), "used_sequence": _used_field(used),
+        "comm": COMM_MODES.index(comm_mode), "used_sequence": _used_field(used, L * P),
         **_ids_fields(document_ids),
     }  # fmt: skip
     try:

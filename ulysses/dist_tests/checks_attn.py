@@ -294,6 +294,30 @@ def call_library(ctx: Context, case, inputs: Inputs, log: list):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def seq_heads_round_trip(ctx: Context, case, inputs: Inputs):
+    """``seq_to_heads`` of this rank's q rows, ``heads_to_seq`` back (``num_heads=Hq``), and
+    the gradient of the round trip for an upstream gradient of ones."""
+    x = inputs.leaves[0].detach().clone().requires_grad_()
+    heads = ulysses.seq_to_heads(x)
+    back = ulysses.heads_to_seq(heads, num_heads=x.shape[2])
+    back.backward(torch.ones_like(back))
+    return heads.detach(), back.detach(), x.grad
+
+
+def compare_round_trip(run: CaseRun, ctx: Context, inputs: Inputs, moved) -> None:
+    """Rank r holds heads [a_r, a_r + n_r) of every row, n_r = Hq // P + (r < Hq % P); the
+    round trip returns its rows, and its gradient is the upstream one."""
+    heads, back, grad = moved
+    q_full = inputs.full[0]
+    P, Hq = ctx.world_size, q_full.shape[2]
+    counts = [Hq // P + (r < Hq % P) for r in range(P)]
+    a = sum(counts[: ctx.rank])
+    want = q_full[:, :, a : a + counts[ctx.rank]]
+    run.check("seq_to_heads bitwise", bitwise_diff(heads, want))
+    run.check("heads_to_seq(seq_to_heads(x)) bitwise", bitwise_diff(back, inputs.leaves[0]))
+    run.check("round trip gradient bitwise", bitwise_diff(grad, torch.ones_like(grad)))
+
+
 def call_disagreeing(ctx: Context, case, inputs: Inputs):
     """Rank r passes ``used + r``: the message of the ValueError this rank raised, or None
     when the call returned."""
@@ -429,6 +453,9 @@ def run_case(ctx: Context, case, seed: int) -> CaseRun:
     exp = run.local("reference", lambda: expected_values(ctx, case, inputs))
     log: list[str] = []
     got = run.collective("ulysses_attention", lambda: call_library(ctx, case, inputs, log))
+    if case.kv in cases_attn.UNEVEN_KINDS:
+        moved = run.collective("seq_to_heads", lambda: seq_heads_round_trip(ctx, case, inputs))
+        run.local("compare seq_to_heads", lambda: compare_round_trip(run, ctx, inputs, moved))
     logs = run.collective("gather logs", lambda: ctx.gather_json(log))
     run.local("compare", lambda: compare(run, ctx, case, inputs, exp, got, logs))
     return run
