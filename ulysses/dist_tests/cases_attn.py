@@ -25,7 +25,7 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
     docs_packed    ``document_ids``: each batch row packs several documents (boundaries
                    inside ranks and on rank boundaries, drawn from the case's seed)
     disagree_used_sequence
-                   rank r passes ``used_sequence = used + r``: every rank must raise the
+                   rank r passes ``used_sequence = used - r``: every rank must raise the
                    same ValueError naming used_sequence and the per-rank values
 
 Every rank builds the same global q [B, S, Hq, D], k, v [B, S, Hkv, D] and output gradient

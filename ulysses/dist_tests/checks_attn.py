@@ -253,7 +253,7 @@ def logged_collectives(log: list):
     low-precision exchange as one step) in ``log``."""
     a2a = ulysses.attention._all_to_all
     a2a_uneven = ulysses.attention._all_to_all_uneven
-    exchange = ulysses.lowp.exchange_qkv
+    exchange = ulysses.lowp.exchange_to_heads  # the layer's entry to the exchange
 
     def logged_a2a(send, pg):
         log.append(f"all_to_all {list(send.shape)}")
@@ -264,13 +264,13 @@ def logged_collectives(log: list):
         return a2a_uneven(send, in_splits, out_splits, pg)
 
     def logged_exchange(q, k, v, **kw):
-        log.append(f"exchange_qkv {list(q.shape)} {list(k.shape)}")
+        log.append(f"exchange {list(q.shape)} {list(k.shape)}")
         return exchange(q, k, v, **kw)
 
     with (
         mock.patch("ulysses.attention._all_to_all", logged_a2a),
         mock.patch("ulysses.attention._all_to_all_uneven", logged_a2a_uneven),
-        mock.patch("ulysses.lowp.exchange_qkv", logged_exchange),
+        mock.patch("ulysses.lowp.exchange_to_heads", logged_exchange),
     ):
         yield
 
@@ -319,19 +319,19 @@ def compare_round_trip(run: CaseRun, ctx: Context, inputs: Inputs, moved) -> Non
 
 
 def call_disagreeing(ctx: Context, case, inputs: Inputs):
-    """Rank r passes ``used + r``: the message of the ValueError this rank raised, or None
+    """Rank r passes ``used - r``: the message of the ValueError this rank raised, or None
     when the call returned."""
     q, k, v = (x.detach() for x in inputs.leaves)
     try:
         ulysses.ulysses_attention(q, k, v, causal=case.causal,
-                                  used_sequence=inputs.used + ctx.rank)  # fmt: skip
+                                  used_sequence=inputs.used - ctx.rank)  # fmt: skip
     except ValueError as exc:
         return str(exc)
     return None
 
 
 def compare_disagreeing(run: CaseRun, ctx: Context, inputs: Inputs, message) -> None:
-    values = [inputs.used + r for r in range(ctx.world_size)]
+    values = [inputs.used - r for r in range(ctx.world_size)]
     detail = None
     if message is None:
         detail = "the call returned although the ranks passed different used_sequence"
@@ -430,8 +430,8 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
             run.check(f"{name} close to bf16", detail)
     for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         run.check(f"{name} padding rows zero", _zero_rows(name, t, ctx, case.L, inputs.used))
-    # forward: the input exchange (an all_to_all, or exchange_qkv) and the output all_to_all;
-    # backward: two all_to_alls. P = 1: none, but "lowp" still calls exchange_qkv (which then
+    # forward: the input exchange (an all_to_all, or lowp's exchange) and the output all_to_all;
+    # backward: two all_to_alls. P = 1: none, but "lowp" still calls the exchange (which then
     # runs no collective)
     expected_steps = 4 if ctx.world_size > 1 else int(case.lowp)
     mine = logs[ctx.rank]
