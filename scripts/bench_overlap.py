@@ -21,6 +21,9 @@ with ``head_chunks`` n in ``--chunks`` (and ``auto``, shown as the n it picks):
 * ``wire``: the bytes this rank received from other ranks in one call (counted by the link:
   q|k|v or the lowp payload, the statistics, the output; in backward dO and dq|dk|dv) at the
   link speed;
+* ``--budget``: no shape starts after that many seconds (default 270, ``--quick`` 75: the
+  whole run then stays within about 6 and 2 minutes on an H200, Triton's compiles included);
+  a shape left out is named in the checks' notes;
 * ``bound``: the pipeline's lower bound at n chunks, ``max(attn + wire/n, wire + attn/n)``
   (the first chunk's exchange and the last chunk's output cannot hide; at n = 1 it is the
   sum ``attn + wire``); ``calib``: the measured n = 1 time over that sum (how well the stand-in
@@ -444,6 +447,7 @@ def parse_args(argv):
     ap.add_argument("--kinds", default="fwd,train")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--budget", type=float, help="no shape starts after this many seconds")
     ap.add_argument("--no-heavy-rule", action="store_true",
                     help=f"time {sorted(HEAVY)} (P, S) like every other shape")  # fmt: skip
     args = ap.parse_args(argv)
@@ -456,6 +460,7 @@ def parse_args(argv):
     args.comms = args.comms.split(",")
     args.kinds = args.kinds.split(",")
     args.rounds = args.rounds or (3 if args.quick else 5)
+    args.budget = args.budget if args.budget is not None else (75.0 if args.quick else 270.0)
     return args
 
 
@@ -494,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     copy = None
     for P in args.worlds:
         for S, causal in args.shapes:
+            if time.time() - began > args.budget:
+                notes.append(f"S {S}{' causal' if causal else ''}, P {P} not timed: the run "
+                             f"passed its budget of {args.budget:.0f} s (--budget)")  # fmt: skip
+                continue
             shape = Shape(P, S, causal, args, device)
             link = testing_link.LinkModel(P, args.links[0], device, copy_gbps=copy)
             copy = link.copy_gbps
@@ -506,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += report(shape, res, args)
             print(f"\n({time.time() - began:.0f} s so far)")
             del shape
-    torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     print("\n### Targets\n")
     for line in targets(rows):
         print(f"- {line}")
@@ -518,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"- FAILED: {f}")
     else:
         print(
-            "- all passed: link calibration, finite outputs, forward bits equal to n=1, "
-            f"gradients within {GRAD_RTOL} of n=1"
+            "- all passed: link calibration, finite outputs, forward bits equal to n=1 (where "
+            f"the attention alone keeps its bits on fewer heads), gradients within {GRAD_RTOL} "
+            "of n=1"
         )
     print(f"\ntotal {time.time() - began:.0f} s")
     return 1 if failures else 0

@@ -81,3 +81,12 @@ def test_auto_target_line_names_slower_shapes(bench):
     lines = bench.targets(rows)
     assert any("1.67x the forward without it (target >= 1.3x): met" in ln for ln in lines), lines
     assert any("missed: bf16 S 32768 P 8 50 GB/s fwd (n=2: 1.100x)" in ln for ln in lines), lines
+
+
+def test_budget_leaves_shapes_out_by_name(bench, capsys):
+    rc = bench.main([*TINY, "--shapes", "64c,128", "--budget", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    assert "- note: S 64 causal, P 2 not timed: the run passed its budget of 0 s" in out
+    assert "- note: S 128, P 2 not timed" in out
+    assert "### S 64" not in out
