@@ -44,6 +44,7 @@ DISAGREE = {
     "attn_disagree_Hkv": ("Hkv", [2, 4]),
     "attn_disagree_D": ("D", [16, 32]),
     "attn_disagree_dtype": ("dtype", ["bfloat16", "float16"]),
+    "attn_disagree_comm": ("comm", ["bf16", "lowp"]),
     "attn_disagree_used_sequence": ("used_sequence", [23, 19]),
     "attn_disagree_used_rows": ("used_sequence", [[23, 22], [23, 21]]),
     "attn_disagree_document_ids": ("document_ids_rows", [12, 11]),

@@ -4,6 +4,10 @@ Shape legend: B batch, L local rows, P world size, S = L * P global rows, D head
 Hq query heads, Hkv key/value heads, hq = Hq / P query heads a rank attends over,
 hkv key/value heads a rank receives: Hkv / P when ``Hkv % P == 0``, else 1 (``P % Hkv == 0``:
 each rank receives the one K/V head its query heads use; the heads are repeated on the wire).
+Head counts that do not split evenly (``comm="bf16"``, :class:`_UnevenHeads`): hq is
+``Hq // P + 1`` on the first ``Hq % P`` ranks and ``Hq // P`` on the others (contiguous
+ranges), hkv the K/V heads those query heads use (or hq, each K/V head repeated per query
+head, where they do not use them equally often); the all_to_alls carry split sizes.
     q                  [B, L, Hq, D]   this rank's rows [rank*L, (rank+1)*L)
     k, v               [B, L, Hkv, D]
     q_h                [B, S, hq, D]   every row, query heads [rank*hq, (rank+1)*hq)
@@ -14,6 +18,8 @@ Data flow of :func:`ulysses_attention` (each arrow that crosses ranks is ONE col
     comm="bf16": q|k|v packed per destination -> one all_to_all -> q_h, k_h, v_h
     comm="lowp": ``lowp.exchange_qkv`` (one statistics all_gather, one uint8 all_to_all)
                  -> dequantize -> q_h, k_h, v_h
+    (before the first collective of a new batch signature: one all_gather that checks the
+    ranks agree, then with ``document_ids`` one all_gather of the ids)
     -> attn(q_h, k_h, v_h) -> out_h [B, S, hq, D] -> one all_to_all -> out [B, L, Hq, D]
        (in the input dtype; with ``int8_output=True`` as INT8 codes and one fp32 scale per
        (row, head), kernels/lowp_out.py)
@@ -771,6 +777,8 @@ def _readable_disagreement(exc: ValueError, pg, P: int, device, used, B: int) ->
     hint = ""
     if name in ("dtype", "document_ids_dtype"):
         values = [names.get(x, "none" if x == -1 else "not a tensor") for x in values]
+    elif name == "comm":
+        values = [COMM_MODES[x] for x in values]
     elif name == "used_sequence":
         if any(x is not None and x < -1 for x in values):  # some rank passed per-row counts
             mine = list(used) if isinstance(used, tuple) else [used] * B

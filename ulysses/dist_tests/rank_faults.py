@@ -19,9 +19,9 @@ Modes:
                        seconds.
     attn_disagree_<arg>
                        the same for ``ulysses_attention`` (comm="bf16"), whose all_to_alls
-                       would otherwise abort (sizes: L, Hq, Hkv, D, dtype) or return wrong
-                       rows (used_sequence, used_rows: per-row counts, document_ids: its
-                       shape)
+                       would otherwise abort (sizes: L, Hq, Hkv, D, dtype, comm) or return
+                       wrong rows (used_sequence, used_rows: per-row counts, document_ids:
+                       its shape)
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ DISAGREE = {
     "group_size": 128,
 }
 ATTN_BASE = {"B": 2, "L": 12, "Hq": 4, "Hkv": 2, "D": 16, "dtype": torch.bfloat16}
-ATTN_DISAGREE = ("L", "Hq", "Hkv", "D", "dtype", "used_sequence", "used_rows", "document_ids")
+ATTN_DISAGREE = (
+    "L", "Hq", "Hkv", "D", "dtype", "comm", "used_sequence", "used_rows", "document_ids",
+)  # fmt: skip
 MODES = (
     ("raise_before", "raise_inside", "exit")
     + tuple(f"disagree_{a}" for a in DISAGREE)
@@ -66,7 +68,9 @@ def _attention_call(mode: str, faulty: bool, world_size: int):
         a[name] = {"L": 13, "Hq": 6, "Hkv": 4, "D": 32, "dtype": torch.float16}[name]
     S = ATTN_BASE["L"] * world_size
     kwargs = {}
-    if name == "used_sequence":
+    if name == "comm":
+        kwargs["comm"] = "lowp" if faulty else "bf16"
+    elif name == "used_sequence":
         kwargs["used_sequence"] = S - 5 if faulty else S - 1
     elif name == "used_rows":
         kwargs["used_sequence"] = [S - 1, S - 3 if faulty else S - 2]
