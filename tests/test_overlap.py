@@ -199,18 +199,20 @@ def test_planted_fault_chunks_in_the_wrong_head_order_is_caught(fake_link):
 
 
 def _logged(log: list):
-    start, exchange = overlap._all_to_all_start, ulysses.lowp.exchange_qkv
+    """Patches that log the pipeline's collective steps (its all_to_alls and each lowp
+    exchange as one step) in ``log``."""
+    start, exchange = overlap._all_to_all_start, overlap._exchange_to_heads
 
     def logged_start(send, pg, world_size=None):
         log.append(f"all_to_all {list(send.shape)}")
         return start(send, pg, world_size)
 
     def logged_exchange(q, k, v, **kw):
-        log.append(f"exchange_qkv {list(q.shape)} {list(k.shape)}")
+        log.append(f"exchange {list(q.shape)} {list(k.shape)}")
         return exchange(q, k, v, **kw)
 
     return (mock.patch("ulysses.overlap._all_to_all_start", logged_start),
-            mock.patch("ulysses.lowp.exchange_qkv", logged_exchange))  # fmt: skip
+            mock.patch("ulysses.overlap._exchange_to_heads", logged_exchange))  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["bf16", "lowp"])
@@ -229,7 +231,7 @@ def test_collectives_in_pipeline_order(mode, fake_link):
     if mode == "bf16":
         inp = f"all_to_all [{P}, 1, {L}, 4, {D}]"  # two q, one k, one v head a rank
     else:
-        inp = f"exchange_qkv [1, {L}, {2 * P}, {D}] [1, {L}, {P}, {D}]"
+        inp = f"exchange [1, {L}, {2 * P}, {D}] [1, {L}, {P}, {D}]"
     out = f"all_to_all [{P}, 1, {L}, 2, {D}]"
     fwd = [inp, inp, out, inp, out, out]
     grads = f"all_to_all [{P}, 1, {L}, 4, {D}]"
@@ -333,9 +335,9 @@ def test_module_passes_head_chunks(fake_link):
 # ---- P real ranks (gloo, torchrun) -------------------------------------------------------------
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DIST_CASES = {  # P -> (B, L, Hq, Hkv, D, n, used)
-    2: (1, 24, 12, 6, 16, 3, 37),
-    3: (1, 16, 12, 6, 16, 2, 40),
+DIST_CASES = {  # P -> (B, L, Hq, Hkv, D, n, used, modes)
+    2: (1, 24, 12, 6, 16, 3, 37, ("bf16", "lowp-int8out-bwdlowp")),
+    3: (1, 16, 12, 6, 16, 2, 40, ("bf16", "lowp")),
 }
 
 
@@ -356,7 +358,7 @@ def _worker() -> int:
     collective logs of all ranks equal; a failure on any rank fails every rank."""
     dist.init_process_group("gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
-    B, L, Hq, Hkv, D, n, used = DIST_CASES[P]
+    B, L, Hq, Hkv, D, n, used, modes = DIST_CASES[P]
     failures = []
     try:
         full = make_inputs(B, L * P, Hq, Hkv, D, seed=1)
@@ -364,7 +366,7 @@ def _worker() -> int:
         full[1][:, used:] = 0
         full[2][:, used:] = 0
         inputs = [x[:, rank * L : (rank + 1) * L].contiguous() for x in full]
-        for mode in MODES:
+        for mode in modes:
             exp = forward_backward(lambda q, k, v, mode=mode: one_chunk(
                 q, k, v, mode=mode, causal=True, used=used), inputs)  # fmt: skip
             log: list = []

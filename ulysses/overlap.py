@@ -69,6 +69,12 @@ _all_to_all_start = comm.all_to_all_start
 _start_on_side = comm.start_on_side
 
 
+def _exchange_to_heads(q, k, v, **kwargs):
+    """One chunk's lowp exchange, ``lowp.exchange_to_heads`` (its statistics all_gather and
+    its all_to_all); a seam like the two above."""
+    return lowp.exchange_to_heads(q, k, v, **kwargs)
+
+
 def check_head_chunks(head_chunks) -> None:
     """Raise unless ``head_chunks`` is a positive int or ``"auto"`` (the shape is checked by
     :func:`resolve_head_chunks`)."""
@@ -213,7 +219,7 @@ class _Run:
             vc = _chunk_heads(v, P, hd.hkv, c, hkc)
 
             def exchange(qc, kc, vc):
-                return lowp.exchange_to_heads(
+                return _exchange_to_heads(
                     qc, kc, vc, group=self.pg, used_sequence=self.used_sequence,
                     q_group=self.q_group, k_group=self.k_group,
                 )  # fmt: skip
