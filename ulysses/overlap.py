@@ -36,10 +36,12 @@ Same bits as one chunk. Every step is a copy or a per-head (or per-(row, head)) 
 the bf16 wire copies values; the ``lowp`` statistics are per head (Q per (row group, head),
 K's mean per (head, channel) and amax per (row group, head), V per (head, channel)), so an
 exchange of a head subset produces the codes and scales the exchange of all heads produces for
-those heads; the INT8 output and gradient wires scale per (row, head); the attention treats
-heads independently (torch's CPU SDPA does; a GPU kernel does in its forward, while its
-backward may accumulate in a nondeterministic order with or without chunks), and a chunk
-holds whole GQA groups, so each key/value head's gradient sums over the same query heads.
+those heads; the INT8 output and gradient wires scale per (row, head); and a chunk holds
+whole GQA groups, so each key/value head's gradient sums over the same query heads. What is
+left is the attention itself: torch's CPU SDPA treats heads independently, so on the CPU the
+chunked call gives the same bits; a GPU kernel may split the keys differently when it sees
+fewer heads, and its backward may accumulate in a nondeterministic order with or without
+chunks (``scripts/bench_overlap.py`` compares on the GPU).
 
 ``comm="lowp"`` computes the statistics once per chunk, over that chunk's heads (one small
 all_gather per chunk): the same values as once for all heads, at n - 1 extra statistics
@@ -57,12 +59,19 @@ import torch
 
 from . import _ops, comm, lowp, rowwire
 
-__all__ = ["pipelined_attention", "resolve_head_chunks", "check_head_chunks", "AUTO"]
+__all__ = [
+    "pipelined_attention",
+    "resolve_head_chunks",
+    "check_head_chunks",
+    "auto_head_chunks",
+    "AUTO",
+]
 
 AUTO = "auto"
 AUTO_MAX_CHUNKS = 4
 AUTO_MIN_TILES = 512  # B * (query heads of a chunk) * ceil(S / 128): about 4 waves of 132 SMs
-AUTO_MIN_WORK = 5e10  # multiply-adds of a chunk's attention forward: ~0.5 ms on an H200
+AUTO_MIN_WORK = 5e10  # B * (query heads of a chunk) * S**2 * D (causal: half): 4x that in
+# forward flops, about 0.5 ms of an H200
 
 # the collective seams (a test or the harness may wrap them to log the calls)
 _all_to_all_start = comm.all_to_all_start
@@ -78,7 +87,7 @@ def _exchange_to_heads(q, k, v, **kwargs):
 def check_head_chunks(head_chunks) -> None:
     """Raise unless ``head_chunks`` is a positive int or ``"auto"`` (the shape is checked by
     :func:`resolve_head_chunks`)."""
-    if head_chunks == AUTO and isinstance(head_chunks, str):
+    if isinstance(head_chunks, str) and head_chunks == AUTO:
         return
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int):
         raise TypeError(
@@ -94,9 +103,9 @@ def auto_head_chunks(B: int, S: int, hd, *, D: int = 128, causal: bool = False) 
 
     * at least 512 query tiles of 128 rows (``B * hq / n * ceil(S / 128)``, a few waves of a
       GPU's SMs: fewer heads a launch would leave SMs idle), and
-    * at least ``5e10`` multiply-adds of attention (``B * hq / n * S**2 * D``, halved when
-      causal; about 0.5 ms of an H200's forward: the per-chunk host and launch costs stay
-      small beside it);
+    * at least ``B * hq / n * S**2 * D = 5e10`` (halved when causal; 4x that in forward
+      flops, about 0.5 ms of an H200), so that the per-chunk host and launch costs stay small
+      beside the chunk's attention;
 
     1 at P = 1 (nothing to hide) and when the key/value heads are repeated to several ranks
     (``P % Hkv == 0``: one head a rank)."""
