@@ -54,10 +54,11 @@ import types
 
 import torch
 
-import ulysses
-from ulysses import overlap, testing_link
-from ulysses.attention import sdpa_attention
-from ulysses.reference import bitwise_diff
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+import ulysses  # noqa: E402
+from ulysses import overlap, testing_link  # noqa: E402
+from ulysses.attention import sdpa_attention  # noqa: E402
+from ulysses.reference import bitwise_diff  # noqa: E402
 
 SHAPES = "8192c,32768,131072"  # S, "c": causal
 QUICK_SHAPES = "8192c,32768"
