@@ -126,8 +126,7 @@ def _ids(B, S):
     return documents.document_ids_from_cu_seqlens([[min(c, S) for c in r] for r in cu[:B]], S)
 
 
-@pytest.mark.parametrize("comm", ["bf16", "lowp"])
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("comm, causal", [("bf16", False), ("bf16", True), ("lowp", True)])
 def test_documents_attend_within_each_document(comm, causal):
     B, S = 3, 48
     ids = _ids(B, S)
