@@ -16,6 +16,7 @@ from ulysses import grid, lowp, reference
 from ulysses.kernels import lowp_pack
 from ulysses.kernels.lowp_pack import QOnce, pack_qkv, prepare_pack
 from ulysses.kernels.lowp_qv_stats import prepare_qv_stats, qv_stats
+from ulysses.kernels.lowp_scales import prepare_gather_scales
 from ulysses.testing import make_qkv_full
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -274,12 +275,19 @@ def test_scales_are_views_with_aligned_starts(L, H):
     elements."""
     B, D, P = 1, 16, 2
     w = lowp._wire(B, L, H, D, P, 32, 64)
-    index, q_shape, k_shape = lowp._scale_index(w, B, 32, 64, torch.device("cpu"))
+    index = lowp._scale_index(w, B, 32, 64, torch.device("cpu"))
+    o = lowp._out_layout(w, B, H, D, 2, 32, 64, rank=1)
+    assert index.numel() == o.n_index
     recv_f32 = torch.arange(w.nbytes // 4, dtype=torch.float32)
-    q_scale, k_scale = lowp._scales(recv_f32.view(torch.uint8), index, q_shape, k_shape)
+    out = torch.empty(o.nbytes, dtype=torch.uint8)
+    gather_scales_launch = prepare_gather_scales(index, index.device)
+    gather_scales_launch(recv_f32, out.view(torch.float32))
+    x = lowp._result(o, recv_f32.view(torch.uint8), out, torch.bfloat16, (None, 32, 64))
+    q_scale, k_scale = x.q_scale, x.k_scale
+    q_shape, k_shape = o.q_scale[0], o.k_scale[0]
     assert q_scale.shape == q_shape and k_scale.shape == k_shape
     assert q_scale.data_ptr() % 16 == 0 and k_scale.data_ptr() % 16 == 0
-    n_q, n_k = q_shape.numel(), k_shape.numel()
+    n_q, n_k = q_scale.numel(), k_scale.numel()
     assert torch.equal(q_scale.flatten(), recv_f32[index[:n_q]])
     assert torch.equal(k_scale.flatten(), recv_f32[index[-n_k:]])
 

@@ -6,17 +6,15 @@ import pytest
 import torch
 
 import ulysses
-from ulysses import _ops, grid
-from ulysses.kernels.block_stats import MINMAX_ALL, MINMAX_BOUNDARY, MINMAX_NONE
+from ulysses import grid
+from ulysses.kernels.block_stats import MINMAX_ALL, local_stats
+from ulysses.kernels.finalize_stats import MODE_FUSED, finalize_stats
+from ulysses.kernels.lowp_scales import gather_scales
 from ulysses.testing import make_k_full
 
 
 def _k(B=2, L=65, H=3, D=64, seed=0):
     return make_k_full(B, L, H, D, torch.bfloat16, "smooth", seed=seed)
-
-
-def _amax_kwargs(rank, P, used, G, L=65):
-    return dict(grid.layout(rank, L, P, G, used).amax_args(), use_pdl=False)
 
 
 def _stats_kwargs(rank, P, used, G, mode, L=65):
@@ -30,58 +28,33 @@ def _stats_kwargs(rank, P, used, G, mode, L=65):
 def test_opcheck_k_grouped_amax(args):
     k = _k()
     m = k.float().mean(1).bfloat16()
-    torch.library.opcheck(torch.ops.ulysses.k_grouped_amax.default, (k, m), _amax_kwargs(*args))
+    rank, P, used, G = args
+    kw = dict(rank=rank, world_size=P, used_sequence=used, enable_pdl=None, group_size=G)
+    torch.library.opcheck(torch.ops.ulysses.k_grouped_amax.default, (k, m), kw)
 
 
-@pytest.mark.parametrize("mode", [MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL])
-def test_opcheck_local_stats_and_finalize(mode):
-    k = _k()
-    kw = _stats_kwargs(1, 4, 200, 64, mode)
-    torch.library.opcheck(torch.ops.ulysses.local_stats.default, (k,), kw)
-    payload, mm = _ops.local_stats_op.impl(k, **kw)
-    gathered = torch.stack([payload] * 4)  # four ranks that sent the same payload
-    lay = grid.layout(1, 65, 4, 64, 200)
-    fin = dict(
-        dtype=k.dtype,
-        B=k.shape[0],
-        H=k.shape[2],
-        D=k.shape[3],
-        n_slots=lay.n_slots,
-        n_touched=lay.n_touched,
-        divisor=200,
-        tag=123.0,
-        first_sources=[q * 2 + e for q, e in lay.first_sources],
-        last_sources=[q * 2 + e for q, e in lay.last_sources],
-        floor=grid.FLOOR,
-        use_pdl=False,
+@pytest.mark.parametrize("method", [None, "fused", "two_pass"])
+def test_opcheck_k_stats(monkeypatch, method):
+    """The statistics' op (compiled calls run the plan through it), at world size 1."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    kw = dict(group_name="", used_sequence=50, enable_pdl=None, group_size=16, method=method)
+    torch.library.opcheck(
+        torch.ops.ulysses.k_stats.default, (_k(),), dict(kw, check_consistency=False)
     )
-    if mode == MINMAX_NONE:
-        torch.library.opcheck(
-            torch.ops.ulysses.finalize_stats.default, (gathered, None, None), dict(fin, mode=0)
-        )
-    elif mode == MINMAX_ALL:
-        torch.library.opcheck(
-            torch.ops.ulysses.finalize_stats.default, (gathered, mm, None), dict(fin, mode=1)
-        )
-    else:
-        part = torch.rand(k.shape[0], k.shape[2], lay.n_slots)
-        torch.library.opcheck(
-            torch.ops.ulysses.finalize_stats.default, (gathered, None, part), dict(fin, mode=2)
-        )
 
 
 def test_finalize_disagreeing_tag_gives_nan():
     """A rank whose payload carries another tag turns every output NaN, on this rank too."""
     k = _k()
     kw = _stats_kwargs(1, 4, None, 64, MINMAX_ALL)
-    payload, mm = _ops.local_stats_op.impl(k, **kw)
+    payload, mm = local_stats(k, **kw)
     other = payload.clone()
     other[0] = other[-1] = 7.0
     lay = grid.layout(1, 65, 4, 64, None)
-    mean, part, final = _ops.finalize_op.impl(
+    mean, part, final = finalize_stats(
         torch.stack([payload, payload, other, payload]),
         mm,
-        mode=1,
+        mode=MODE_FUSED,
         dtype=k.dtype,
         B=k.shape[0],
         H=k.shape[2],
@@ -164,19 +137,18 @@ def test_local_stats_strided_equals_contiguous():
     qkv = torch.zeros(2, L, H, 3, D, dtype=k.dtype)
     qkv[:, :, :, 1] = k
     kw = _stats_kwargs(r, P, None, G, MINMAX_ALL, L=L)
-    s1, mm1 = _ops.local_stats_op.impl(k, **kw)
-    s2, mm2 = _ops.local_stats_op.impl(qkv[:, :, :, 1], **kw)
+    s1, mm1 = local_stats(k, **kw)
+    s2, mm2 = local_stats(qkv[:, :, :, 1], **kw)
     n = ulysses.touched(r, L, G)
     assert n < mm1.shape[1]  # this shape has a surplus slot
     assert torch.equal(s1, s2) and torch.equal(mm1[:, :n], mm2[:, :n])
 
 
 @pytest.mark.parametrize("Hq,Hkv,used", [(4, 4, None), (4, 2, 20), (6, 1, 33)])
-def test_opcheck_exchange_steps(monkeypatch, Hq, Hkv, used):
-    """The exchange's custom ops (the full path torch.compile runs): lowp_local, lowp_post
-    (which merges Q's boundary slots into amax_q in place) and lowp_pack, at world size 1.
-    L = 33 touches every slot of both grids: K's min/max of a surplus slot is never written
-    nor read (as ``local_stats``'s), which opcheck would see as outputs that differ."""
+def test_opcheck_exchange(monkeypatch, Hq, Hkv, used):
+    """The exchange's op (compiled calls and tensor subclasses run the plan through it) at
+    world size 1: schema, fake and kernel agree, and the receive buffer and result bytes have
+    the wire's sizes."""
     from ulysses import lowp
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -184,18 +156,12 @@ def test_opcheck_exchange_steps(monkeypatch, Hq, Hkv, used):
     q = torch.randn(1, 33, Hq, 32, generator=g).bfloat16()
     k = torch.randn(1, 33, Hkv, 32, generator=g).bfloat16()
     v = torch.randn(1, 33, Hkv, 32, generator=g).bfloat16()
-    c = lowp._prepare(q, k, v, None, used, 16, 32, None)
-    assert c.part.layout.n_touched == c.part.layout.n_slots and c.lay_q.n_touched == c.lay_q.n_slots
-    local = lowp._local_args(c)
-    torch.library.opcheck(torch.ops.ulysses.lowp_local.default, (q, k, v), local)
-    payload, amax_q, minmax = lowp.local_op.impl(q=q, k=k, v=v, **local)
-    gathered = payload.view(1, -1)
-    torch.library.opcheck(
-        torch.ops.ulysses.lowp_post.default, (gathered, minmax, amax_q), lowp._post_args(c)
+    kw = dict(group_name="", used_sequence=used, q_group=16, k_group=32, enable_pdl=None)
+    torch.library.opcheck(torch.ops.ulysses.lowp_exchange.default, (q, k, v), kw)
+    recv, out = torch.ops.ulysses.lowp_exchange.default(q, k, v, **kw)
+    assert recv.dtype == torch.uint8 and recv.numel() == lowp.payload_bytes(
+        1, 33, Hq, 32, 1, 16, 32, kv_heads=Hkv
     )
-    k_stats, amax_q, amax_v, _ = lowp._finish_stats(c, gathered, amax_q, minmax)
-    send = lowp._pack(c, k_stats, amax_q, amax_v)
-    assert send.dtype == torch.uint8 and send.numel() == c.wire.nbytes
 
 
 def test_opcheck_output_exchange_ops():
@@ -208,17 +174,14 @@ def test_opcheck_output_exchange_ops():
     torch.library.opcheck(torch.ops.ulysses.lowp_out_dequant.default, (send,), kw)
 
 
-def test_opcheck_scale_gather_and_its_bits():
-    """The scale gather after the all_to_all (kernels/lowp_scales.py) as a custom op (opcheck
-    on finite words: it compares outputs as numbers), and it copies each indexed 32-bit word
-    as it is, NaN payloads and -0 included."""
+def test_scale_gather_copies_the_bits():
+    """The scale gather after the all_to_all (kernels/lowp_scales.py) copies each indexed
+    32-bit word as it is, NaN payloads and -0 included."""
     g = torch.Generator().manual_seed(11)
-    recv = torch.randn(300, generator=g).view(torch.uint8)
     index = torch.randint(0, 300, (77,), generator=g, dtype=torch.int64)
-    torch.library.opcheck(torch.ops.ulysses.lowp_scales.default, (recv, index), {})
     words = torch.randint(-(2**31), 2**31 - 1, (300,), generator=g, dtype=torch.int32)
     words[:3] = torch.tensor([0x7FC00001, 0x7F800001, -(2**31)], dtype=torch.int32)
     index[:3] = torch.tensor([0, 1, 2])
-    out = torch.ops.ulysses.lowp_scales.default(words.view(torch.uint8), index)
+    out = gather_scales(words.view(torch.uint8), index)
     assert out.dtype == torch.float32 and out.shape == (77,)
     assert torch.equal(out.view(torch.int32), words[index])

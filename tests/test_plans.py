@@ -1,6 +1,7 @@
-"""The eager fast path: a call whose signature was validated before runs its
-cached plan. Repeat calls must read the new tensors, allocate new outputs, keep every
-argument check, and follow rule changes (planted faults clear the plans)."""
+"""The plans: a call whose signature was validated before runs its cached plan, eagerly or,
+under torch.compile, through the op whose kernel is the plan. Repeat calls must read the new
+tensors, allocate new outputs, keep every argument check, and follow rule changes (planted
+faults clear the plans); compiled calls launch the eager call's kernels."""
 
 from __future__ import annotations
 
@@ -145,12 +146,9 @@ def _exchange_inputs(P, Hq=4, Hkv=2, L=40, D=32):
     return q, k, v
 
 
-def _three_paths(monkeypatch, q, k, v, module=None, step=None, **kw):
-    """[(kernel launches, result)] of the eager plan, the full path and torch.compile of
-    ``step`` (default: the exchange's fields), whose plans live in ``module``."""
-    from ulysses import lowp
-
-    lowp = module or lowp
+def _eager_and_compiled(monkeypatch, q, k, v, step=None, **kw):
+    """[(kernel launches, result)] of the eager call and of torch.compile of ``step``
+    (default: the exchange's fields)."""
     seen = _kernel_log(monkeypatch)
 
     if step is None:
@@ -164,13 +162,8 @@ def _three_paths(monkeypatch, q, k, v, module=None, step=None, **kw):
         out = fn(q, k, v)
         return list(seen), out
 
-    lowp._PLANS.clear()
     step(q, k, v)  # builds the plan
     runs = [logged(step)]
-    assert lowp._PLANS, "the plan ran"
-    with monkeypatch.context() as mp:
-        mp.setattr(lowp, "_plan_key", lambda *a: None)
-        runs.append(logged(step))
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     compiled(q, k, v)  # the first call traces
@@ -179,11 +172,11 @@ def _three_paths(monkeypatch, q, k, v, module=None, step=None, **kw):
 
 
 def test_exchange_runs_one_pipeline_at_world_size_one(monkeypatch):
-    """Plan, full path and compiled call: the same Triton kernels in the same order, and
-    the same bits (one process, the whole sequence local)."""
+    """Eager and compiled call: the same Triton kernels in the same order, and the same bits
+    (one process, the whole sequence local)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     q, k, v = _exchange_inputs(1)
-    runs = _three_paths(monkeypatch, q, k, v, used_sequence=37, q_group=16, k_group=32)
+    runs = _eager_and_compiled(monkeypatch, q, k, v, used_sequence=37, q_group=16, k_group=32)
     plan_kernels = runs[0][0]
     assert plan_kernels[0][0] == "_block_stats_kernel" and [n for n, *_ in plan_kernels[-2:]] == [
         "_pack_kernel",
@@ -201,10 +194,10 @@ def test_exchange_runs_one_pipeline_at_world_size_one(monkeypatch):
 @pytest.mark.parametrize("fake_world", [4], indirect=True)
 def test_exchange_runs_one_pipeline_under_a_process_group(monkeypatch, fake_world):
     """Rank 1 of 4 (torch's fake process group: the collectives move no data, so only the
-    launches are compared): plan, full path and compiled call launch the same kernels in the
+    launches are compared): eager and compiled call launch the same kernels in the
     same order, the post-gather step as one launch, the scale gather as one launch."""
     q, k, v = _exchange_inputs(fake_world, L=24)
-    runs = _three_paths(monkeypatch, q, k, v, q_group=16, k_group=32)
+    runs = _eager_and_compiled(monkeypatch, q, k, v, q_group=16, k_group=32)
     plan_kernels = runs[0][0]
     assert [name for name, *_ in plan_kernels] == [
         "_block_stats_kernel",
@@ -213,37 +206,34 @@ def test_exchange_runs_one_pipeline_under_a_process_group(monkeypatch, fake_worl
         "_pack_kernel",
         "_gather_scales_kernel",
     ]
-    assert [r[0] for r in runs[1:]] == [plan_kernels, plan_kernels]
+    assert runs[1][0] == plan_kernels
 
 
 @pytest.mark.parametrize("method", ["fused", "two_pass"])
 @pytest.mark.parametrize("fake_world", [4], indirect=True)
 def test_smooth_k_stats_runs_one_pipeline(monkeypatch, fake_world, method):
-    """smooth_k_stats, rank 1 of 4: plan, full path and compiled call launch the same kernels
-    with the same arguments."""
-    from ulysses import stats
-
+    """smooth_k_stats, rank 1 of 4: eager and compiled call launch the same kernels with the
+    same arguments."""
     q, k, v = _exchange_inputs(fake_world, L=24)
 
     def step(q, k, v):
         s = ulysses.smooth_k_stats(k, group_size=16, method=method)
         return s.k_mean_global, s.amax_final
 
-    runs = _three_paths(monkeypatch, q, k, v, module=stats, step=step)
+    runs = _eager_and_compiled(monkeypatch, q, k, v, step=step)
     names = [name for name, *_ in runs[0][0]]
     assert names[0] == "_block_stats_kernel" and "_finalize_kernel" in names
-    assert [r[0] for r in runs[1:]] == [runs[0][0], runs[0][0]]
+    assert runs[1][0] == runs[0][0]
 
 
-def test_a_compiled_exchange_first_leaves_the_caches_alone(monkeypatch):
-    """torch.compile before any eager call (empty caches): the trace computes the wire
-    layout and scale index without storing them (nothing of the trace leaks into the
-    eager caches), and eager calls after it give the compiled call's bits."""
+def test_a_compiled_exchange_first_gives_the_eager_bits(monkeypatch):
+    """torch.compile before any eager call (empty plans): the trace builds no plan (it runs
+    the op's fake), the compiled call's op builds the plan on real tensors, and an eager call
+    after it gives the compiled call's bits."""
     from ulysses import lowp
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    for cache in (lowp._PLANS, lowp._WIRES, lowp._INDEX):
-        cache.clear()
+    grid.clear_caches()
     q, k, v = _exchange_inputs(1, L=33)
 
     def step(q, k, v):
@@ -251,10 +241,23 @@ def test_a_compiled_exchange_first_leaves_the_caches_alone(monkeypatch):
         return tuple(getattr(x, f) for f in _FIELDS)
 
     torch._dynamo.reset()
-    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
-    assert not lowp._WIRES and not lowp._INDEX
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v)
+    assert len(lowp._PLANS) == 1
     want = step(q, k, v)
-    # the eager call filled the cache with real tensors, none of the trace's fake ones
-    assert lowp._INDEX and all(type(i) is torch.Tensor for i, *_ in lowp._INDEX.values())
+    assert len(lowp._PLANS) == 1  # the eager call found the plan the op made
     for name, a, b in zip(_FIELDS, got, want, strict=True):
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
+
+
+def test_a_tensor_subclass_runs_the_plan_through_the_op(monkeypatch):
+    """Parameters (a tensor subclass) go through the op, which runs the same plan: the same
+    bits as plain tensors."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    q, k, v = _exchange_inputs(1, L=33)
+    want = ulysses.exchange_qkv(q, k, v, used_sequence=30)
+    got = ulysses.exchange_qkv(*(torch.nn.Parameter(t, requires_grad=False) for t in (q, k, v)),
+                               used_sequence=30)  # fmt: skip
+    for name in _FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name

@@ -1,12 +1,11 @@
-"""One way to define an op: the kernels' host functions as torch custom ops.
+"""One way to define an op: a host path as a torch custom op.
 
-``define_op(name, impl, fake)`` registers ``impl`` (a host function of ``ulysses.kernels``:
-keyword-only arguments, each named once, in its signature) as ``torch.ops.ulysses.<name>``
-with its fake implementation, and returns the dispatcher the public functions call:
-``torch.compile`` traces the op as one opaque node (shapes from the fake); eager calls run
-``impl`` directly, skipping the dispatcher's overhead. The public call reaches the launch in
-three frames: public function -> dispatcher -> host function, which builds a one-shot
-``kernels._runtime.Launch`` and calls it.
+``define_op(name, impl, fake)`` registers ``impl`` (keyword-only arguments, each named once,
+in its signature) as ``torch.ops.ulysses.<name>`` with its fake implementation, and returns
+the dispatcher the public functions call: ``torch.compile`` traces the op as one opaque node
+(shapes from the fake); eager calls run ``impl`` directly, skipping the dispatcher's
+overhead. The ops of ``ulysses`` run the same cached plan an eager call runs, so a compiled
+call launches the same kernels with the same arguments.
 """
 
 from __future__ import annotations
@@ -15,11 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels.block_stats import MINMAX_ALL, MINMAX_NONE, local_stats, payload_numel
-from .kernels.finalize_stats import MODE_MEAN, finalize_stats
-from .kernels.grouped_amax import grouped_amax
-
-__all__ = ["define_op", "is_compiling", "k_grouped_amax", "local_stats_op", "finalize_op"]
+__all__ = ["define_op", "is_compiling"]
 
 is_compiling = torch.compiler.is_compiling
 
@@ -49,33 +44,3 @@ def define_op(name: str, impl: Callable, fake: Callable, mutates: tuple[str, ...
     dispatch.impl = impl
     dispatch.__name__ = name
     return dispatch
-
-
-def _grouped_amax_fake(k, k_mean, *, n_slots, **_):
-    B, _, H, _ = k.shape
-    return k.new_empty((B, H, n_slots), dtype=torch.float32)
-
-
-def _local_stats_fake(k, payload=None, *, n_slots, minmax_mode, **_):
-    B, _, H, D = k.shape
-    n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
-    return (
-        k.new_empty((payload_numel(B, H, D, minmax_mode),), dtype=torch.float32),
-        k.new_empty((B, n_mm, 2, H, D)),
-    )
-
-
-def _finalize_fake(gathered, minmax=None, amax_partial=None, *, mode, dtype, B, H, D, n_slots, **_):
-    n = n_slots if mode != MODE_MEAN else 0
-    return (
-        gathered.new_empty((B, H, D), dtype=dtype),
-        gathered.new_empty((B, H, n), dtype=torch.float32),
-        gathered.new_empty((B, H, n), dtype=torch.float32),
-    )
-
-
-k_grouped_amax = define_op("k_grouped_amax", grouped_amax, _grouped_amax_fake)
-local_stats_op = define_op("local_stats", local_stats, _local_stats_fake)
-finalize_op = define_op("finalize_stats", finalize_stats, _finalize_fake)
-
-MINMAX_NONE = MINMAX_NONE  # re-exported for ulysses.stats

@@ -18,26 +18,34 @@ from .kernels.grouped_amax import prepare_grouped_amax
 
 __all__ = ["k_grouped_amax"]
 
-# Eager fast path: a call whose signature (shapes, strides, dtypes, devices and
-# every other argument, with their types) was validated before runs its cached plan: the
-# 16-byte alignment of k's data pointer (the one rule a signature cannot carry) is checked,
-# the output allocated and the prepared launch called.
-_PLANS: dict[tuple, _AmaxPlan] = {}
-_MAX_PLANS = 256
-grid.DEPENDENT_CACHES.append(_PLANS)
-
 
 class _AmaxPlan:
-    __slots__ = ("launch", "shape", "device", "out")
+    """One call signature of :func:`k_grouped_amax`, prepared once: the launch and the
+    output's template. Eager calls run it directly, compiled calls through the op
+    ``k_grouped_amax``."""
+
+    __slots__ = ("launch", "out")
 
     def __init__(self, launch, shape, device):
-        self.launch, self.shape, self.device = launch, shape, device
+        self.launch = launch
         self.out = output_template(shape, torch.float32, device)
 
     def __call__(self, k, k_mean):
         out = torch.empty_like(self.out)
         self.launch(k, k_mean, out)
         return out
+
+
+# Plans by call signature: shapes, strides, dtypes and devices of both tensors and every other
+# argument with its type (the 16-byte alignment of k's data pointer, the one rule a signature
+# cannot carry, is checked each call). The one cache of this function.
+_PLANS: dict[tuple, _AmaxPlan] = {}
+_MAX_PLANS = 256
+
+
+def clear_plans() -> None:
+    """Forget the plans (after a rule of ``ulysses.grid`` changed)."""
+    _PLANS.clear()
 
 
 def k_grouped_amax(
@@ -86,49 +94,67 @@ def k_grouped_amax(
         TypeError: an argument of the wrong type, or a tensor of the wrong dtype.
         ValueError: any other violation of the rules above.
     """
-    m = k_mean_global
-    eager = type(k) is torch.Tensor and type(m) is torch.Tensor and not _ops.is_compiling()
-    if eager:
-        key = (
-            k.shape,
-            k.stride(),
-            k.dtype,
-            k.device,
-            m.shape,
-            m.stride(),
-            m.dtype,
-            m.device,
-            rank,
-            world_size,
-            used_sequence,
-            enable_pdl,
-            group_size,
-            type(rank),
-            type(world_size),
-            type(used_sequence),
-            type(enable_pdl),
-            type(group_size),
-        )
-        try:
-            plan = _PLANS.get(key)
-        except TypeError:  # an unhashable argument: the checks below name it
-            plan = None
-        if plan is not None and not k.data_ptr() & 15:
-            return plan(k, m)
-    B, L, H, D = v.check_k(k)
-    v.check_mean(k_mean_global, k)
+    if _ops.is_compiling() or not type(k) is type(k_mean_global) is torch.Tensor:
+        _validated(k, k_mean_global, rank, world_size, used_sequence, enable_pdl, group_size)
+        return amax_op(
+            k=k, k_mean=k_mean_global, rank=rank, world_size=world_size,
+            used_sequence=used_sequence, enable_pdl=enable_pdl, group_size=group_size,
+        )  # fmt: skip
+    return _amax(
+        k, k_mean_global, rank=rank, world_size=world_size, used_sequence=used_sequence,
+        enable_pdl=enable_pdl, group_size=group_size,
+    )  # fmt: skip
+
+
+def _validated(k, m, rank, world_size, used_sequence, enable_pdl, group_size):
+    """(use_pdl, layout) of a valid call; raises naming the argument otherwise."""
+    _, L, _, _ = v.check_k(k)
+    v.check_mean(m, k)
     grid.check_world(rank, world_size)
     grid.check_group_size(group_size)
     grid.check_used(used_sequence, L * world_size)
     use_pdl = v.resolve_pdl(enable_pdl, k.device)
     if not _ops.is_compiling():  # data pointers exist only on real tensors
         v.check_alignment(k)
-    lay = grid.layout(rank, L, world_size, group_size, used_sequence)
-    if not eager:  # torch.compile traces the custom op
-        return _ops.k_grouped_amax(k=k, k_mean=k_mean_global, use_pdl=use_pdl, **lay.amax_args())
-    launch = prepare_grouped_amax(k.shape, k.stride(), k.device, use_pdl=use_pdl, **lay.amax_args())
-    plan = _AmaxPlan(launch, (B, H, lay.n_slots), k.device)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan(k, k_mean_global)
+    return use_pdl, grid.layout(rank, L, world_size, group_size, used_sequence)
+
+
+def _amax(
+    k: torch.Tensor,
+    k_mean: torch.Tensor,
+    *,
+    rank: int,
+    world_size: int,
+    used_sequence: int | None,
+    enable_pdl: bool | None,
+    group_size: int,
+) -> torch.Tensor:
+    key = (k.shape, k.stride(), k.dtype, k.device, k_mean.shape, k_mean.stride(), k_mean.dtype,
+           k_mean.device, rank, world_size, used_sequence, enable_pdl, group_size, type(rank),
+           type(world_size), type(used_sequence), type(enable_pdl), type(group_size))  # fmt: skip
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable argument: the checks name it
+        plan = None
+    if plan is None or k.data_ptr() & 15:
+        use_pdl, lay = _validated(
+            k, k_mean, rank, world_size, used_sequence, enable_pdl, group_size
+        )
+        if plan is None:
+            launch = prepare_grouped_amax(
+                k.shape, k.stride(), k.device, use_pdl=use_pdl, **lay.amax_args()
+            )
+            plan = _AmaxPlan(launch, (k.shape[0], k.shape[2], lay.n_slots), k.device)
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan(k, k_mean)
+
+
+def _amax_fake(k, k_mean, *, world_size, group_size, **_):
+    B, L, H, _ = k.shape
+    return k.new_empty((B, H, (L + 2 * group_size - 2) // group_size), dtype=torch.float32)
+
+
+# a compiled graph's (and tensor subclasses') call: the plan as one op
+amax_op = _ops.define_op("k_grouped_amax", _amax, _amax_fake)

@@ -304,13 +304,12 @@ def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
     )
 
 
-# Caches built from these rules elsewhere (the eager call plans): cleared with the layouts.
-DEPENDENT_CACHES: list[dict] = []
-
-
 def clear_caches() -> None:
     """Forget cached layouts and every call plan built from them (after patching a rule here,
-    e.g. a planted fault)."""
+    e.g. a planted fault): each module that caches plans owns its cache and its
+    ``clear_plans``."""
+    from . import amax, lowp, stats  # they import this module
+
     layout.cache_clear()
-    for cache in DEPENDENT_CACHES:
-        cache.clear()
+    for module in (amax, lowp, stats):
+        module.clear_plans()

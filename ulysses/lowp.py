@@ -44,14 +44,13 @@ import torch.distributed as dist
 
 from . import _ops, _validate, comm, grid, stats
 from .kernels._runtime import output_template, stream_key, workspace
-from .kernels.block_stats import MINMAX_ALL, LocalStats, payload_numel
+from .kernels.block_stats import LocalStats
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
-from .kernels.lowp_dequant import dequantize_qkv
+from .kernels.lowp_dequant import dequantize_qkv, prepare_dequant
 from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
-from .kernels.lowp_pack import QOnce, pack_qkv, prepare_pack, q_once_fits
+from .kernels.lowp_pack import QOnce, prepare_pack, q_once_fits
 from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel
-from .kernels.lowp_scales import gather_scales, prepare_gather_scales
-from .kernels.lowp_steps import exchange_local, exchange_post
+from .kernels.lowp_scales import prepare_gather_scales
 
 __all__ = [
     "LowpQKV",
@@ -136,29 +135,19 @@ class _Wire:
         return self.P * self.L * self.row_bytes
 
 
-_WIRES: dict[tuple, _Wire] = {}
-
-
 def _wire(
     B: int, L: int, H: int, D: int, P: int, q_group: int, k_group: int, kv_heads: int | None = None
 ) -> _Wire:
-    key = (B, L, H, D, P, q_group, k_group, kv_heads)
-    found = _WIRES.get(key)
-    if found is None:
-        compiling = _ops.is_compiling()  # a trace computes it and leaves the cache alone
-        h = H // P
-        hkv, kv_rep = grid.kv_split(H, H if kv_heads is None else kv_heads, P)
-        n_sq = (L + 2 * q_group - 2) // q_group
-        n_sk = (L + 2 * k_group - 2) // k_group
-        code_bytes = B * (h + 2 * hkv) * D
-        per_row = -(-4 * B * (h * n_sq + hkv * n_sk) // L)  # ceil: scale bytes every row carries
-        scale_bytes = -(-per_row // 16) * 16  # rows stay 16-byte aligned
-        found = _Wire(
-            P, L, h, hkv, kv_rep, n_sq, n_sk, code_bytes, scale_bytes, code_bytes + scale_bytes
-        )
-        if not compiling:
-            _WIRES[key] = found
-    return found
+    h = H // P
+    hkv, kv_rep = grid.kv_split(H, H if kv_heads is None else kv_heads, P)
+    n_sq = (L + 2 * q_group - 2) // q_group
+    n_sk = (L + 2 * k_group - 2) // k_group
+    code_bytes = B * (h + 2 * hkv) * D
+    per_row = -(-4 * B * (h * n_sq + hkv * n_sk) // L)  # ceil: scale bytes every row carries
+    scale_bytes = -(-per_row // 16) * 16  # rows stay 16-byte aligned
+    return _Wire(
+        P, L, h, hkv, kv_rep, n_sq, n_sk, code_bytes, scale_bytes, code_bytes + scale_bytes
+    )
 
 
 def payload_bytes(
@@ -202,32 +191,6 @@ def bf16_payload_bytes(B: int, L: int, H: int, D: int, *, kv_heads: int | None =
 # ---- ops ---------------------------------------------------------------------------------------
 
 
-def _local_fake(q, k, v, *, k_n_slots, q_n_slots, **_):
-    B, _, Hq, D = q.shape
-    Hkv = k.shape[2]
-    n = payload_numel(B, Hkv, D, MINMAX_ALL) + qv_payload_numel(B, Hq, D, Hkv)
-    return (
-        q.new_empty((n,), dtype=torch.float32),
-        q.new_empty((B, Hq, q_n_slots), dtype=torch.float32),
-        k.new_empty((B, k_n_slots, 2, Hkv, D)),
-    )
-
-
-def _post_fake(gathered, minmax, amax_q, *, dtype, B, Hkv, D, k_n_slots, kv_rep, **_):
-    hkv = Hkv * kv_rep // gathered.shape[0]
-    return (
-        gathered.new_empty((B, Hkv, D), dtype=dtype),
-        gathered.new_empty((B, Hkv, k_n_slots)),
-        gathered.new_empty((B, Hkv, k_n_slots)),
-        gathered.new_empty((B, Hkv, D)),
-        gathered.new_empty((B, hkv, D)),
-    )
-
-
-def _pack_fake(q, k, v, amax_q, amax_k, k_mean, amax_v, *, world_size, row_bytes, **_):
-    return q.new_empty((world_size * q.shape[1] * row_bytes,), dtype=torch.uint8)
-
-
 def _dequant_fake(q, k, v, q_scale, k_scale, v_scale, *, q_group, k_group, dtype):
     return (
         q.new_empty(q.shape, dtype=dtype),
@@ -236,36 +199,86 @@ def _dequant_fake(q, k, v, q_scale, k_scale, v_scale, *, q_group, k_group, dtype
     )
 
 
-def _scales_fake(recv, index):
-    return recv.new_empty((index.numel(),), dtype=torch.float32)
-
-
-# The steps of the exchange (kernels/lowp_steps.py): the same kernels, in the same order, as
-# the eager plan's launches
-local_op = _ops.define_op("lowp_local", exchange_local, _local_fake)
-post_op = _ops.define_op("lowp_post", exchange_post, _post_fake, mutates=("amax_q",))
-pack_op = _ops.define_op("lowp_pack", pack_qkv, _pack_fake)
-scales_op = _ops.define_op("lowp_scales", gather_scales, _scales_fake)
 dequant_op = _ops.define_op("lowp_dequant", dequantize_qkv, _dequant_fake)
 
 
-# ---- after the all_to_all ----------------------------------------------------------------------
+# ---- where a call's results lie (pure Python) --------------------------------------------------
 
 
-_INDEX: dict[tuple, tuple] = {}
+@dataclasses.dataclass(frozen=True)
+class _Out:
+    """Where one call's results lie. The codes are strided views of the receive buffer (rows of
+    ``row_bytes``); everything else is in ONE new byte buffer a call of ``nbytes`` (each part
+    16-byte aligned): the gathered group scales (Q's, padding to 4 words, K's), the mean
+    [B, Hkv, D] (input dtype), v_scale [B, hkv, D]. Views are ``(size, stride, offset)`` in
+    elements of the viewed dtype."""
+
+    size_q: tuple
+    size_kv: tuple
+    stride: tuple
+    offsets: tuple  # of q, k, v codes in the receive buffer
+    q_scale: tuple  # fp32 words
+    k_scale: tuple
+    mean: tuple  # the whole mean, input dtype
+    k_mean: tuple  # this rank's K/V heads of it
+    v_scale: tuple
+    n_index: int  # fp32 words the scale gather writes
+    nbytes: int
 
 
-def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
-    """(index, q shape, k shape): the fp32 element indices of the receive buffer holding each
-    global group's Q scale ([B, h, n_q_groups], flattened) then K scale ([B, hkv, n_k_groups]):
-    the slot of the FIRST rank touching the group (the others hold equal bits)."""
-    # a plain tuple key (hashing the dataclass failed inside a torch 2.11 trace); a trace
-    # computes the index as constants and leaves the cache alone
-    compiling = _ops.is_compiling()
-    key = (*dataclasses.astuple(w), B, q_group, k_group, device) if not compiling else None
-    found = None if compiling else _INDEX.get(key)
-    if found is not None:
-        return found
+def _contiguous(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def _out_layout(w: _Wire, B: int, Hkv: int, D: int, esize: int, q_group: int, k_group: int,
+                rank: int) -> _Out:  # fmt: skip
+    S, h, hkv = w.P * w.L, w.h, w.hkv
+    q_shape, k_shape = (B, h, -(-S // q_group)), (B, hkv, -(-S // k_group))
+    n_q, n_k = math.prod(q_shape), math.prod(k_shape)
+    # Q's part padded to a multiple of 4 fp32 so that k_scale starts 16-byte aligned (as a
+    # tensor of its own would): a TMA descriptor or a vectorized load may need it
+    n_index = n_q + (-n_q % 4) + n_k
+    off_mean = -(-4 * n_index // 16) * 16
+    off_vs = off_mean + -(-B * Hkv * D * esize // 16) * 16
+    mean_shape, mean_stride = (B, Hkv, D), _contiguous((B, Hkv, D))
+    first = rank * hkv // w.kv_rep  # this rank's first K/V head (grid.kv_split)
+    return _Out(
+        size_q=(B, S, h, D),
+        size_kv=(B, S, hkv, D),
+        stride=((h + 2 * hkv) * D, w.row_bytes, D, 1),
+        offsets=(0, h * D, (h + hkv) * D),
+        q_scale=(q_shape, _contiguous(q_shape), 0),
+        k_scale=(k_shape, _contiguous(k_shape), n_index - n_k),
+        mean=(mean_shape, mean_stride, off_mean // esize),
+        k_mean=((B, hkv, D), mean_stride, off_mean // esize + first * D),
+        v_scale=((B, hkv, D), _contiguous((B, hkv, D)), off_vs // 4),
+        n_index=n_index,
+        nbytes=off_vs + 4 * B * hkv * D,
+    )
+
+
+def _result(o: _Out, recv: torch.Tensor, out: torch.Tensor, dtype, fields: tuple) -> LowpQKV:
+    """The LowpQKV of a call from its receive buffer and its result bytes (no copy)."""
+    codes, words, typed = recv.view(torch.int8), out.view(FP32), out.view(dtype)
+    stride, (oq, ok, ov) = o.stride, o.offsets
+    return LowpQKV(
+        codes.as_strided(o.size_q, stride, oq),
+        codes.as_strided(o.size_kv, stride, ok),
+        recv.view(FP8).as_strided(o.size_kv, stride, ov),
+        words.as_strided(*o.q_scale),
+        words.as_strided(*o.k_scale),
+        words.as_strided(*o.v_scale),
+        typed.as_strided(*o.k_mean),
+        *fields,
+    )
+
+
+def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> torch.Tensor:
+    """int64 [n_index]: the fp32 element of the receive buffer holding each global group's Q
+    scale ([B, h, n_q_groups], flattened), padding (repeats of the first), then each K scale
+    ([B, hkv, n_k_groups]): the slot of the FIRST rank touching the group (the others hold
+    equal bits)."""
     P, L, h = w.P, w.L, w.h
     S = P * L
     e4 = w.scale_bytes // 4
@@ -280,25 +293,9 @@ def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> tuple:
         bh = torch.arange(B * heads, dtype=torch.int64).view(B, heads, 1)
         n = first_n + bh * n_slots + slot  # [B, h, n_groups] within the sender's block
         byte = sender * L * w.row_bytes + (n // e4) * w.row_bytes + w.code_bytes + (n % e4) * 4
-        out.append((byte // 4).to(device))
-    # one index for both (one gather kernel a call): Q's scales, then K's
-    # Q's part padded to a multiple of 4 fp32 so that k_scale starts 16-byte aligned (as a
-    # tensor of its own would): a TMA descriptor or a vectorized load may need it
+        out.append((byte // 4).flatten())
     pad = -out[0].numel() % 4
-    index = torch.cat([out[0].flatten(), out[0].flatten()[:1].expand(pad), out[1].flatten()])
-    found = (index, out[0].shape, out[1].shape)
-    if not compiling:
-        _INDEX[key] = found
-    return found
-
-
-def _scales(recv: torch.Tensor, index: torch.Tensor, q_shape, k_shape) -> tuple:
-    """(q_scale, k_scale) gathered from the receive buffer by one launch
-    (kernels/lowp_scales.py): two contiguous views of one new tensor, each starting 16-byte
-    aligned."""
-    both = scales_op(recv=recv, index=index)
-    n_q, n_k = q_shape.numel(), k_shape.numel()
-    return both[:n_q].view(q_shape), both[index.numel() - n_k :].view(k_shape)
+    return torch.cat([out[0], out[0][:1].expand(pad), out[1]]).to(device)
 
 
 # ---- the public call ---------------------------------------------------------------------------
@@ -379,18 +376,20 @@ def exchange_qkv(
             outside [1, S]; torch.distributed not initialized under a launcher that started
             several ranks; ranks that disagree.
     """
-    key = _plan_key(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
-    if key is not None:
-        key, pg = key
-        try:
-            plan = _PLANS.get(key)
-        except TypeError:  # an unhashable argument: _prepare names it
-            plan = None
-        if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-            # the plan runs kernels on q, k, v and views of new buffers: no autograd history
-            # without a no_grad context (about a microsecond a call)
-            return plan(q, k, v, pg)
-    return _exchange_new(q, k, v, key, group, used_sequence, q_group, k_group, enable_pdl)
+    if type(q) is type(k) is type(v) is torch.Tensor and not _ops.is_compiling():
+        # the plan runs kernels on q, k, v and views of new buffers: no autograd history
+        # without a no_grad context (about a microsecond a call)
+        plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+        return plan(q, k, v, pg)
+    # torch.compile (validated while tracing) and tensor subclasses: the plan's run as one op
+    c = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    recv, out = exchange_op(
+        q=q, k=k, v=v, group_name=comm.group_name(c.pg), used_sequence=used_sequence,
+        q_group=q_group, k_group=k_group, enable_pdl=enable_pdl,
+    )  # fmt: skip
+    B, _, Hkv, D = k.shape
+    o = _out_layout(c.wire, B, Hkv, D, k.element_size(), q_group, k_group, c.rank)
+    return _result(o, recv, out, k.dtype, (used_sequence, q_group, k_group))
 
 
 @torch.no_grad()
@@ -417,6 +416,9 @@ def exchange_to_heads(
             q=q, k=k, v=v, group_name=comm.group_name(pg), used_sequence=used_sequence,
             q_group=q_group, k_group=k_group,
         )  # fmt: skip
+    if type(q) is type(k) is type(v) is torch.Tensor:
+        plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, None)
+        return plan.to_heads(q, k, v, pg)
     x = exchange_qkv(q, k, v, group=group, used_sequence=used_sequence, q_group=q_group,
                      k_group=k_group)  # fmt: skip
     return x.dequantize()
@@ -454,26 +456,7 @@ def _to_heads_fake(q, k, v, *, group_name, used_sequence, q_group, k_group):
 to_heads_op = _ops.define_op("lowp_to_heads", _to_heads, _to_heads_fake)
 
 
-def _exchange_new(q, k, v, key, group, used_sequence, q_group, k_group, enable_pdl) -> LowpQKV:
-    """A call the plans do not hold: validate, then build its plan (eager) or run the full
-    path (``key`` None: torch.compile, tensor subclasses, other group types)."""
-    call = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
-    if key is not None:
-        plan = _ExchangePlan(call)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-        return plan(q, k, v, call.pg)
-    payload, amax_q, minmax = _local_stats(call)
-    gathered = comm.all_gather(payload, call.pg, call.P)  # [P, n_k + n_qv]
-    k_stats, amax_q, amax_v, v_scale = _finish_stats(call, gathered, amax_q, minmax)
-    send = _pack(call, k_stats, amax_q, amax_v)
-    recv = comm.all_to_all(send, call.pg, call.P)
-    return _unpack(call, recv, k_stats, v_scale)
-
-
-# ---- the steps of one call: the ops of kernels/lowp_steps.py and the pack, in the eager plan's
-# order (separate so that scripts/bench_lowp.py can time each) ------------------------------
+# ---- validation ----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,147 +520,17 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
     )
 
 
-def _local_args(c: _Call) -> dict:
-    """The keyword arguments of ``local_op`` but the tensors."""
-    lay_k, lay_q = c.part.layout, c.lay_q
-    assert c.part.minmax_mode == MINMAX_ALL
-    args = {f"k_{name}": value for name, value in lay_k.stats_args().items()}
-    args["k_group"] = args.pop("k_group_size")
-    return dict(
-        args,
-        tag=c.part.tag,
-        q_group=c.q_group,
-        q_row0=lay_q.row0,
-        q_n_slots=lay_q.n_slots,
-        q_n_touched=lay_q.n_touched,
-        q_tail_group=lay_q.tail_group,
-        q_live_end=lay_q.live_end,
-        floor=grid.FLOOR,
-        q_boundary_only=c.q_once,
-        use_pdl=c.use_pdl,
-    )
-
-
-def _post_args(c: _Call) -> dict:
-    """The keyword arguments of ``post_op`` but the tensors."""
-    fin = c.part.finalize_args()
-    lay_q = c.lay_q
-    return dict(
-        dtype=fin["dtype"],
-        B=fin["B"],
-        Hkv=fin["H"],
-        D=fin["D"],
-        k_n_slots=fin["n_slots"],
-        k_n_touched=fin["n_touched"],
-        divisor=fin["divisor"],
-        tag=fin["tag"],
-        k_first_sources=fin["first_sources"],
-        k_last_sources=fin["last_sources"],
-        floor=fin["floor"],
-        q_first_sources=[rank * 2 + end for rank, end in lay_q.first_sources],
-        q_last_sources=[rank * 2 + end for rank, end in lay_q.last_sources],
-        q_n_touched=lay_q.n_touched,
-        rank=c.rank,
-        kv_rep=c.wire.kv_rep,
-        use_pdl=c.use_pdl,
-    )
-
-
-def _local_stats(c: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The local statistics kernels: (payload fp32 [n_k + n_qv], Q's partial amax [B, Hq, NSq],
-    K's min/max per touched slot)."""
-    return local_op(q=c.q, k=c.k, v=c.v, **_local_args(c))
-
-
-def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q: torch.Tensor, minmax: torch.Tensor):
-    """After the all_gather, one launch: (SmoothKStats, Q's merged amax [B, Hq, NSq] (amax_q
-    merged in place), V's amax [B, Hkv, D], v_scale [B, hkv, D])."""
-    mean, partial, final, amax_v, v_scale = post_op(
-        gathered=gathered, minmax=minmax, amax_q=amax_q, **_post_args(c)
-    )
-    lay = c.part.layout
-    k_stats = stats.SmoothKStats(mean, partial, final, lay.rank, lay.P, lay.used, lay.G)
-    return k_stats, amax_q, amax_v, v_scale
-
-
-def _pack(c: _Call, k_stats, amax_q: torch.Tensor, amax_v: torch.Tensor) -> torch.Tensor:
-    """Quantize and pack: the uint8 send buffer [P * L * row_bytes]."""
-    lay_q = c.lay_q
-    return pack_op(
-        q=c.q,
-        k=c.k,
-        v=c.v,
-        amax_q=amax_q,
-        amax_k=k_stats.amax_final,
-        k_mean=k_stats.k_mean_global,
-        amax_v=amax_v,
-        world_size=c.P,
-        row0=c.rank * c.k.shape[1],
-        q_group=c.q_group,
-        k_group=c.k_group,
-        row_bytes=c.wire.row_bytes,
-        scale_bytes=c.wire.scale_bytes,
-        use_pdl=c.use_pdl,
-        q_once=c.q_once,
-        q_n_touched=lay_q.n_touched,
-        q_tail_group=lay_q.tail_group,
-        q_live_end=lay_q.live_end,
-        floor=grid.FLOOR,
-    )
-
-
-def _views(w: _Wire, B: int, D: int) -> tuple:
-    """((q size, k size), stride, offsets of q, k, v): the codes as strided views of the
-    receive buffer, rows of ``w.row_bytes``."""
-    S, h, hkv = w.P * w.L, w.h, w.hkv
-    stride = ((h + 2 * hkv) * D, w.row_bytes, D, 1)
-    return ((B, S, h, D), (B, S, hkv, D)), stride, (0, h * D, (h + hkv) * D)
-
-
-def _contiguous(shape) -> tuple:
-    """The strides of a contiguous tensor of ``shape``."""
-    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-
-
-def _kv_heads(w: _Wire, rank: int) -> slice:
-    """The K/V heads rank ``rank`` receives (``grid.kv_split``)."""
-    first = rank * w.hkv // w.kv_rep
-    return slice(first, first + w.hkv)
-
-
-def _unpack(c: _Call, recv: torch.Tensor, k_stats, v_scale: torch.Tensor) -> LowpQKV:
-    """LowpQKV from the receive buffer: strided views of the codes (no copy), the scales
-    gathered from the rows' scale slots, v_scale and k_mean from the gathered statistics."""
-    B, _, _, D = c.k.shape
-    w = c.wire
-    (size_q, size_kv), stride, (oq, ok, ov) = _views(w, B, D)
-    codes = recv.view(torch.int8)
-    heads = _kv_heads(w, c.rank)
-    q_scale, k_scale = _scales(recv, *_scale_index(w, B, c.q_group, c.k_group, recv.device))
-    return LowpQKV(
-        q=codes.as_strided(size_q, stride, oq),
-        k=codes.as_strided(size_kv, stride, ok),
-        v=recv.view(FP8).as_strided(size_kv, stride, ov),
-        q_scale=q_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        k_mean=k_stats.k_mean_global[:, heads],
-        used_sequence=c.used_sequence,
-        q_group=c.q_group,
-        k_group=c.k_group,
-    )
-
-
-# ---- the eager fast path ----------------------------------------------------------------------
+# ---- the call: one host path ------------------------------------------------------------------
 
 
 class _ExchangePlan:
-    """One eager call signature of :func:`exchange_qkv`, prepared (as ``stats._StatsPlan``):
-    the statistics, finalize and pack launches bound to scratch buffers of this device and
-    stream (payload, gathered, K's min/max, Q's partial amax, the send buffer); the receive
-    buffer is new each call (the returned q, k, v are views of it). At world size 1 there is
-    no collective: the finalize reads the payload, the pack writes a new buffer each call and
-    that buffer is the result's."""
+    """One call signature of :func:`exchange_qkv`, prepared once: the statistics, post-gather,
+    pack and scale-gather launches bound to scratch buffers of this device and stream
+    (payload, gathered, K's min/max, Q's partial amax, K's group amax, the send buffer) and
+    the collectives bound to them. Every path runs it: eager calls directly, compiled calls
+    (and tensor subclasses) through the op ``lowp_exchange``. A call allocates the receive
+    buffer and the result bytes (:class:`_Out`); at world size 1 there is no collective: the
+    finalize reads the payload and the pack writes the receive buffer itself."""
 
     def __init__(self, c: _Call, tiles: dict | None = None):
         # ``tiles`` (benchmarks only): {"q_once": bool, "qv": {...}, "pack": {...}}, launch
@@ -689,178 +542,226 @@ class _ExchangePlan:
         dev, P, part, w = k.device, c.P, c.part, c.wire
         lay_k, lay_q = part.layout, c.lay_q
         n_k, n = part.numel, part.numel + qv_payload_numel(B, Hq, D, Hkv)
-        payload = workspace("lowp_payload", n, torch.float32, dev)[:n]
+        self.payload = payload = workspace("lowp_payload", n, FP32, dev)[:n]
         if P == 1:  # the payload is the gathered table
             self.gather = None
-            gathered = payload.view(1, n)
+            self.gathered = payload.view(1, n)
         else:
-            gathered = workspace("lowp_gathered", P * n, torch.float32, dev)[: P * n]
+            gathered = workspace("lowp_gathered", P * n, FP32, dev)[: P * n]
             self.gather = comm.all_gather_launcher(gathered, payload)
-            gathered = gathered.view(P, n)
+            self.gathered = gathered.view(P, n)
         n_mm = B * lay_k.n_slots * 2 * Hkv * D
-        minmax = workspace("lowp_minmax", n_mm, k.dtype, dev)[:n_mm]
-        minmax = minmax.view(B, lay_k.n_slots, 2, Hkv, D)
+        self.minmax = workspace("lowp_minmax", n_mm, k.dtype, dev)[:n_mm]
+        self.minmax = self.minmax.view(B, lay_k.n_slots, 2, Hkv, D)
         self.k_local = LocalStats(
-            k.shape,
-            k.stride(),
-            dev,
-            payload[:n_k],
-            minmax,
-            minmax_mode=part.minmax_mode,
-            tag=part.tag,
-            use_pdl=c.use_pdl,
-            **lay_k.stats_args(),
-        )
-        k_finalize = prepare_finalize(
-            gathered[:, :n_k], minmax, mode=MODE_FUSED, **part.finalize_args()
-        )
+            k.shape, k.stride(), dev, payload[:n_k], self.minmax, minmax_mode=part.minmax_mode,
+            tag=part.tag, use_pdl=c.use_pdl, **lay_k.stats_args(),
+        )  # fmt: skip
         # Q read once, by the pack kernel, where its group tile fits in registers; then the
         # statistics kernel reads Q only for the first and last touched slot
         q_once = None
         if tiles.get("q_once", True) and c.q_once:
             q_once = QOnce(lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR)
         n_q = B * Hq * lay_q.n_slots
-        self.amax_q = workspace("lowp_amax_q", n_q, torch.float32, dev)[:n_q]
-        self.amax_q = self.amax_q.view(B, Hq, lay_q.n_slots)
+        self.amax_q = workspace("lowp_amax_q", n_q, FP32, dev)[:n_q].view(B, Hq, lay_q.n_slots)
         self.qv = prepare_qv_stats(
-            q.shape,
-            q.stride(),
-            v.stride(),
-            dev,
-            payload[n_k:],
-            self.amax_q,
-            group_size=c.q_group,
-            row0=lay_q.row0,
-            n_slots=lay_q.n_slots,
-            n_touched=lay_q.n_touched,
-            tail_group=lay_q.tail_group,
-            live_end=lay_q.live_end,
-            floor=grid.FLOOR,
-            use_pdl=c.use_pdl,
-            q_boundary_only=q_once is not None,
-            v_heads=Hkv,
-            **tiles.get("qv", {}),
-        )
-        # Q's boundary merge, V's amax over ranks and v_scale (kernels/lowp_finish), launched
-        # with K's finalize as one grid (prepare_post_gather)
-        self.amax_v = workspace("lowp_amax_v", B * Hkv * D, torch.float32, dev)[: B * Hkv * D]
-        self.amax_v = self.amax_v.view(B, Hkv, D)
+            q.shape, q.stride(), v.stride(), dev, payload[n_k:], self.amax_q,
+            group_size=c.q_group, row0=lay_q.row0, n_slots=lay_q.n_slots,
+            n_touched=lay_q.n_touched, tail_group=lay_q.tail_group, live_end=lay_q.live_end,
+            floor=grid.FLOOR, use_pdl=c.use_pdl, q_boundary_only=q_once is not None,
+            v_heads=Hkv, **tiles.get("qv", {}),
+        )  # fmt: skip
+        # K's finalize, Q's boundary merge, V's amax over ranks and v_scale: ONE launch
+        # (prepare_post_gather of kernels/lowp_finish)
+        n_v = B * Hkv * D
+        self.amax_v = workspace("lowp_amax_v", n_v, FP32, dev)[:n_v].view(B, Hkv, D)
         finish = prepare_lowp_finish(
-            gathered,
-            self.amax_q,
-            self.amax_v,
-            first_sources=lay_q.first_sources,
-            last_sources=lay_q.last_sources,
-            n_touched=lay_q.n_touched,
-            q_off=n_k,
-            v_off=n_k + 2 * B * Hq,
-            rank=c.rank,
-            world_size=P,
-            kv_rep=w.kv_rep,
+            self.gathered, self.amax_q, self.amax_v, first_sources=lay_q.first_sources,
+            last_sources=lay_q.last_sources, n_touched=lay_q.n_touched, q_off=n_k,
+            v_off=n_k + 2 * B * Hq, rank=c.rank, world_size=P, kv_rep=w.kv_rep,
+        )  # fmt: skip
+        k_finalize = prepare_finalize(
+            self.gathered[:, :n_k], self.minmax, mode=MODE_FUSED, **part.finalize_args()
         )
         self.post = prepare_post_gather(k_finalize, finish)
-        self.v_scale_shape = (B, w.hkv, D)
-        # at P = 1 the send buffer is the result: a new one each call, passed to the launch
+        # at P = 1 the send buffer is the receive buffer: a new one each call
         send = None if P == 1 else workspace("lowp_send", w.nbytes, torch.uint8, dev)[: w.nbytes]
         self.pack = prepare_pack(
-            q.shape,
-            (q.stride(), k.stride(), v.stride()),
-            dev,
-            send,
-            world_size=P,
-            row0=c.rank * L,
-            q_group=c.q_group,
-            k_group=c.k_group,
-            n_sq=lay_q.n_slots,
-            n_sk=lay_k.n_slots,
-            row_bytes=w.row_bytes,
-            scale_bytes=w.scale_bytes,
-            use_pdl=c.use_pdl,
-            kv_heads=Hkv,
-            q_once=q_once,
-            **tiles.get("pack", {}),
-        )
-        if P == 1:
-            self.a2a = None
-            self.send_out = output_template((w.nbytes,), torch.uint8, dev)
-        else:
-            self.a2a = comm.all_to_all_launcher(send)
-        (self.size_q, self.size_kv), self.stride, self.offsets = _views(w, B, D)
-        self.fields = (c.used_sequence, c.q_group, c.k_group)
-        self.dtype, self.device = k.dtype, dev
+            q.shape, (q.stride(), k.stride(), v.stride()), dev, send, world_size=P,
+            row0=c.rank * L, q_group=c.q_group, k_group=c.k_group, n_sq=lay_q.n_slots,
+            n_sk=lay_k.n_slots, row_bytes=w.row_bytes, scale_bytes=w.scale_bytes,
+            use_pdl=c.use_pdl, kv_heads=Hkv, q_once=q_once, **tiles.get("pack", {}),
+        )  # fmt: skip
+        self.send, self.a2a = send, None if P == 1 else comm.all_to_all_launcher(send)
+        self.recv_out = output_template((w.nbytes,), torch.uint8, dev)
         # K's partial and final group amax: read by the pack only, so scratch (stream order
         # makes the next call's overwrite safe)
         n_ka = B * Hkv * lay_k.n_slots
         self.part = workspace("lowp_amax_part", n_ka, FP32, dev)[:n_ka].view(B, Hkv, -1)
         self.final = workspace("lowp_amax_final", n_ka, FP32, dev)[:n_ka].view(B, Hkv, -1)
-        # what a call returns besides the codes, in ONE new allocation a call (bytes, each
-        # part 16-byte aligned): the gathered group scales (Q's, padding, K's: the scale
-        # gather writes them from word 0), k_mean [B, Hkv, D] (input dtype), v_scale
-        index, q_shape, k_shape = _scale_index(w, B, c.q_group, c.k_group, dev)
-        self.gather_scales = prepare_gather_scales(index, dev)
-        n_idx, esize = index.numel(), k.element_size()
-        off_mean = -(-4 * n_idx // 16) * 16
-        off_vs = off_mean + -(-B * Hkv * D * esize // 16) * 16
-        self.out_bytes = output_template((off_vs + 4 * B * w.hkv * D,), torch.uint8, dev)
-        self.q_scale_view = (q_shape, _contiguous(q_shape), 0)
-        self.k_scale_view = (k_shape, _contiguous(k_shape), n_idx - k_shape.numel())
-        mean_shape = (B, Hkv, D)
-        self.mean_view = (mean_shape, _contiguous(mean_shape), off_mean // esize)
-        # this rank's K/V heads of the mean: [B, hkv, D] with the full mean's strides
-        first = _kv_heads(w, c.rank).start
-        self.k_mean_view = ((B, w.hkv, D), _contiguous(mean_shape), off_mean // esize + first * D)
-        self.v_scale_view = (self.v_scale_shape, _contiguous(self.v_scale_shape), off_vs // 4)
+        self.out = o = _out_layout(w, B, Hkv, D, k.element_size(), c.q_group, c.k_group, c.rank)
+        self.gather_scales = prepare_gather_scales(
+            _scale_index(w, B, c.q_group, c.k_group, dev), dev
+        )
+        self.out_bytes = output_template((o.nbytes,), torch.uint8, dev)
+        self.mean_view, self.v_scale_view = o.mean, o.v_scale
+        # exchange_to_heads: the codes dequantized by one launch into new [B, S, h, D] tensors
+        self.dequant = prepare_dequant(
+            o.size_q, o.size_kv, (o.stride,) * 3, dev, q_group=c.q_group, k_group=c.k_group
+        )
+        self.heads_q = output_template(o.size_q, k.dtype, dev)
+        self.heads_kv = output_template(o.size_kv, k.dtype, dev)
+        self.dtype, self.fields = k.dtype, (c.used_sequence, c.q_group, c.k_group)
 
-    def __call__(self, q, k, v, pg) -> LowpQKV:
+    def run(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor]:
+        """(receive buffer, result bytes) of one call: the kernels and collectives in order."""
         self.k_local(k)
         self.qv(q, v)
         if self.gather is not None:
             self.gather(pg)
         out = torch.empty_like(self.out_bytes)
-        words, typed = out.view(FP32), out.view(self.dtype)
-        mean = typed.as_strided(*self.mean_view)
-        v_scale = words.as_strided(*self.v_scale_view)
-        # K's finalize, then Q's boundary merge (in self.amax_q) and V's amax: one launch
-        self.post(mean, self.part, self.final, v_scale)
+        words = out.view(FP32)
+        mean = out.view(self.dtype).as_strided(*self.mean_view)
+        self.post(mean, self.part, self.final, words.as_strided(*self.v_scale_view))
         if self.a2a is not None:
             self.pack(q, k, v, self.amax_q, self.final, mean, self.amax_v)
             recv = self.a2a(pg)
         else:
-            recv = torch.empty_like(self.send_out)
+            recv = torch.empty_like(self.recv_out)
             self.pack(q, k, v, self.amax_q, self.final, mean, self.amax_v, recv, recv.view(FP32))
         self.gather_scales(recv.view(FP32), words)
-        codes = recv.view(torch.int8)
-        stride, (oq, ok, ov) = self.stride, self.offsets
-        used, q_group, k_group = self.fields
-        return LowpQKV(
-            codes.as_strided(self.size_q, stride, oq),
-            codes.as_strided(self.size_kv, stride, ok),
-            recv.view(FP8).as_strided(self.size_kv, stride, ov),
-            words.as_strided(*self.q_scale_view),
-            words.as_strided(*self.k_scale_view),
-            v_scale,
-            typed.as_strided(*self.k_mean_view),
-            used,
-            q_group,
-            k_group,
-        )
+        return recv, out
+
+    def __call__(self, q, k, v, pg) -> LowpQKV:
+        recv, out = self.run(q, k, v, pg)
+        return _result(self.out, recv, out, self.dtype, self.fields)
+
+    def to_heads(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``self(q, k, v, pg).dequantize()`` without the LowpQKV: the same launches."""
+        recv, out = self.run(q, k, v, pg)
+        o, codes, words = self.out, recv.view(torch.int8), out.view(FP32)
+        stride, (oq, ok, ov) = o.stride, o.offsets
+        heads = torch.empty_like(self.heads_q), torch.empty_like(self.heads_kv)
+        heads += (torch.empty_like(self.heads_kv),)
+        self.dequant(
+            codes.as_strided(o.size_q, stride, oq), codes.as_strided(o.size_kv, stride, ok),
+            recv.view(FP8).as_strided(o.size_kv, stride, ov), words.as_strided(*o.q_scale),
+            words.as_strided(*o.k_scale), words.as_strided(*o.v_scale), *heads,
+        )  # fmt: skip
+        return heads
 
 
+# Plans by call signature: shapes, strides, dtypes, devices, the group, every argument with its
+# type, and the stream (the scratch buffers are per stream). The one cache of the exchange.
 _PLANS: dict[tuple, _ExchangePlan] = {}
 _MAX_PLANS = 64
-grid.DEPENDENT_CACHES.append(_PLANS)
 
 
-def _plan_key(q, k, v, group, used_sequence, q_group, k_group, enable_pdl):
-    """The eager fast path's key of a call and its process group, or None (compiling, tensor
-    subclasses, a group of another type: the full path). ``group=None`` without
-    torch.distributed initialized keys on a group of ``None`` (see ``stats._plan_key``)."""
-    if not (type(q) is type(k) is type(v) is torch.Tensor) or _ops.is_compiling():
-        return None
+def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> tuple:
+    """(plan, process group) of a call: the cached plan of its signature, or a new one after
+    validating every argument (which raises on bad ones). ``group=None`` without
+    torch.distributed initialized keys on a group of ``None``: a plan exists only once the
+    validation accepted that as a group of one."""
     pg = dist.group.WORLD if group is None else group
-    if pg is not None and type(pg) is not dist.ProcessGroup:
-        return None
-    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-            v.dtype, q.device, v.device, comm.group_key(pg), used_sequence, q_group, k_group,
-            enable_pdl, type(used_sequence), type(q_group), type(k_group), type(enable_pdl),
-            *stream_key(k.device)), pg  # fmt: skip
+    try:  # an unhashable argument or a group of another type: the validation names it
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+               v.dtype, q.device, v.device, comm.group_key(pg), used_sequence, q_group, k_group,
+               enable_pdl, type(used_sequence), type(q_group), type(k_group), type(enable_pdl),
+               *stream_key(k.device))  # fmt: skip
+        plan = _PLANS.get(key)
+    except TypeError:
+        key = plan = None
+    if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return plan, pg
+    c = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    plan = _ExchangePlan(c)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    if key is not None:
+        _PLANS[key] = plan
+    return plan, c.pg
+
+
+def clear_plans() -> None:
+    """Forget the exchange's plans (after a rule of ``ulysses.grid`` changed)."""
+    _PLANS.clear()
+
+
+def _exchange(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group_name: str,
+    used_sequence: int | None,
+    q_group: int,
+    k_group: int,
+    enable_pdl: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    group = comm.group_from_name(group_name)
+    plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    return plan.run(q, k, v, pg)
+
+
+def _exchange_fake(q, k, v, *, group_name, used_sequence, q_group, k_group, enable_pdl):
+    pg = comm.group_from_name(group_name)
+    P = 1 if pg is None else pg.size()
+    B, L, Hq, D = q.shape
+    w = _wire(B, L, Hq, D, P, q_group, k_group, k.shape[2])
+    o = _out_layout(w, B, k.shape[2], D, k.element_size(), q_group, k_group, 0)
+    return (
+        q.new_empty((w.nbytes,), dtype=torch.uint8),
+        q.new_empty((o.nbytes,), dtype=torch.uint8),
+    )
+
+
+# the exchange of a compiled graph (and of tensor subclasses): the plan's run as one op
+exchange_op = _ops.define_op("lowp_exchange", _exchange, _exchange_fake)
+
+
+# ---- one call's steps, one at a time (tests and scripts/bench_lowp.py time each) --------------
+
+
+def _local_stats(c: _Call) -> tuple:
+    """The local statistics launches of ``c``'s plan: (payload, Q's partial amax, K's
+    min/max), scratch buffers."""
+    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None)[0]
+    p.k_local(c.k)
+    p.qv(c.q, c.v)
+    return p.payload, p.amax_q, p.minmax
+
+
+def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q, minmax) -> tuple:
+    """The post-gather launch on ``gathered`` [P, n]: (SmoothKStats, Q's merged amax, V's
+    amax, v_scale); the mean and v_scale are views of a new result buffer."""
+    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None)[0]
+    if gathered.data_ptr() != p.gathered.data_ptr():
+        p.gathered.copy_(gathered)
+    out = torch.empty_like(p.out_bytes)
+    mean = out.view(p.dtype).as_strided(*p.mean_view)
+    v_scale = out.view(FP32).as_strided(*p.v_scale_view)
+    p.post(mean, p.part, p.final, v_scale)
+    lay = c.part.layout
+    k_stats = stats.SmoothKStats(mean, p.part, p.final, lay.rank, lay.P, lay.used, lay.G)
+    return k_stats, p.amax_q, p.amax_v, v_scale
+
+
+def _pack(c: _Call, k_stats, amax_q, amax_v) -> torch.Tensor:
+    """The pack launch: the uint8 send buffer [P * L * row_bytes] (new at P = 1)."""
+    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None)[0]
+    args = (c.q, c.k, c.v, amax_q, k_stats.amax_final, k_stats.k_mean_global, amax_v)
+    if p.a2a is not None:
+        p.pack(*args)
+        return p.send
+    recv = torch.empty_like(p.recv_out)
+    p.pack(*args, recv, recv.view(FP32))
+    return recv
+
+
+def _unpack(c: _Call, recv: torch.Tensor, k_stats, v_scale: torch.Tensor) -> LowpQKV:
+    """The scale gather, then the LowpQKV of the call (``v_scale`` a view of the result
+    buffer :func:`_finish_stats` made)."""
+    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None)[0]
+    out = v_scale._base
+    p.gather_scales(recv.view(FP32), out.view(FP32))
+    return _result(p.out, recv, out, p.dtype, p.fields)

@@ -86,13 +86,9 @@ def _signature(k: torch.Tensor, used_sequence, group_size, method) -> dict:
 
 
 class KStatsPart:
-    """K's share of a statistics all_gather (``smooth_k_stats`` and the exchange use it).
-
-    ``numel`` fp32 elements per rank; ``write(buf)`` runs the local kernels into ``buf``
-    (fp32 [numel], or None for a new tensor) and returns it; ``finish(gathered)`` takes the
-    gathered [P, numel] (rows contiguous; a column slice of a wider gathered buffer is fine)
-    and returns :class:`SmoothKStats`. Arguments are validated by :func:`k_stats_part`.
-    """
+    """K's share of a statistics all_gather (``smooth_k_stats`` and the exchange use it): the
+    configuration of one validated call (layout, tag, min/max mode, ``numel`` fp32 elements
+    per rank) from which a plan binds the launches. Built by :func:`k_stats_part`."""
 
     def __init__(self, k, *, rank, world_size, used_sequence, group_size, use_pdl, method, tag):
         B, L, H, D = k.shape
@@ -105,19 +101,6 @@ class KStatsPart:
             MINMAX_NONE if method is None else MINMAX_ALL if method == "fused" else MINMAX_BOUNDARY
         )
         self.numel = payload_numel(B, H, D, self.minmax_mode)
-        self.minmax = None
-
-    def write(self, buf: torch.Tensor | None = None) -> torch.Tensor:
-        lay = self.layout
-        payload, self.minmax = _ops.local_stats_op(
-            k=self.k,
-            payload=buf,
-            minmax_mode=self.minmax_mode,
-            tag=self.tag,
-            use_pdl=self.use_pdl,
-            **lay.stats_args(),
-        )
-        return payload
 
     def finalize_args(self) -> dict:
         """The finalize kernel's arguments but the tensors and the mode."""
@@ -138,61 +121,29 @@ class KStatsPart:
             use_pdl=self.use_pdl,
         )
 
-    def finish(self, gathered: torch.Tensor) -> SmoothKStats:
-        lay, k = self.layout, self.k
-        common = self.finalize_args()
-        if self.method == "fused":
-            mean, partial, final = _ops.finalize_op(
-                gathered=gathered, minmax=self.minmax, mode=MODE_FUSED, **common
-            )
-        else:
-            mean, _, _ = _ops.finalize_op(gathered=gathered, mode=MODE_MEAN, **common)
-            if self.method is None:
-                return mean
-            direct = _ops.k_grouped_amax(k=k, k_mean=mean, use_pdl=self.use_pdl, **lay.amax_args())
-            _, partial, final = _ops.finalize_op(
-                gathered=gathered, amax_partial=direct, mode=MODE_MERGE, **common
-            )
-        return SmoothKStats(
-            k_mean_global=mean,
-            amax_partial=partial,
-            amax_final=final,
-            rank=lay.rank,
-            world_size=lay.P,
-            used_sequence=lay.used,
-            group_size=lay.G,
-        )
-
 
 class _StatsPlan:
-    """One eager call signature of ``smooth_k_stats`` / ``global_k_mean``, prepared: its
-    launches bound to scratch buffers of this device and stream (payload, min/max, gathered),
-    so a call is the block-stats launch, one all_gather, the finalize
-    launch(es) and the outputs' allocation, with no validation, layout or argument dicts."""
+    """One call signature of ``smooth_k_stats`` / ``global_k_mean``, prepared once: its
+    launches bound to scratch buffers of this device and stream (payload, min/max, gathered)
+    and the all_gather bound to them. Every path runs it: eager calls directly, compiled calls
+    (and tensor subclasses) through the op ``k_stats``. A call is the block-stats launch, one
+    all_gather, the finalize launch(es) and the outputs' allocation."""
 
     def __init__(self, part: KStatsPart, world_size: int):
         k, lay, device = part.k, part.layout, part.k.device
         B, _, H, D = k.shape
         numel, n_mm = part.numel, (lay.n_slots if part.minmax_mode == MINMAX_ALL else 0)
-        self.method, self.lay, self.device, self.dtype = part.method, lay, device, k.dtype
-        self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay.n_slots)
+        self.method, self.lay = part.method, lay
         # the outputs' templates: torch.empty_like of them is the cheapest allocation
-        self.mean_out = output_template(self.mean_shape, k.dtype, device)
-        self.amax_out = output_template(self.amax_shape, torch.float32, device)
+        self.mean_out = output_template((B, H, D), k.dtype, device)
+        self.amax_out = output_template((B, H, lay.n_slots), torch.float32, device)
         payload = workspace("payload", numel, torch.float32, device)[:numel]
         minmax = workspace("minmax", max(1, B * n_mm * 2 * H * D), k.dtype, device)
         minmax = minmax[: B * n_mm * 2 * H * D].view(B, n_mm, 2, H, D)
         self.local = LocalStats(
-            k.shape,
-            k.stride(),
-            device,
-            payload,
-            minmax,
-            minmax_mode=part.minmax_mode,
-            tag=part.tag,
-            use_pdl=part.use_pdl,
-            **lay.stats_args(),
-        )
+            k.shape, k.stride(), device, payload, minmax, minmax_mode=part.minmax_mode,
+            tag=part.tag, use_pdl=part.use_pdl, **lay.stats_args(),
+        )  # fmt: skip
         if world_size == 1:  # the payload is the gathered table: no collective
             self.gather = None
             gathered = payload.view(1, numel)
@@ -202,10 +153,8 @@ class _StatsPlan:
             self.gather = comm.all_gather_launcher(gathered, payload)
             gathered = gathered.view(world_size, numel)
         common = part.finalize_args()
-        if self.method == "fused":
-            self.finalize = prepare_finalize(gathered, minmax, mode=MODE_FUSED, **common)
-        else:
-            self.finalize = prepare_finalize(gathered, mode=MODE_MEAN, **common)
+        mode = MODE_FUSED if self.method == "fused" else MODE_MEAN
+        self.finalize = prepare_finalize(gathered, minmax, mode=mode, **common)
         if self.method == "two_pass":
             self.direct = workspace("amax_direct", B * H * lay.n_slots, torch.float32, device)
             self.direct = self.direct[: B * H * lay.n_slots].view(B, H, lay.n_slots)
@@ -214,13 +163,11 @@ class _StatsPlan:
             )
             scratch_mean = workspace("merge_mean", B * H * D, k.dtype, device)
             self.merge = prepare_finalize(
-                gathered,
-                mode=MODE_MERGE,
-                mean=scratch_mean[: B * H * D].view(B, H, D),
-                **common,
+                gathered, mode=MODE_MERGE, mean=scratch_mean[: B * H * D].view(B, H, D), **common
             )
 
-    def __call__(self, k: torch.Tensor, pg):
+    def run(self, k: torch.Tensor, pg):
+        """The mean [B, H, D] (method None), else (mean, amax_partial, amax_final)."""
         self.local(k)
         if self.gather is not None:
             self.gather(pg)
@@ -236,50 +183,106 @@ class _StatsPlan:
             self.finalize(mean)
             self.amax(k, mean, self.direct)
             self.merge(self.direct, part, final)
+        return mean, part, final
+
+    def __call__(self, k: torch.Tensor, pg):
+        if self.method is None:
+            return self.run(k, pg)
         lay = self.lay
-        return SmoothKStats(mean, part, final, lay.rank, lay.P, lay.used, lay.G)
+        return SmoothKStats(*self.run(k, pg), lay.rank, lay.P, lay.used, lay.G)
 
 
+# Plans by call signature (shape, strides, dtype, device, the group, every argument with its
+# type, and the stream: the scratch buffers are per stream). The one cache of the statistics.
 _PLANS: dict[tuple, _StatsPlan] = {}
 _MAX_PLANS = 256
-grid.DEPENDENT_CACHES.append(_PLANS)
 
 
-def _plan_key(k, group, used_sequence, enable_pdl, group_size, method, check_consistency):
-    """The eager fast path's key of a call, or None when the call must take the full path
-    (compiling, a tensor subclass, a group of another type, the consistency check forced on
-    every call). ``group=None`` without torch.distributed initialized keys on a group of
-    ``None``: a plan exists only once the full path accepted that as a group of one."""
-    if type(k) is not torch.Tensor or check_consistency is not False or _ops.is_compiling():
-        return None
+def clear_plans() -> None:
+    """Forget the statistics' plans (after a rule of ``ulysses.grid`` changed)."""
+    _PLANS.clear()
+
+
+def _plan(fn, k, group, used_sequence, enable_pdl, group_size, method, check_consistency):
+    """(plan, process group) of a call: the cached plan of its signature, or a new one after
+    validating every argument (which raises on bad ones); ``check_consistency=True``
+    validates (and checks the ranks) every call. ``group=None`` without torch.distributed
+    initialized keys on a group of ``None``: a plan exists only once the validation accepted
+    that as a group of one."""
     pg = dist.group.WORLD if group is None else group
-    if pg is not None and type(pg) is not dist.ProcessGroup:
-        return None
-    return (k.shape, k.stride(), k.dtype, comm.group_key(pg), used_sequence, enable_pdl, group_size,
-            method, type(used_sequence), type(enable_pdl), type(group_size),
-            *stream_key(k.device)), pg  # fmt: skip
-
-
-def _run_planned(fn, k, group, used_sequence, enable_pdl, group_size, method, check_consistency):
-    found = _plan_key(k, group, used_sequence, enable_pdl, group_size, method, check_consistency)
-    if found is not None:
-        key, pg = found
-        try:
-            plan = _PLANS.get(key)
-        except TypeError:  # an unhashable argument: the full path names it
-            plan = None
-        if plan is not None and not k.data_ptr() & 15:
-            return plan(k, pg)
+    try:  # an unhashable argument or a group of another type: the validation names it
+        key = (k.shape, k.stride(), k.dtype, k.device, comm.group_key(pg), used_sequence,
+               enable_pdl, group_size, method, type(used_sequence), type(enable_pdl),
+               type(group_size), *stream_key(k.device))  # fmt: skip
+        plan = _PLANS.get(key)
+    except TypeError:
+        key = plan = None
+    if plan is not None and check_consistency is False and not k.data_ptr() & 15:
+        return plan, pg
     part, pg, world_size = _validated_part(
         k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
     )
-    if found is None:  # compiling (traced ops and a functional collective), or forced checks
-        return part.finish(comm.all_gather(part.write(), pg, world_size))
-    plan = _StatsPlan(part, world_size)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan(k, pg)
+    if plan is None:
+        plan = _StatsPlan(part, world_size)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        if key is not None:
+            _PLANS[key] = plan
+    return plan, pg
+
+
+def _run(fn, k, group, used_sequence, enable_pdl, group_size, method, check_consistency):
+    if type(k) is torch.Tensor and not _ops.is_compiling():
+        plan, pg = _plan(
+            fn, k, group, used_sequence, enable_pdl, group_size, method, check_consistency
+        )
+        return plan(k, pg)
+    # torch.compile (validated while tracing) and tensor subclasses: the plan's run as one op
+    part, pg, _ = _validated_part(
+        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
+    )
+    mean, partial, final = stats_op(
+        k=k, group_name=comm.group_name(pg), used_sequence=used_sequence, enable_pdl=enable_pdl,
+        group_size=group_size, method=method, check_consistency=check_consistency,
+    )  # fmt: skip
+    if method is None:
+        return mean
+    lay = part.layout
+    return SmoothKStats(mean, partial, final, lay.rank, lay.P, lay.used, lay.G)
+
+
+def _stats(
+    k: torch.Tensor,
+    *,
+    group_name: str,
+    used_sequence: int | None,
+    enable_pdl: bool | None,
+    group_size: int,
+    method: str | None,
+    check_consistency: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fn = "global_k_mean" if method is None else "smooth_k_stats"
+    group = comm.group_from_name(group_name)
+    plan, pg = _plan(fn, k, group, used_sequence, enable_pdl, group_size, method, check_consistency)
+    out = plan.run(k, pg)
+    if method is None:
+        none = out.new_empty((out.shape[0], out.shape[1], 0), dtype=torch.float32)
+        return out, none, none.clone()
+    return out
+
+
+def _stats_fake(k, *, group_name, used_sequence, enable_pdl, group_size, method, **_):
+    B, L, H, D = k.shape
+    n = 0 if method is None else (L + 2 * group_size - 2) // group_size
+    return (
+        k.new_empty((B, H, D)),
+        k.new_empty((B, H, n), dtype=torch.float32),
+        k.new_empty((B, H, n), dtype=torch.float32),
+    )
+
+
+# the statistics of a compiled graph (and of tensor subclasses): the plan's run as one op
+stats_op = _ops.define_op("k_stats", _stats, _stats_fake)
 
 
 def _validated_part(
@@ -318,24 +321,13 @@ def _validated_part(
     return part, pg, world_size
 
 
-def k_stats_part(
-    k: torch.Tensor,
-    *,
-    group=None,
-    used_sequence: int | None = None,
-    enable_pdl: bool | None = None,
-    group_size: int = 64,
-    method: str = "fused",
-    check_consistency: bool = False,
-    caller: str = "smooth_k_stats",
-    extra: dict | None = None,
-) -> tuple[KStatsPart, object, int]:
-    """Validate like :func:`smooth_k_stats` and return ``(part, process group, world size)``
-    for a caller that gathers K's statistics together with its own (the exchange). ``extra``
-    int fields (e.g. the exchange's ``q_group``) join the call's signature: the consistency
-    check and the tag cover them too."""
+def k_stats_part(k, *, group, used_sequence, enable_pdl, group_size, caller, extra) -> tuple:
+    """Validate like :func:`smooth_k_stats` (method "fused") and return ``(part, process
+    group, world size)`` for ``caller``, which gathers K's statistics together with its own
+    (the exchange). ``extra`` int fields (e.g. the exchange's ``q_group``) join the call's
+    signature: the consistency check and the tag cover them too."""
     return _validated_part(
-        k, group, used_sequence, enable_pdl, group_size, method, check_consistency, caller, extra
+        k, group, used_sequence, enable_pdl, group_size, "fused", False, caller, extra
     )
 
 
@@ -363,7 +355,7 @@ def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = No
             [1, S], torch.distributed not initialized under a launcher that started several
             ranks, CPU tensors on an NCCL group, ranks that disagree on the arguments.
     """
-    return _run_planned("global_k_mean", k, group, used_sequence, None, 64, None, False)
+    return _run("global_k_mean", k, group, used_sequence, None, 64, None, False)
 
 
 def smooth_k_stats(
@@ -400,6 +392,6 @@ def smooth_k_stats(
     Raises: as :func:`global_k_mean` and :func:`ulysses.k_grouped_amax`; ValueError for an
     unknown ``method``.
     """
-    return _run_planned(
+    return _run(
         "smooth_k_stats", k, group, used_sequence, enable_pdl, group_size, method, check_consistency
     )

@@ -403,24 +403,12 @@ def local_stats(
     k: torch.Tensor,
     payload: torch.Tensor | None = None,
     *,
-    group_size: int,
-    row0: int,
-    live_end: int,
-    tail_group: int,
-    g_first: int,
-    n_touched: int,
     n_slots: int,
-    block_first: int,
-    n_blocks: int,
     minmax_mode: int,
-    tag: float,
-    use_pdl: bool,
-    rows: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    evict: bool | None = None,
+    **config,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One read of the shard ``k`` [B, L, H, D]: ``(payload, minmax)``.
+    """One read of the shard ``k`` [B, L, H, D]: ``(payload, minmax)``; ``config``: the other
+    keyword arguments of :class:`LocalStats`.
 
     ``payload`` fp32 [payload_numel(B, H, D, minmax_mode)] is what this rank sends in the
     statistics all_gather: ``[tag | local sum [B, H, D] | boundary records | tag]``; the
@@ -438,29 +426,11 @@ def local_stats(
         payload = torch.empty((numel,), dtype=torch.float32, device=k.device)
     n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
     minmax = torch.empty((B, n_mm, 2, H, D), dtype=k.dtype, device=k.device)
-    LocalStats(
-        k.shape,
-        k.stride(),
-        k.device,
-        payload,
-        minmax,
-        group_size=group_size,
-        row0=row0,
-        live_end=live_end,
-        tail_group=tail_group,
-        g_first=g_first,
-        n_touched=n_touched,
-        n_slots=n_slots,
-        block_first=block_first,
-        n_blocks=n_blocks,
-        minmax_mode=minmax_mode,
-        tag=tag,
-        use_pdl=use_pdl,
-        rows=rows,
-        block_h=block_h,
-        num_warps=num_warps,
-        evict=evict,
-    )(k)
+    local = LocalStats(
+        k.shape, k.stride(), k.device, payload, minmax, n_slots=n_slots, minmax_mode=minmax_mode,
+        **config,
+    )  # fmt: skip
+    local(k)
     return payload, minmax
 
 

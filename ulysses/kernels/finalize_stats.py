@@ -276,22 +276,10 @@ def finalize_stats(
     gathered: torch.Tensor,
     minmax: torch.Tensor | None = None,
     amax_partial: torch.Tensor | None = None,
-    *,
-    mode: int,
-    dtype: torch.dtype,
-    B: int,
-    H: int,
-    D: int,
-    n_slots: int,
-    n_touched: int,
-    divisor: int,
-    tag: float,
-    first_sources: list[int],
-    last_sources: list[int],
-    floor: float,
-    use_pdl: bool,
+    **config,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(k_mean_global [B, H, D] dtype, amax_partial, amax_final [B, H, n_slots] fp32)``.
+    """``(k_mean_global [B, H, D] dtype, amax_partial, amax_final [B, H, n_slots] fp32)``;
+    ``config``: the keyword arguments of :func:`prepare_finalize` but ``mean``.
 
     ``gathered`` fp32 [P, N]: every rank's payload in rank order (contiguous rows; may be a
     column slice of a larger gathered buffer as long as each row is contiguous). MODE_MEAN
@@ -301,31 +289,15 @@ def finalize_stats(
     (``q * 2 + end``: rank q's first (0) or last (1) record) merged into this rank's first and
     last touched slot (``ulysses.grid.boundary_sources``).
     """
-    device = gathered.device
-    mean = torch.empty((B, H, D), dtype=dtype, device=device)
+    device, mode, n_slots = gathered.device, config["mode"], config["n_slots"]
+    B, H, D = config["B"], config["H"], config["D"]
+    mean = torch.empty((B, H, D), dtype=config["dtype"], device=device)
     n_amax = n_slots if mode != MODE_MEAN else 0
     part = torch.empty((B, H, n_amax), dtype=torch.float32, device=device)
     final = torch.empty((B, H, n_amax), dtype=torch.float32, device=device)
     if mode == MODE_MERGE:
         assert amax_partial is not None and amax_partial.shape == (B, H, n_slots)
-    step = prepare_finalize(
-        gathered,
-        minmax,
-        mode=mode,
-        dtype=dtype,
-        B=B,
-        H=H,
-        D=D,
-        n_slots=n_slots,
-        n_touched=n_touched,
-        divisor=divisor,
-        tag=tag,
-        first_sources=first_sources,
-        last_sources=last_sources,
-        floor=floor,
-        use_pdl=use_pdl,
-        mean=mean,
-    )
+    step = prepare_finalize(gathered, minmax, mean=mean, **config)
     if mode == MODE_FUSED:
         step(mean, part, final)
     elif mode == MODE_MEAN:

@@ -317,27 +317,9 @@ def prepare_grouped_amax(
     )
 
 
-def grouped_amax(
-    k: torch.Tensor,
-    k_mean: torch.Tensor,
-    *,
-    group_size: int,
-    row0: int,
-    n_slots: int,
-    g_first: int,
-    n_touched: int,
-    tail_group: int,
-    tail_end: int,
-    floor: float,
-    use_pdl: bool,
-    rows: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    sub: int | None = None,
-    evict: bool | None = None,
-    aligned: bool | None = None,
-) -> torch.Tensor:
-    """This rank's per-slot partial amax, fp32 [B, H, n_slots] (a new tensor).
+def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, *, n_slots: int, **config) -> torch.Tensor:
+    """This rank's per-slot partial amax, fp32 [B, H, n_slots] (a new tensor); ``config``: the
+    keyword arguments of :func:`prepare_grouped_amax` but ``n_slots``.
 
     ``k`` [B, L, H, D] (last stride 1), ``k_mean`` [B, H, D] contiguous, both validated by the
     caller, which also computed ``group_size`` G and the grid values (``ulysses.grid.layout``):
@@ -350,24 +332,5 @@ def grouped_amax(
     assert k_mean.is_contiguous()
     B, _, H, _ = k.shape
     out = torch.empty((B, H, n_slots), dtype=torch.float32, device=k.device)
-    prepare_grouped_amax(
-        k.shape,
-        k.stride(),
-        k.device,
-        group_size=group_size,
-        row0=row0,
-        n_slots=n_slots,
-        g_first=g_first,
-        n_touched=n_touched,
-        tail_group=tail_group,
-        tail_end=tail_end,
-        floor=floor,
-        use_pdl=use_pdl,
-        rows=rows,
-        block_h=block_h,
-        num_warps=num_warps,
-        sub=sub,
-        evict=evict,
-        aligned=aligned,
-    )(k, k_mean, out)
+    prepare_grouped_amax(k.shape, k.stride(), k.device, n_slots=n_slots, **config)(k, k_mean, out)
     return out

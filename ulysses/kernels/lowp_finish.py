@@ -14,8 +14,8 @@ offsets of the [B, Hq] Q entries):
   ``q0``'s record is its first (end 0) or last (end 1) touched slot, every later rank's its
   first (``ulysses.grid.boundary_sources``), so three ints name the sources of any P.
 
-Every path of the exchange (the eager plan, the custom op of kernels/lowp_steps.py that
-torch.compile runs) does this work and K's finalize (kernels/finalize_stats.py) as ONE launch,
+The exchange's plan (run eagerly, and by the custom op torch.compile calls) does this work
+and K's finalize (kernels/finalize_stats.py) as ONE launch,
 ``_post_gather_kernel`` (``prepare_post_gather``): the first programs of its grid are the
 finalize's, the rest this module's. ``ulysses.reference.merged_boundary_amax`` is the Q
 merge's reference in the tests.

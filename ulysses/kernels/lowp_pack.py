@@ -584,24 +584,17 @@ def pack_qkv(
     amax_v: torch.Tensor,
     *,
     world_size: int,
-    row0: int,
-    q_group: int,
-    k_group: int,
     row_bytes: int,
-    scale_bytes: int,
-    use_pdl: bool,
     q_once: bool = False,
     q_n_touched: int = 0,
     q_tail_group: int = -1,
     q_live_end: int = 0,
     floor: float = 0.0,
-    block_l: int | None = None,
-    rows: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    evict: bool = False,
+    **config,
 ) -> torch.Tensor:
-    """The send buffer, uint8 [P * L * row_bytes] (see the module docstring).
+    """The send buffer, uint8 [P * L * row_bytes] (see the module docstring); ``config``: the
+    other keyword arguments of :func:`prepare_pack` (``row0``, ``q_group``, ``k_group``,
+    ``scale_bytes``, ``use_pdl`` and the tile overrides).
 
     ``q`` [B, L, H, D], ``k`` and ``v`` [B, L, HK, D] (unit last stride; HK = H, or grouped
     query heads with ``HK % P == 0`` or ``P % HK == 0``); ``amax_q`` fp32
@@ -622,26 +615,10 @@ def pack_qkv(
     assert amax_q.is_contiguous() and amax_k.is_contiguous() and amax_v.is_contiguous()
     assert k_mean.is_contiguous() and k_mean.shape == (B, HK, D) and amax_v.shape == (B, HK, D)
     send = torch.empty(world_size * L * row_bytes, dtype=torch.uint8, device=q.device)
-    prepare_pack(
-        q.shape,
-        (q.stride(), k.stride(), v.stride()),
-        q.device,
-        send,
-        world_size=world_size,
-        row0=row0,
-        q_group=q_group,
-        k_group=k_group,
-        n_sq=n_sq,
-        n_sk=n_sk,
-        row_bytes=row_bytes,
-        scale_bytes=scale_bytes,
-        use_pdl=use_pdl,
-        kv_heads=HK,
-        q_once=QOnce(q_n_touched, q_tail_group, q_live_end, floor) if q_once else None,
-        block_l=block_l,
-        rows=rows,
-        block_h=block_h,
-        num_warps=num_warps,
-        evict=evict,
-    )(q, k, v, amax_q, amax_k, k_mean, amax_v)
+    pack = prepare_pack(
+        q.shape, (q.stride(), k.stride(), v.stride()), q.device, send, world_size=world_size,
+        n_sq=n_sq, n_sk=n_sk, row_bytes=row_bytes, kv_heads=HK,
+        q_once=QOnce(q_n_touched, q_tail_group, q_live_end, floor) if q_once else None, **config,
+    )  # fmt: skip
+    pack(q, k, v, amax_q, amax_k, k_mean, amax_v)
     return send

@@ -277,22 +277,12 @@ def qv_stats(
     v: torch.Tensor,
     payload: torch.Tensor | None = None,
     *,
-    group_size: int,
-    row0: int,
     n_slots: int,
-    n_touched: int,
-    tail_group: int,
-    live_end: int,
-    floor: float,
-    use_pdl: bool,
-    span: int | None = None,
-    rows: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    evict: bool = False,
+    **config,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One read of the shards ``q`` [B, L, H, D] and ``v`` [B, L, HV, D] (HV divides H):
-    ``(payload, amax_q_partial)``.
+    ``(payload, amax_q_partial)``; ``config``: the keyword arguments of
+    :func:`prepare_qv_stats` but ``n_slots`` and ``v_heads``.
 
     ``amax_q_partial`` fp32 [B, H, n_slots]: this rank's raw Q amax per slot of the global
     ``group_size`` grid (surplus slots 0). ``payload`` fp32 [qv_payload_numel(B, H, D, HV)]:
@@ -309,26 +299,9 @@ def qv_stats(
     if payload is None:
         payload = torch.empty(qv_payload_numel(B, H, D, HV), dtype=torch.float32, device=q.device)
     amax = torch.empty((B, H, n_slots), dtype=torch.float32, device=q.device)
-    prepare_qv_stats(
-        q.shape,
-        q.stride(),
-        v.stride(),
-        q.device,
-        payload,
-        amax,
-        group_size=group_size,
-        row0=row0,
-        n_slots=n_slots,
-        n_touched=n_touched,
-        tail_group=tail_group,
-        live_end=live_end,
-        floor=floor,
-        use_pdl=use_pdl,
-        v_heads=HV,
-        span=span,
-        rows=rows,
-        block_h=block_h,
-        num_warps=num_warps,
-        evict=evict,
-    )(q, v)
+    run = prepare_qv_stats(
+        q.shape, q.stride(), v.stride(), q.device, payload, amax, n_slots=n_slots, v_heads=HV,
+        **config,
+    )  # fmt: skip
+    run(q, v)
     return payload, amax

@@ -9,8 +9,8 @@ launch into a contiguous fp32 vector:
     out[i] = recv_words[index[i]]        (words as int32: every bit pattern, NaN too, as sent)
 
 The scales are a few KB, so the kernel costs its launch; a launch prepared once
-(:func:`prepare_gather_scales`) is what the eager plan calls, and :func:`gather_scales`
-(allocating its output) is the custom op every other path calls, so both run this kernel.
+(:func:`prepare_gather_scales`) is what the exchange's plan calls on every path;
+:func:`gather_scales` (allocating its output) launches the same kernel once.
 """
 
 from __future__ import annotations

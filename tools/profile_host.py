@@ -1,0 +1,197 @@
+"""Where the host time of one eager layer call goes, on a GPU, at a tiny shape on torch's fake
+process group (rank 1 of P: the collectives move no data, the GPU is kept busy by nothing,
+so small shapes are host-bound).
+
+    python tools/profile_host.py [--repo DIR] [--world 8] [--rows 128] [--heads 32]
+                                 [--calls 300] [--profile]
+
+``--repo`` imports ``ulysses`` from another checkout (e.g. a ``git worktree`` of an older
+commit), so that two runs of this one script give before/after figures. Prints, per call:
+
+* the layer: forward and forward + backward, comm "bf16", "lowp", "lowp" with
+  backward_comm "lowp" (the host cost of a lowp call minus the bf16 call's is what
+  docs/CONTRACT.md §11 bounds);
+* the exchange alone: ``exchange_qkv``, ``exchange_to_heads``, and ``exchange_to_heads``
+  with every kernel launch stubbed out (the Python path and the collectives' own cost);
+* the fake group's collectives at the exchange's sizes, called as the plans call them
+  (``pg.alltoall_base`` / ``pg._allgather_base`` with blocking options) and as
+  ``torch.distributed`` does, blocking and not: what a benchmark subtracts as the fake
+  group's cost, and whether the blocking option costs anything;
+
+and with ``--profile`` the functions with the most own time (cProfile) of the lowp modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+
+def per_call_us(fn, n, sync) -> float:
+    """Best of 3 rounds of ``n`` back-to-back calls, in us a call."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--profile", action="store_true", help="also print cProfile tables")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    a = ap.parse_args()
+    sys.path.insert(0, os.path.abspath(a.repo))
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import ulysses
+    from ulysses import lowp
+    from ulysses.kernels import _launch
+
+    print(f"ulysses from {os.path.dirname(ulysses.__file__)}, torch {torch.__version__}")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=a.world)
+    pg = dist.group.WORLD
+    dev = a.device
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    g = torch.Generator(device=dev).manual_seed(0)
+    shape = (1, a.rows, a.heads, a.head_dim)
+    q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g) for _ in "qkv")
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    dout = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g)
+    modes = {
+        "bf16": {},
+        "lowp": {"comm": "lowp"},
+        "lowp+bwdlowp": {"comm": "lowp", "backward_comm": "lowp"},
+    }
+
+    def fwd(kw):
+        def f():
+            with torch.no_grad():
+                ulysses.ulysses_attention(q, k, v, causal=True, **kw)
+
+        return f
+
+    def train(kw):
+        def f():
+            out = ulysses.ulysses_attention(q, k, v, causal=True, **kw)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        return f
+
+    for kw in modes.values():
+        for _ in range(3):
+            fwd(kw)()
+            train(kw)()
+    n = a.calls
+    for rnd in range(3):
+        figures = {}
+        for name, kw in modes.items():
+            figures[name] = (per_call_us(fwd(kw), n, sync), per_call_us(train(kw), n, sync))
+        print(
+            f"layer round {rnd}: "
+            + ", ".join(f"{m} fwd {f:.0f} / fwd+bwd {t:.0f} us" for m, (f, t) in figures.items())
+            + f"; lowp - bf16: fwd {figures['lowp'][0] - figures['bf16'][0]:+.0f} us"
+        )
+
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    exch = {
+        "exchange_qkv": lambda: lowp.exchange_qkv(qd, kd, vd),
+        "exchange_to_heads": lambda: lowp.exchange_to_heads(qd, kd, vd),
+    }
+    for name, fn in exch.items():
+        print(f"{name}: {per_call_us(fn, n, sync):.1f} us a call")
+    real = _launch.Launch.__call__
+    _launch.Launch.__call__ = lambda self, *tensors: None
+    try:
+        stubbed = per_call_us(exch["exchange_to_heads"], n, sync)
+    finally:
+        _launch.Launch.__call__ = real
+    print(f"exchange_to_heads, kernel launches stubbed: {stubbed:.1f} us a call")
+
+    # the fake group's collectives at the exchange's sizes
+    wire = lowp.payload_bytes(1, a.rows, a.heads, a.head_dim, a.world)
+    send = torch.zeros(wire, dtype=torch.uint8, device=dev)
+    payload = torch.zeros(4096, dtype=torch.float32, device=dev)
+    gathered = torch.empty(a.world * 4096, dtype=torch.float32, device=dev)
+
+    def options(cls, blocking):
+        o = cls()
+        if hasattr(o, "asyncOp"):
+            o.asyncOp = not blocking
+        return o
+
+    a2a_block, a2a_async = options(AllToAllOptions, True), options(AllToAllOptions, False)
+    ag_block, ag_async = options(AllgatherOptions, True), options(AllgatherOptions, False)
+
+    def a2a_direct(opts):
+        def f():
+            recv = torch.empty_like(send)
+            work = pg.alltoall_base(recv, send, [], [], opts)
+            if work is not None:
+                work.wait()
+
+        return f
+
+    def ag_direct(opts):
+        def f():
+            work = pg._allgather_base(gathered, payload, opts)
+            if work is not None:
+                work.wait()
+
+        return f
+
+    def a2a_dist():
+        dist.all_to_all_single(torch.empty_like(send), send, group=pg)
+
+    def ag_dist():
+        dist.all_gather_into_tensor(gathered, payload, group=pg)
+
+    colls = {
+        f"all_to_all {wire} B: pg.alltoall_base, blocking": a2a_direct(a2a_block),
+        f"all_to_all {wire} B: pg.alltoall_base, async + wait": a2a_direct(a2a_async),
+        f"all_to_all {wire} B: dist.all_to_all_single": a2a_dist,
+        "all_gather 16 KB: pg._allgather_base, blocking": ag_direct(ag_block),
+        "all_gather 16 KB: pg._allgather_base, async + wait": ag_direct(ag_async),
+        "all_gather 16 KB: dist.all_gather_into_tensor": ag_dist,
+        "torch.empty_like(send) alone": lambda: torch.empty_like(send),
+    }
+    for name, fn in colls.items():
+        print(f"{name}: {per_call_us(fn, n, sync):.1f} us a call")
+
+    if a.profile:
+        for name in ("lowp", "lowp+bwdlowp"):
+            for kind, f in (("fwd", fwd(modes[name])), ("fwd+bwd", train(modes[name]))):
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(n):
+                    f()
+                sync()
+                pr.disable()
+                print(f"\n==== {name} {kind}: top {a.top} by own time ({n} calls)")
+                pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
