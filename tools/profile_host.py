@@ -175,6 +175,9 @@ def main() -> None:
         "all_gather 16 KB: pg._allgather_base, async + wait": ag_direct(ag_async),
         "all_gather 16 KB: dist.all_gather_into_tensor": ag_dist,
         "torch.empty_like(send) alone": lambda: torch.empty_like(send),
+        # torch's fake group copies the send buffer into the receive buffer (torch 2.13 on
+        # CPU: an all_to_all costs that copy): its own cost, which benchmarks subtract
+        "recv.copy_(send) alone": lambda: torch.empty_like(send).copy_(send),
     }
     for name, fn in colls.items():
         print(f"{name}: {per_call_us(fn, n, sync):.1f} us a call")
