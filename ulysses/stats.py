@@ -133,10 +133,11 @@ class _StatsPlan:
         k, lay, device = part.k, part.layout, part.k.device
         B, _, H, D = k.shape
         numel, n_mm = part.numel, (lay.n_slots if part.minmax_mode == MINMAX_ALL else 0)
-        self.method, self.lay = part.method, lay
+        self.method, self.lay, self.device, self.dtype = part.method, lay, device, k.dtype
+        self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay.n_slots)
         # the outputs' templates: torch.empty_like of them is the cheapest allocation
-        self.mean_out = output_template((B, H, D), k.dtype, device)
-        self.amax_out = output_template((B, H, lay.n_slots), torch.float32, device)
+        self.mean_out = output_template(self.mean_shape, k.dtype, device)
+        self.amax_out = output_template(self.amax_shape, torch.float32, device)
         payload = workspace("payload", numel, torch.float32, device)[:numel]
         minmax = workspace("minmax", max(1, B * n_mm * 2 * H * D), k.dtype, device)
         minmax = minmax[: B * n_mm * 2 * H * D].view(B, n_mm, 2, H, D)
