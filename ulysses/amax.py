@@ -24,10 +24,10 @@ class _AmaxPlan:
     output's template. Eager calls run it directly, compiled calls through the op
     ``k_grouped_amax``."""
 
-    __slots__ = ("launch", "out")
+    __slots__ = ("launch", "shape", "out")
 
     def __init__(self, launch, shape, device):
-        self.launch = launch
+        self.launch, self.shape = launch, shape
         self.out = output_template(shape, torch.float32, device)
 
     def __call__(self, k, k_mean):
