@@ -392,7 +392,6 @@ def exchange_qkv(
     return _result(o, recv, out, k.dtype, (used_sequence, q_group, k_group))
 
 
-@torch.no_grad()
 def exchange_to_heads(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -410,18 +409,20 @@ def exchange_to_heads(
     (``torch.ops.ulysses.lowp_to_heads``) whose kernel is this eager call (the cached plan:
     validation, statistics, the all_gather, the pack, the all_to_all, the dequantize), so a
     compiled layer pays the eager host cost plus one dispatch."""
-    if _ops.is_compiling():
-        pg = comm.resolve_group(group, q.device)[0]
-        return to_heads_op(
-            q=q, k=k, v=v, group_name=comm.group_name(pg), used_sequence=used_sequence,
-            q_group=q_group, k_group=k_group,
-        )  # fmt: skip
-    if type(q) is type(k) is type(v) is torch.Tensor:
+    if type(q) is type(k) is type(v) is torch.Tensor and not _ops.is_compiling():
+        # kernels writing new buffers: no autograd history without a no_grad context
         plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, None)
         return plan.to_heads(q, k, v, pg)
-    x = exchange_qkv(q, k, v, group=group, used_sequence=used_sequence, q_group=q_group,
-                     k_group=k_group)  # fmt: skip
-    return x.dequantize()
+    with torch.no_grad():
+        if _ops.is_compiling():
+            pg = comm.resolve_group(group, q.device)[0]
+            return to_heads_op(
+                q=q, k=k, v=v, group_name=comm.group_name(pg), used_sequence=used_sequence,
+                q_group=q_group, k_group=k_group,
+            )  # fmt: skip
+        x = exchange_qkv(q, k, v, group=group, used_sequence=used_sequence, q_group=q_group,
+                         k_group=k_group)  # fmt: skip
+        return x.dequantize()
 
 
 def _to_heads(
