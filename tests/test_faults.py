@@ -48,6 +48,7 @@ DISAGREE = {
     "attn_disagree_used_sequence": ("used_sequence", [23, 19]),
     "attn_disagree_used_rows": ("used_sequence", [[23, 22], [23, 21]]),
     "attn_disagree_document_ids": ("document_ids_rows", [12, 11]),
+    "attn_disagree_head_chunks": ("head_chunks", [1, 2]),
 }
 
 

@@ -45,11 +45,9 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from . import _ops, comm, documents, lowp, rowwire
+from . import comm, documents, lowp, overlap, rowwire
 
 __all__ = [
     "ulysses_attention",
@@ -387,15 +385,7 @@ class _LowpHeadsToSeq(torch.autograd.Function):
 # ---- uneven head counts: all_to_all with split sizes ------------------------------------------
 
 
-def _all_to_all_uneven(send: torch.Tensor, in_splits, out_splits, pg) -> torch.Tensor:
-    """1-D ``send``: its ``in_splits[p]`` elements (in rank order) go to rank p; returns the
-    1-D receive buffer, ``out_splits[p]`` elements from rank p in rank order."""
-    in_splits, out_splits = list(in_splits), list(out_splits)
-    if _ops.is_compiling():
-        return funcol.all_to_all_single(send, out_splits, in_splits, pg)
-    recv = send.new_empty(sum(out_splits))
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
-    return recv
+_all_to_all_uneven = comm.all_to_all_uneven  # (its own name: the harness's collective log)
 
 
 def _send_segments(x: torch.Tensor, segments) -> tuple[torch.Tensor, list[int]]:
@@ -743,9 +733,10 @@ def _ids_fields(document_ids) -> dict:
     }
 
 
-def _verify_batch(pg, P: int, q, k, comm_mode: str, used, document_ids) -> None:
-    """Every rank must call with the same sizes, dtype, mode, live counts and document-id
-    shape: checked on the first call of each signature (one all_gather of 12 ints), so that a
+def _verify_batch(pg, P: int, q, k, wire: dict, used, document_ids) -> None:
+    """Every rank must call with the same sizes, dtype, wire (``comm``, ``int8_output``,
+    ``backward_comm``, ``head_chunks``), live counts and document-id shape: checked on the
+    first call of each signature (one all_gather of ``comm.SIGNATURE_FIELDS`` ints), so that a
     rank that differs gets the same ValueError on every rank instead of a backend abort, a
     hang or silently wrong rows."""
     if P == 1:
@@ -753,8 +744,7 @@ def _verify_batch(pg, P: int, q, k, comm_mode: str, used, document_ids) -> None:
     B, L, Hq, D = q.shape
     fields = {
         "B": B, "L": L, "Hq": Hq, "Hkv": k.shape[2], "D": D, "dtype": _DTYPE_CODES[q.dtype],
-        "comm": COMM_MODES.index(comm_mode), "used_sequence": _used_field(used, L * P),
-        **_ids_fields(document_ids),
+        **wire, "used_sequence": _used_field(used, L * P), **_ids_fields(document_ids),
     }  # fmt: skip
     try:
         comm.verify_call(pg, P, q.device, "ulysses_attention", False, **fields)
@@ -779,6 +769,12 @@ def _readable_disagreement(exc: ValueError, pg, P: int, device, used, B: int) ->
         values = [names.get(x, "none" if x == -1 else "not a tensor") for x in values]
     elif name == "comm":
         values = [COMM_MODES[x] for x in values]
+    elif name == "backward_comm":
+        values = [BACKWARD_COMMS[x] for x in values]
+    elif name == "int8_output":
+        values = [bool(x) for x in values]
+    elif name == "head_chunks":
+        values = ["auto" if x == 0 else x for x in values]
     elif name == "used_sequence":
         if any(x is not None and x < -1 for x in values):  # some rank passed per-row counts
             mine = list(used) if isinstance(used, tuple) else [used] * B
@@ -860,6 +856,7 @@ def ulysses_attention(
     backward_comm: str = "bf16",
     document_ids=None,
     attn_kwargs: dict | None = None,
+    head_chunks: int | str = 1,
 ) -> torch.Tensor:
     """Ulysses sequence-parallel attention: this rank's sequence shard in, its shard out.
 
@@ -919,6 +916,16 @@ def ulysses_attention(
       ``softcap * tanh(s / softcap)``); a window or a soft cap runs
       :func:`masked_attention` (fp32 scores, ``O(S**2)`` memory per head). Anything else:
       TypeError naming it.
+    * ``head_chunks``: 1 (default), n or ``"auto"``: the rank's heads go in n chunks,
+      pipelined (``ulysses.overlap``): chunk i+1's all_to_all runs while chunk i's attention
+      runs, and chunk i's output travels back while chunk i+1's attention runs; the same in
+      backward. The same values, bit for bit, as one chunk where ``attn`` treats heads
+      independently ("lowp": each chunk's exchange computes its own heads' statistics, the
+      values one exchange of all heads computes). ``attn`` is called once per chunk with
+      that chunk's heads. n must divide the K/V heads a rank receives (a chunk holds whole
+      GQA groups), with the heads split evenly and K/V heads not repeated over ranks;
+      ``"auto"`` picks n from the shape (``ulysses.overlap.auto_head_chunks``; 1 where
+      chunks would not pay). Under torch.compile the call runs as one chunk.
     * ``group``: the Ulysses process group (default: the world group; with torch.distributed
       not initialized, a world of one). P = 1 runs no collective.
 
@@ -932,7 +939,8 @@ def ulysses_attention(
             from q's; non-bool ``causal`` or ``int8_output``; non-str ``backward_comm``; bad
             ``scale``, ``used_sequence``, ``attn``, ``group``; ``document_ids`` not an integer
             tensor or plan; ``attn_kwargs`` not a dict, or (default attention) with options
-            other than ``dropout_p``, ``window_size``, ``softcap``.
+            other than ``dropout_p``, ``window_size``, ``softcap``; ``head_chunks`` not an
+            int or ``"auto"``.
         ValueError: not 4-D; shapes that disagree; ``Hq % Hkv != 0``; ``Hq < P`` where the
             heads do not split evenly; uneven heads with ``comm="lowp"``; ``used_sequence``
             outside [1, S], not B counts, or per-row counts that differ with "lowp"; ranks
@@ -940,7 +948,9 @@ def ulysses_attention(
             decreasing along a row's global sequence or negative; unknown ``comm``,
             ``backward_comm`` or ``layout``; ``int8_output=True`` or
             ``backward_comm="lowp"`` without ``comm="lowp"``; what ``exchange_qkv`` rejects
-            for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``.
+            for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``;
+            ``head_chunks`` < 1, not dividing the K/V heads a rank receives, or > 1 with an
+            uneven head split or repeated K/V heads (the message names the head counts).
 
     Example (under torchrun, one process per GPU)::
 
@@ -952,17 +962,42 @@ def ulysses_attention(
     options = _check_attn_kwargs(attn_kwargs, custom=attn is not None)
     _check_int8_output(int8_output, comm)
     _check_backward_comm(backward_comm, comm)
+    overlap.check_head_chunks(head_chunks)
     lowp_backward = backward_comm == "lowp"
     if layout == "bhsd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     B, L, Hq, D = q.shape
     pg, rank, P = _resolve(group, q.device)
     used = _used_values(used_sequence)
-    _verify_batch(pg, P, q, k, comm, used, document_ids)
+    wire = {
+        "comm": COMM_MODES.index(comm), "int8_output": int(int8_output),
+        "backward_comm": BACKWARD_COMMS.index(backward_comm),
+        "head_chunks": 0 if head_chunks == "auto" else head_chunks,
+    }  # fmt: skip
+    _verify_batch(pg, P, q, k, wire, used, document_ids)
     hd = _heads(Hq, k.shape[2], P, comm)
     S = L * P
     used = _check_used(used, B, S, comm)
     plan = _document_plan(document_ids, B, L, P, pg, q.device)
+    chunks = overlap.resolve_head_chunks(head_chunks, B=B, S=S, hd=hd, D=D, causal=causal)
+
+    def attend(q_h, k_h, v_h):
+        """The attention on this rank's heads (or a chunk of them), every row."""
+        if attn is None:
+            return _default_attention(q_h, k_h, v_h, causal=causal, scale=scale, used=used,
+                                      plan=plan, options=options)  # fmt: skip
+        extra = dict(options) if plan is None else {**options, "document_ids": plan.ids}
+        out_h = attn(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used, **extra)
+        _check_attn_output(out_h, (B, S, q_h.shape[2], D), q.dtype)
+        return _zero_padding(out_h, used)
+
+    if chunks > 1:  # the three steps below, pipelined over head chunks
+        out = overlap.pipelined_attention(
+            q, k, v, hd=hd, pg=pg, chunks=chunks, attend=attend, lowp=comm == "lowp",
+            used_sequence=used, q_group=q_group, k_group=k_group, int8_output=int8_output,
+            lowp_backward=lowp_backward,
+        )  # fmt: skip
+        return out.transpose(1, 2) if layout == "bhsd" else out
 
     # 1. sequence shards -> head shards of the whole sequence
     if comm == "lowp":
@@ -975,15 +1010,7 @@ def ulysses_attention(
         q_h, k_h, v_h = _QKVToHeads.apply(q, k, v, hd, pg)
 
     # 2. the attention on this rank's heads, every row
-    hq = q_h.shape[2]
-    if attn is None:
-        out_h = _default_attention(q_h, k_h, v_h, causal=causal, scale=scale, used=used,
-                                   plan=plan, options=options)  # fmt: skip
-    else:
-        extra = dict(options) if plan is None else {**options, "document_ids": plan.ids}
-        out_h = attn(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used, **extra)
-        _check_attn_output(out_h, (B, S, hq, D), q.dtype)
-        out_h = _zero_padding(out_h, used)
+    out_h = attend(q_h, k_h, v_h)
 
     # 3. head shards -> sequence shards of the output
     if int8_output or lowp_backward:
@@ -1172,6 +1199,8 @@ class UlyssesAttention(torch.nn.Module):
         ulysses.UlyssesAttention(comm="lowp", backward_comm="lowp")
         # a sliding window of 256 keys back
         ulysses.UlyssesAttention(attn_kwargs={"window_size": (256, 0)})
+        # the all-to-alls overlapped with the attention, over head chunks
+        ulysses.UlyssesAttention(head_chunks="auto")
     """
 
     def __init__(
@@ -1186,6 +1215,7 @@ class UlyssesAttention(torch.nn.Module):
         int8_output: bool = False,
         backward_comm: str = "bf16",
         attn_kwargs: dict | None = None,
+        head_chunks: int | str = 1,
     ):
         super().__init__()
         if comm not in COMM_MODES:
@@ -1200,6 +1230,8 @@ class UlyssesAttention(torch.nn.Module):
         self.attn, self.group, self.comm = attn, group, comm
         self.q_group, self.k_group, self.layout = q_group, k_group, layout
         self.int8_output, self.backward_comm = int8_output, backward_comm
+        overlap.check_head_chunks(head_chunks)
+        self.head_chunks = head_chunks
 
     def forward(self, q, k, v, *, used_sequence=None, causal=False, scale=None,
                 document_ids=None, attn_kwargs=None):  # fmt: skip
@@ -1211,6 +1243,7 @@ class UlyssesAttention(torch.nn.Module):
             used_sequence=used_sequence, causal=causal, scale=scale, q_group=self.q_group,
             k_group=self.k_group, layout=self.layout, int8_output=self.int8_output,
             backward_comm=self.backward_comm, document_ids=document_ids, attn_kwargs=options,
+            head_chunks=self.head_chunks,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -1220,4 +1253,6 @@ class UlyssesAttention(torch.nn.Module):
             out += f", backward_comm={self.backward_comm!r}"
         if self.attn_kwargs:
             out += f", attn_kwargs={self.attn_kwargs!r}"
+        if self.head_chunks != 1:
+            out += f", head_chunks={self.head_chunks!r}"
         return f"attn={name}, comm={self.comm!r}, layout={self.layout!r}{out}"

@@ -8,6 +8,7 @@ exchange and the attention layer come here for
     verify_call(pg, P, device, fn, force, **fields) -> the call's tag; raises on disagreement
     all_gather(payload, pg, P)     -> [P, N]: every rank's payload in rank order
     all_to_all(send, pg, P=None)   -> recv: chunk p of ``send`` goes to rank p
+    all_to_all_uneven(send, in_splits, out_splits, pg) -> recv: the same with split sizes
     all_gather_launcher(out, inp), all_to_all_launcher(send)
                                    -> the same collectives bound to fixed buffers, calling the
                                       backend directly (the eager fast path of the plans)
@@ -21,6 +22,7 @@ be reused; an object identity held weakly cannot).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import weakref
@@ -43,6 +45,7 @@ __all__ = [
     "verify_call",
     "all_gather",
     "all_to_all",
+    "all_to_all_uneven",
     "all_gather_launcher",
     "all_to_all_launcher",
     "all_to_all_start",
@@ -54,7 +57,8 @@ __all__ = [
 
 # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-SIGNATURE_FIELDS = 12  # ints per rank in the consistency check (fixed: sizes never differ)
+SIGNATURE_FIELDS = 16  # ints per rank in the consistency check (fixed: sizes never differ)
+_VERIFIED_MAX = 256  # signatures remembered per group
 _FN_CODES = {"smooth_k_stats": 1, "global_k_mean": 2, "exchange_qkv": 3, "ulysses_attention": 4}
 
 
@@ -66,7 +70,9 @@ class _PerGroup:
     def __init__(self, key: int):
         self.key = key
         self.members: dict[str, tuple[int, int]] = {}  # device type -> (rank, world size)
-        self.verified: set[tuple] = set()  # call signatures every rank agreed on
+        # call signatures every rank agreed on, the most recent last (bounded: a training loop
+        # whose per-row counts change every step makes a new signature each step)
+        self.verified: collections.OrderedDict[tuple, None] = collections.OrderedDict()
 
 
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -196,6 +202,18 @@ def all_to_all(send: torch.Tensor, pg, world_size: int | None = None) -> torch.T
         _LINK.all_to_all(recv, send)
         return recv
     dist.all_to_all_single(recv, send, group=pg)
+    return recv
+
+
+def all_to_all_uneven(send: torch.Tensor, in_splits, out_splits, pg) -> torch.Tensor:
+    """1-D ``send``: its ``in_splits[p]`` elements (in rank order) go to rank p; returns the
+    1-D receive buffer, ``out_splits[p]`` elements from rank p in rank order (head counts that
+    do not split evenly over the ranks)."""
+    in_splits, out_splits = list(in_splits), list(out_splits)
+    if _ops.is_compiling():
+        return funcol.all_to_all_single(send, out_splits, in_splits, pg)
+    recv = send.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
     return recv
 
 
@@ -385,6 +403,7 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
     verified = _state(pg).verified
     key = (fn, *fields.items())
     if not force and key in verified:
+        verified.move_to_end(key)
         return tag
     values += [0] * (SIGNATURE_FIELDS - len(values))
     mine = torch.tensor(values, dtype=torch.int64).to(device)
@@ -403,5 +422,7 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
                 f"ranks disagree on {name} in {fn}: per-rank values {shown}; every rank of the "
                 f"group must call {fn} with the same {name}"
             )
-    verified.add(key)
+    verified[key] = None
+    if len(verified) > _VERIFIED_MAX:
+        verified.popitem(last=False)
     return tag

@@ -66,6 +66,7 @@ class Case:
     docs: str = "none"
     disagree: str = ""
     window: tuple[int, int] | None = None
+    chunks: int = 1  # head_chunks
 
     @property
     def lowp(self) -> bool:
@@ -93,6 +94,8 @@ class Case:
             parts.append(f"docs_{self.docs}")
         if self.window is not None:
             parts.append(f"win{self.window[0]}_{self.window[1]}")
+        if self.chunks != 1:
+            parts.append(f"hc{self.chunks}")
         if self.disagree:
             parts.append(f"disagree_{self.disagree}")
         return "-".join(parts)
@@ -185,6 +188,9 @@ DEFAULT_CASES = (
         B=2,
         docs="packed",
     ),  # fmt: skip
+    # the all_to_alls pipelined over two head chunks (head_chunks=2; hkv = 2 a rank)
+    Case("bf16", L=24, hq=2, kv="mha", D=32, dtype="bf16", causal=True, used="tail", B=2, chunks=2),
+    Case("lowpbw8", L=24, hq=2, kv="mha", D=32, dtype="bf16", causal=False, used="early", chunks=2),
     # a sliding window across rank boundaries (attn_kwargs={"window_size": ...})
     Case(
         "bf16",

@@ -254,6 +254,7 @@ def logged_collectives(log: list):
     a2a = ulysses.attention._all_to_all
     a2a_uneven = ulysses.attention._all_to_all_uneven
     exchange = ulysses.lowp.exchange_to_heads  # the layer's entry to the exchange
+    a2a_start = ulysses.overlap._all_to_all_start  # head chunks: the pipelined all_to_alls
 
     def logged_a2a(send, pg):
         log.append(f"all_to_all {list(send.shape)}")
@@ -263,6 +264,10 @@ def logged_collectives(log: list):
         log.append(f"all_to_all with split sizes, {len(in_splits)} parts")  # sizes differ by rank
         return a2a_uneven(send, in_splits, out_splits, pg)
 
+    def logged_a2a_start(send, pg, world_size):
+        log.append(f"all_to_all (pipelined) {list(send.shape)}")
+        return a2a_start(send, pg, world_size)
+
     def logged_exchange(q, k, v, **kw):
         log.append(f"exchange {list(q.shape)} {list(k.shape)}")
         return exchange(q, k, v, **kw)
@@ -271,6 +276,7 @@ def logged_collectives(log: list):
         mock.patch("ulysses.attention._all_to_all", logged_a2a),
         mock.patch("ulysses.attention._all_to_all_uneven", logged_a2a_uneven),
         mock.patch("ulysses.lowp.exchange_to_heads", logged_exchange),
+        mock.patch("ulysses.overlap._all_to_all_start", logged_a2a_start),
     ):
         yield
 
@@ -289,6 +295,7 @@ def call_library(ctx: Context, case, inputs: Inputs, log: list):
             used_sequence=_used_argument(inputs.used), int8_output=case.int8_output,
             backward_comm=case.backward_comm, document_ids=ids,
             attn_kwargs=None if case.window is None else {"window_size": case.window},
+            head_chunks=case.chunks,
         )  # fmt: skip
         out.backward(inputs.grad_out)
     return out.detach(), q.grad, k.grad, v.grad
@@ -431,9 +438,9 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
     for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         run.check(f"{name} padding rows zero", _zero_rows(name, t, ctx, case.L, inputs.used))
     # forward: the input exchange (an all_to_all, or lowp's exchange) and the output all_to_all;
-    # backward: two all_to_alls. P = 1: none, but "lowp" still calls the exchange (which then
-    # runs no collective)
-    expected_steps = 4 if ctx.world_size > 1 else int(case.lowp)
+    # backward: two all_to_alls; each of them once per head chunk. P = 1: none, but "lowp"
+    # still calls the exchange (which then runs no collective)
+    expected_steps = (4 if ctx.world_size > 1 else int(case.lowp)) * case.chunks
     mine = logs[ctx.rank]
     detail = None
     if any(other != mine for other in logs):

@@ -42,6 +42,8 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
                     masked_attention (hook)
     no_verify       ulysses.attention._verify_batch the ranks' batch signature is not checked:
                                                     a rank's own used_sequence goes unnoticed
+    head_chunk_order ulysses.overlap._place_heads   head_chunks: chunk c of the heads lands
+                    (hook)                          where chunk n-1-c belongs
     grad_scales     ulysses.rowwire.                backward_comm="lowp": dq|dk|dv dequantized
                     grads_dequant_op (hook)         with the previous rank's scales
     dout_scales     ulysses.rowwire.                backward_comm="lowp": the output's gradient
@@ -157,6 +159,13 @@ def _merge_uneven_reversed(parts):
     return torch.cat(parts[::-1], dim=2)
 
 
+def _head_chunks_reversed(original):
+    def place_heads(dst, src, P, h, c, hc):
+        return original(dst, src, P, h, h // hc - 1 - c, hc)  # chunk c lands at chunk n-1-c
+
+    return place_heads
+
+
 def _one_document_per_row(original):
     def plan_documents(document_ids, **kwargs):
         plan = original(document_ids, **kwargs)
@@ -229,6 +238,7 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "per_row_used": (("ulysses.documents._used_rows", Hook(_first_row_count)),),
     "window_shift": (("ulysses.attention.masked_attention", Hook(_window_one_wider)),),
     "no_verify": (("ulysses.attention._verify_batch", _no_verify),),
+    "head_chunk_order": (("ulysses.overlap._place_heads", Hook(_head_chunks_reversed)),),
     "grad_scales": (
         (
             "ulysses.rowwire.grads_dequant_op",
@@ -294,6 +304,12 @@ SHOWCASE: tuple[Showcase, ...] = (
     Showcase(
         "per_row_used", "attention", "bf16-L10-hq1-mha-D16-bf16-causal-used_rows-B3", "out bitwise"
     ),  # fmt: skip
+    Showcase(
+        "head_chunk_order",
+        "attention",
+        "bf16-L24-hq2-mha-D32-bf16-causal-used_tail-B2-hc2",
+        "out bitwise",
+    ),
     Showcase(
         "window_shift",
         "attention",

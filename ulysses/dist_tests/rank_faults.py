@@ -52,6 +52,7 @@ DISAGREE = {
 ATTN_BASE = {"B": 2, "L": 12, "Hq": 4, "Hkv": 2, "D": 16, "dtype": torch.bfloat16}
 ATTN_DISAGREE = (
     "L", "Hq", "Hkv", "D", "dtype", "comm", "used_sequence", "used_rows", "document_ids",
+    "head_chunks",
 )  # fmt: skip
 MODES = (
     ("raise_before", "raise_inside", "exit")
@@ -74,6 +75,8 @@ def _attention_call(mode: str, faulty: bool, world_size: int):
         kwargs["used_sequence"] = S - 5 if faulty else S - 1
     elif name == "used_rows":
         kwargs["used_sequence"] = [S - 1, S - 3 if faulty else S - 2]
+    elif name == "head_chunks":  # one rank would issue twice the all_to_alls
+        kwargs["head_chunks"] = 2 if faulty else 1
     elif name == "document_ids":
         rows = a["L"] - 1 if faulty else a["L"]
         kwargs["document_ids"] = torch.zeros(a["B"], rows, dtype=torch.int64)
