@@ -81,8 +81,8 @@ def parts(rank, P):
         torch.empty(plan.amax_shape, dtype=torch.float32, device="cuda")
 
     res = {
-        "host: plan key": host_us(
-            lambda: stats._plan_key(k, None, None, None, 64, "fused", False), 5000
+        "host: plan lookup": host_us(
+            lambda: stats._plan("smooth_k_stats", k, None, None, None, 64, "fused", False), 5000
         ),
         "host: local stats kernel (1 launch)": host_us(lambda: plan.local(k)),
         "host: all_gather (backend call)": host_us(lambda: plan.gather(pg)),

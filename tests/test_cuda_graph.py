@@ -1,6 +1,8 @@
 """A CUDA graph of the layer's forward and backward: captured once, replayed on new inputs, it
 gives the eager call's bits in every comm mode (a world of one, and torch's fake process group
-at P = 2 and 8, whose collectives move nothing: what is captured is the layer's own work).
+at P = 2 and 8, whose collectives move nothing: what is captured is the layer's own work; a
+mirror stands in for the wire there, so that the receive buffers hold real values: each
+all_to_all receives what this rank sends, each all_gather P copies of this rank's payload).
 
 Runs where a GPU is (the GPU check runs it); skipped elsewhere.
 
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses
+from ulysses import comm
 from ulysses.reference import bitwise_diff
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,10 +38,26 @@ def world(request):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=P)
+    previous = comm.set_link(_Mirror(dist.group.WORLD, P))
     try:
         yield P
     finally:
+        comm.set_link(previous)
         dist.destroy_process_group()
+
+
+class _Mirror:
+    """The wire of a group whose ranks all hold this rank's data (stream-ordered copies, which
+    a CUDA graph captures)."""
+
+    def __init__(self, pg, P: int):
+        self.pg, self.P = pg, P
+
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+        recv.copy_(send)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        out.view(self.P, -1).copy_(inp.reshape(1, -1).expand(self.P, -1))
 
 
 def _inputs(B, L, H, Hkv, D, seed):

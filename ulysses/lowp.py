@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from . import _ops, _validate, comm, grid, stats
-from .kernels._runtime import output_template, stream_key, workspace
+from .kernels._runtime import device_constant, output_template, stream_key, workspace
 from .kernels.block_stats import LocalStats
 from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
 from .kernels.lowp_dequant import dequantize_qkv, prepare_dequant
@@ -295,7 +295,7 @@ def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> torch.
         byte = sender * L * w.row_bytes + (n // e4) * w.row_bytes + w.code_bytes + (n % e4) * 4
         out.append((byte // 4).flatten())
     pad = -out[0].numel() % 4
-    return torch.cat([out[0], out[0][:1].expand(pad), out[1]]).to(device)
+    return device_constant(torch.cat([out[0], out[0][:1].expand(pad), out[1]]), device)
 
 
 # ---- the public call ---------------------------------------------------------------------------

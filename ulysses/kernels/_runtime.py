@@ -23,6 +23,7 @@ from ._launch import _params as _params
 from ._scratch import (
     cdiv,
     counters,
+    device_constant,
     next_pow2,
     output_template,
     sm_count,
@@ -52,6 +53,7 @@ __all__ = [
     "cdiv",
     "compiled_for_gpu",
     "counters",
+    "device_constant",
     "first_launch_stats",
     "gdc_launch_dependents",
     "gdc_wait",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ._launch import compiled_for_gpu
@@ -43,6 +45,23 @@ def stream_key(device: torch.device) -> tuple:
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def device_constant(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor of a plan's constants) on ``device``. A CUDA copy goes through
+    pinned memory, which the result keeps alive: it may be made while a CUDA graph is being
+    captured (a plan first met inside the capture; a copy from pageable memory is refused
+    there), and a replay copies again from the same pinned source."""
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = host.pin_memory()
+    out = pinned.to(device, non_blocking=True)
+    weakref.finalize(out, _keep, pinned)  # the source lives as long as the result
+    return out
+
+
+def _keep(_pinned) -> None:
+    """Nothing: holding the argument is the point."""
 
 
 def output_template(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ._runtime import (
     Launch,
     cdiv,
     compiled_for_gpu,
+    device_constant,
     gdc_launch_dependents,
     gdc_wait,
     sm_count,
@@ -188,7 +189,7 @@ def _sources(first: list[int], last: list[int], P: int, device: torch.device) ->
     found = _SOURCES.get(key)
     if found is None:
         rows = [list(srcs) + [-1] * (P - len(srcs)) for srcs in (first, last)]
-        found = _SOURCES[key] = torch.tensor(rows, dtype=torch.int32, device=device)
+        found = _SOURCES[key] = device_constant(torch.tensor(rows, dtype=torch.int32), device)
     return found
 
 
