@@ -23,6 +23,7 @@ error, 3 the watchdog fired.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import faulthandler
@@ -309,6 +310,30 @@ def _teardown(plan: Plan, clean: bool, teardown_s: float) -> None:
             flush=True,
         )
     dist.destroy_process_group()
+
+
+def parser(module: str, doc: str | None, **kwargs) -> argparse.ArgumentParser:
+    """The argument parser of ``python -m <module>``, its docstring as the help text."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **kwargs,
+    )
+
+
+def run_session(
+    program: str, backend: str | None, timeout_s: float, body: Callable[[Context], int]
+) -> int:
+    """``body(ctx)``'s exit code, run in a :func:`session` on the plan for ``backend``
+    (collectives time out after half of ``timeout_s``); 2 after a setup error."""
+    try:
+        found = plan(backend)
+    except SetupError as exc:
+        print(f"{program}: {exc}", flush=True)
+        return 2
+    with session(program, found, timeout_s=timeout_s, pg_timeout_s=timeout_s / 2) as ctx:
+        return body(ctx)
 
 
 def exit_now(code: int) -> None:

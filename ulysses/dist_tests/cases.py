@@ -174,15 +174,11 @@ LARGE_CASES = (
 def _sweep_cases() -> tuple[Case, ...]:
     """A broader sweep of awkward small shapes: every third (shape, G, used kind) combination,
     with dtype, D, data, B and layout rotating; only cases valid at every world size."""
-    cases = []
     shapes = ((477, 7), (130, 3), (50, 5), (1, 3))
     group_sizes = (16, 64, 128, 256)
     combos = [(shape, G, used) for shape in shapes for G in group_sizes for used in USED_KINDS]
-    default_ids = {c.id for c in DEFAULT_CASES}
-    for i, ((L, H), G, used) in enumerate(combos):
-        if i % 3:
-            continue
-        case = Case(
+    candidates = (
+        Case(
             L=L,
             H=H,
             D=(64, 128)[(i // 2) % 2],
@@ -193,9 +189,36 @@ def _sweep_cases() -> tuple[Case, ...]:
             B=2 if i % 7 == 0 else 1,
             qkv=i % 5 == 0,
         )
-        if case.id not in default_ids and all(resolvable(case, P) for P in (2, 4, 6, 8)):
-            cases.append(case)
-    return tuple(cases)
+        for i, ((L, H), G, used) in enumerate(combos)
+        if i % 3 == 0
+    )
+    return sweep_only(candidates, DEFAULT_CASES, resolvable)
+
+
+# the world sizes a sweep case must resolve at
+SWEEP_WORLD_SIZES = (2, 4, 6, 8)
+
+
+def sweep_only(candidates, defaults, resolvable_at) -> tuple:
+    """The ``candidates`` whose id no default case has and that ``resolvable_at(case, P)``
+    accepts at every P of ``SWEEP_WORLD_SIZES``, in order."""
+    default_ids = {c.id for c in defaults}
+    return tuple(
+        case
+        for case in candidates
+        if case.id not in default_ids and all(resolvable_at(case, P) for P in SWEEP_WORLD_SIZES)
+    )
+
+
+def tiers(defaults, large_cases, sweep_cases, *, large: bool, sweep: bool) -> list:
+    """A suite's selection: ``defaults``; with ``large`` also ``large_cases`` and
+    ``sweep_cases``; with ``sweep`` also ``sweep_cases``."""
+    selected = list(defaults)
+    if large:
+        selected += large_cases
+    if large or sweep:
+        selected += sweep_cases
+    return selected
 
 
 SWEEP_CASES = _sweep_cases()
@@ -204,12 +227,7 @@ SWEEP_CASES = _sweep_cases()
 def select_cases(*, large: bool, sweep: bool) -> list[Case]:
     """The default cases; with ``large`` also the GPU-sized and the sweep cases; with
     ``sweep`` also the sweep cases."""
-    cases = list(DEFAULT_CASES)
-    if large:
-        cases += LARGE_CASES
-    if large or sweep:
-        cases += SWEEP_CASES
-    return cases
+    return tiers(DEFAULT_CASES, LARGE_CASES, SWEEP_CASES, large=large, sweep=sweep)
 
 
 def case_seed(case: Case, base_seed: int) -> int:

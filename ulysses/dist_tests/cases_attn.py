@@ -42,7 +42,7 @@ import torch
 
 from ulysses import testing
 
-from .cases import case_seed
+from .cases import case_seed, tiers
 
 COMMS = ("bf16", "lowp", "lowp8", "lowpbw", "lowpbw8")
 KV_KINDS = ("mha", "gqa", "gqarep", "mqa", "odd", "g40", "kv3")
@@ -233,7 +233,8 @@ LARGE_CASES = (
 
 
 def select_cases(*, large: bool, sweep: bool) -> list[Case]:
-    return list(DEFAULT_CASES) + (list(LARGE_CASES) if large else [])
+    """The default cases; with ``large`` also the GPU-sized ones (no sweep)."""
+    return tiers(DEFAULT_CASES, LARGE_CASES, (), large=large, sweep=sweep)
 
 
 def document_ids(case: Case, world_size: int, base_seed: int):

@@ -53,7 +53,7 @@ import torch
 from ulysses import testing
 
 from ._dist import SetupError
-from .cases import DTYPES, NOT_SHARED, case_seed, shared_used
+from .cases import DTYPES, NOT_SHARED, case_seed, shared_used, sweep_only, tiers
 
 USED_KINDS = ("none", "S", "mulG", "tail", "early", "one")
 SPECIALS = ("", "nan", "zero_v")
@@ -193,15 +193,11 @@ def _sweep_cases() -> tuple[Case, ...]:
     """Every fifth (L, group pair, used kind) combination of small awkward shapes, with
     dtype, B and layout rotating (D fixed: each new D is a new kernel compilation on GPUs);
     only cases valid at every world size."""
-    out = []
     lengths = (1, 7, 50, 130)
     group_pairs = ((16, 16), (32, 64), (64, 32), (128, 256), (256, 16))
     combos = [(L, g, used) for L in lengths for g in group_pairs for used in USED_KINDS]
-    default_ids = {c.id for c in DEFAULT_CASES}
-    for i, (L, (Gq, Gk), used) in enumerate(combos):
-        if i % 5:
-            continue
-        case = Case(
+    candidates = (
+        Case(
             L=L,
             H=24,
             D=64,
@@ -212,9 +208,10 @@ def _sweep_cases() -> tuple[Case, ...]:
             B=2 if i % 7 == 0 else 1,
             qkv=i % 3 == 0,
         )
-        if case.id not in default_ids and all(resolvable(case, P) for P in (2, 4, 6, 8)):
-            out.append(case)
-    return tuple(out)
+        for i, (L, (Gq, Gk), used) in enumerate(combos)
+        if i % 5 == 0
+    )
+    return sweep_only(candidates, DEFAULT_CASES, resolvable)
 
 
 SWEEP_CASES = _sweep_cases()
@@ -223,12 +220,8 @@ SWEEP_CASES = _sweep_cases()
 def select_cases(*, large: bool, sweep: bool) -> list:
     """The default cases and ``errors``; with ``large`` also the GPU-sized and the sweep
     cases; with ``sweep`` also the sweep cases."""
-    selected: list = [*DEFAULT_CASES, ErrorsCase()]
-    if large:
-        selected += LARGE_CASES
-    if large or sweep:
-        selected += SWEEP_CASES
-    return selected
+    defaults = [*DEFAULT_CASES, ErrorsCase()]
+    return tiers(defaults, LARGE_CASES, SWEEP_CASES, large=large, sweep=sweep)
 
 
 def build_qkv_full(

@@ -17,7 +17,6 @@ alive; the watchdog guards all of it.
 
 from __future__ import annotations
 
-import argparse
 import gc
 
 import torch
@@ -92,29 +91,21 @@ def run(ctx: _dist.Context, cuda_graph: bool) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        prog=f"python -m {__package__}.compile_check",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = _dist.parser(f"{__package__}.compile_check", __doc__)
     ap.add_argument("--cuda-graph", action="store_true", help="also capture and replay a graph")
     ap.add_argument("--backend", choices=_dist.BACKENDS, default=None)
     ap.add_argument("--timeout-s", type=float, default=600.0, help="watchdog (default 600)")
     args = ap.parse_args()
-    try:
-        plan = _dist.plan(args.backend)
-    except _dist.SetupError as exc:
-        print(f"compile_check: {exc}", flush=True)
-        return 2
-    with _dist.session(
-        "compile_check", plan, timeout_s=args.timeout_s, pg_timeout_s=args.timeout_s / 2
-    ) as ctx:
+
+    def body(ctx: _dist.Context) -> int:
         ok = run(ctx, args.cuda_graph)
         ctx.phase("failure flag")
         failed = ctx.any_rank(not ok)
         if ctx.rank == 0:
             print(f"compile_check: {'FAIL' if failed else 'PASS'}", flush=True)
         return 1 if failed else 0
+
+    return _dist.run_session("compile_check", args.backend, args.timeout_s, body)
 
 
 if __name__ == "__main__":

@@ -61,27 +61,34 @@ class Suite:
     help: str  # what the case ids mean, shown by --help
 
 
+def _suite(description: str, cases_module, checks_module) -> Suite:
+    """A suite whose cases, their help and the run of one case come from its two modules."""
+    return Suite(
+        description=description,
+        cases=cases_module.select_cases,
+        run=checks_module.run_case,
+        help=cases_module.__doc__,
+    )
+
+
 SUITES: dict[str, Suite] = {
-    "smooth_k": Suite(
-        description="global K mean and grouped amax: smooth_k_stats (both methods), "
+    "smooth_k": _suite(
+        "global K mean and grouped amax: smooth_k_stats (both methods), "
         "global_k_mean and k_grouped_amax vs ulysses.reference",
-        cases=cases.select_cases,
-        run=checks.run_case,
-        help=cases.__doc__,
+        cases,
+        checks,
     ),
-    "lowp": Suite(
-        description="the low-precision Q/K/V exchange: exchange_qkv's LowpQKV (codes, scales, "
+    "lowp": _suite(
+        "the low-precision Q/K/V exchange: exchange_qkv's LowpQKV (codes, scales, "
         "K mean) vs ulysses.reference.lowp_exchange_reference",
-        cases=cases_lowp.select_cases,
-        run=checks_lowp.run_case,
-        help=cases_lowp.__doc__,
+        cases_lowp,
+        checks_lowp,
     ),
-    "attention": Suite(
-        description="ulysses_attention forward and q/k/v gradients (both comm modes, causal, "
+    "attention": _suite(
+        "ulysses_attention forward and q/k/v gradients (both comm modes, causal, "
         "padding, GQA/MQA) vs the single-device attention of the gathered sequence",
-        cases=cases_attn.select_cases,
-        run=checks_attn.run_case,
-        help=cases_attn.__doc__,
+        cases_attn,
+        checks_attn,
     ),
 }
 
@@ -126,12 +133,7 @@ def _epilog() -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog=f"python -m {__package__}.harness",
-        description=__doc__,
-        epilog=_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = _dist.parser(f"{__package__}.harness", __doc__, epilog=_epilog())
     p.add_argument(
         "--suite",
         nargs="+",
@@ -266,9 +268,18 @@ def run_all(ctx: _dist.Context, selected: list[Selected], args) -> int:
             f"in {first_launches[0][1]:.1f} s result={'PASS' if passed else 'FAIL'}",
             flush=True,
         )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=2)
+        _write_json(args.json, summary)
+    return _exit_code(ctx, passed)
+
+
+def _write_json(path: str | None, summary: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+def _exit_code(ctx: _dist.Context, passed: bool) -> int:
+    """The rank's exit code, once every rank got here."""
     # No rank leaves (and has torchrun stop the others) before rank 0 wrote the summary.
     ctx.any_rank(False)
     return 0 if passed else 1
@@ -342,11 +353,8 @@ def run_fault_sweep(ctx: _dist.Context, args) -> int:
             f"clean={'PASS' if clean_passed else 'FAIL'} result={'PASS' if passed else 'FAIL'}",
             flush=True,
         )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=2)
-    ctx.any_rank(False)
-    return 0 if passed else 1
+        _write_json(args.json, summary)
+    return _exit_code(ctx, passed)
 
 
 def main(argv=None) -> int:
@@ -367,18 +375,13 @@ def main(argv=None) -> int:
     except SetupError as exc:
         print(f"harness: {exc}", file=sys.stderr, flush=True)
         return 2
-    if args.fault_sweep:
-        with _dist.session(
-            "harness", plan, timeout_s=args.timeout_s, pg_timeout_s=args.pg_timeout_s
-        ) as ctx:
+    with _dist.session(
+        "harness", plan, timeout_s=args.timeout_s, pg_timeout_s=args.pg_timeout_s
+    ) as ctx:
+        if args.fault_sweep:
             return run_fault_sweep(ctx, args)
-    with (
-        _dist.session(
-            "harness", plan, timeout_s=args.timeout_s, pg_timeout_s=args.pg_timeout_s
-        ) as ctx,
-        faults.planted(args.fault),
-    ):
-        return run_all(ctx, selected, args)
+        with faults.planted(args.fault):
+            return run_all(ctx, selected, args)
 
 
 if __name__ == "__main__":

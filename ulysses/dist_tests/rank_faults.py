@@ -26,7 +26,6 @@ Modes:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 from unittest import mock
@@ -144,23 +143,13 @@ def run_mode(ctx: _dist.Context, mode: str) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        prog=f"python -m {__package__}.rank_faults",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = _dist.parser(f"{__package__}.rank_faults", __doc__)
     ap.add_argument("mode", choices=MODES)
     ap.add_argument("--timeout-s", type=float, default=60.0)
     args = ap.parse_args()
-    try:
-        plan = _dist.plan("gloo-cpu")
-    except _dist.SetupError as exc:
-        print(f"rank_faults: {exc}", flush=True)
-        return 2
-    with _dist.session(
-        "rank_faults", plan, timeout_s=args.timeout_s, pg_timeout_s=args.timeout_s / 2
-    ) as ctx:
-        return run_mode(ctx, args.mode)
+    return _dist.run_session(
+        "rank_faults", "gloo-cpu", args.timeout_s, lambda ctx: run_mode(ctx, args.mode)
+    )
 
 
 if __name__ == "__main__":
