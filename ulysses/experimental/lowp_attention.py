@@ -165,6 +165,32 @@ def _attn_block(
     return acc, l_i, m_i, b_ks_next
 
 
+@triton.jit
+def _query_block(
+    out_ptr, S, HQ, HKV,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """This program's query block of the (query blocks, B * hq) grid: ``(i_b, i_h, i_hk,
+    start_m, o_m [BM], o_n [BN], o_d [D], p_out [BM, D], m_rows [BM, 1])``, ``i_hk`` the K/V
+    head of query head ``i_h``, ``p_out`` its rows of ``out`` [B, S, hq, D]."""
+    i_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows first: the grid's tail is short blocks
+        i_m = tl.num_programs(0) - 1 - i_m
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HQ
+    i_h = i_bh % HQ
+    i_hk = i_h // (HQ // HKV)
+    start_m = i_m * BLOCK_M
+    o_m = start_m + tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, D)
+    p_out = (
+        out_ptr + ((i_b.to(tl.int64) * S + o_m[:, None].to(tl.int64)) * HQ + i_h) * D + o_d[None, :]
+    )
+    m_rows = (o_m < S)[:, None]
+    return i_b, i_h, i_hk, start_m, o_m, o_n, o_d, p_out, m_rows
+
+
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _lowp_attn_kernel(
     q_ptr,
@@ -203,22 +229,10 @@ def _lowp_attn_kernel(
     NUM_STAGES: tl.constexpr,
     HW_ROUND: tl.constexpr,
 ):
-    i_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first: the grid's tail is short blocks
-        i_m = tl.num_programs(0) - 1 - i_m
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HQ
-    i_h = i_bh % HQ
-    i_hk = i_h // (HQ // HKV)
-    start_m = i_m * BLOCK_M
-    o_m = start_m + tl.arange(0, BLOCK_M)
-    o_n = tl.arange(0, BLOCK_N)
-    o_d = tl.arange(0, D)
-    out_dtype = out_ptr.dtype.element_ty
-    p_out = (
-        out_ptr + ((i_b.to(tl.int64) * S + o_m[:, None].to(tl.int64)) * HQ + i_h) * D + o_d[None, :]
+    i_b, i_h, i_hk, start_m, o_m, o_n, o_d, p_out, m_rows = _query_block(
+        out_ptr, S, HQ, HKV, CAUSAL, BLOCK_M, BLOCK_N, D
     )
-    m_rows = (o_m < S)[:, None]
+    out_dtype = out_ptr.dtype.element_ty
     if start_m >= used:  # padding rows only
         tl.store(p_out, tl.zeros([BLOCK_M, D], dtype=out_dtype), mask=m_rows)
     else:
@@ -315,22 +329,10 @@ def _lowp_attn_tma_kernel(
     [BN, D] from 2-D descriptors over the codes (row ``s``, column ``b * cols_b + head * D``,
     ``cols_b`` the batch stride: rows past S read 0), V^T [D, BN] from ``transpose_v``'s
     copy. No pointer tensors live across the key loop."""
-    i_m = tl.program_id(0)
-    if CAUSAL:
-        i_m = tl.num_programs(0) - 1 - i_m
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HQ
-    i_h = i_bh % HQ
-    i_hk = i_h // (HQ // HKV)
-    start_m = i_m * BLOCK_M
-    o_m = start_m + tl.arange(0, BLOCK_M)
-    o_n = tl.arange(0, BLOCK_N)
-    o_d = tl.arange(0, D)
-    out_dtype = out_ptr.dtype.element_ty
-    p_out = (
-        out_ptr + ((i_b.to(tl.int64) * S + o_m[:, None].to(tl.int64)) * HQ + i_h) * D + o_d[None, :]
+    i_b, i_h, i_hk, start_m, o_m, o_n, o_d, p_out, m_rows = _query_block(
+        out_ptr, S, HQ, HKV, CAUSAL, BLOCK_M, BLOCK_N, D
     )
-    m_rows = (o_m < S)[:, None]
+    out_dtype = out_ptr.dtype.element_ty
     if start_m >= used:
         tl.store(p_out, tl.zeros([BLOCK_M, D], dtype=out_dtype), mask=m_rows)
     else:

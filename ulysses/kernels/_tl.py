@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["load_streamed"]
+__all__ = ["head_block_program", "load_streamed"]
 
 
 @triton.jit
@@ -23,3 +23,19 @@ def load_streamed(p, mask, other, EVICT: tl.constexpr):
         return tl.load(p, mask=mask, other=other, eviction_policy="evict_first")
     else:
         return tl.load(p, mask=mask, other=other)
+
+
+@triton.jit
+def head_block_program(n_hblocks, n_mid, H, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """This program's place in a grid of ``B * n_mid * n_hblocks`` programs, head blocks
+    fastest: ``(i_b, i_mid, o_h [BH], o_d [D], m_h [BH], m_hd [BH, D])``, the batch, the
+    middle index (a slot, span or chunk), its heads and channels and their masks."""
+    i_pid = tl.program_id(0).to(tl.int64)
+    i_hb = i_pid % n_hblocks
+    i_mid = (i_pid // n_hblocks) % n_mid
+    i_b = i_pid // (n_hblocks * n_mid)
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, D)
+    m_h = o_h < H
+    m_hd = m_h[:, None] & (o_d[None, :] < D)
+    return i_b, i_mid, o_h, o_d, m_h, m_hd

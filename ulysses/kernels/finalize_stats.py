@@ -35,6 +35,7 @@ from ._runtime import (
     sm_count,
     tile,
 )
+from ._tl import head_block_program
 
 __all__ = ["finalize_stats", "prepare_finalize", "MODE_MEAN", "MODE_FUSED", "MODE_MERGE"]
 
@@ -92,15 +93,7 @@ def _finalize_kernel(
     MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    i_pid = tl.program_id(0).to(tl.int64)
-    i_hb = i_pid % n_hblocks
-    i_ch = (i_pid // n_hblocks) % n_chunks
-    i_b = i_pid // (n_hblocks * n_chunks)
-
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    o_d = tl.arange(0, D)
-    m_h = o_h < H
-    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+    i_b, i_ch, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_chunks, H, BLOCK_H, D)
     o_hd = o_h[:, None] * D + o_d[None, :]
 
     if USE_PDL:

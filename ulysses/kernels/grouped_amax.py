@@ -27,6 +27,7 @@ from ._runtime import (
     sm_count,
     tile,
 )
+from ._tl import head_block_program
 
 __all__ = ["aligned_fits", "grouped_amax", "prepare_grouped_amax"]
 
@@ -75,16 +76,8 @@ def _grouped_amax_kernel(
     EVICT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    i_pid = tl.program_id(0).to(tl.int64)
-    i_hb = i_pid % n_hblocks
-    i_s = (i_pid // n_hblocks) % n_slots
-    i_b = i_pid // (n_hblocks * n_slots)
-
+    i_b, i_s, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_slots, H, BLOCK_H, D)
     o_r = tl.arange(0, SUB)  # [R]
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    o_d = tl.arange(0, D)  # [D]
-    m_h = o_h < H
-    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
 
     if USE_PDL:
         gdc_wait()

@@ -55,12 +55,12 @@ _NOT_SPECIALIZED = [
     "v_off",
     "P",
     "D",
+    "prog0",
 ]
 
 
-@triton.jit
-def _lowp_finish_body(
-    i_prog,
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+def _lowp_finish_kernel(
     gathered_ptr,
     stride_p,
     first_q0,
@@ -83,9 +83,12 @@ def _lowp_finish_body(
     v_off,
     P,
     D,
+    prog0,
     N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # prog0: the programs before this kernel's in the grid (the post-gather launch's finalize)
+    i_prog = tl.program_id(0) - prog0
     o_e = i_prog.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m_e = o_e < n_bhd
     b_bits = tl.zeros([BLOCK], dtype=tl.int32)
@@ -125,62 +128,6 @@ def _lowp_finish_body(
             b_m = tl.maximum(b_m, b_x.to(tl.int32, bitcast=True))
         slot = which * (n_touched - 1)
         tl.store(amax_q_ptr + o_e * n_slots + slot, b_m.to(tl.float32, bitcast=True), mask=m_q)
-
-
-@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
-def _lowp_finish_kernel(
-    gathered_ptr,
-    stride_p,
-    first_q0,
-    first_e0,
-    first_n,
-    last_q0,
-    last_e0,
-    last_n,
-    amax_q_ptr,
-    amax_v_ptr,
-    v_scale_ptr,
-    n_bhd,
-    n_bh,
-    n_slots,
-    n_touched,
-    H,
-    h,
-    head0,
-    q_off,
-    v_off,
-    P,
-    D,
-    N_UNROLL: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    _lowp_finish_body(
-        tl.program_id(0),
-        gathered_ptr,
-        stride_p,
-        first_q0,
-        first_e0,
-        first_n,
-        last_q0,
-        last_e0,
-        last_n,
-        amax_q_ptr,
-        amax_v_ptr,
-        v_scale_ptr,
-        n_bhd,
-        n_bh,
-        n_slots,
-        n_touched,
-        H,
-        h,
-        head0,
-        q_off,
-        v_off,
-        P,
-        D,
-        N_UNROLL,
-        BLOCK,
-    )
 
 
 _FUSED_NOT_SPECIALIZED = _FIN_NOT_SPECIALIZED + [
@@ -289,8 +236,7 @@ def _post_gather_kernel(
     else:
         if USE_PDL:
             gdc_wait()
-        _lowp_finish_body(
-            i_pid - n_fin,
+        _lowp_finish_kernel(
             gathered_ptr,
             stride_p,
             first_q0,
@@ -313,6 +259,7 @@ def _post_gather_kernel(
             v_off,
             P,
             D,
+            n_fin,
             N_UNROLL,
             BLOCK,
         )
@@ -337,7 +284,7 @@ def prepare_post_gather(finalize: Launch, finish: Launch) -> Launch:
     assert all(fin[n] == lf[n] for n in ("H", "P", "D")), "finalize and finish disagree"
     fixed = {n: v for n, v in fin.items() if n not in ("mean_ptr", "part_ptr", "final_ptr")}
     for name, value in lf.items():
-        if name in _SHARED or name == "v_scale_ptr":
+        if name in _SHARED or name in ("v_scale_ptr", "prog0"):
             continue
         fixed[_RENAMED.get(name, name)] = value
     return Launch(
@@ -442,6 +389,7 @@ def prepare_lowp_finish(
         v_off=v_off,
         P=P,
         D=D,
+        prog0=0,
         N_UNROLL=min(MAX_UNROLL, next_pow2(max(first[2], last[2]))),
         BLOCK=block,
     )

@@ -39,6 +39,7 @@ from ._runtime import (
     next_pow2,
     tile,
 )
+from ._tl import head_block_program
 
 __all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats"]
 
@@ -97,15 +98,7 @@ def _qv_stats_kernel(
 ):
     n_hblocks = tl.cdiv(H, BLOCK_H)
     g_first = row0 // G
-    i_pid = tl.program_id(0).to(tl.int64)
-    i_hb = i_pid % n_hblocks
-    i_sp = (i_pid // n_hblocks) % n_spans
-    i_b = i_pid // (n_hblocks * n_spans)
-
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    o_d = tl.arange(0, D)  # [D]
-    m_h = o_h < H
-    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+    i_b, i_sp, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_spans, H, BLOCK_H, D)
     m_vd = (o_h < HV)[:, None] & (o_d[None, :] < D)  # [BH, D]: V's heads
     p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
     p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
