@@ -303,14 +303,21 @@ def bitwise_diff(
         same = got == expected
     if mask is not None:
         same = same | ~mask.cpu()
-    if bool(same.all()):
+    found = first_failure(same, "differ")
+    if found is None:
         return None
-    bad = torch.nonzero(~same)
+    head, first = found
+    return f"{head}: got {format_value(got[first])}, expected {format_value(expected[first])}"
+
+
+def first_failure(ok: torch.Tensor, what: str) -> tuple[str, tuple[int, ...]] | None:
+    """None when ``ok`` (bool) is True everywhere, else ``(message, index)``: the message
+    counts the positions where it is False (they ``what``) and names the first, ``index``."""
+    if bool(ok.all()):
+        return None
+    bad = torch.nonzero(~ok)
     first = tuple(bad[0].tolist())
-    return (
-        f"{bad.shape[0]} of {same.numel()} positions differ; first at index {first}: "
-        f"got {format_value(got[first])}, expected {format_value(expected[first])}"
-    )
+    return f"{bad.shape[0]} of {ok.numel()} positions {what}; first at index {first}", first
 
 
 # ---- low-precision exchange (docs/CONTRACT.md §8) ----------------------------------------

@@ -32,7 +32,7 @@ import torch
 
 import ulysses
 from ulysses import reference
-from ulysses.reference import bitwise_diff, format_value
+from ulysses.reference import bitwise_diff, first_failure, format_value
 
 from . import cases
 from ._dist import Context
@@ -55,14 +55,12 @@ def ulp_diff(got: torch.Tensor, exact: torch.Tensor) -> str | None:
     """None when ``got`` (bf16/fp16) is within one ulp of its dtype of ``exact`` (float64)."""
     got64, exact = got.detach().cpu().double(), exact.detach().cpu().double()
     tol = torch.maximum(_ulp(exact, got.dtype), _ulp(got64, got.dtype))
-    ok = (got64 - exact).abs() <= tol
-    if bool(ok.all()):
+    found = first_failure((got64 - exact).abs() <= tol, "more than 1 ulp from the fp64 mean")
+    if found is None:
         return None
-    bad = torch.nonzero(~ok)
-    first = tuple(bad[0].tolist())
+    head, first = found
     return (
-        f"{bad.shape[0]} of {ok.numel()} positions more than 1 ulp from the fp64 mean; "
-        f"first at index {first}: got {format_value(got64[first])}, "
+        f"{head}: got {format_value(got64[first])}, "
         f"fp64 {format_value(exact[first])}, ulp {tol[first].item():.3g}"
     )
 
