@@ -531,6 +531,73 @@ def test_pack_q_once_gives_the_same_send_buffer(P, L, Gq, used_kind, rank, speci
     assert bool((skipped == floor).all())  # the floor: the pack kernel derives these
 
 
+def _decode_send(send, w, B, D) -> dict:
+    """A send buffer of wire ``w`` -> per destination: q codes [P, L, B, h, D], k and v codes
+    [P, L, B, hkv, D] (bytes), q scales [P, B, h, NSQ], k scales [P, B, hkv, NSK] (int32 bits)."""
+    rows = send.view(w.P, w.L, w.row_bytes)
+    codes = rows[:, :, : w.code_bytes].reshape(w.P, w.L, B, w.h + 2 * w.hkv, D)
+    tails = rows[:, :, w.code_bytes :].contiguous().view(torch.int32).reshape(w.P, -1)
+    n_q, n_k = B * w.h * w.n_sq, B * w.hkv * w.n_sk
+    return {
+        "q": codes[..., : w.h, :],
+        "k": codes[..., w.h : w.h + w.hkv, :],
+        "v": codes[..., w.h + w.hkv :, :],
+        "q_scale": tails[:, :n_q].reshape(w.P, B, w.h, w.n_sq),
+        "k_scale": tails[:, n_q : n_q + n_k].reshape(w.P, B, w.hkv, w.n_sk),
+    }
+
+
+@pytest.mark.parametrize("q_once", [False, True], ids=["q_twice", "q_once"])
+@pytest.mark.parametrize(
+    ("P", "L", "Hq", "Hkv", "n", "rank"),
+    [
+        (2, 40, 8, 4, 2, 1),  # GQA, Q groups straddling the ranks
+        (4, 24, 16, 16, 4, 2),  # one query and one K/V head a chunk and rank
+        (2, 64, 12, 6, 3, 0),  # an odd chunk count
+    ],
+)
+def test_pack_of_a_head_chunk_has_the_bits_of_those_heads(P, L, Hq, Hkv, n, rank, q_once):
+    """``chunk=(c, n)``: the send buffer of chunk c's heads (``h/n`` query and ``hkv/n`` K/V
+    heads a destination, reading q, k, v and the statistics of all heads) holds, byte for
+    byte, the codes and scale slots of the same heads of the one-chunk send buffer."""
+    B, D, Gq, Gk = 2, 16, 32, 64
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, L, Hq, D, generator=g).to(torch.bfloat16)
+    k = (3 * torch.randn(B, L, Hkv, D, generator=g) + 1).to(torch.bfloat16)
+    v = torch.randn(B, L, Hkv, D, generator=g).to(torch.bfloat16)
+    lay = grid.layout(rank, L, P, Gq, None)
+    n_sk = grid.layout(rank, L, P, Gk, None).n_slots
+    amax_q = torch.rand(B, Hq, lay.n_slots, generator=g) + 0.5
+    amax_k = torch.rand(B, Hkv, n_sk, generator=g) + 2.0
+    k_mean = torch.randn(B, Hkv, D, generator=g).to(torch.bfloat16)
+    amax_v = torch.rand(B, Hkv, D, generator=g) + 0.5
+    amax_v[0, 1, 3] = 0.0  # a zero channel: scale 0, codes +0
+    once = QOnce(lay.n_touched, lay.tail_group, lay.live_end, grid.FLOOR) if q_once else None
+
+    def pack(chunk):
+        c, m = chunk
+        w = lowp._wire(B, L, Hq // m, D, P, Gq, Gk, Hkv // m)
+        send = torch.full((w.nbytes,), 0xA5, dtype=torch.uint8)
+        prepare_pack(
+            q.shape, (q.stride(), k.stride(), v.stride()), q.device, send, n_sq=lay.n_slots,
+            n_sk=n_sk, kv_heads=Hkv, q_once=once, chunk=chunk, **_pack_kw(w, rank, Gq, Gk),
+        )(q, k, v, amax_q, amax_k, k_mean, amax_v)  # fmt: skip
+        return _decode_send(send, w, B, D)
+
+    whole = pack((0, 1))
+    hq, hkv = Hq // P, Hkv // P
+    for c in range(n):
+        got = pack((c, n))
+        for name, per in (("q", hq), ("k", hkv), ("v", hkv)):
+            step = per // n
+            want = whole[name][:, :, :, c * step : (c + 1) * step]
+            assert torch.equal(got[name], want), (c, name)
+        for name, per in (("q_scale", hq), ("k_scale", hkv)):
+            step = per // n
+            want = whole[name][:, :, c * step : (c + 1) * step]
+            assert torch.equal(got[name], want), (c, name)
+
+
 def _fp8_grid_values() -> torch.Tensor:
     """Every finite e4m3fn value, every midpoint between neighbours (the ties), and values one
     fp16 ulp either side of each midpoint; both signs."""

@@ -122,6 +122,7 @@ CASES = [  # (P, B, L, Hq, Hkv, D, n, mode, causal, used)
     (2, 1, 24, 12, 6, 16, 3, "bf16", True, 30),  # odd chunk count
     (4, 1, 16, 16, 8, 16, 2, "lowp", True, None),  # GQA
     (2, 1, 40, 8, 8, 16, 4, "lowp", False, 57),  # padding mid-group
+    (2, 2, 16, 8, 4, 16, 2, "lowp", True, 27),  # GQA, padding, B > 1
     (4, 1, 16, 16, 8, 16, 2, "lowp-int8out-bwdlowp", True, 50),
 ]
 
@@ -199,20 +200,20 @@ def test_planted_fault_chunks_in_the_wrong_head_order_is_caught(fake_link):
 
 
 def _logged(log: list):
-    """Patches that log the pipeline's collective steps (its all_to_alls and each lowp
-    exchange as one step) in ``log``."""
-    start, exchange = overlap._all_to_all_start, overlap._exchange_to_heads
+    """Patches that log the pipeline's collective steps (its all_to_alls and the lowp
+    statistics, whose all_gather is one step) in ``log``."""
+    start, stats = overlap._all_to_all_start, overlap._exchange_stats
 
     def logged_start(send, pg, world_size=None):
         log.append(f"all_to_all {list(send.shape)}")
         return start(send, pg, world_size)
 
-    def logged_exchange(q, k, v, **kw):
-        log.append(f"exchange {list(q.shape)} {list(k.shape)}")
-        return exchange(q, k, v, **kw)
+    def logged_stats(q, k, v, **kw):
+        log.append(f"statistics {list(q.shape)} {list(k.shape)}")
+        return stats(q, k, v, **kw)
 
     return (mock.patch("ulysses.overlap._all_to_all_start", logged_start),
-            mock.patch("ulysses.overlap._exchange_to_heads", logged_exchange))  # fmt: skip
+            mock.patch("ulysses.overlap._exchange_stats", logged_stats))  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["bf16", "lowp"])
@@ -230,13 +231,45 @@ def test_collectives_in_pipeline_order(mode, fake_link):
                                                  causal=True, used=None), inputs)  # fmt: skip
     if mode == "bf16":
         inp = f"all_to_all [{P}, 1, {L}, 4, {D}]"  # two q, one k, one v head a rank
-    else:
-        inp = f"exchange [1, {L}, {2 * P}, {D}] [1, {L}, {P}, {D}]"
+        stats = []
+    else:  # the uint8 codes and scales of a chunk: two q heads, one K/V head a rank
+        inp = f"all_to_all [{ulysses.lowp.payload_bytes(1, L, Hq // n, D, P, kv_heads=Hkv // n)}]"
+        stats = [f"statistics [1, {L}, {Hq}, {D}] [1, {L}, {Hkv}, {D}]"]  # all heads, once
     out = f"all_to_all [{P}, 1, {L}, 2, {D}]"
-    fwd = [inp, inp, out, inp, out, out]
+    fwd = [*stats, inp, inp, out, inp, out, out]
     grads = f"all_to_all [{P}, 1, {L}, 4, {D}]"
     bwd = [out, out, grads, out, grads, grads]  # dO has the output's shape
     assert log == fwd + bwd, log
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_lowp_statistics_all_gather_once_a_call(n, fake_link):
+    """``comm="lowp"``: ONE all_gather of the statistics a call, whatever the chunk count,
+    and one all_to_all a chunk each way; the output has the bits of one chunk. (The first
+    call of a signature also verifies that the ranks agree: one more all_gather, so the
+    count is taken on the second call.)"""
+    P, B, L, Hq, Hkv, D = 2, 2, 16, 16, 8, 16
+    link = fake_link(P)
+    q, k, v, _ = make_inputs(B, L, Hq, Hkv, D, seed=9)
+    calls = {"all_gather": 0, "all_to_all": 0}
+
+    def counted(name):
+        original = getattr(link, name)
+
+        def call(*args):
+            calls[name] += 1
+            return original(*args)
+
+        return call
+
+    with link:
+        exp = one_chunk(q, k, v, mode="lowp", causal=False, used=29)
+        chunked(q, k, v, pg=link.pg, P=P, n=n, mode="lowp", causal=False, used=29)
+        with (mock.patch.object(link, "all_gather", counted("all_gather")),
+              mock.patch.object(link, "all_to_all", counted("all_to_all"))):  # fmt: skip
+            got = chunked(q, k, v, pg=link.pg, P=P, n=n, mode="lowp", causal=False, used=29)
+    assert calls == {"all_gather": 1, "all_to_all": 2 * n}, calls
+    assert bitwise_diff(got, exp) is None, bitwise_diff(got, exp)
 
 
 # ---- arguments ---------------------------------------------------------------------------------
@@ -382,8 +415,10 @@ def _worker() -> int:
             dist.all_gather_object(logs, log)
             if any(other != logs[0] for other in logs):
                 failures.append(f"rank {rank} {mode}: collective logs differ: {logs}")
-            if len(log) != 4 * n:
-                failures.append(f"rank {rank} {mode}: {len(log)} collective steps, not {4 * n}")
+            # lowp: the statistics of all heads once (one all_gather), then 4 a chunk
+            steps = 4 * n + (MODES[mode]["comm"] == "lowp")
+            if len(log) != steps:
+                failures.append(f"rank {rank} {mode}: {len(log)} collective steps, not {steps}")
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         failures.append(f"rank {rank}: {type(e).__name__}: {e}")
     flag = torch.tensor([len(failures)])

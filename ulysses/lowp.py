@@ -23,6 +23,12 @@ Data flow of ``exchange_qkv`` (two collectives, nothing else crosses ranks; none
     -> ONE all_to_all_single -> q, k, v are strided views of the receive buffer (row stride
        ROW); the scales are gathered from the rows' scale slots (a few KB).
 
+Head chunks (``ulysses.overlap``): ``exchange_stats`` runs the statistics half once for all
+heads (the plan's statistics launch, the all_gather, the post-gather launch); then
+``exchange_heads`` for each chunk packs only that chunk's heads (the plan's pack kernel with a
+head offset), sends them in one all_to_all, gathers their scales and dequantizes them: the
+bits of the same heads of the one-chunk exchange.
+
 Grouped-query attention: K and V travel with their own head count. When ``Hkv % P == 0`` each
 rank receives its ``Hkv / P`` heads and the bytes are those of Hkv heads; when
 ``P % Hkv == 0`` each K/V head is sent to the ``P / Hkv`` ranks whose query heads use it (the
@@ -524,6 +530,75 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
 # ---- the call: one host path ------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _SendConfig:
+    """What the send side of a plan's head chunks is built from (no tensor of a call)."""
+
+    shape: tuple  # q's [B, L, Hq, D]
+    strides: tuple  # q's, k's, v's
+    device: torch.device
+    P: int
+    rank: int
+    Hkv: int
+    q_group: int
+    k_group: int
+    n_sq: int
+    n_sk: int
+    use_pdl: bool
+    q_once: QOnce | None
+    dtype: torch.dtype
+    pack_tiles: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """The send side of head chunk ``chunk`` of ``n``: its wire (``h/n`` query and ``hkv/n``
+    K/V heads a rank), where its results lie, the pack launch (all heads' statistics in, this
+    chunk's heads out), the scale gather and the dequantize."""
+
+    chunk: int
+    n: int
+    wire: _Wire
+    out: _Out
+    pack: object
+    gather_scales: object
+    dequant: object
+    recv_out: torch.Tensor
+    heads_q: torch.Tensor
+    heads_kv: torch.Tensor
+    words: int  # fp32 words of a chunk's scale buffer: the gathered scales, then v_scale
+    v_scale_at: int
+
+
+def _send_side(s: _SendConfig, chunk: tuple[int, int], send: torch.Tensor | None) -> _Side:
+    """The send side of head chunk ``chunk = (c, n)`` (``(0, 1)``: the whole exchange) bound to
+    ``send`` (None: the call passes a send buffer). The one builder of the pack, the scale
+    gather and the dequantize launches."""
+    c, n = chunk
+    B, L, Hq, D = s.shape
+    dev, P = s.device, s.P
+    w = _wire(B, L, Hq // n, D, P, s.q_group, s.k_group, s.Hkv // n)
+    pack = prepare_pack(
+        s.shape, s.strides, dev, send, world_size=P, row0=s.rank * L, q_group=s.q_group,
+        k_group=s.k_group, n_sq=s.n_sq, n_sk=s.n_sk, row_bytes=w.row_bytes,
+        scale_bytes=w.scale_bytes, use_pdl=s.use_pdl, kv_heads=s.Hkv, q_once=s.q_once,
+        chunk=chunk, **s.pack_tiles,
+    )  # fmt: skip
+    o = _out_layout(w, B, s.Hkv // n, D, s.dtype.itemsize, s.q_group, s.k_group, s.rank)
+    gather = prepare_gather_scales(_scale_index(w, B, s.q_group, s.k_group, dev), dev)
+    dequant = prepare_dequant(
+        o.size_q, o.size_kv, (o.stride,) * 3, dev, q_group=s.q_group, k_group=s.k_group
+    )
+    v_at = -(-o.n_index // 4) * 4
+    return _Side(
+        chunk=c, n=n, wire=w, out=o, pack=pack, gather_scales=gather, dequant=dequant,
+        recv_out=output_template((w.nbytes,), torch.uint8, dev),
+        heads_q=output_template(o.size_q, s.dtype, dev),
+        heads_kv=output_template(o.size_kv, s.dtype, dev),
+        words=v_at + B * w.hkv * D, v_scale_at=v_at,
+    )  # fmt: skip
+
+
 class _ExchangePlan:
     """One call signature of :func:`exchange_qkv`, prepared once: the statistics, post-gather,
     pack and scale-gather launches bound to scratch buffers of this device and stream
@@ -585,45 +660,61 @@ class _ExchangePlan:
             self.gathered[:, :n_k], self.minmax, mode=MODE_FUSED, **part.finalize_args()
         )
         self.post = prepare_post_gather(k_finalize, finish)
+        self.P = P
+        # what the send side of any head chunk needs (scalars only: no tensor of the call)
+        self.send_config = _SendConfig(
+            shape=tuple(q.shape), strides=(q.stride(), k.stride(), v.stride()), device=dev,
+            P=P, rank=c.rank, Hkv=Hkv, q_group=c.q_group, k_group=c.k_group,
+            n_sq=lay_q.n_slots, n_sk=lay_k.n_slots, use_pdl=c.use_pdl, q_once=q_once,
+            dtype=k.dtype, pack_tiles=tiles.get("pack", {}),
+        )  # fmt: skip
+        self._chunks: dict[int, tuple[_Side, ...]] = {}
         # at P = 1 the send buffer is the receive buffer: a new one each call
         send = None if P == 1 else workspace("lowp_send", w.nbytes, torch.uint8, dev)[: w.nbytes]
-        self.pack = prepare_pack(
-            q.shape, (q.stride(), k.stride(), v.stride()), dev, send, world_size=P,
-            row0=c.rank * L, q_group=c.q_group, k_group=c.k_group, n_sq=lay_q.n_slots,
-            n_sk=lay_k.n_slots, row_bytes=w.row_bytes, scale_bytes=w.scale_bytes,
-            use_pdl=c.use_pdl, kv_heads=Hkv, q_once=q_once, **tiles.get("pack", {}),
-        )  # fmt: skip
+        whole = _send_side(self.send_config, (0, 1), send)
+        assert whole.wire == w
+        self.pack, self.out = whole.pack, whole.out
         self.send, self.a2a = send, None if P == 1 else comm.all_to_all_launcher(send)
-        self.recv_out = output_template((w.nbytes,), torch.uint8, dev)
+        self.recv_out = whole.recv_out
         # K's partial and final group amax: read by the pack only, so scratch (stream order
         # makes the next call's overwrite safe)
         n_ka = B * Hkv * lay_k.n_slots
         self.part = workspace("lowp_amax_part", n_ka, FP32, dev)[:n_ka].view(B, Hkv, -1)
         self.final = workspace("lowp_amax_final", n_ka, FP32, dev)[:n_ka].view(B, Hkv, -1)
-        self.out = o = _out_layout(w, B, Hkv, D, k.element_size(), c.q_group, c.k_group, c.rank)
-        self.gather_scales = prepare_gather_scales(
-            _scale_index(w, B, c.q_group, c.k_group, dev), dev
-        )
+        o = self.out
+        self.gather_scales = whole.gather_scales
         self.out_bytes = output_template((o.nbytes,), torch.uint8, dev)
         self.mean_view, self.v_scale_view = o.mean, o.v_scale
         # exchange_to_heads: the codes dequantized by one launch into new [B, S, h, D] tensors
-        self.dequant = prepare_dequant(
-            o.size_q, o.size_kv, (o.stride,) * 3, dev, q_group=c.q_group, k_group=c.k_group
-        )
-        self.heads_q = output_template(o.size_q, k.dtype, dev)
-        self.heads_kv = output_template(o.size_kv, k.dtype, dev)
+        self.dequant, self.heads_q, self.heads_kv = whole.dequant, whole.heads_q, whole.heads_kv
         self.dtype, self.fields = k.dtype, (c.used_sequence, c.q_group, c.k_group)
 
-    def run(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor]:
-        """(receive buffer, result bytes) of one call: the kernels and collectives in order."""
+    def stats(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor]:
+        """The statistics of one call, all heads: the local launches, the all_gather, the
+        post-gather launch. Returns (result bytes, the global K mean view of them); K's final
+        and Q's merged group amax and V's amax are in this plan's scratch buffers until its
+        next call."""
         self.k_local(k)
         self.qv(q, v)
         if self.gather is not None:
             self.gather(pg)
         out = torch.empty_like(self.out_bytes)
-        words = out.view(FP32)
         mean = out.view(self.dtype).as_strided(*self.mean_view)
-        self.post(mean, self.part, self.final, words.as_strided(*self.v_scale_view))
+        self.post(mean, self.part, self.final, out.view(FP32).as_strided(*self.v_scale_view))
+        return out, mean
+
+    def chunk_sides(self, n: int) -> tuple[_Side, ...]:
+        """The send sides of the ``n`` head chunks (built once, by :func:`_send_side`)."""
+        sides = self._chunks.get(n)
+        if sides is None:
+            sides = tuple(_send_side(self.send_config, (i, n), None) for i in range(n))
+            self._chunks[n] = sides
+        return sides
+
+    def run(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor]:
+        """(receive buffer, result bytes) of one call: the kernels and collectives in order."""
+        out, mean = self.stats(q, k, v, pg)
+        words = out.view(FP32)
         if self.a2a is not None:
             self.pack(q, k, v, self.amax_q, self.final, mean, self.amax_v)
             recv = self.a2a(pg)
@@ -686,6 +777,104 @@ def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> tuple:
 def clear_plans() -> None:
     """Forget the exchange's plans (after a rule of ``ulysses.grid`` changed)."""
     _PLANS.clear()
+
+
+# ---- the exchange over head chunks (ulysses.overlap) -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stats:
+    """The statistics of one call for all heads (:func:`exchange_stats`): the result bytes
+    holding the global K mean and this rank's v_scale; K's final and Q's merged group amax and
+    V's amax stay in the plan's scratch buffers, valid until the plan's next call."""
+
+    plan: _ExchangePlan
+    pg: object
+    out: torch.Tensor
+    mean: torch.Tensor
+
+
+def exchange_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    used_sequence: int | None = None,
+    q_group: int = 32,
+    k_group: int = 64,
+) -> _Stats:
+    """The statistics half of :func:`exchange_to_heads` for all heads, once: the local
+    statistics launch, ONE all_gather, the post-gather launch (the cached plan of the call,
+    validated as :func:`exchange_qkv`). Pass the handle to :func:`exchange_heads` for each
+    head chunk, before the plan's next call. Eager tensors only (the pipeline of
+    ``ulysses.overlap`` runs one chunk under ``torch.compile``)."""
+    assert type(q) is type(k) is type(v) is torch.Tensor and not _ops.is_compiling()
+    plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, None)
+    out, mean = plan.stats(q, k, v, pg)
+    return _Stats(plan, pg, out, mean)
+
+
+class _HeadsPending:
+    """A started chunk of :func:`exchange_heads`; ``wait()`` -> (q_h, k_h, v_h)."""
+
+    __slots__ = ("_side", "_stats", "_pending", "_result")
+
+    def __init__(self, side: _Side, stats: _Stats, pending):
+        self._side, self._stats, self._pending, self._result = side, stats, pending, None
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._result is None:
+            recv = self._pending.wait()
+            self._result = _chunk_heads(self._side, self._stats, recv)
+            self._pending = self._stats = None
+        return self._result
+
+
+def _chunk_heads(side: _Side, st: _Stats, recv: torch.Tensor) -> tuple:
+    """The scale gather and the dequantize of one chunk's receive buffer."""
+    o, plan = side.out, st.plan
+    words = torch.empty(side.words, dtype=FP32, device=recv.device)
+    side.gather_scales(recv.view(FP32), words)
+    hkv = side.wire.hkv
+    v_scale = words[side.v_scale_at :].view(o.v_scale[0])
+    lo = side.chunk * hkv
+    v_scale.copy_(st.out.view(FP32).as_strided(*plan.v_scale_view)[:, lo : lo + hkv])
+    codes, stride, (oq, ok, ov) = recv.view(torch.int8), o.stride, o.offsets
+    heads = torch.empty_like(side.heads_q), torch.empty_like(side.heads_kv)
+    heads += (torch.empty_like(side.heads_kv),)
+    side.dequant(
+        codes.as_strided(o.size_q, stride, oq), codes.as_strided(o.size_kv, stride, ok),
+        recv.view(FP8).as_strided(o.size_kv, stride, ov), words.as_strided(*o.q_scale),
+        words.as_strided(*o.k_scale), v_scale, *heads,
+    )  # fmt: skip
+    return heads
+
+
+def exchange_heads(
+    stats: _Stats,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunk: int,
+    n_chunks: int,
+    *,
+    start=None,
+) -> _HeadsPending:
+    """Head chunk ``chunk`` of ``n_chunks`` of the exchange whose statistics ``stats`` holds
+    (the same q, k, v): the pack of query heads ``r*h + [c*h/n, (c+1)*h/n)`` of every rank r
+    and the K/V heads they use (one launch reading q, k, v and the statistics at those heads),
+    then ``start(send, pg, P)`` (``comm.all_to_all_start`` when None: one uint8 all_to_all,
+    asynchronous); ``wait()`` of the result runs the scale gather and the dequantize and
+    returns the chunk's q_h [B, S, h/n, D], k_h (centred) and v_h [B, S, hkv/n, D]. Codes and
+    scales have the bits of the same heads of the one-chunk exchange. K/V heads sharded
+    (``Hkv % P == 0``) and ``n_chunks`` dividing the K/V heads a rank receives."""
+    plan = stats.plan
+    side = plan.chunk_sides(n_chunks)[chunk]
+    send = torch.empty_like(side.recv_out)
+    side.pack(q, k, v, plan.amax_q, plan.final, stats.mean, plan.amax_v, send, send.view(FP32))
+    pending = (start or comm.all_to_all_start)(send, stats.pg, plan.P)
+    return _HeadsPending(side, stats, pending)
 
 
 def _exchange(

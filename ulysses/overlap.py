@@ -18,8 +18,10 @@ back to sequence shards; a step in brackets runs while the attention beside it r
     forward:   in 0 | attn 0 [in 1] | attn 1 [out 0, in 2] | ... | attn n-1 [out n-2] | out n-1
     backward:  dO 0 | bwd 0 [dO 1]  | bwd 1 [grads 0, dO 2] | ... | bwd n-1 [grads n-2] | grads n-1
 
-``in c`` is one all_to_all of chunk c's q|k|v (``comm="bf16"``) or one ``lowp`` exchange of
-chunk c's heads (its statistics all_gather and its uint8 all_to_all); ``out c`` one
+``in c`` is one all_to_all of chunk c's q|k|v (``comm="bf16"``), or with ``comm="lowp"`` the
+pack of chunk c's heads and one all_to_all of its uint8 codes and scales, the statistics of
+all heads computed once before ``in 0`` (``lowp.exchange_stats``: one launch, ONE all_gather,
+one launch; ``lowp.exchange_heads`` for each chunk); ``out c`` one
 all_to_all of the output, in the input dtype or as INT8 with one scale per (row, head)
 (``int8_output``); ``dO c`` and ``grads c`` the same in backward (``backward_comm="lowp"``:
 INT8 with one scale per (row, head)).
@@ -30,22 +32,20 @@ and its backward walks the chunks in order, calling ``torch.autograd.grad`` on e
 graph. The collectives are therefore issued by one thread in the fixed order above, forward
 and backward, on every rank; the autograd engine never chooses between sibling nodes.
 On CUDA each started step runs on ``ulysses.comm``'s communication stream and the attention
-stream waits for it only where it consumes its result (``comm.start_on_side``).
+stream waits for it only where it consumes its result (``comm.start_on_side``); in
+``comm="lowp"`` the statistics, a chunk's pack and its dequantize are kernels of the attention
+stream, and only the chunk's all_to_all runs on the communication stream.
 
 Same bits as one chunk. Every step is a copy or a per-head (or per-(row, head)) computation:
-the bf16 wire copies values; the ``lowp`` statistics are per head (Q per (row group, head),
-K's mean per (head, channel) and amax per (row group, head), V per (head, channel)), so an
-exchange of a head subset produces the codes and scales the exchange of all heads produces for
-those heads; the INT8 output and gradient wires scale per (row, head); and a chunk holds
+the bf16 wire copies values; the ``lowp`` statistics are those of the one-chunk exchange
+(computed once, for all heads) and the pack of a chunk quantizes each of its heads as the
+one-chunk pack does, so a chunk's codes and scales are those of the same heads of the
+one-chunk exchange; the INT8 output and gradient wires scale per (row, head); and a chunk holds
 whole GQA groups, so each key/value head's gradient sums over the same query heads. What is
 left is the attention itself: torch's CPU SDPA treats heads independently, so on the CPU the
 chunked call gives the same bits; a GPU kernel may split the keys differently when it sees
 fewer heads, and its backward may accumulate in a nondeterministic order with or without
 chunks (``scripts/bench_overlap.py`` compares on the GPU).
-
-``comm="lowp"`` computes the statistics once per chunk, over that chunk's heads (one small
-all_gather per chunk): the same values as once for all heads, at n - 1 extra statistics
-collectives and launches per call.
 
 Under ``torch.compile`` the call runs as one chunk (the same bits).
 """
@@ -75,13 +75,12 @@ AUTO_MIN_WORK = 5e10  # B * (query heads of a chunk) * S**2 * D (causal: half): 
 
 # the collective seams (a test or the harness may wrap them to log the calls)
 _all_to_all_start = comm.all_to_all_start
-_start_on_side = comm.start_on_side
 
 
-def _exchange_to_heads(q, k, v, **kwargs):
-    """One chunk's lowp exchange, ``lowp.exchange_to_heads`` (its statistics all_gather and
-    its all_to_all); a seam like the two above."""
-    return lowp.exchange_to_heads(q, k, v, **kwargs)
+def _exchange_stats(q, k, v, **kwargs):
+    """The lowp statistics of all heads, once a call (``lowp.exchange_stats``: its one
+    all_gather); a seam like the one above."""
+    return lowp.exchange_stats(q, k, v, **kwargs)
 
 
 def check_head_chunks(head_chunks) -> None:
@@ -219,21 +218,18 @@ class _Run:
 
     # -- forward steps --
 
-    def start_in(self, q, k, v, c: int) -> comm.Pending:
-        """Chunk c's q, k, v to head shards; ``wait()`` -> (q_h, k_h, v_h)."""
+    def start_stats(self, q, k, v):
+        """``comm="lowp"``: the statistics of all heads (one all_gather), before ``in 0``."""
+        return _exchange_stats(q, k, v, group=self.pg, used_sequence=self.used_sequence,
+                               q_group=self.q_group, k_group=self.k_group)  # fmt: skip
+
+    def start_in(self, q, k, v, c: int, stats=None):
+        """Chunk c's q, k, v to head shards; ``wait()`` -> (q_h, k_h, v_h). ``comm="lowp"``:
+        the pack of chunk c's heads now, its all_to_all started (``stats``: of
+        :meth:`start_stats`)."""
         hd, P, hqc, hkc = self.hd, self.hd.P, self.hqc, self.hkc
         if self.lowp:
-            qc = _chunk_heads(q, P, hd.hq, c, hqc)
-            kc = _chunk_heads(k, P, hd.hkv, c, hkc)
-            vc = _chunk_heads(v, P, hd.hkv, c, hkc)
-
-            def exchange(qc, kc, vc):
-                return _exchange_to_heads(
-                    qc, kc, vc, group=self.pg, used_sequence=self.used_sequence,
-                    q_group=self.q_group, k_group=self.k_group,
-                )  # fmt: skip
-
-            return _start_on_side(exchange, qc, kc, vc)
+            return lowp.exchange_heads(stats, q, k, v, c, self.n, start=_all_to_all_start)
         B, L, _, D = q.shape
         send = q.new_empty(P, B, L, hqc + 2 * hkc, D)
         send[:, :, :, :hqc] = _heads_of(q, P, hd.hq, c, hqc)
@@ -241,9 +237,9 @@ class _Run:
         send[:, :, :, hqc + hkc :] = _heads_of(v, P, hd.hkv, c, hkc)
         return _all_to_all_start(send, self.pg, P)
 
-    def finish_in(self, pending: comm.Pending) -> tuple:
+    def finish_in(self, pending) -> tuple:
         got = pending.wait()
-        if self.lowp:
+        if self.lowp:  # scale gather and dequantize: the chunk's head shards
             return got
         hqc, hkc = self.hqc, self.hkc
         return (_merge_rows(got[:, :, :, :hqc]), _merge_rows(got[:, :, :, hqc : hqc + hkc]),
@@ -275,11 +271,12 @@ class _Run:
         B, L, Hq, D = q.shape
         out = q.new_empty(B, L, Hq, D)
         saved, outs = [], []
-        pending_in = self.start_in(q, k, v, 0)
+        stats = self.start_stats(q, k, v) if self.lowp else None
+        pending_in = self.start_in(q, k, v, 0, stats)
         for c in range(self.n):
             heads = self.finish_in(pending_in)
             if c + 1 < self.n:  # the next chunk's exchange runs beside this chunk's attention
-                pending_in = self.start_in(q, k, v, c + 1)
+                pending_in = self.start_in(q, k, v, c + 1, stats)
             if track:
                 with torch.enable_grad():
                     leaves = tuple(x.detach().requires_grad_() for x in heads)
@@ -406,7 +403,8 @@ def pipelined_attention(
     ``attend(q_h, k_h, v_h) -> out_h`` runs once per chunk on [B, S, hqc, D] and
     [B, S, hkc, D] head shards and returns [B, S, hqc, D] (the layer's attention with its
     options, output check and padding rows zeroed). ``lowp``: the inputs travel through
-    ``lowp.exchange_to_heads`` (``used_sequence``, ``q_group``, ``k_group``);
+    ``lowp.exchange_stats`` once and ``lowp.exchange_heads`` per chunk (``used_sequence``,
+    ``q_group``, ``k_group``);
     ``int8_output`` and ``lowp_backward`` as in ``ulysses_attention``.
     Same values, bit for bit, as one chunk where ``attn`` treats heads independently."""
     assert chunks >= 1 and hd.hkv % chunks == 0 and hd.rep == 1, (chunks, hd)

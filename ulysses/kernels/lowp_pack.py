@@ -95,7 +95,21 @@ _NOT_SPECIALIZED = [
     "q_whole_hi",
     "tail_group_q",
     "live_end",
+    "h_src",
+    "hkv_src",
+    "q_off",
+    "k_off",
+    "HS",
+    "HKS",
 ]
+
+
+@triton.jit
+def _source_head(x, per, per_src, off):
+    """Head ``x`` of the packed heads (``per`` a destination) as a head of the source tensor
+    (``per_src`` a destination, the packed ones starting at ``off`` in each): the identity
+    when every head is packed."""
+    return x + (x // per) * (per_src - per) + off
 
 
 @triton.jit
@@ -120,6 +134,9 @@ def _pack_q_group(
     q_whole_hi,
     tail_group_q,
     live_end,
+    h_src,
+    q_off,
+    HS,
     ROW,
     CB,
     E4,
@@ -147,7 +164,8 @@ def _pack_q_group(
     o_g = i_g * GQ - shift + tl.arange(0, GQ)  # [GQ] local rows of the group
     m_g = (o_g >= 0) & (o_g < L)
     m_gq = m_g[:, None, None] & m_hd[None, :, :]  # [GQ, BH, D]
-    o_hq = o_h[:, None] * stride_qh + o_d[None, :]
+    i_hs = _source_head(o_h, h, h_src, q_off)  # [BH] heads of q and amax_q
+    o_hq = i_hs[:, None] * stride_qh + o_d[None, :]
     p_g = q_ptr + i_b * stride_qb + o_g[:, None, None] * stride_ql + o_hq[None, :, :]
     b_q = load_streamed(p_g, m_gq, 0.0, EVICT).to(tl.float32)
     whole = (i_g >= q_whole_lo) & (i_g < q_whole_hi)
@@ -158,7 +176,7 @@ def _pack_q_group(
     floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
     b_own = tl.maximum(canonical_nan_bits(b_bits), floor_bits).to(tl.float32, bitcast=True)
     b_merged = tl.load(
-        amax_q_ptr + (i_b * H + o_h) * n_slots_q + i_g,
+        amax_q_ptr + (i_b * HS + i_hs) * n_slots_q + i_g,
         mask=tl.where(whole, False, m_h),
         other=1.0,
     )
@@ -220,6 +238,12 @@ def _pack_kernel(
     q_whole_hi,
     tail_group_q,
     live_end,
+    h_src,
+    hkv_src,
+    q_off,
+    k_off,
+    HS,
+    HKS,
     D: tl.constexpr,
     GQ: tl.constexpr,
     GK: tl.constexpr,
@@ -252,8 +276,9 @@ def _pack_kernel(
         m_e = o_h < HE  # K/V lanes: (destination, K/V head) pairs
         m_qd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
         m_ed = m_e[:, None] & (o_d[None, :] < D)  # [BH, D]
-        i_c = o_h // kv_rep  # K/V head each lane reads
-        o_cd = i_c[:, None] * D + o_d[None, :]  # [BH, D] in a contiguous [HK, D] plane
+        i_c = _source_head(o_h // kv_rep, hkv, hkv_src, k_off)  # K/V head each lane reads
+        i_qs = _source_head(o_h, h, h_src, q_off)  # Q head of each lane
+        o_cd = i_c[:, None] * D + o_d[None, :]  # [BH, D] in a contiguous [HKS, D] plane
         i_j = o_h // h  # destination rank of each Q head
         i_je = o_h // hkv  # destination rank of each K/V lane
         # byte offset of (destination, row 0, batch, tensor, local head, d)
@@ -261,24 +286,24 @@ def _pack_kernel(
         o_dk = (i_je * L * ROW + (i_b * W_H + h + o_h - i_je * hkv) * D)[:, None] + o_d[None, :]
         o_dq = o_dq[None, :, :]  # [1, BH, D]
         o_dk = o_dk[None, :, :]
-        o_hq = o_h[:, None] * stride_qh + o_d[None, :]
+        o_hq = i_qs[:, None] * stride_qh + o_d[None, :]
         o_hk = i_c[:, None] * stride_kh + o_d[None, :]
         o_hv = i_c[:, None] * stride_vh + o_d[None, :]
         p_q = q_ptr + i_b * stride_qb + o_hq[None, :, :]  # [1, BH, D]
         p_k = k_ptr + i_b * stride_kb + o_hk[None, :, :]
         p_v = v_ptr + i_b * stride_vb + o_hv[None, :, :]
 
-        b_mean = tl.load(mean_ptr + i_b * HK * D + o_cd, mask=m_ed, other=0.0).to(tl.float32)
+        b_mean = tl.load(mean_ptr + i_b * HKS * D + o_cd, mask=m_ed, other=0.0).to(tl.float32)
         b_mean = b_mean[None, :, :]
-        b_av = tl.load(amax_v_ptr + i_b * HK * D + o_cd, mask=m_ed, other=1.0)
+        b_av = tl.load(amax_v_ptr + i_b * HKS * D + o_cd, mask=m_ed, other=1.0)
         b_iv = tl.math.div_rn(tl.full([BLOCK_H, D], 448.0, tl.float32), b_av)[None, :, :]
         b_keep = tl.where(b_av == 0.0, 0, 0xFF).to(tl.uint8)[None, :, :]
 
         # ROWS rows at a time as [ROWS, BLOCK_H, D] tiles: the loads of q, k and v for a chunk
         # are issued together, with wide per-thread accesses.
         # the slot arithmetic in int32 (rows and slots of one sequence), offsets in int64
-        p_aq = amax_q_ptr + (i_b * H + o_h) * n_slots_q  # [BH]: slot 0 of each head
-        p_ak = amax_k_ptr + (i_b * HK + i_c) * n_slots_k
+        p_aq = amax_q_ptr + (i_b * HS + i_qs) * n_slots_q  # [BH]: slot 0 of each head
+        p_ak = amax_k_ptr + (i_b * HKS + i_c) * n_slots_k
         i_row0 = i_rb.to(tl.int32) * BLOCK_L
         # GK >= BLOCK_L: the program's rows touch at most two K slots, whose 127 / amax are
         # divided once here; each row then selects one (same values as a division per row)
@@ -343,6 +368,9 @@ def _pack_kernel(
                 q_whole_hi,
                 tail_group_q,
                 live_end,
+                h_src,
+                q_off,
+                HS,
                 ROW,
                 CB,
                 E4,
@@ -369,15 +397,15 @@ def _pack_kernel(
         i_b_s = tl.where(is_q, i_n // (h * n_slots_q), i_nk // (hkv * n_slots_k))
         i_hl = tl.where(is_q, (i_n // n_slots_q) % h, (i_nk // n_slots_k) % hkv)
         i_s = tl.where(is_q, i_n % n_slots_q, i_nk % n_slots_k)
-        i_hq = i_j_s * h + i_hl  # Q head
-        i_hk = (i_j_s * hkv + i_hl) // kv_rep  # K head
+        i_hq = _source_head(i_j_s * h + i_hl, h, h_src, q_off)  # Q head
+        i_hk = _source_head((i_j_s * hkv + i_hl) // kv_rep, hkv, hkv_src, k_off)  # K head
         b_aq = tl.load(
-            amax_q_ptr + (i_b_s * H + i_hq) * n_slots_q + i_s,
+            amax_q_ptr + (i_b_s * HS + i_hq) * n_slots_q + i_s,
             mask=tl.where(is_q, m_used, False),
             other=1.0,
         )
         b_ak = tl.load(
-            amax_k_ptr + (i_b_s * HK + i_hk) * n_slots_k + i_s,
+            amax_k_ptr + (i_b_s * HKS + i_hk) * n_slots_k + i_s,
             mask=tl.where(is_q, False, m_used),
             other=1.0,
         )
@@ -408,6 +436,7 @@ def prepare_pack(
     use_pdl: bool,
     kv_heads: int | None = None,
     q_once: QOnce | None = None,
+    chunk: tuple[int, int] = (0, 1),
     block_l: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -424,22 +453,35 @@ def prepare_pack(
     group derives the amax of each group this rank holds whole from the rows it quantizes
     and writes those scale slots; ``amax_q`` is then read only at the first and last touched
     slot (the statistics kernel's ``q_boundary_only`` and the merge fill those). Take it
-    where :func:`q_once_fits`."""
-    B, L, H, D = shape
+    where :func:`q_once_fits`.
+
+    ``chunk = (c, n)`` packs head chunk c of n (K/V heads sharded, ``HK % P == 0``): the
+    query heads ``j*h + [c*h/n, (c+1)*h/n)`` and K/V heads ``j*hkv + [c*hkv/n, (c+1)*hkv/n)``
+    of every destination j, laid out as a send buffer of ``h/n`` and ``hkv/n`` heads a
+    destination (``row_bytes`` and ``scale_bytes`` of that wire); q, k, v and the statistics
+    keep all their heads (the same call arguments), and each code and scale has the bits of
+    the same head in the one-chunk pack."""
+    B, L, H_src, D = shape
     P = world_size
-    HK = H if kv_heads is None else kv_heads
+    HK_src = H_src if kv_heads is None else kv_heads
     # the K/V heads a rank receives (the host checked the rule, ulysses.grid.kv_split): sharded
     # when HK % P == 0, else one head, repeated to P // HK ranks
-    hkv, kv_rep = (HK // P, 1) if HK % P == 0 else (1, P // HK)
-    assert H % HK == 0 and (HK % P == 0 or P % HK == 0)
-    h = H // P
+    hkv_src, kv_rep = (HK_src // P, 1) if HK_src % P == 0 else (1, P // HK_src)
+    assert H_src % HK_src == 0 and (HK_src % P == 0 or P % HK_src == 0)
+    h_src = H_src // P
+    i_chunk, n_chunks = chunk
+    assert 0 <= i_chunk < n_chunks
+    assert n_chunks == 1 or (kv_rep == 1 and hkv_src % n_chunks == 0 and h_src % n_chunks == 0)
+    # the packed heads: h query and hkv K/V heads a destination, H and HK in all
+    h, hkv = h_src // n_chunks, hkv_src // n_chunks
+    H, HK = H_src // n_chunks, HK_src // n_chunks
     cb = B * (h + 2 * hkv) * D
     assert all(s[3] == 1 for s in strides)
     assert row_bytes == cb + scale_bytes and scale_bytes % 16 == 0
     assert (scale_bytes // 4) * L >= B * (h * n_sq + hkv * n_sk)
     assert send is None or (send.dtype == torch.uint8 and send.numel() == P * L * row_bytes)
     cuda = compiled_for_gpu(device)
-    block_h = _block_h(shape, device, block_h)
+    block_h = _block_h(shape, device, block_h)  # of all heads: q_once fits for every chunk
     # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
     # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
     # tile (the fastest of a cold sweep on an H200). With q_once: one warp per 1024 elements
@@ -525,6 +567,12 @@ def prepare_pack(
         q_whole_hi=q_whole_hi,
         tail_group_q=tail_group_q,
         live_end=live_end,
+        h_src=h_src,
+        hkv_src=hkv_src,
+        q_off=i_chunk * h,
+        k_off=i_chunk * hkv,
+        HS=H_src,
+        HKS=HK_src,
         BLOCK_H=block_h,
         BLOCK_L=block_l,
         ROWS=rows,
