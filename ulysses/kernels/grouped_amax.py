@@ -241,6 +241,19 @@ def prepare_grouped_amax(
     if aligned is None:
         aligned = cuda and fits and B * L * H * D * 2 >= ALIGNED_MIN_BYTES and rows is None
     assert fits or not aligned, "aligned=True needs a shard of whole groups with no tail group"
+    # what both kernels take alike
+    common = dict(
+        use_pdl=use_pdl,
+        slots=("k_ptr", "mean_ptr", "out_ptr"),
+        stride_kb=stride_kb,
+        n_touched=n_touched,
+        n_slots=n_slots,
+        H=H,
+        FLOOR=floor,
+        G=group_size,
+        D=D,
+        USE_PDL=use_pdl,
+    )
     if aligned:
         sub = sub or min(16, group_size)
         assert group_size % sub == 0, f"sub={sub} must divide group_size={group_size}"
@@ -250,20 +263,11 @@ def prepare_grouped_amax(
             (n_touched * H, B),
             device,
             num_warps=num_warps or (max(1, min(16, sub * D // 128)) if cuda else 1),
-            use_pdl=use_pdl,
-            slots=("k_ptr", "mean_ptr", "out_ptr"),
-            stride_kb=stride_kb,
-            n_touched=n_touched,
-            n_slots=n_slots,
-            H=H,
             STRIDE_L=stride_kl,
             STRIDE_H=stride_kh,
-            FLOOR=floor,
-            G=group_size,
-            D=D,
             SUB=sub,
             EVICT=cuda if evict is None else evict,
-            USE_PDL=use_pdl,
+            **common,
         )
     if cuda:
         auto_h = max(1, min(next_pow2(H), 64 // D))
@@ -285,28 +289,19 @@ def prepare_grouped_amax(
         (B * n_slots * n_hblocks,),
         device,
         num_warps=num_warps or auto_warps,
-        use_pdl=use_pdl,
-        slots=("k_ptr", "mean_ptr", "out_ptr"),
-        stride_kb=stride_kb,
         stride_kl=stride_kl,
         stride_kh=stride_kh,
         L=L,
-        H=H,
         row0=row0,
-        n_slots=n_slots,
         g_first=g_first,
-        n_touched=n_touched,
         tail_group=tail_group,
         tail_end=tail_end,
         n_hblocks=n_hblocks,
-        FLOOR=floor,
-        G=group_size,
-        D=D,
         BLOCK_H=block_h,
         ROWS=rows,  # any ROWS, SUB, BLOCK_H and hint give the same bits
         SUB=sub,
         EVICT=auto_evict if evict is None else evict,
-        USE_PDL=use_pdl,
+        **common,
     )
 
 
