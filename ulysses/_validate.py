@@ -14,6 +14,17 @@ K_DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
+def check_4d(x, name: str, dtypes: tuple) -> None:
+    """``x`` is a 4-D tensor of one of ``dtypes`` with every size >= 1 (TypeError, ValueError
+    naming ``name``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have a dtype in {dtypes}, got {x.dtype}")
+    if x.dim() != 4 or min(x.shape) < 1:
+        raise ValueError(f"{name} must be 4-D with every size >= 1, got shape {tuple(x.shape)}")
+
+
 def check_k(k, name: str = "k") -> tuple[int, int, int, int]:
     """Validate a shard [B, L, H, D] (``k``, or q/v of the exchange); return its shape.
 

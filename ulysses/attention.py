@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import comm, documents, lowp, overlap, rowwire
+from . import _validate, comm, documents, lowp, overlap, rowwire
 
 __all__ = [
     "ulysses_attention",
@@ -318,28 +318,24 @@ def _sum_partials(x: torch.Tensor, hd: _Heads) -> torch.Tensor:
     return total.to(x.dtype)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Reshard(torch.autograd.Function):
+    """One all_to_all between sequence shards and head shards (``to_heads``: [B, L, P*h, D] ->
+    [B, P*L, h, D]; else the inverse); backward is the other direction."""
+
     @staticmethod
-    def forward(ctx, x, P, pg):
-        ctx.P, ctx.pg = P, pg
-        return _merge_rows(_all_to_all(_split_heads(x, P).contiguous(), pg))
+    def forward(ctx, x, P, pg, to_heads):
+        ctx.P, ctx.pg, ctx.to_heads = P, pg, to_heads
+        return _reshard(x, P, pg, to_heads, _all_to_all)
 
     @staticmethod
     def backward(ctx, dy):
-        recv = _backward_all_to_all(_split_rows(dy, ctx.P).contiguous(), ctx.pg)
-        return _merge_heads(recv), None, None
+        return _reshard(dy, ctx.P, ctx.pg, not ctx.to_heads, _backward_all_to_all), None, None, None
 
 
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, P, pg):
-        ctx.P, ctx.pg = P, pg
-        return _merge_heads(_all_to_all(_split_rows(x, P).contiguous(), pg))
-
-    @staticmethod
-    def backward(ctx, dy):
-        recv = _backward_all_to_all(_split_heads(dy, ctx.P).contiguous(), ctx.pg)
-        return _merge_rows(recv), None, None
+def _reshard(x, P: int, pg, to_heads: bool, a2a) -> torch.Tensor:
+    if to_heads:
+        return _merge_rows(a2a(_split_heads(x, P).contiguous(), pg))
+    return _merge_heads(a2a(_split_rows(x, P).contiguous(), pg))
 
 
 class _LowpHeadsToSeq(torch.autograd.Function):
@@ -348,7 +344,7 @@ class _LowpHeadsToSeq(torch.autograd.Function):
     P = 1 (no collective), so that the result does not depend on P.
 
     Forward: with ``int8_output`` the output travels as INT8, else in its dtype as in
-    :class:`_HeadsToSeq`. Backward: with ``lowp_backward`` the output's gradient travels to
+    :class:`_Reshard`. Backward: with ``lowp_backward`` the output's gradient travels to
     head shards as INT8, else in its dtype (straight-through)."""
 
     @staticmethod
@@ -487,12 +483,7 @@ def _uneven_to_heads(q, k, v, hd: _UnevenHeads, rank: int, pg):
 
 
 def _check_4d(x, name: str, dtypes=_FLOAT_DTYPES) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        raise TypeError(f"{name} must have a dtype in {dtypes}, got {x.dtype}")
-    if x.dim() != 4 or min(x.shape) < 1:
-        raise ValueError(f"{name} must be 4-D with every size >= 1, got shape {tuple(x.shape)}")
+    _validate.check_4d(x, name, dtypes)
 
 
 def seq_to_heads(x: torch.Tensor, *, group=None) -> torch.Tensor:
@@ -518,7 +509,7 @@ def seq_to_heads(x: torch.Tensor, *, group=None) -> torch.Tensor:
     if P == 1:
         return x
     if H % P == 0:
-        return _SeqToHeads.apply(x, P, pg)
+        return _Reshard.apply(x, P, pg, True)
     if H < P:
         raise ValueError(
             f"x must have at least one head per rank: H >= P={P}, got shape {tuple(x.shape)}"
@@ -557,7 +548,7 @@ def heads_to_seq(x: torch.Tensor, *, group=None, num_heads: int | None = None) -
     if P == 1:
         return x
     if H % P == 0:
-        return _HeadsToSeq.apply(x, P, pg)
+        return _Reshard.apply(x, P, pg, False)
     return _UnevenHeadsToSeq.apply(x, _head_ranges(H, P), rank, pg)
 
 
@@ -1020,7 +1011,7 @@ def ulysses_attention(
     elif isinstance(hd, _UnevenHeads):
         out = _UnevenHeadsToSeq.apply(out_h, hd.q_ranges, rank, pg)
     else:
-        out = _HeadsToSeq.apply(out_h, P, pg)
+        out = _Reshard.apply(out_h, P, pg, False)
     return out.transpose(1, 2) if layout == "bhsd" else out
 
 

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from . import _validate
+
 __all__ = [
     "document_ids_from_cu_seqlens",
     "check_document_ids",
@@ -311,12 +313,7 @@ def plan_documents(document_ids, *, local_rows=None, name: str = "document_ids")
 
 def _check_qkv(q, k, v) -> None:
     for nm, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{nm} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{nm} must have a dtype in {_FLOAT_DTYPES}, got {x.dtype}")
-        if x.dim() != 4 or min(x.shape) < 1:
-            raise ValueError(f"{nm} must be 4-D with every size >= 1, got {tuple(x.shape)}")
+        _validate.check_4d(x, nm, _FLOAT_DTYPES)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:

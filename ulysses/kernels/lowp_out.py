@@ -199,17 +199,9 @@ def _quantize(x, send, *, P, L, h, stride_xp, stride_xs, HT, h_off, chunk) -> No
         stride_xh=x.stride(2),
         send_ptr=send,
         scale_ptr=send.view(torch.float32),
-        B=B,
         S=P * L,
-        L=L,
-        H=h,
-        HT=HT,
-        h_off=h_off,
-        chunk=chunk,
-        D=D,
-        BLOCK_S=block_s,
         FLOOR=FLOOR,
-        HW_ROUND=compiled_for_gpu(x.device),
+        **_wire_args(B, L, h, HT, h_off, chunk, D, block_s, x.device),
     )
 
 
@@ -230,16 +222,14 @@ def _dequantize(recv, out, *, P, B, L, h, D, HT, h_off, chunk, strides) -> None:
         stride_ol=stride_ol,
         stride_op=stride_op,
         stride_oh=stride_oh,
-        B=B,
-        L=L,
-        H=h,
-        HT=HT,
-        h_off=h_off,
-        chunk=chunk,
-        D=D,
-        BLOCK_S=block_s,
-        HW_ROUND=compiled_for_gpu(recv.device),
+        **_wire_args(B, L, h, HT, h_off, chunk, D, block_s, recv.device),
     )
+
+
+def _wire_args(B, L, h, HT, h_off, chunk, D, block_s, device) -> dict:
+    """The arguments both kernels take alike: sizes, the records' layout in a chunk, tiles."""
+    return dict(B=B, L=L, H=h, HT=HT, h_off=h_off, chunk=chunk, D=D, BLOCK_S=block_s,
+                HW_ROUND=compiled_for_gpu(device))  # fmt: skip
 
 
 def _check_recv(recv: torch.Tensor, nbytes: int, dtype: torch.dtype) -> None:
