@@ -110,6 +110,31 @@ skip() {
     echo "[gpu_check] $2: SKIP: $4"
 }
 
+# run_check ORDER CHECK BACKEND LIMIT_S COMMAND...: run with a timeout, log to OUTDIR/CHECK.log
+run_check() {
+    local order=$1 name=$2 backend=$3 limit=$4
+    shift 4
+    if [ "$limit" -lt 15 ]; then
+        skip "$order" "$name" "$backend" "no time left in the ${budget} s budget"
+        return
+    fi
+    echo "[gpu_check] start $name (limit ${limit} s): $*"
+    local t0 rc result
+    t0=$(date +%s)
+    {
+        echo "\$ $*"
+        timeout --kill-after=10 "$limit" "$@"
+    } >"$out/$name.log" 2>&1
+    rc=$?
+    case $rc in
+    0) result=PASS ;;
+    124 | 137) result="TIMEOUT (${limit} s)" ;;
+    *) result="FAIL (rc=$rc)" ;;
+    esac
+    record "$order" "$name" "$backend" "$result" $(($(date +%s) - t0))
+    echo "[gpu_check] $name: $result ($(($(date +%s) - t0)) s)"
+}
+
 # The unit suite on CUDA is every test not marked dist (pyproject.toml's markers): the tests
 # that start processes would inherit ULYSSES_TEST_DEVICE=cuda (CPU tensors on gloo, launches
 # mirrored to one GPU), and what they launch is what the harness rows run. The slow tier's
