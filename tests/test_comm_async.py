@@ -128,7 +128,8 @@ def test_cuda_started_step_overlaps_the_current_stream(fake_link):
     link = fake_link(P, device="cuda", gbps=1.0)
     with link:
         send = torch.randn(P, 1 << 22, device="cuda")  # 32 MB: 16 ms on a 1 GB/s link
-        torch.cuda.synchronize()
+        comm.all_to_all_start(send, link.pg, P).wait()  # the link's first call allocates its
+        torch.cuda.synchronize()  # buffers (a pinned one blocks the host meanwhile)
         pending = comm.all_to_all_start(send, link.pg, P)
         after = torch.cuda.Event()
         (send[0] * 2).sum()

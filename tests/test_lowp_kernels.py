@@ -884,3 +884,16 @@ def test_qv_stats_nan_is_one_nan_whatever_its_payload(boundary_only):
     others = torch.ones_like(v_amax, dtype=torch.bool)
     others[0, 3, 7] = False
     assert not torch.isnan(payload[B * H * 2 :].view(B, H, D)[others]).any()
+
+
+def test_dequant_launch_is_prepared_per_output_dtype():
+    """A prepared dequantize launch is specialized (once compiled) on its output pointers'
+    dtype: the same shapes in bf16 and fp16 must not share one."""
+    from ulysses.kernels.lowp_dequant import prepare_dequant
+
+    strides = ((2048, 32, 16, 1), (1024, 16, 16, 1), (1024, 16, 16, 1))
+    args = ((1, 64, 2, 16), (1, 64, 1, 16), strides, torch.device("cpu"))
+    bf16 = prepare_dequant(*args, q_group=32, k_group=64, dtype=torch.bfloat16)
+    fp16 = prepare_dequant(*args, q_group=32, k_group=64, dtype=torch.float16)
+    assert bf16 is not fp16
+    assert prepare_dequant(*args, q_group=32, k_group=64, dtype=torch.float16) is fp16

@@ -586,9 +586,8 @@ def _send_side(s: _SendConfig, chunk: tuple[int, int], send: torch.Tensor | None
     )  # fmt: skip
     o = _out_layout(w, B, s.Hkv // n, D, s.dtype.itemsize, s.q_group, s.k_group, s.rank)
     gather = prepare_gather_scales(_scale_index(w, B, s.q_group, s.k_group, dev), dev)
-    dequant = prepare_dequant(
-        o.size_q, o.size_kv, (o.stride,) * 3, dev, q_group=s.q_group, k_group=s.k_group
-    )
+    dequant = prepare_dequant(o.size_q, o.size_kv, (o.stride,) * 3, dev, q_group=s.q_group,
+                              k_group=s.k_group, dtype=s.dtype)  # fmt: skip
     v_at = -(-o.n_index // 4) * 4
     return _Side(
         chunk=c, n=n, wire=w, out=o, pack=pack, gather_scales=gather, dequant=dequant,

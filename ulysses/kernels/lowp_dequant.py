@@ -143,11 +143,14 @@ def prepare_dequant(
     *,
     q_group: int,
     k_group: int,
+    dtype: torch.dtype,
 ) -> Launch:
     """The dequantize launch for codes q of ``q_shape`` [B, S, hq, D] and k, v of ``kv_shape``
-    with ``strides`` (q's, k's, v's), prepared once per configuration: call it with ``(q, k,
-    v, q_scale, k_scale, v_scale, q_out, k_out, v_out)``, scales and outputs contiguous."""
-    key = (q_shape, kv_shape, strides, device, q_group, k_group)
+    with ``strides`` (q's, k's, v's) into outputs of ``dtype``, prepared once per
+    configuration (the compiled kernel is specialized on the output dtype): call it with
+    ``(q, k, v, q_scale, k_scale, v_scale, q_out, k_out, v_out)``, scales and outputs
+    contiguous."""
+    key = (q_shape, kv_shape, strides, device, q_group, k_group, dtype)
     found = _PREPARED.get(key)
     if found is not None:
         return found
@@ -205,7 +208,7 @@ def dequantize_qkv(
         return q_out, k_out, v_out
     step = prepare_dequant(
         q.shape, k.shape, (q.stride(), k.stride(), v.stride()), device, q_group=q_group,
-        k_group=k_group,
+        k_group=k_group, dtype=dtype,
     )  # fmt: skip
     step(q, k, v, q_scale, k_scale, v_scale, q_out, k_out, v_out)
     return q_out, k_out, v_out
