@@ -30,7 +30,9 @@ def _run(tmp_path: Path, name: str | None, env: dict) -> str:
         text=True,
         timeout=300,
     )
-    return proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "command not found" not in out, out  # every helper the script calls is defined
+    return out
 
 
 @pytest.mark.dist
