@@ -477,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ARGS = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # set_device needs an index on torch 2.11
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         name = torch.cuda.get_device_name(device)
     else:

@@ -123,7 +123,11 @@ def _bad_calls():
         ),  # fmt: skip
         ({"v": v[:, :, :1]}, ValueError, "k and v"),
         ({"q": q.int()}, TypeError, "q must have a dtype"),
-        ({"comm": "lowp", "q": q.float(), "k": k.float(), "v": v.float()}, TypeError, "dtype"),
+        (
+            {"comm": "lowp", "q": q.float(), "k": k.float(), "v": v.float()},
+            TypeError,
+            "comm='lowp' sends bfloat16 or float16 inputs",
+        ),  # fmt: skip
         ({"attn": lambda *a, **kw: a[0][:, :3]}, ValueError, "attn must return"),
         ({"int8_output": True}, ValueError, "int8_output=True needs comm='lowp'"),
         ({"comm": "lowp", "int8_output": 1}, TypeError, "int8_output must be a bool"),

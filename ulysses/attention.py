@@ -599,9 +599,13 @@ def _check_call(q, k, v, comm, layout, causal, scale, attn) -> None:
         raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    dtypes = _FLOAT_DTYPES if comm == "bf16" else (torch.bfloat16, torch.float16)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_4d(x, name, dtypes)
+        _check_4d(x, name, _FLOAT_DTYPES)
+        if comm == "lowp" and x.dtype == torch.float32:
+            raise TypeError(
+                f"comm='lowp' sends bfloat16 or float16 inputs as 8-bit codes; {name} has dtype "
+                f"float32: cast q, k, v to bfloat16, or use comm='bf16'"
+            )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
