@@ -16,8 +16,10 @@ with ``head_chunks`` n in ``--chunks`` (and ``auto``, shown as the n it picks):
   ``torch.autograd.grad`` of a fixed dO into q, k, v;
 * per call: CUDA events around one call; the median over rounds, each round timing every
   configuration once in turn (interleaved: every figure sees the same drift);
-* ``attn``: the default attention alone on the head shard of one rank (hq = H / P heads,
-  every row), forward or forward+backward, timed in the same rounds;
+* ``attn``: the default attention alone on the head shards of one rank (hq = H / P heads,
+  every row) as the layer's own attention receives them (captured from one call: same
+  values and strides), forward or forward+backward, timed in the same rounds between the
+  layer's calls; the same on contiguous random shards is printed beside it;
 * ``wire``: the bytes this rank received from other ranks in one call (counted by the link:
   q|k|v or the lowp payload, the statistics, the output; in backward dO and dq|dk|dv) at the
   link speed;
@@ -192,13 +194,36 @@ class Shape:
 
         return train
 
-    def attention(self, kind: str):
+    def capture_heads(self) -> None:
+        """Replace the stand-in head shards with the ones the layer's own attention receives
+        (one bf16 call, n = 1): same values, shapes and strides, so ``attn`` times exactly the
+        attention inside the layer (SDPA may pick another kernel for other strides)."""
+        got = []
+
+        def keep(q_h, k_h, v_h, *, causal, scale, used_sequence, **_):
+            for x in (q_h, k_h, v_h):
+                y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                got.append(y.copy_(x))
+            return sdpa_attention(q_h, k_h, v_h, causal=causal, scale=scale,
+                                  used_sequence=used_sequence)  # fmt: skip
+
+        with torch.no_grad():
+            ulysses.ulysses_attention(self.q, self.k, self.v, comm="bf16", causal=self.causal,
+                                      attn=keep)  # fmt: skip
+        self.layout_note = (
+            f"stand-in head shards {tuple(self.q_h.stride())} strides, the layer's "
+            f"{tuple(got[0].stride())}"
+        )
+        self.contiguous = (self.q_h, self.k_h, self.v_h)
+        self.q_h, self.k_h, self.v_h = got
+
+    def attention(self, kind: str, inputs=None):
         causal = self.causal
 
         def attn(q, k, v):
             return sdpa_attention(q, k, v, causal=causal, scale=None, used_sequence=None)
 
-        return self.runner(attn, kind, (self.q_h, self.k_h, self.v_h))
+        return self.runner(attn, kind, inputs or (self.q_h, self.k_h, self.v_h))
 
 
 def check_link(link: testing_link.LinkModel, shape: Shape, clock: Clock, failures: list) -> str:
@@ -251,13 +276,16 @@ def run_shape(shape: Shape, link, clock: Clock, args, failures: list, notes: lis
     kinds = ["fwd"] if heavy else args.kinds
     chunks = shape.valid_chunks(args.chunks)
     configs, results = [], {}
+    shape.capture_heads()
     for kind in kinds:
-        configs.append((("attn", kind), None, shape.attention(kind)))
         for comm in args.comms:
             for n in chunks:
                 fn = shape.runner(shape.layer(comm, n), kind)
                 for gbps in links:
                     configs.append(((comm, gbps, n, kind), gbps, fn))
+        # the attention between the layer's calls, not first after a round's sync
+        configs.insert(len(configs) // 2, (("attn", kind), None, shape.attention(kind)))
+        configs.append((("attn-contiguous", kind), None, shape.attention(kind, shape.contiguous)))
     # first calls: compile, warm the caches, count the wire bytes, check the bits
     wire, first = {}, {}
     for key, gbps, fn in configs:
@@ -356,8 +384,10 @@ def report(shape: Shape, res: dict, args) -> list[dict]:
     auto = shape.auto()
     for kind in res["kinds"]:
         attn = times[("attn", kind)]
+        other = times.get(("attn-contiguous", kind))
         print(
-            f"\n### {shape.label}, {KINDS[kind]} (ms; attn {fmt_ms(attn)}; auto picks n={auto})\n"
+            f"\n### {shape.label}, {KINDS[kind]} (ms; attn {fmt_ms(attn)} on the layer's head "
+            f"shards, {fmt_ms(other)} on contiguous ones; auto picks n={auto})\n"
         )
         head = ["comm", "GB/s", "wire", "attn+wire", "calib"]
         head += [f"n={n}" for n in args.chunks] + ["best n", "best/n=1", "bound", "best/bound"]
@@ -517,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 calib = check_link(link, shape, clock, failures)
                 print(f"\nlink stand-in at {shape.label}: copy engine {copy:.1f} GB/s; {calib}")
                 res = run_shape(shape, link, clock, args, failures, notes)
+                print(f"\n{shape.layout_note}")
                 if "lowp" in args.comms:
                     print(f"\n{exchange_cost(shape, link, clock, args)}")
             rows += report(shape, res, args)
