@@ -127,6 +127,10 @@ def test_smooth_k_stats_compiles_fullgraph_under_torchrun():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert proc.stdout.count("compile(fullgraph=True) == eager: [True, True, True]") == 2, out
+    for hkv in (5, 1):  # the layer with uneven heads: output, dq, dk, dv
+        line = f"layer Hq 5 Hkv {hkv} compiled == eager: [True, True, True, True]"
+        assert proc.stdout.count(line) == 2, out
+    assert "Silent incorrectness" not in out, out  # no Dynamo warning about a cache wrapper
 
 
 def test_local_stats_strided_equals_contiguous():

@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import _validate, comm, documents, lowp, overlap, rowwire
+from . import _ops, _validate, comm, documents, lowp, overlap, rowwire
 
 __all__ = [
     "ulysses_attention",
@@ -153,8 +153,13 @@ class _UnevenHeads:
         return None if len(set(reps)) == 1 else reps
 
 
-@functools.lru_cache(maxsize=64)
 def _uneven_heads(Hq: int, Hkv: int, P: int) -> _UnevenHeads:
+    """The split of a call; eager calls reuse it per (Hq, Hkv, P), compiled code builds it
+    (Dynamo traces through a cache wrapper and warns)."""
+    return (_build_uneven_heads if _ops.is_compiling() else _cached_uneven_heads)(Hq, Hkv, P)
+
+
+def _build_uneven_heads(Hq: int, Hkv: int, P: int) -> _UnevenHeads:
     g = Hq // Hkv
     q_ranges = _head_ranges(Hq, P)
     kv_ranges = tuple((q0 // g, (q0 + nq - 1) // g - q0 // g + 1) for q0, nq in q_ranges)
@@ -163,6 +168,9 @@ def _uneven_heads(Hq: int, Hkv: int, P: int) -> _UnevenHeads:
         for (q0, nq), (k0, nk) in zip(q_ranges, kv_ranges, strict=True)
     )
     return _UnevenHeads(P, Hq, Hkv, q_ranges, kv_ranges, segments)
+
+
+_cached_uneven_heads = functools.lru_cache(maxsize=64)(_build_uneven_heads)
 
 
 def _split_heads(x: torch.Tensor, P: int) -> torch.Tensor:

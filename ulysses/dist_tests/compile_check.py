@@ -1,5 +1,7 @@
 """smooth_k_stats inside torch.compile(fullgraph=True), and replayed from a CUDA graph where
-there is a GPU: the same bits as eager on every rank.
+there is a GPU: the same bits as eager on every rank. Then the layer compiled with heads that do
+not divide the world size (5 query heads, 5 or 1 K/V heads: the uneven all-to-alls), forward
+and backward: the same output and gradients as eager.
 
     torchrun --standalone --nproc-per-node 2 -m ulysses.dist_tests.compile_check [--cuda-graph]
         [--backend auto|nccl|gloo-cuda|gloo-cpu] [--timeout-s 600]
@@ -72,6 +74,34 @@ def check_cuda_graph(ctx: _dist.Context, step, k, eager) -> bool:
     return all(same)
 
 
+def check_layer_uneven_heads(ctx: _dist.Context) -> bool:
+    """ulysses_attention with Hq = 5 (and Hkv 5, then 1) over P ranks, compiled with
+    fullgraph=True (aot_eager: the eager kernels, traced), forward and backward."""
+    ok = True
+    for hkv in (5, 1):
+        ctx.phase(f"torch.compile: layer with 5 query heads, {hkv} K/V heads")
+        g = torch.Generator().manual_seed(100 * hkv + ctx.rank)
+        shapes = [(1, 6, h, 16) for h in (5, hkv, hkv)]
+        q, k, v = (torch.randn(s, generator=g).bfloat16().to(ctx.device) for s in shapes)
+        dout = torch.randn(shapes[0], generator=g).bfloat16().to(ctx.device)
+
+        def step(q, k, v):
+            return ulysses.ulysses_attention(q, k, v, causal=True)
+
+        def grads(fn, q=q, k=k, v=v, dout=dout):
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            out = fn(*leaves)
+            return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+        eager = grads(step)
+        torch._dynamo.reset()
+        compiled = grads(torch.compile(step, fullgraph=True, backend="aot_eager"))
+        same = [torch.equal(a, b) for a, b in zip(compiled, eager, strict=True)]
+        print(f"rank {ctx.rank}: layer Hq 5 Hkv {hkv} compiled == eager: {same}", flush=True)
+        ok &= all(same)
+    return ok
+
+
 def run(ctx: _dist.Context, cuda_graph: bool) -> bool:
     P = ctx.world_size
     used = L * P - 30
@@ -85,6 +115,8 @@ def run(ctx: _dist.Context, cuda_graph: bool) -> bool:
         ok &= check_cuda_graph(ctx, step, k, eager)
     elif cuda_graph and ctx.rank == 0:
         print("compile_check: --cuda-graph skipped: no CUDA device", flush=True)
+    if P > 1:
+        ok &= check_layer_uneven_heads(ctx)
     torch._dynamo.reset()  # drop compiled code (and what it holds) before the teardown
     gc.collect()
     return ok
