@@ -248,6 +248,60 @@ def test_window_and_softcap(window, softcap, causal):
     assert not torch.allclose(out, plain, atol=1e-3)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize(
+    "window, softcap, causal",
+    [((3, 0), None, True), ((2, 4), 2.0, False), ((-1, -1), 5.0, True)],
+)
+def test_window_and_softcap_through_flex(monkeypatch, window, softcap, causal):
+    """The CUDA route (flex_attention with the window in its block mask and the cap as its
+    score_mod), taken here on CPU where flex runs eagerly, forward only."""
+    if not documents._flex_available():
+        pytest.skip("torch.nn.attention.flex_attention is not installed")
+    monkeypatch.setattr(A, "_flex_fits", lambda q_h: True)
+    taken = []
+    flex = documents._flex
+    monkeypatch.setattr(documents, "_flex", lambda *a, **kw: taken.append(kw) or flex(*a, **kw))
+    monkeypatch.setattr(A, "masked_attention", None)  # any fallback would raise
+    q, k, v = _qkv(2, 24, 4, 2, 16, torch.float32, seed=9, used=[24, 17])
+    counts, ids = [24, 17], _ids(2, 24)
+    opts = {"window_size": window, "softcap": softcap}
+    out = ulysses.ulysses_attention(q, k, v, causal=causal, used_sequence=counts,
+                                    document_ids=ids, attn_kwargs=opts)  # fmt: skip
+    assert taken == [{"window": window, "softcap": softcap}]
+    ref = _dense_reference(q, k, v, causal, window, softcap, counts, ids)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex's fused kernel needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_and_softcap_on_cuda_take_flex_forward_and_backward(monkeypatch, dtype):
+    """On CUDA a window and a soft cap run flex_attention (no S x S scores): forward and
+    backward against the dense fp32 rules."""
+    taken = []
+    flex = documents._flex
+    monkeypatch.setattr(documents, "_flex", lambda *a, **kw: taken.append(kw) or flex(*a, **kw))
+    S, counts = 160, [160, 131]
+    q, k, v = _qkv(2, S, 4, 2, 16, dtype, seed=5, used=counts)
+    q, k, v = (x.cuda().requires_grad_() for x in (q, k, v))
+    opts = {"window_size": (40, 0), "softcap": 3.0}
+    out = ulysses.ulysses_attention(q, k, v, causal=True, used_sequence=counts, attn_kwargs=opts)
+    assert len(taken) == 1
+    q32, k32, v32 = (x.detach().float().cpu().requires_grad_() for x in (q, k, v))
+    ref = A.masked_attention(q32, k32, v32, causal=True, used_sequence=counts, **opts)
+    want = _dense_reference(q32.detach()[:1, :48], k32.detach()[:1, :48], v32.detach()[:1, :48],
+                            True, (40, 0), 3.0)  # fmt: skip
+    torch.testing.assert_close(ref.detach()[:1, :48], want, rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=1e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1.6e-2)
+    torch.testing.assert_close(out.detach().float().cpu(), ref.detach(), **tol)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    out.backward(dout.to(device="cuda", dtype=dtype))
+    ref.backward(dout)
+    for a, r in ((q, q32), (k, k32), (v, v32)):
+        err = (a.grad.float().cpu() - r.grad).abs().max().item()
+        assert err <= (2e-5 if dtype == torch.float32 else 1.6e-2) * r.grad.abs().max().item()
+
+
 def test_window_gradients_flow_and_padding_stays_zero():
     q, k, v = (x.requires_grad_() for x in _qkv(1, 20, 2, 1, 16, used=[15]))
     out = ulysses.ulysses_attention(q, k, v, causal=True, used_sequence=15,

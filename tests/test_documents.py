@@ -439,6 +439,101 @@ def test_block_mask_equals_create_block_mask(causal):
 
 _DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+# Windows (left, right), -1 unbounded: one side only, both, the diagonal alone, one reaching
+# past a tile, one wider than a tile on both sides (full tiles inside it).
+WINDOWS = [(37, -1), (200, 5), (0, 0), (-1, 130), (129, 300)]
+
+
+def window_mask(rows: int, window, causal: bool) -> torch.Tensor:
+    """[S, S] bool: key j within query i's window (flash-attn's convention, written here)."""
+    left, right = window
+    i = torch.arange(rows)[:, None]
+    j = torch.arange(rows)[None, :]
+    keep = torch.ones(rows, rows, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep & (j <= i) if causal else keep
+
+
+def reference_options(q, k, v, ids, *, causal, used, window, softcap) -> torch.Tensor:
+    """``reference`` with a window and a soft cap: scores ``c * tanh(s / c)`` of the scaled
+    scores, then the softmax over the allowed keys (0 for a query with none)."""
+    qf, kf, vf = (x.float() for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    kf, vf = kf.repeat_interleave(rep, dim=2), vf.repeat_interleave(rep, dim=2)
+    allowed = allowed_mask(ids, causal, used)
+    if window is not None:
+        allowed &= window_mask(q.shape[1], window, causal)[None]
+    allowed = allowed[:, None]
+    has_key = allowed.any(-1, keepdim=True)
+    scores = torch.einsum("bihd,bjhd->bhij", qf, kf) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~(allowed | ~has_key), float("-inf"))
+    p = torch.softmax(scores, dim=-1) * has_key
+    return torch.einsum("bhij,bjhd->bihd", p, vf)
+
+
+@pytest.mark.filterwarnings(_FLEX_WARN)
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_block_mask_with_a_window_equals_create_block_mask(causal, window):
+    """Documents, padding and a sliding window: the geometric BlockMask equals what
+    create_block_mask makes from the mask_mod on every (query, key)."""
+    if not docs._flex_available():
+        pytest.skip("torch.nn.attention.flex_attention is not installed")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rows, used = TILE_ROWS, TILE_USED
+    ids = document_ids_from_cu_seqlens(list(TILE_CU), rows)
+    live = torch.tensor(used)
+    allowed_w = window_mask(rows, window, causal)
+
+    def mask_mod(b, h, q, k):
+        keep = (ids[b, q] == ids[b, k]) & (q < live[b]) & (k < live[b]) & allowed_w[q, k]
+        return keep & (k <= q) if causal else keep
+
+    want = create_block_mask(mask_mod, len(TILE_CU), None, rows, rows, device="cpu")
+    got = docs._make_block_mask(ids, causal, used, torch.device("cpu"),
+                                docs._window(window, causal))  # fmt: skip
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
+        assert torch.equal(getattr(got, name), getattr(want, name)), (name, window)
+
+
+@pytest.mark.filterwarnings(_FLEX_WARN)
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flex_window_and_softcap_match_reference(dtype, causal, device):
+    """The default attention's flex path for a window and a soft cap (documents and padding
+    too): forward on CPU (eager flex), forward and backward compiled on CUDA."""
+    if not docs._flex_available():
+        pytest.skip("torch.nn.attention.flex_attention is not installed")
+    rows, used, window, softcap = TILE_ROWS, TILE_USED, (129, 20), 1.5
+    ids = document_ids_from_cu_seqlens(list(TILE_CU), rows).to(device)
+    plan = plan_documents(ids)
+    grad = device == "cuda"
+    q, k, v = (x.detach().to(device).requires_grad_(grad)
+               for x in make_qkv(4, 2, dtype, batch=len(TILE_CU), rows=rows))  # fmt: skip
+    out = docs._flex(q, k, v, plan, used, causal, None, window=window, softcap=softcap)
+    q32, k32, v32 = (x.detach().float().cpu().requires_grad_() for x in (q, k, v))
+    ref = reference_options(q32, k32, v32, ids.cpu(), causal=causal, used=used, window=window,
+                            softcap=softcap)  # fmt: skip
+    assert_close(out.detach().cpu(), ref, "flex window+softcap out", **TOL[dtype])
+    plain = reference_options(q32, k32, v32, ids.cpu(), causal=causal, used=used, window=None,
+                              softcap=None)  # fmt: skip
+    assert (plain - ref).abs().max() > 0.1  # the window and the cap change the answer
+    if not grad:
+        return
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(dout.to(device))
+    ref.backward(dout.float())
+    for name, a, r in (("dq", q, q32), ("dk", k, k32), ("dv", v, v32)):
+        assert_grad_close(a.grad.cpu(), r.grad, f"flex {name}", GRAD_TOL[dtype])
+
 
 @pytest.mark.filterwarnings(_FLEX_WARN)
 @pytest.mark.parametrize("device", _DEVICES)
@@ -469,3 +564,21 @@ def test_flex_backward_matches_reference(dtype, causal, device):
     ref.backward(dout.float())
     for name, a, r in (("dq", q, q32), ("dk", k, k32), ("dv", v, v32)):
         assert_grad_close(a.grad.cpu(), r.grad, f"flex {name}", GRAD_TOL[dtype])
+
+
+@pytest.mark.filterwarnings(_FLEX_WARN)
+def test_single_document_plans_are_reused_and_their_masks_bounded():
+    """Eager calls with per-row counts or a window reuse one plan per shape; block masks for
+    counts that change every step do not pile up (the last 8 are kept)."""
+    if not docs._flex_available():
+        pytest.skip("torch.nn.attention.flex_attention is not installed")
+    plan = docs.single_document_plan(2, 200)
+    assert docs.single_document_plan(2, 200) is plan
+    assert docs.single_document_plan(3, 200) is not plan
+    cpu = torch.device("cpu")
+    first = plan._block_mask(cpu, True, (200, 150))
+    for n in range(100, 112):
+        plan._block_mask(cpu, True, (200, n))
+    assert len(plan._masks) == 8
+    assert plan._block_mask(cpu, True, (200, 111)) is plan._block_mask(cpu, True, (200, 111))
+    assert plan._block_mask(cpu, True, (200, 150)) is not first  # evicted, built again

@@ -1126,12 +1126,29 @@ def masked_attention(
     return (weights @ vf).transpose(1, 2).to(q.dtype)
 
 
+def _flex_fits(q_h) -> bool:
+    """flex_attention's fused kernel: CUDA, S >= 128 rows, flex installed."""
+    return (
+        q_h.device.type == "cuda"
+        and q_h.shape[1] >= documents._BLOCK
+        and documents._flex_available()
+    )
+
+
 def _default_attention(q_h, k_h, v_h, *, causal, scale, used, plan, options):
     """SDPA over the live rows; per-row counts or documents: ``documents.document_attention``
-    (SDPA per document slice on CPU, flex_attention with a block mask on CUDA); a window, a
-    soft cap, or dropout with documents or per-row counts: :func:`masked_attention`."""
+    (SDPA per document slice on CPU, flex_attention with a block mask on CUDA); a window or a
+    soft cap: flex_attention on CUDA (S >= 128, no dropout), else :func:`masked_attention`, as
+    is dropout with documents or per-row counts."""
     dropout_p = options.get("dropout_p", 0.0)
-    special = options.get("window_size") is not None or options.get("softcap") is not None
+    window, softcap = options.get("window_size"), options.get("softcap")
+    special = window is not None or softcap is not None
+    if special and not dropout_p and _flex_fits(q_h):
+        if plan is None:
+            plan = documents.single_document_plan(q_h.shape[0], q_h.shape[1], q_h.device)
+        used_rows = documents._used_rows(used, q_h.shape[0], q_h.shape[1])
+        return documents._flex(q_h, k_h, v_h, plan, used_rows, causal, scale, window=window,
+                               softcap=softcap)  # fmt: skip
     if special or (dropout_p and (plan is not None or isinstance(used, tuple))):
         return masked_attention(
             q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used,

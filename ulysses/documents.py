@@ -30,6 +30,7 @@ and the cached block masks, so that the layers of one step read the ids once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Sequence
 
@@ -274,7 +275,7 @@ class DocumentPlan:
 
     Built by :func:`plan_documents`; pass it as ``document_ids=`` to :func:`document_attention`
     to reuse across layers: no further host read, and flex block masks are built once per
-    (device, causal, live counts).
+    (device, causal, live counts, window) (the last 8 of them are kept).
     """
 
     ids: torch.Tensor  # [B, S]
@@ -285,18 +286,33 @@ class DocumentPlan:
     def shape(self) -> tuple[int, int]:
         return tuple(self.ids.shape)
 
-    def _block_mask(self, device: torch.device, causal: bool, used: tuple[int, ...]):
-        key = (str(device), causal, used)
+    def _block_mask(self, device: torch.device, causal: bool, used: tuple[int, ...], window=None):
+        key = (str(device), causal, used, window)
         if key not in self._masks:
-            self._masks[key] = _make_block_mask(self.ids.to(device), causal, used, device)
+            if len(self._masks) >= 8:  # per-row counts that change every step: keep the last 8
+                self._masks.pop(next(iter(self._masks)))
+            self._masks[key] = _make_block_mask(self.ids.to(device), causal, used, device, window)
         return self._masks[key]
+
+
+_SINGLE_PLANS: dict = {}  # (B, S, device) -> DocumentPlan, the last few shapes
 
 
 def single_document_plan(B: int, S: int, device=None) -> DocumentPlan:
     """The plan of B rows that are one document each (ids all 0, no host read): with per-row
-    ``used_sequence`` counts, :func:`document_attention` then attends each row's live rows."""
-    ids = torch.zeros(B, S, dtype=torch.int64, device=device)
-    return DocumentPlan(ids, (((0, S),),) * B)
+    ``used_sequence`` counts, :func:`document_attention` then attends each row's live rows.
+    Eager calls get the same plan for the same shape and device, so its flex block masks are
+    built once."""
+    if torch.compiler.is_compiling():
+        return DocumentPlan(torch.zeros(B, S, dtype=torch.int64, device=device), (((0, S),),) * B)
+    key = (B, S, str(torch.device(device) if device is not None else "cpu"))
+    plan = _SINGLE_PLANS.get(key)
+    if plan is None:
+        if len(_SINGLE_PLANS) >= 16:
+            _SINGLE_PLANS.pop(next(iter(_SINGLE_PLANS)))
+        ids = torch.zeros(B, S, dtype=torch.int64, device=device)
+        plan = _SINGLE_PLANS[key] = DocumentPlan(ids, (((0, S),),) * B)
+    return plan
 
 
 def plan_documents(document_ids, *, local_rows=None, name: str = "document_ids") -> DocumentPlan:
@@ -395,7 +411,20 @@ def _ordered(dense: torch.Tensor):
     return d.sum(-1).to(torch.int32), order.to(torch.int32)
 
 
-def _make_block_mask(ids: torch.Tensor, causal: bool, used: tuple[int, ...], device):
+def _window(window, causal: bool):
+    """``window_size=(left, right)`` (-1: unbounded) as the mask sees it: None when it bounds
+    nothing, ``right`` cut at 0 when causal."""
+    if window is None:
+        return None
+    left, right = window
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    return left, right
+
+
+def _make_block_mask(ids: torch.Tensor, causal: bool, used: tuple[int, ...], device, window=None):
     """The document BlockMask from the runs' geometry, O(B * (S / 128)**2) work instead of
     create_block_mask's O(B * S**2) evaluations of the mask_mod (5 ms at S = 32K on an H200,
     50 ms at 128K, compiled); the mask_mod still decides each element of a partial tile.
@@ -404,9 +433,12 @@ def _make_block_mask(ids: torch.Tensor, causal: bool, used: tuple[int, ...], dev
         listed  iff some query of tile i attends some key of tile j. Documents are contiguous,
                 so tile i's queries attend exactly the keys [start of q0's document, kend)
                 with kend = q1 + 1 (causal) or the live end of q1's document, q0 and q1 the
-                tile's first and last live rows;
+                tile's first and last live rows; a window ``(left, right)`` (``window`` as
+                :func:`_window` gives it) cuts that to [q0 - left, q1 + right] (each query's
+                keys contain itself and both ends move with it, so the union stays one range);
         full    iff every pair is allowed: tile i live and in one document d, tile j inside
-                d's live rows, and j < i when causal.
+                d's live rows, j < i when causal, and every key of tile j within the window
+                of every query of tile i.
     """
     # imported here: the module pulls in torch._dynamo, seconds that `import ulysses` avoids
     from torch.nn.attention.flex_attention import BlockMask
@@ -415,8 +447,14 @@ def _make_block_mask(ids: torch.Tensor, causal: bool, used: tuple[int, ...], dev
     B, S = ids.shape
     live = torch.tensor(used, device=device, dtype=torch.int64)
 
+    left, right = window if window is not None else (-1, -1)
+
     def mask_mod(b, h, q_idx, kv_idx):
         keep = (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx < live[b]) & (kv_idx < live[b])
+        if left >= 0:
+            keep = keep & (kv_idx >= q_idx - left)
+        if right >= 0:
+            keep = keep & (kv_idx <= q_idx + right)
         return keep & (kv_idx <= q_idx) if causal else keep
 
     tiles = torch.arange(-(-S // _BLOCK), device=device)  # [nQ], also the kv tiles
@@ -428,6 +466,10 @@ def _make_block_mask(ids: torch.Tensor, causal: bool, used: tuple[int, ...], dev
     first = torch.searchsorted(ids, id0)  # first row of q0's document
     end = torch.minimum(torch.searchsorted(ids, id1, right=True), n)  # live end of q1's
     kend = q1 + 1 if causal else end
+    if left >= 0:
+        first = torch.maximum(first, q0 - left)
+    if right >= 0:
+        kend = torch.minimum(kend, q1 + right + 1)
     lo, hi = (first // _BLOCK)[..., None], ((kend - 1) // _BLOCK)[..., None]
     j = tiles[None, None, :]  # [1, 1, nK]
     listed = tile_live[..., None] & (j >= lo) & (j <= hi)  # [B, nQ, nK]
@@ -436,6 +478,10 @@ def _make_block_mask(ids: torch.Tensor, causal: bool, used: tuple[int, ...], dev
     full &= (j + 1) * _BLOCK <= end[..., None]  # end is that document's live end here
     if causal:
         full &= j < tiles[None, :, None]
+    if left >= 0:  # the tile's last query q0 + 127 reaches back to key j * 128
+        full &= j * _BLOCK >= q0[..., None] + _BLOCK - 1 - left
+    if right >= 0:  # its first query q0 reaches forward to key j * 128 + 127
+        full &= j * _BLOCK + _BLOCK - 1 <= q0[..., None] + right
     return BlockMask.from_kv_blocks(
         *_ordered(listed & ~full),
         *_ordered(full),
@@ -461,14 +507,29 @@ def _flex_fn(device: torch.device):
     return _flex_compiled
 
 
-def _flex(q, k, v, plan: DocumentPlan, used, causal: bool, scale):
+@functools.lru_cache(maxsize=16)
+def _softcap_mod(softcap: float):
+    """The score_mod of a soft cap: ``s -> softcap * tanh(s / softcap)`` on the scaled scores
+    (one function per value, so compiled flex is not traced again for every call)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+def _flex(q, k, v, plan: DocumentPlan, used, causal: bool, scale, window=None, softcap=None):
+    """flex_attention with the plan's block mask; ``window`` (left, right) and ``softcap``
+    as ``ulysses.attention.masked_attention`` defines them."""
     if q.device.type == "cuda" and q.shape[1] < _BLOCK:
         raise ValueError(
             f"impl='flex' on CUDA needs S >= {_BLOCK} rows (compiled flex_attention finds no "
             f"kernel for fewer), got S = {q.shape[1]}; use impl='slices'"
         )
-    block_mask = plan._block_mask(q.device, causal, used)
+    block_mask = plan._block_mask(q.device, causal, used, _window(window, causal))
     kwargs = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
+    if softcap is not None:
+        kwargs["score_mod"] = _softcap_mod(float(softcap))
     out = _flex_fn(q.device)(
         q.transpose(1, 2),
         k.transpose(1, 2),
