@@ -15,7 +15,8 @@ with ``head_chunks`` n in ``--chunks`` (and ``auto``, shown as the n it picks):
 * ``fwd``: one call under ``torch.no_grad()``; ``fwd+bwd``: the call, then
   ``torch.autograd.grad`` of a fixed dO into q, k, v;
 * per call: CUDA events around one call; the median over rounds, each round timing every
-  configuration once in turn (interleaved: every figure sees the same drift);
+  configuration once in turn (interleaved: every figure sees the same drift) behind ~2 ms of
+  untimed GPU work, so no call is timed from an idle GPU;
 * ``attn``: the default attention alone on the head shards of one rank (hq = H / P heads,
   every row) as the layer's own attention receives them (captured from one call: same
   values and strides), forward or forward+backward, timed in the same rounds between the
@@ -76,6 +77,7 @@ HEAVY_LINKS = (50.0, 450.0)
 GRAD_RTOL = 2e-2
 OUT_RTOL = 1e-2
 CALIB_TOL = 0.10
+BUSY_CYCLES = 4_000_000  # torch.cuda._sleep: about 2 ms at an H200's ~1.98 GHz
 
 
 def git_commit() -> str:
@@ -125,6 +127,14 @@ class Clock:
     def sync(self):
         if self.cuda:
             torch.cuda.synchronize()
+
+    def busy(self):
+        """Untimed: keep the GPU busy ~2 ms so that the next timed call is queued behind
+        work, as in a step, and its start event does not count the host's time to reach its
+        first kernel (an idle GPU after a synchronize made the first call of a round read up to
+        1.4x its time)."""
+        if self.cuda:
+            torch.cuda._sleep(BUSY_CYCLES)
 
 
 class Shape:
@@ -235,6 +245,7 @@ def check_link(link: testing_link.LinkModel, shape: Shape, clock: Clock, failure
         times = []
         for _ in range(3):
             before = link.received
+            clock.busy()
             mark = clock.start()
             ulysses.comm.all_to_all(send, link.pg, shape.P)
             mark = clock.stop(mark)
@@ -325,6 +336,7 @@ def run_shape(shape: Shape, link, clock: Clock, args, failures: list, notes: lis
     samples = {key: [] for key, _, _ in configs}
     for _ in range(args.rounds):
         marks = []
+        clock.busy()
         for key, gbps, fn in configs:
             link.gbps = gbps or 1.0
             mark = clock.start()
@@ -361,6 +373,7 @@ def exchange_cost(shape: Shape, link, clock: Clock, args) -> str:
     samples = {n: [] for n in calls}
     for _ in range(max(3, args.rounds)):
         for n, fn in calls.items():
+            clock.busy()
             mark = clock.start()
             fn()
             mark = clock.stop(mark)
