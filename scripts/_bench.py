@@ -9,13 +9,33 @@ Three figures per call, as users feel them (docs/BENCHMARKS.md):
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import time
 import warnings
 
 import torch
 
 FLUSH_BYTES = 256 << 20
+
+
+def git_commit() -> str:
+    """The commit a table is made at: ``$ULYSSES_COMMIT`` when set (a copy of the tree without
+    its git history, e.g. an exported snapshot), else ``git rev-parse --short HEAD`` of this
+    checkout, "+dirty" with uncommitted changes to tracked files; "unknown" without git."""
+    if os.environ.get("ULYSSES_COMMIT"):
+        return os.environ["ULYSSES_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True, cwd=root).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=root).stdout.strip()  # fmt: skip
+        return out + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
 
 # Set once torch.profiler has run in this process. Kineto may leave CUPTI loaded after the
 # profile ends (pytorch/pytorch#144455), and then every later launch costs more: measure

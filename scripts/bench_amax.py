@@ -16,13 +16,12 @@ import argparse
 import csv
 import datetime
 import os
-import subprocess
 import warnings
 
 import torch
 import triton
 import triton.language as tl
-from _bench import cold_us, eager_us, read_ceiling_tbs
+from _bench import cold_us, eager_us, git_commit, read_ceiling_tbs
 
 import ulysses
 
@@ -273,9 +272,7 @@ def main():
         )
         del k, m
         torch.cuda.empty_cache()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = git_commit()
     ceiling = read_ceiling_tbs()
     info = f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}"
     print(f"# {info} commit {commit or os.environ.get('COMMIT', '?')} {datetime.date.today()}")

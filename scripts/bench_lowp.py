@@ -31,13 +31,17 @@ import datetime
 import os
 import re
 import statistics
-import subprocess
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from ulysses import comm, lowp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for _bench
+from _bench import git_commit  # noqa: E402
+
 from ulysses.testing import make_k_full
 
 SHAPES = ((1, 4736, 56, 128), (1, 32768, 32, 128))
@@ -155,15 +159,6 @@ def _device_figures(r: dict, q, k, v, P) -> dict:
         lambda: (q.sum(), k.sum(), v.sum()), ("reduce", "Reduce")
     )
     return r
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main():

@@ -50,7 +50,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -58,6 +57,9 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for _bench
+from _bench import git_commit  # noqa: E402
+
 import ulysses  # noqa: E402
 from ulysses import overlap, testing_link  # noqa: E402
 from ulysses.attention import sdpa_attention  # noqa: E402
@@ -78,18 +80,6 @@ GRAD_RTOL = 2e-2
 OUT_RTOL = 1e-2
 CALIB_TOL = 0.10
 BUSY_CYCLES = 4_000_000  # torch.cuda._sleep: about 2 ms at an H200's ~1.98 GHz
-
-
-def git_commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True, cwd=root).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, cwd=root).stdout.strip()  # fmt: skip
-        return out + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def layer_has_head_chunks() -> bool:

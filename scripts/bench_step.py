@@ -49,7 +49,6 @@ import datetime
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -58,6 +57,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ulysses import comm, grid, lowp, reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for _bench
+from _bench import git_commit  # noqa: E402
+
 from ulysses.experimental.lowp_attention import CONFIGS, TMA_DEFAULT, AttnConfig, lowp_attention
 from ulysses.kernels.lowp_dequant import dequantize_qkv
 from ulysses.kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
@@ -667,17 +670,6 @@ def copy_ceiling_tbs(dev) -> float:
 
 
 # ---- main ---------------------------------------------------------------------------------------
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()  # fmt: skip
-        return out + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main():

@@ -68,8 +68,12 @@ if [ "$ngpu" -gt 0 ]; then
 else
     device="no GPU ($(nproc) CPU cores)"
 fi
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-git diff --quiet HEAD 2>/dev/null || commit="$commit (with local changes)"
+if [ -n "${ULYSSES_COMMIT:-}" ]; then  # a copy of the tree without its history
+    commit=$ULYSSES_COMMIT
+else
+    commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+    git diff --quiet HEAD 2>/dev/null || commit="$commit (with local changes)"
+fi
 if [ -n "${GPU_CHECK_SUITES:-}" ]; then commit="$commit; harness suites: $GPU_CHECK_SUITES only (a partial check)"; fi
 echo "gpu_check: $device; $versions; commit $commit; budget ${budget} s; quick=$quick; logs in $out"
 
