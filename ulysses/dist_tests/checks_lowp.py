@@ -93,7 +93,7 @@ def gqa_reference(q_full, k_full, v_full, *, world_size: int, rank: int, **kwarg
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-    used: int | None
+    used: int | tuple | None  # a tuple: one count per batch row
     full: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v [B, S, H, D] as built
     shards: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [B, L, H, D] views
     copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the shards before the call
@@ -101,7 +101,7 @@ class Inputs:
 
 def build_inputs(ctx: Context, case: cases_lowp.Case, seed: int) -> Inputs:
     P = ctx.world_size
-    used = cases_lowp.resolve_used(case.used, case.L, P, case.Gq, case.Gk)
+    used = cases_lowp.resolve_used(case.used, case.L, P, case.Gq, case.Gk, case.B)
     full = cases_lowp.build_qkv_full(case, P, used, ctx.device, seed)
     shards = tuple(reference.shard(x, ctx.rank, P) for x in full)
     for x, s in zip(full, shards, strict=True):
