@@ -911,7 +911,9 @@ def _exchange(
     return plan.run(q, k, v, pg)
 
 
-def _exchange_fake(q, k, v, *, group_name, used_sequence, used_rows, q_group, k_group, enable_pdl):
+def _exchange_fake(
+    q, k, v, *, group_name, used_sequence, q_group, k_group, enable_pdl, used_rows=None
+):
     pg = comm.group_from_name(group_name)
     P = 1 if pg is None else pg.size()
     B, L, Hq, D = q.shape
