@@ -357,6 +357,10 @@ def exchange_qkv(
       with ``amax == 0`` has scale 0 and codes +0.
     Each division is one IEEE fp32 division; a NaN product gives code 0 (int8) or 0x7F (fp8),
     and its scale is NaN too. Rows ``[used_sequence, S)`` must be zero padding in q, k, v.
+    ``used_sequence`` may also hold one count per batch row (a sequence of B ints or an
+    integer tensor [B]): every statistic of batch row b is then computed over its live rows
+    ``[0, used_b)`` alone, as a call with that one count would (counts that all agree are
+    that one count).
 
     Grouped-query and multi-query attention (``Hkv < Hq``): ``Hq % P == 0`` and
     ``Hq % Hkv == 0``, and either ``Hkv % P == 0`` (K/V heads sharded like Q's: rank r
@@ -379,8 +383,8 @@ def exchange_qkv(
             v; v's shape not k's, q's B, L or D not k's; devices that differ; head counts
             outside the rules above (the message names the rule and the numbers);
             ``q_group`` or ``k_group`` not in (16, 32, 64, 128, 256); ``used_sequence``
-            outside [1, S]; torch.distributed not initialized under a launcher that started
-            several ranks; ranks that disagree.
+            outside [1, S] or per-row counts not B of them; torch.distributed not
+            initialized under a launcher that started several ranks; ranks that disagree.
     """
     if type(q) is type(k) is type(v) is torch.Tensor and not _ops.is_compiling():
         # the plan runs kernels on q, k, v and views of new buffers: no autograd history

@@ -37,9 +37,10 @@ A case runs at the world sizes where its used kind resolves and its head counts 
 (H % P == 0; with Hkv, Hkv % P == 0 or P % Hkv == 0); at the others every rank skips it.
 
 The case ``errors`` checks bad arguments that need a process group (H not divisible by P,
-K/V heads that neither divide nor are divided by P, used_sequence out of range or not an int,
-a bad k_group, enable_pdl on CPU, a bad group, ranks that disagree on used_sequence or
-q_group): every rank must raise the documented error.
+K/V heads that neither divide nor are divided by P, used_sequence out of range, not an int or
+per-row counts not one per batch row, a bad k_group, enable_pdl on CPU, a bad group, ranks
+that disagree on used_sequence (one count or per-row counts) or q_group): every rank must
+raise the documented error.
 
 Every rank builds the same global Q [B, S, H, D] and K, V [B, S, Hkv, D] with
 ``ulysses.testing`` (``make_qkv_full``, or ``make_k_full`` per tensor with Hkv; seed: crc32
