@@ -158,8 +158,8 @@ def test_compiled_per_row_exchange_gives_the_eager_bits():
 
 
 def test_the_attention_layer_takes_per_row_counts_with_lowp():
-    """P = 1: the layer's lowp call attends over the per-row exchange's values; padding rows
-    of the output are 0."""
+    """P = 1: the layer's lowp call attends over the per-row exchange's values (in one
+    chunk of heads or two); padding rows of the output are 0."""
     B, S, used = 3, 40, (40, 13, 27)
     q, k, v = _qkv(B, S, 2, 16, used, seed=10)
     out = ulysses.ulysses_attention(q, k, v, comm="lowp", used_sequence=torch.tensor(used))
@@ -168,6 +168,9 @@ def test_the_attention_layer_takes_per_row_counts_with_lowp():
     assert ref.bitwise_diff(out, want) is None
     for b, n in enumerate(used):
         assert bool((out[b, n:] == 0).all())
+    # head chunks (the statistics once, then each chunk's pack): the same bits
+    chunked = ulysses.ulysses_attention(q, k, v, comm="lowp", used_sequence=used, head_chunks=2)
+    assert ref.bitwise_diff(chunked, out) is None
 
 
 # ---- every rank of a group, one at a time, on torch's fake process group ---------------------
