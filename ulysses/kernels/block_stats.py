@@ -392,7 +392,7 @@ class LocalStats:
             n_mm=n_mm,
             block_first=block_first,
             n_blocks=n_blocks,
-            # per-row counts (``ulysses.grid.Layout.rows``): read at each batch row instead of
+            # per-row counts (``ulysses.grid.Layout.per_row``): read at each batch row instead of
             # ``used`` and ``tail_group``
             rows_ptr=row_table(per_row, device),
             PER_ROW=per_row is not None,

@@ -289,7 +289,9 @@ def finalize_stats(
     rank's, from ``local_stats``); MODE_MERGE needs ``amax_partial`` [B, H, n_slots] fp32 from
     the direct kernel. ``first_sources``/``last_sources`` list the gathered boundary records
     (``q * 2 + end``: rank q's first (0) or last (1) record) merged into this rank's first and
-    last touched slot (``ulysses.grid.boundary_sources``).
+    last touched slot (``ulysses.grid.boundary_sources``). ``per_row``: one live count per batch
+    row, as (live_end, tail_group, divisor) per row (``ulysses.grid.Layout.per_row``): each
+    row's mean divides by its own divisor instead of ``divisor``.
     """
     device, mode, n_slots = gathered.device, config["mode"], config["n_slots"]
     B, H, D = config["B"], config["H"], config["D"]
