@@ -108,7 +108,9 @@ def test_custom_attn_gets_per_row_counts_and_its_padding_rows_are_zeroed():
         (torch.tensor([[1, 2]]), "bf16", TypeError, "used_sequence must be"),
         ([True, 3], "bf16", TypeError, "used_sequence must be"),
         ("12", "bf16", TypeError, "used_sequence must be"),
-        ([10, 20], "lowp", ValueError, "comm='lowp' takes one used_sequence"),
+        ([10, 20, 30], "lowp", ValueError, r"one live-row count per batch row \(B = 2\)"),
+        ([0, 20], "lowp", ValueError, r"used_sequence must be None or global row counts"),
+        ([True, 3], "lowp", TypeError, "used_sequence must be"),
     ],
 )
 def test_bad_per_row_counts(used, comm, exc, match):

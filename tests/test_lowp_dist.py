@@ -96,10 +96,15 @@ def test_used_kinds_resolve_at_every_world_size(P):
         if not cases_lowp.resolvable(case, P):
             assert P not in WORLD_SIZES or case.Hkv is not None, (case.id, P)
             continue
-        used = cases_lowp.resolve_used(case.used, case.L, P, case.Gq, case.Gk)
+        used = cases_lowp.resolve_used(case.used, case.L, P, case.Gq, case.Gk, case.B)
         S, L, G = case.L * P, case.L, min(case.Gq, case.Gk)
         if case.used == "none":
             assert used is None
+            continue
+        if case.used == "rows":  # a rank boundary mid-group (or S at P = 1), tail, S
+            edge, tail = L * max(1, P // 2), cases_lowp.resolve_used("tail", L, P, case.Gq, case.Gk)
+            assert used == tuple((edge, tail, S)[b % 3] for b in range(case.B)), (case.id, used)
+            assert case.B >= 3 and (edge == S or edge % G), (case.id, used)
             continue
         assert 1 <= used <= S, (case.id, used)
         if case.used == "mulG":

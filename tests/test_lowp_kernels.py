@@ -897,3 +897,24 @@ def test_dequant_launch_is_prepared_per_output_dtype():
     fp16 = prepare_dequant(*args, q_group=32, k_group=64, dtype=torch.float16)
     assert bf16 is not fp16
     assert prepare_dequant(*args, q_group=32, k_group=64, dtype=torch.float16) is fp16
+
+
+@pytest.mark.parametrize("q_once", [True, False])
+def test_per_row_counts_reach_every_statistics_kernel(q_once):
+    """One live count per batch row (a mid-group count, the whole sequence, a count at a
+    group end) through the block statistics, Q/V statistics, post-gather and pack launches
+    (with and without Q read once): the reference's bits, each row over its own live rows.
+    (Also a driver of ``tools/compile_sm90.py`` for the per-row launches.)"""
+    B, S, used = 3, 48, (21, 48, 32)
+    q, k, v = make_qkv_full(B, S, 2, 32, torch.bfloat16, seed="per-row-kernels")
+    for b, n in enumerate(used):
+        for x in (q, k, v):
+            x[b, n:] = 0
+    want = reference.lowp_exchange_reference(q, k, v, world_size=1, rank=0, used_sequence=used)
+    c = lowp._prepare(q, k, v, None, used, 32, 64, None)
+    got = lowp._ExchangePlan(c, tiles={"q_once": q_once})(q, k, v, None)
+    for name in ("q", "k", "v", "q_scale", "k_scale", "v_scale", "k_mean"):
+        a, b = getattr(got, name), want[name]
+        if a.element_size() == 1:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert reference.bitwise_diff(a, b) is None, name

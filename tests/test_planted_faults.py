@@ -29,12 +29,13 @@ from ulysses.testing import make_k_full
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# faults that are not a wrong grid rule: an exception, a hung rank, and the attention layer's
-# (tests/test_dist_harness.py runs the attention suite with each)
+# faults that are not a wrong grid rule: an exception, a hung rank, the attention layer's
+# (tests/test_dist_harness.py runs the attention suite with each), and per-row counts' merged
+# statistics (comm="lowp" only: the smooth_k suite takes one count; shown on the lowp suite)
 NOT_GRID = {
     "error", "hang", "head_order", "key_mask", "backward_a2a", "grad_scales", "dout_scales",
     "uneven_heads", "document_runs", "per_row_used", "window_shift", "no_verify",
-    "head_chunk_order",
+    "head_chunk_order", "per_row_stats",
 }  # fmt: skip
 GRID_FAULTS = sorted(set(faults.FAULTS) - NOT_GRID)
 

@@ -685,12 +685,6 @@ def _check_used(used, B: int, S: int, comm_mode: str):
                 f"used_sequence must be None or global row counts in [1, S = L * P = {S}], "
                 f"got {list(used) if isinstance(used, tuple) else used}"
             )
-    if isinstance(used, tuple) and comm_mode == "lowp":
-        raise ValueError(
-            f"comm='lowp' takes one used_sequence for every batch row (its statistics are "
-            f"computed over one live length); got per-row counts {list(used)}; use "
-            f"comm='bf16' for per-row lengths"
-        )
     if used == S:
         return None
     if isinstance(used, tuple) and all(u == S for u in used):
@@ -898,8 +892,8 @@ def ulysses_attention(
     * ``used_sequence``: an int, or per batch row a sequence of B ints or an integer tensor
       [B] (read back to the host), global live-row counts in [1, S], the same on every rank:
       rows ``[used_b, S)`` of batch row b are padding, never attended as keys; the output
-      rows there are 0 (and so are their gradients). Per-row counts that differ need
-      ``comm="bf16"``.
+      rows there are 0 (and so are their gradients). With ``comm="lowp"`` each batch row's
+      statistics (K mean, group amax, tail rule, Q and V amax) use that row's live rows.
     * ``document_ids``: packed documents. An integer tensor [B, L] of this rank's rows of
       each batch row's document ids, non-negative and non-decreasing along the global
       sequence (one all_gather of the ids, checked: the same error on every rank), or a
@@ -946,7 +940,7 @@ def ulysses_attention(
             int or ``"auto"``.
         ValueError: not 4-D; shapes that disagree; ``Hq % Hkv != 0``; ``Hq < P`` where the
             heads do not split evenly; uneven heads with ``comm="lowp"``; ``used_sequence``
-            outside [1, S], not B counts, or per-row counts that differ with "lowp"; ranks
+            outside [1, S] or not B counts; ranks
             that disagree (see above); ``document_ids`` not [B, L] (a plan: not [B, S]),
             decreasing along a row's global sequence or negative; unknown ``comm``,
             ``backward_comm`` or ``layout``; ``int8_output=True`` or

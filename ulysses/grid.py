@@ -43,6 +43,9 @@ __all__ = [
     "check_group_size",
     "check_world",
     "check_used",
+    "used_counts",
+    "one_count",
+    "row_values",
     "kv_split",
 ]
 
@@ -75,16 +78,71 @@ def check_world(rank, world_size, *, world_name: str = "world_size") -> None:
         raise ValueError(f"rank must satisfy 0 <= rank < world_size={world_size}, got {rank}")
 
 
-def check_used(used_sequence, global_sequence: int) -> None:
-    """``used_sequence`` is None or a GLOBAL live-row count in ``[1, S]``."""
+def check_used(used_sequence, global_sequence: int, batch: int | None = None) -> None:
+    """``used_sequence`` is None or a GLOBAL live-row count in ``[1, S]``; with ``batch``
+    also a tuple of ``batch`` such counts, one per batch row (:func:`used_counts`)."""
     if used_sequence is None:
         return
+    if batch is not None and isinstance(used_sequence, tuple):
+        if len(used_sequence) != batch:
+            raise ValueError(
+                f"used_sequence must hold one live-row count per batch row (B = {batch}), got "
+                f"{len(used_sequence)} counts: {list(used_sequence)}"
+            )
+        for u in used_sequence:
+            check_int("used_sequence", u)
+        if not all(1 <= u <= global_sequence for u in used_sequence):
+            raise ValueError(
+                f"used_sequence must be None or global row counts with 1 <= used_sequence <= "
+                f"S = L * world_size = {global_sequence}, got {list(used_sequence)}"
+            )
+        return
+    if batch is not None and type(used_sequence) is not int:
+        raise TypeError(
+            f"used_sequence must be None, an int or one int per batch row (a sequence of "
+            f"B = {batch} ints or an integer tensor [B]), got {type(used_sequence).__name__} "
+            f"{used_sequence!r}"
+        )
     check_int("used_sequence", used_sequence)
     if not 1 <= used_sequence <= global_sequence:
         raise ValueError(
             f"used_sequence must be None or a global row count with 1 <= used_sequence <= "
             f"S = L * world_size = {global_sequence}, got {used_sequence}"
         )
+
+
+def used_counts(used_sequence):
+    """``used_sequence`` as the exchange keys and validates it: None or an int unchanged; a
+    list, tuple or 1-D integer tensor of per-batch-row counts as a tuple. Anything else
+    unchanged (the validation names it)."""
+    if used_sequence is None or type(used_sequence) is int:
+        return used_sequence
+    if isinstance(used_sequence, torch.Tensor):
+        if (
+            used_sequence.dim() != 1
+            or used_sequence.dtype.is_floating_point
+            or (used_sequence.dtype.is_complex or used_sequence.dtype == torch.bool)
+        ):
+            return used_sequence
+        used_sequence = used_sequence.tolist()
+    if isinstance(used_sequence, list | tuple):
+        return tuple(used_sequence)
+    return used_sequence
+
+
+def one_count(used_sequence):
+    """Validated counts -> one int (or None) when every batch row has the same count (the
+    single-count path), else the tuple unchanged."""
+    if isinstance(used_sequence, tuple) and len(set(used_sequence)) == 1:
+        return used_sequence[0]
+    return used_sequence
+
+
+def row_values(used: tuple, global_sequence: int, group_size: int) -> tuple:
+    """Per batch row ``(live_end, tail_group, divisor)`` of per-row counts ``used``: each
+    row's statistics use that row's live rows, by the single-count rules."""
+    S, G = global_sequence, group_size
+    return tuple((u, tail_group(u, S, G), mean_divisor(u, S)) for u in used)
 
 
 def kv_split(q_heads: int, kv_heads: int, world_size: int) -> tuple[int, int]:
@@ -228,9 +286,14 @@ class Layout:
     n_blocks: int  # 64-row sum blocks the shard touches
     first_sources: tuple  # boundary_sources(...)[0]
     last_sources: tuple  # boundary_sources(...)[1]
+    # per-row counts (``used`` a tuple): per batch row (live_end, tail_group, divisor), which
+    # the kernels read instead of the three fields above; None with one count
+    per_row: tuple | None = None
 
     def amax_args(self) -> dict:
-        """The grid arguments of the amax kernel's host function (``grouped_amax``)."""
+        """The grid arguments of the amax kernel's host function (``grouped_amax``): one count
+        only (``k_grouped_amax`` and the two-pass statistics take no per-row counts)."""
+        assert self.per_row is None, "the grouped amax kernel takes one used_sequence"
         return dict(
             group_size=self.G,
             row0=self.row0,
@@ -254,6 +317,7 @@ class Layout:
             n_slots=self.n_slots,
             block_first=self.block_first,
             n_blocks=self.n_blocks,
+            per_row=self.per_row,
         )
 
 
@@ -283,6 +347,11 @@ def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
     S = L * P
     row0 = rank * L
     first, last = boundary_sources(rank, L, P, G)
+    per_row = None
+    if isinstance(used, tuple):  # per-row counts: the kernels read per_row, not the 3 fields
+        per_row, used_one = row_values(used, S, G), None
+    else:
+        used_one = used
     return Layout(
         rank=rank,
         L=L,
@@ -294,13 +363,14 @@ def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
         n_slots=_slots(L, G),
         g_first=row0 // G,
         n_touched=(row0 + L - 1) // G - row0 // G + 1,
-        tail_group=tail_group(used, S, G),
-        live_end=S if used is None else used,
-        divisor=mean_divisor(used, S),
+        tail_group=tail_group(used_one, S, G),
+        live_end=S if used_one is None else used_one,
+        divisor=mean_divisor(used_one, S),
         block_first=row0 // SUM_BLOCK,
         n_blocks=(row0 + L - 1) // SUM_BLOCK - row0 // SUM_BLOCK + 1,
         first_sources=first,
         last_sources=last,
+        per_row=per_row,
     )
 
 

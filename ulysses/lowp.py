@@ -91,7 +91,7 @@ class LowpQKV:
     k_scale: torch.Tensor
     v_scale: torch.Tensor
     k_mean: torch.Tensor
-    used_sequence: int | None
+    used_sequence: int | tuple | None  # a tuple: one count per batch row
     q_group: int
     k_group: int
 
@@ -357,6 +357,10 @@ def exchange_qkv(
       with ``amax == 0`` has scale 0 and codes +0.
     Each division is one IEEE fp32 division; a NaN product gives code 0 (int8) or 0x7F (fp8),
     and its scale is NaN too. Rows ``[used_sequence, S)`` must be zero padding in q, k, v.
+    ``used_sequence`` may also hold one count per batch row (a sequence of B ints or an
+    integer tensor [B]): every statistic of batch row b is then computed over its live rows
+    ``[0, used_b)`` alone, as a call with that one count would (counts that all agree are
+    that one count).
 
     Grouped-query and multi-query attention (``Hkv < Hq``): ``Hq % P == 0`` and
     ``Hq % Hkv == 0``, and either ``Hkv % P == 0`` (K/V heads sharded like Q's: rank r
@@ -379,8 +383,8 @@ def exchange_qkv(
             v; v's shape not k's, q's B, L or D not k's; devices that differ; head counts
             outside the rules above (the message names the rule and the numbers);
             ``q_group`` or ``k_group`` not in (16, 32, 64, 128, 256); ``used_sequence``
-            outside [1, S]; torch.distributed not initialized under a launcher that started
-            several ranks; ranks that disagree.
+            outside [1, S] or per-row counts not B of them; torch.distributed not
+            initialized under a launcher that started several ranks; ranks that disagree.
     """
     if type(q) is type(k) is type(v) is torch.Tensor and not _ops.is_compiling():
         # the plan runs kernels on q, k, v and views of new buffers: no autograd history
@@ -390,12 +394,21 @@ def exchange_qkv(
     # torch.compile (validated while tracing) and tensor subclasses: the plan's run as one op
     c = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
     recv, out = exchange_op(
-        q=q, k=k, v=v, group_name=comm.group_name(c.pg), used_sequence=used_sequence,
+        q=q, k=k, v=v, group_name=comm.group_name(c.pg), **_op_used(c.used_sequence),
         q_group=q_group, k_group=k_group, enable_pdl=enable_pdl,
     )  # fmt: skip
     B, _, Hkv, D = k.shape
     o = _out_layout(c.wire, B, Hkv, D, k.element_size(), q_group, k_group, c.rank)
-    return _result(o, recv, out, k.dtype, (used_sequence, q_group, k_group))
+    return _result(o, recv, out, k.dtype, (c.used_sequence, q_group, k_group))
+
+
+def _op_used(used_sequence) -> dict:
+    """``used_sequence`` as the ops take it: one count (or None) as ``used_sequence``,
+    per-row counts as the list ``used_rows``."""
+    used = grid.used_counts(used_sequence)
+    if isinstance(used, tuple):
+        return {"used_sequence": None, "used_rows": list(used)}
+    return {"used_sequence": used, "used_rows": None}
 
 
 def exchange_to_heads(
@@ -423,7 +436,7 @@ def exchange_to_heads(
         if _ops.is_compiling():
             pg = comm.resolve_group(group, q.device)[0]
             return to_heads_op(
-                q=q, k=k, v=v, group_name=comm.group_name(pg), used_sequence=used_sequence,
+                q=q, k=k, v=v, group_name=comm.group_name(pg), **_op_used(used_sequence),
                 q_group=q_group, k_group=k_group,
             )  # fmt: skip
         x = exchange_qkv(q, k, v, group=group, used_sequence=used_sequence, q_group=q_group,
@@ -438,16 +451,18 @@ def _to_heads(
     *,
     group_name: str,
     used_sequence: int | None,
+    used_rows: list[int] | None = None,
     q_group: int,
     k_group: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    used = used_sequence if used_rows is None else tuple(used_rows)
     return exchange_to_heads(
-        q, k, v, group=comm.group_from_name(group_name), used_sequence=used_sequence,
-        q_group=q_group, k_group=k_group,
+        q, k, v, group=comm.group_from_name(group_name), used_sequence=used, q_group=q_group,
+        k_group=k_group,
     )  # fmt: skip
 
 
-def _to_heads_fake(q, k, v, *, group_name, used_sequence, q_group, k_group):
+def _to_heads_fake(q, k, v, *, group_name, used_sequence, q_group, k_group, used_rows=None):
     pg = comm.group_from_name(group_name)
     P = 1 if pg is None else pg.size()
     B, L, Hq, D = q.shape
@@ -486,6 +501,7 @@ class _Call:
 
 def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Call:
     """Validate every argument (docs/CONTRACT.md §3, §8) and resolve the group, layouts and PDL."""
+    used_sequence = grid.used_counts(used_sequence)  # per-row counts: a tuple
     B, L, Hq, Hkv, D = _check_qkv(q, k, v)
     grid.check_group_size(q_group, "q_group")
     grid.check_group_size(k_group, "k_group")
@@ -509,6 +525,7 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
     if not _ops.is_compiling():
         _validate.check_alignment(q, "q")
         _validate.check_alignment(v, "v")
+    used_sequence = part.layout.used  # validated; per-row counts that agree are one count
     return _Call(
         q=q,
         k=k,
@@ -636,7 +653,9 @@ class _ExchangePlan:
         # statistics kernel reads Q only for the first and last touched slot
         q_once = None
         if tiles.get("q_once", True) and c.q_once:
-            q_once = QOnce(lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR)
+            q_once = QOnce(
+                lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR, lay_q.per_row
+            )
         n_q = B * Hq * lay_q.n_slots
         self.amax_q = workspace("lowp_amax_q", n_q, FP32, dev)[:n_q].view(B, Hq, lay_q.n_slots)
         self.qv = prepare_qv_stats(
@@ -644,7 +663,7 @@ class _ExchangePlan:
             group_size=c.q_group, row0=lay_q.row0, n_slots=lay_q.n_slots,
             n_touched=lay_q.n_touched, tail_group=lay_q.tail_group, live_end=lay_q.live_end,
             floor=grid.FLOOR, use_pdl=c.use_pdl, q_boundary_only=q_once is not None,
-            v_heads=Hkv, **tiles.get("qv", {}),
+            v_heads=Hkv, per_row=lay_q.per_row, **tiles.get("qv", {}),
         )  # fmt: skip
         # K's finalize, Q's boundary merge, V's amax over ranks and v_scale: ONE launch
         # (prepare_post_gather of kernels/lowp_finish)
@@ -754,6 +773,8 @@ def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> tuple:
     torch.distributed initialized keys on a group of ``None``: a plan exists only once the
     validation accepted that as a group of one."""
     pg = dist.group.WORLD if group is None else group
+    if used_sequence is not None and type(used_sequence) is not int:
+        used_sequence = grid.used_counts(used_sequence)  # per-row counts: a tuple
     try:  # an unhashable argument or a group of another type: the validation names it
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
                v.dtype, q.device, v.device, comm.group_key(pg), used_sequence, q_group, k_group,
@@ -883,16 +904,20 @@ def _exchange(
     *,
     group_name: str,
     used_sequence: int | None,
+    used_rows: list[int] | None = None,
     q_group: int,
     k_group: int,
     enable_pdl: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = comm.group_from_name(group_name)
-    plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    used = used_sequence if used_rows is None else tuple(used_rows)
+    plan, pg = _plan(q, k, v, group, used, q_group, k_group, enable_pdl)
     return plan.run(q, k, v, pg)
 
 
-def _exchange_fake(q, k, v, *, group_name, used_sequence, q_group, k_group, enable_pdl):
+def _exchange_fake(
+    q, k, v, *, group_name, used_sequence, q_group, k_group, enable_pdl, used_rows=None
+):
     pg = comm.group_from_name(group_name)
     P = 1 if pg is None else pg.size()
     B, L, Hq, D = q.shape

@@ -403,7 +403,26 @@ def lowp_exchange_reference(
     Returns a dict of rank ``rank``'s head slice ``[r*h, (r+1)*h)``: ``q``, ``k`` int8 and
     ``v`` float8_e4m3fn [B, S, h, D]; ``q_scale`` [B, h, ceil(S/q_group)], ``k_scale``
     [B, h, ceil(S/k_group)], ``v_scale`` [B, h, D] (fp32); ``k_mean`` [B, h, D] (input dtype).
+
+    ``used_sequence`` may also be a tuple of B per-row counts: batch row b is then quantized
+    as a batch of one with ``used_sequence = used[b]`` (every statistic is per batch row).
     """
+    if isinstance(used_sequence, tuple | list):
+        assert len(used_sequence) == k_full.shape[0]
+        per_row = [
+            lowp_exchange_reference(
+                q_full[b : b + 1],
+                k_full[b : b + 1],
+                v_full[b : b + 1],
+                world_size=world_size,
+                rank=rank,
+                used_sequence=u,
+                q_group=q_group,
+                k_group=k_group,
+            )
+            for b, u in enumerate(used_sequence)
+        ]
+        return {name: torch.cat([r[name] for r in per_row]) for name in per_row[0]}
     B, S, H, D = k_full.shape
     assert q_full.shape == k_full.shape == v_full.shape and H % world_size == 0
     h = H // world_size

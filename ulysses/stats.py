@@ -68,6 +68,16 @@ class SmoothKStats:
     group_size: int
 
 
+def _used_field(used_sequence) -> int | None:
+    """One int for the signature: the count, or a digest (< -1) of per-row counts."""
+    if not isinstance(used_sequence, tuple):
+        return used_sequence
+    digest = len(used_sequence)
+    for u in used_sequence:  # plain integer arithmetic, which torch.compile folds
+        digest = (digest * 1000003 + u) & 0x3FFFFFFF
+    return -2 - digest
+
+
 def _signature(k: torch.Tensor, used_sequence, group_size, method) -> dict:
     B, L, H, D = k.shape
     return dict(
@@ -76,7 +86,7 @@ def _signature(k: torch.Tensor, used_sequence, group_size, method) -> dict:
         H=H,
         D=D,
         dtype=_DTYPE_CODES[k.dtype],
-        used_sequence=used_sequence,
+        used_sequence=_used_field(used_sequence),
         group_size=group_size,
         method=None if method is None else METHODS.index(method),
     )
@@ -119,6 +129,7 @@ class KStatsPart:
             last_sources=[q * 2 + e for q, e in lay.last_sources],
             floor=grid.FLOOR,
             use_pdl=self.use_pdl,
+            per_row=lay.per_row,
         )
 
 
@@ -287,7 +298,16 @@ stats_op = _ops.define_op("k_stats", _stats, _stats_fake)
 
 
 def _validated_part(
-    k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn, extra=None
+    k,
+    group,
+    used_sequence,
+    enable_pdl,
+    group_size,
+    method,
+    check_consistency,
+    fn,
+    extra=None,
+    per_row=False,
 ) -> tuple[KStatsPart, object, int]:
     B, L, H, D = v.check_k(k)
     grid.check_group_size(group_size)
@@ -297,7 +317,8 @@ def _validated_part(
         raise TypeError(f"check_consistency must be a bool, got {check_consistency!r}")
     use_pdl = v.resolve_pdl(enable_pdl, k.device)
     pg, rank, world_size = comm.resolve_group(group, k.device)
-    grid.check_used(used_sequence, L * world_size)
+    grid.check_used(used_sequence, L * world_size, B if per_row else None)
+    used_sequence = grid.one_count(used_sequence)  # rows that agree: the single-count path
     if not _ops.is_compiling():
         v.check_alignment(k)
     tag = comm.verify_call(
@@ -326,9 +347,10 @@ def k_stats_part(k, *, group, used_sequence, enable_pdl, group_size, caller, ext
     """Validate like :func:`smooth_k_stats` (method "fused") and return ``(part, process
     group, world size)`` for ``caller``, which gathers K's statistics together with its own
     (the exchange). ``extra`` int fields (e.g. the exchange's ``q_group``) join the call's
-    signature: the consistency check and the tag cover them too."""
+    signature: the consistency check and the tag cover them too. ``used_sequence`` may also
+    be a tuple of B per-row counts (each batch row's statistics over its own live rows)."""
     return _validated_part(
-        k, group, used_sequence, enable_pdl, group_size, "fused", False, caller, extra
+        k, group, used_sequence, enable_pdl, group_size, "fused", False, caller, extra, True
     )
 
 

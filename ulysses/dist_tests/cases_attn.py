@@ -19,7 +19,10 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
     used_<kind>    none (no padding); tail (the last live row mid-way through the last rank);
                    early (the last live row mid-way through rank P/2 - 1: later ranks hold
                    only padding, whose keys a non-causal call must mask); rows (one count
-                   per batch row: tail, early, then the whole sequence, repeating)
+                   per batch row: tail, early, then the whole sequence, repeating);
+                   rows_edge (one count per batch row: a rank boundary L * max(1, P // 2),
+                   mid-way through a Q and a K group of "lowp", then tail, then the whole
+                   sequence, repeating)
     B{B}           batch size (1 when absent)
     win{l}_{r}     ``attn_kwargs={"window_size": (l, r)}``: query i attends keys [i - l, i + r]
     docs_packed    ``document_ids``: each batch row packs several documents (boundaries
@@ -47,7 +50,7 @@ from .cases import case_seed, tiers
 COMMS = ("bf16", "lowp", "lowp8", "lowpbw", "lowpbw8")
 KV_KINDS = ("mha", "gqa", "gqarep", "mqa", "odd", "g40", "kv3")
 UNEVEN_KINDS = ("odd", "g40", "kv3")
-USED_KINDS = ("none", "tail", "early", "rows")
+USED_KINDS = ("none", "tail", "early", "rows", "rows_edge")
 DOCS_KINDS = ("none", "packed")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -124,6 +127,9 @@ def resolve_used(kind: str, L: int, world_size: int, B: int = 1):
     if kind == "rows":
         cycle = (resolve_used("tail", L, world_size), resolve_used("early", L, world_size))
         return tuple((*cycle, L * world_size)[b % 3] for b in range(B))
+    if kind == "rows_edge":
+        cycle = (L * max(1, world_size // 2), resolve_used("tail", L, world_size))
+        return tuple((*cycle, L * world_size)[b % 3] for b in range(B))
     rank = world_size - 1 if kind == "tail" else max(0, world_size // 2 - 1)
     return rank * L + L // 2 + 1
 
@@ -188,6 +194,9 @@ DEFAULT_CASES = (
         B=2,
         docs="packed",
     ),  # fmt: skip
+    # "lowp" with per-row counts: each batch row's statistics over its own live rows
+    Case("lowp", L=10, hq=1, kv="mha", D=16, dtype="bf16", causal=False, used="rows_edge", B=3),
+    Case("lowpbw", L=10, hq=1, kv="gqa", D=16, dtype="fp16", causal=True, used="rows_edge", B=3),
     # the all_to_alls pipelined over two head chunks (head_chunks=2; hkv = 2 a rank)
     Case("bf16", L=24, hq=2, kv="mha", D=32, dtype="bf16", causal=True, used="tail", B=2, chunks=2),
     Case("lowpbw8", L=24, hq=2, kv="mha", D=32, dtype="bf16", causal=False, used="early", chunks=2),

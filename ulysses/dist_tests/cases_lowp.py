@@ -29,14 +29,18 @@ Used kinds (``resolve_used``; G = min(Gq, Gk), so a row "mid-group" is mid-group
     used_early     used % G != 0 with the last live row on rank P/2 - 1 (rank 0 at P = 2
                    or 3; none at P = 1): every later rank holds only padding
     used_one       used_sequence=1: a single live row in the whole sequence
+    used_rows      one count per batch row, cycling over: a rank boundary mid-group
+                   (L * max(1, P // 2); the row's tail group straddles ranks and the later
+                   rank holds only its padding), the used_tail count, and S
 
 A case runs at the world sizes where its used kind resolves and its head counts are valid
 (H % P == 0; with Hkv, Hkv % P == 0 or P % Hkv == 0); at the others every rank skips it.
 
 The case ``errors`` checks bad arguments that need a process group (H not divisible by P,
-K/V heads that neither divide nor are divided by P, used_sequence out of range or not an int,
-a bad k_group, enable_pdl on CPU, a bad group, ranks that disagree on used_sequence or
-q_group): every rank must raise the documented error.
+K/V heads that neither divide nor are divided by P, used_sequence out of range, not an int or
+per-row counts not one per batch row, a bad k_group, enable_pdl on CPU, a bad group, ranks
+that disagree on used_sequence (one count or per-row counts) or q_group): every rank must
+raise the documented error.
 
 Every rank builds the same global Q [B, S, H, D] and K, V [B, S, Hkv, D] with
 ``ulysses.testing`` (``make_qkv_full``, or ``make_k_full`` per tensor with Hkv; seed: crc32
@@ -55,7 +59,7 @@ from ulysses import testing
 from ._dist import SetupError
 from .cases import DTYPES, NOT_SHARED, case_seed, shared_used, sweep_only, tiers
 
-USED_KINDS = ("none", "S", "mulG", "tail", "early", "one")
+USED_KINDS = ("none", "S", "mulG", "tail", "early", "one", "rows")
 SPECIALS = ("", "nan", "zero_v")
 
 
@@ -113,10 +117,19 @@ def _mid_group_in_rank(rank: int, L: int, G: int) -> int | None:
     return None
 
 
-def resolve_used(kind: str, L: int, world_size: int, Gq: int, Gk: int) -> int | None:
-    """The ``used_sequence`` of a used kind at this world size (the same on every rank)."""
+def resolve_used(
+    kind: str, L: int, world_size: int, Gq: int, Gk: int, B: int = 1
+) -> int | tuple | None:
+    """The ``used_sequence`` of a used kind at this world size (the same on every rank; a
+    tuple of B counts for ``rows``)."""
     S = L * world_size
     G_small, G_big = min(Gq, Gk), max(Gq, Gk)
+    if kind == "rows":
+        edge = L * max(1, world_size // 2)
+        if edge < S and edge % G_small == 0:
+            raise SetupError(f"no used_rows for L={L} P={world_size}: {edge} ends a group")
+        cycle = (edge, resolve_used("tail", L, world_size, Gq, Gk), S)
+        return tuple(cycle[b % 3] for b in range(B))
     used = shared_used(kind, S, G_big, "max(Gq, Gk)")
     if used is not NOT_SHARED:
         return used
@@ -143,7 +156,7 @@ def resolvable(case: Case, world_size: int) -> bool:
     if not heads_valid(case.H, case.kv_heads, world_size):
         return False
     try:
-        resolve_used(case.used, case.L, world_size, case.Gq, case.Gk)
+        resolve_used(case.used, case.L, world_size, case.Gq, case.Gk, case.B)
     except SetupError:
         return False
     return True
@@ -175,6 +188,8 @@ DEFAULT_CASES = (
     Case(L=70, H=48, Hkv=3, D=16, dtype="bf16", Gq=32, Gk=64, used="mulG", special="zero_v"),
     # P = 16 with query heads alone, and groups over many ranks
     Case(L=5, H=48, D=16, dtype="bf16", Gq=64, Gk=16, used="one"),
+    # one live count per batch row: each row's statistics over its own live rows
+    Case(L=20, H=24, D=32, dtype="fp16", Gq=32, Gk=64, used="rows", B=3),
 )
 
 # GPU-sized cases (--large): deployment-like shapes (B1 L2048 H48 D128) and long sequences,
@@ -195,7 +210,8 @@ def _sweep_cases() -> tuple[Case, ...]:
     only cases valid at every world size."""
     lengths = (1, 7, 50, 130)
     group_pairs = ((16, 16), (32, 64), (64, 32), (128, 256), (256, 16))
-    combos = [(L, g, used) for L in lengths for g in group_pairs for used in USED_KINDS]
+    kinds = USED_KINDS[:-1]  # one count for every batch row (B is 1 or 2 here)
+    combos = [(L, g, used) for L in lengths for g in group_pairs for used in kinds]
     candidates = (
         Case(
             L=L,
@@ -225,13 +241,15 @@ def select_cases(*, large: bool, sweep: bool) -> list:
 
 
 def build_qkv_full(
-    case: Case, world_size: int, used: int | None, device: torch.device, base_seed: int
+    case: Case, world_size: int, used_rows, device: torch.device, base_seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The seeded global Q [B, S, H, D] and K, V [B, S, Hkv, D] on ``device``: rows [used, S)
-    zero, strided views of one fused tensor for ``qkv`` cases, the ``special`` values
-    planted."""
+    zero (of batch row b: [used[b], S) for per-row counts), strided views of one fused tensor
+    for ``qkv`` cases, the ``special`` values planted."""
     S, H, Hkv = case.L * world_size, case.H, case.kv_heads
     dtype, seed = DTYPES[case.dtype], case_seed(case, base_seed)
+    per_row = isinstance(used_rows, tuple)
+    used = None if per_row else used_rows
     if case.Hkv is None:
         q, k, v = testing.make_qkv_full(
             case.B, S, H, case.D, dtype, used=used, seed=seed, device=device, fused=case.qkv
@@ -246,7 +264,11 @@ def build_qkv_full(
         if case.qkv:  # a fused projection's output [B, S, H + 2*Hkv, D]
             fused = torch.cat([q, k, v], dim=2)
             q, k, v = fused[:, :, :H], fused[:, :, H : H + Hkv], fused[:, :, H + Hkv :]
-    n_live = S if used is None else used
+    if per_row:  # rows [used_b, S) of batch row b zero
+        for b, n in enumerate(used_rows):
+            for x in (q, k, v):
+                x[b, n:] = 0
+    n_live = S if used_rows is None else min(used_rows) if per_row else used_rows
     if case.special == "nan":  # Inf / NaN in live rows held by different ranks
         q[0, min(3, n_live - 1), 0, 5] = float("inf")
         k[0, max(0, n_live - 2), Hkv - 1, 1] = float("nan")

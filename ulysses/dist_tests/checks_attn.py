@@ -172,7 +172,7 @@ def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
         with torch.no_grad():
             f32 = [x.float() for x in inputs.full]
             exp["out_fp32"] = _rows(_attend(*f32, case.causal, inputs.used, inputs.ids), ctx, L)
-            n = q.shape[1] if inputs.used is None else inputs.used
+            n = q.shape[1] if inputs.used is None else max(_counts(inputs.used))
             exp["v_max"] = inputs.full[2][:, :n].float().abs().max().item()
         if ctx.device.type == "cpu":  # only compared where bit-exactness holds
             quant = _quantized_attention(ctx, case, inputs)
@@ -188,12 +188,17 @@ def _expected_windowed(ctx: Context, case, inputs: Inputs) -> dict:
     exp = {name: _rows(t, ctx, case.L).detach() for name, t in
            zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True)}  # fmt: skip
     exp["out_fp32"] = exp["out"]
-    n = q.shape[1] if inputs.used is None else inputs.used
+    n = q.shape[1] if inputs.used is None else max(_counts(inputs.used))
     exp["v_max"] = inputs.full[2][:, :n].float().abs().max().item()
     return exp
 
 
-def _gathered_then_quantized(q, k, v, P: int, r: int, used: int | None, rep: int):
+def _counts(used) -> tuple:
+    """``used`` (an int or per-row counts) as a tuple of counts."""
+    return used if isinstance(used, tuple) else (used,)
+
+
+def _gathered_then_quantized(q, k, v, P: int, r: int, used, rep: int):
     """What rank r attends over with comm="lowp": its heads of the gather-then-quantize values
     (dequantized). Statistics are per head, so Q is quantized on its own (any Hq), and K/V
     heads repeated over ``rep`` ranks are quantized as P heads, one a rank."""

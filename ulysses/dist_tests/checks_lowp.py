@@ -93,7 +93,7 @@ def gqa_reference(q_full, k_full, v_full, *, world_size: int, rank: int, **kwarg
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-    used: int | None
+    used: int | tuple | None  # a tuple: one count per batch row
     full: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v [B, S, H, D] as built
     shards: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [B, L, H, D] views
     copies: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the shards before the call
@@ -101,7 +101,7 @@ class Inputs:
 
 def build_inputs(ctx: Context, case: cases_lowp.Case, seed: int) -> Inputs:
     P = ctx.world_size
-    used = cases_lowp.resolve_used(case.used, case.L, P, case.Gq, case.Gk)
+    used = cases_lowp.resolve_used(case.used, case.L, P, case.Gq, case.Gk, case.B)
     full = cases_lowp.build_qkv_full(case, P, used, ctx.device, seed)
     shards = tuple(reference.shard(x, ctx.rank, P) for x in full)
     for x, s in zip(full, shards, strict=True):
@@ -191,6 +191,7 @@ def _error_calls(ctx: Context):
     ok = torch.zeros(1, 8, 2 * P, 64, **bf)
     odd = torch.zeros(1, 8, 2 * P + 1, 64, **bf)
     other = torch.zeros(1, 5, P, 64, **bf)  # a signature no other call uses
+    other2 = torch.zeros(2, 5, P, 64, **bf)  # another, with two batch rows
     kv_wide = torch.zeros(1, 8, 4 * P, 64, **bf)  # more K/V heads than query heads
     rank0 = ctx.rank == 0
     calls = []
@@ -206,6 +207,7 @@ def _error_calls(ctx: Context):
         ("used > S", (ok, ok, ok), {"used_sequence": 8 * P + 1}, ValueError, "used_sequence"),
         ("used = 0", (ok, ok, ok), {"used_sequence": 0}, ValueError, "used_sequence"),
         ("used bool", (ok, ok, ok), {"used_sequence": True}, TypeError, "used_sequence"),
+        ("used rows not B", (ok, ok, ok), {"used_sequence": (3, 4)}, ValueError, "(B = 1)"),
         ("k_group", (ok, ok, ok), {"k_group": 100}, ValueError, "k_group"),
         ("group type", (ok, ok, ok), {"group": "world"}, TypeError, "group"),
     ]
@@ -215,6 +217,13 @@ def _error_calls(ctx: Context):
                 "ranks disagree on used_sequence",
                 (other, other, other),
                 {"used_sequence": 5 * P if rank0 else 5 * P - 1},
+                ValueError,
+                "disagree on used_sequence",
+            ),
+            (
+                "ranks disagree on per-row used_sequence",
+                (other2, other2, other2),
+                {"used_sequence": (5 * P, 3 if rank0 else 4)},
                 ValueError,
                 "disagree on used_sequence",
             ),

@@ -38,6 +38,9 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
                     plan_documents (hook)           attend keys of other documents
     per_row_used    ulysses.documents._used_rows    per-row live counts: every row gets the
                     (hook)                          first row's count
+    per_row_stats   ulysses.grid.row_values (hook)  comm="lowp" with per-row live counts: the
+                                                    statistics of every batch row computed
+                                                    with the first row's count
     window_shift    ulysses.attention.              a sliding window one key wider on the left
                     masked_attention (hook)
     no_verify       ulysses.attention._verify_batch the ranks' batch signature is not checked:
@@ -182,6 +185,13 @@ def _first_row_count(original):
     return used_rows
 
 
+def _first_row_values(original):
+    def row_values(used, global_sequence, group_size):
+        return original((used[0],) * len(used), global_sequence, group_size)
+
+    return row_values
+
+
 def _window_one_wider(original):
     def masked_attention(*args, window_size=None, **kwargs):
         if window_size is not None and window_size[0] >= 0:
@@ -236,6 +246,7 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "uneven_heads": (("ulysses.attention._merge_uneven", _merge_uneven_reversed),),
     "document_runs": (("ulysses.documents.plan_documents", Hook(_one_document_per_row)),),
     "per_row_used": (("ulysses.documents._used_rows", Hook(_first_row_count)),),
+    "per_row_stats": (("ulysses.grid.row_values", Hook(_first_row_values)),),
     "window_shift": (("ulysses.attention.masked_attention", Hook(_window_one_wider)),),
     "no_verify": (("ulysses.attention._verify_batch", _no_verify),),
     "head_chunk_order": (("ulysses.overlap._place_heads", Hook(_head_chunks_reversed)),),
@@ -287,6 +298,7 @@ SHOWCASE: tuple[Showcase, ...] = (
     Showcase("tail", "lowp", "L7-H24-D64-fp16-Gq128-Gk256-used_early-qkv", "k_scale =="),
     Showcase("mean_divisor", "lowp", "L7-H24-D64-fp16-Gq128-Gk256-used_early-qkv", "k_mean =="),
     Showcase("floor", "lowp", "L20-H24-D64-bf16-Gq32-Gk64-used_one-qkv", "k_scale =="),
+    Showcase("per_row_stats", "lowp", "L20-H24-D32-fp16-Gq32-Gk64-used_rows-B3", "k_mean =="),
     Showcase(
         "head_order", "attention", "bf16-L40-hq2-mha-D64-bf16-causal-used_none-B2", "out bitwise"
     ),

@@ -13,6 +13,7 @@ __all__ = [
     "counters",
     "next_pow2",
     "output_template",
+    "row_table",
     "sm_count",
     "stream_key",
     "tile",
@@ -58,6 +59,25 @@ def device_constant(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     out = pinned.to(device, non_blocking=True)
     weakref.finalize(out, _keep, pinned)  # the source lives as long as the result
     return out
+
+
+ROW_FIELDS = 3  # (live_end, tail_group, divisor) a batch row
+_ROW_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def row_table(rows: tuple | None, device: torch.device) -> torch.Tensor:
+    """int32 [B, ROW_FIELDS] on ``device``: per batch row the grid values of per-row live counts
+    (``ulysses.grid.Layout.per_row``), which a kernel built with ``PER_ROW`` reads at its
+    batch row instead of its scalar arguments; with ``rows`` None one row of zeros that no
+    kernel reads. Cached per rows and device."""
+    key = (rows, device)
+    found = _ROW_TABLES.get(key)
+    if found is None:
+        if len(_ROW_TABLES) >= 256:
+            _ROW_TABLES.clear()
+        host = torch.tensor(rows or ((0,) * ROW_FIELDS,), dtype=torch.int32).view(-1, ROW_FIELDS)
+        found = _ROW_TABLES[key] = device_constant(host, device)
+    return found
 
 
 def _keep(_pinned) -> None:

@@ -29,6 +29,7 @@ from ._runtime import (
     gdc_launch_dependents,
     gdc_wait,
     load_streamed,
+    row_table,
     tile,
     workspace,
 )
@@ -96,6 +97,7 @@ def _block_stats_kernel(
     n_mm,
     block_first,
     n_blocks,
+    rows_ptr,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -103,6 +105,7 @@ def _block_stats_kernel(
     MINMAX: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr,
 ):
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
     SPAN: tl.constexpr = G if G > 64 else 64
@@ -126,6 +129,9 @@ def _block_stats_kernel(
 
     span0 = (span_first + i_sp) * SPAN  # first global row of this span
     p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
+    if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
+        used = tl.load(rows_ptr + i_b * 3)
+        tail_group = tl.load(rows_ptr + i_b * 3 + 1)
     live_end = used - row0  # local rows below this are live
 
     b_sum = tl.zeros([BLOCK_H, D], dtype=tl.float32)
@@ -329,6 +335,7 @@ class LocalStats:
         minmax_mode: int,
         tag: float,
         use_pdl: bool,
+        per_row: tuple | None = None,
         rows: int | None = None,
         block_h: int | None = None,
         num_warps: int | None = None,
@@ -385,6 +392,10 @@ class LocalStats:
             n_mm=n_mm,
             block_first=block_first,
             n_blocks=n_blocks,
+            # per-row counts (``ulysses.grid.Layout.per_row``): read at each batch row instead of
+            # ``used`` and ``tail_group``
+            rows_ptr=row_table(per_row, device),
+            PER_ROW=per_row is not None,
             G=G,
             D=D,
             BLOCK_H=block_h,

@@ -32,6 +32,7 @@ from ._runtime import (
     device_constant,
     gdc_launch_dependents,
     gdc_wait,
+    row_table,
     sm_count,
     tile,
 )
@@ -87,13 +88,17 @@ def _finalize_kernel(
     n_src_first,
     n_src_last,
     divisor,
+    rows_ptr,
     FLOOR: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PER_ROW: tl.constexpr,
 ):
     i_b, i_ch, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_chunks, H, BLOCK_H, D)
+    if PER_ROW:  # per-row live counts: this batch row's divisor (block_stats.py's table)
+        divisor = tl.load(rows_ptr + i_b * 3 + 2)
     o_hd = o_h[:, None] * D + o_d[None, :]
 
     if USE_PDL:
@@ -204,6 +209,7 @@ def prepare_finalize(
     floor: float,
     use_pdl: bool,
     mean: torch.Tensor | None = None,
+    per_row: tuple | None = None,
 ) -> Launch:
     """The finalize launch bound to ``gathered`` (and ``minmax``). Its call arguments
     (``Launch`` slots): MODE_FUSED ``(mean, part, final)``; MODE_MEAN ``(mean,)``;
@@ -257,11 +263,13 @@ def prepare_finalize(
         n_src_first=len(first_sources),
         n_src_last=len(last_sources),
         divisor=divisor,
+        rows_ptr=row_table(per_row, device),  # per-row counts: each row's divisor
         FLOOR=floor,
         D=D,
         BLOCK_H=block_h,
         MODE=mode,
         USE_PDL=use_pdl,
+        PER_ROW=per_row is not None,
         **fixed,
     )
 
@@ -281,7 +289,9 @@ def finalize_stats(
     rank's, from ``local_stats``); MODE_MERGE needs ``amax_partial`` [B, H, n_slots] fp32 from
     the direct kernel. ``first_sources``/``last_sources`` list the gathered boundary records
     (``q * 2 + end``: rank q's first (0) or last (1) record) merged into this rank's first and
-    last touched slot (``ulysses.grid.boundary_sources``).
+    last touched slot (``ulysses.grid.boundary_sources``). ``per_row``: one live count per batch
+    row, as (live_end, tail_group, divisor) per row (``ulysses.grid.Layout.per_row``): each
+    row's mean divides by its own divisor instead of ``divisor``.
     """
     device, mode, n_slots = gathered.device, config["mode"], config["n_slots"]
     B, H, D = config["B"], config["H"], config["D"]

@@ -172,6 +172,7 @@ def _post_gather_kernel(
     n_src_first,
     n_src_last,
     divisor,
+    rows_ptr,
     n_fin,
     first_q0,
     first_e0,
@@ -197,6 +198,7 @@ def _post_gather_kernel(
     USE_PDL: tl.constexpr,
     N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PER_ROW: tl.constexpr,
 ):
     """The exchange after its all_gather in ONE launch: programs [0, n_fin) are K's finalize
     (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. Small launches
@@ -227,11 +229,13 @@ def _post_gather_kernel(
             n_src_first,
             n_src_last,
             divisor,
+            rows_ptr,
             FLOOR,
             D,
             BLOCK_H,
             MODE,
             USE_PDL,
+            PER_ROW,
         )
     else:
         if USE_PDL:

@@ -53,6 +53,7 @@ from ._runtime import (
     gdc_wait,
     load_streamed,
     next_pow2,
+    row_table,
     tile,
 )
 
@@ -140,12 +141,14 @@ def _pack_q_group(
     ROW,
     CB,
     E4,
+    rows_ptr,
     D: tl.constexpr,
     GQ: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HW_ROUND: tl.constexpr,
     FLOOR: tl.constexpr,
     EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr,
 ):
     """Q_ONCE program ``i_q`` of the pack launch: one per (batch, Q group this rank touches,
     head block). The group's [GQ, BLOCK_H, D] tile is read once, in one go. A group this
@@ -156,6 +159,9 @@ def _pack_q_group(
     i_hb = i_q % n_hblocks
     i_g = (i_q // n_hblocks) % n_qgroups  # slot of amax_q
     i_b = i_q // (n_hblocks * n_qgroups)
+    if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
+        live_end = tl.load(rows_ptr + i_b * 3)
+        tail_group_q = tl.load(rows_ptr + i_b * 3 + 1)
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     o_d = tl.arange(0, D)  # [D]
     m_h = o_h < H
@@ -244,6 +250,7 @@ def _pack_kernel(
     k_off,
     HS,
     HKS,
+    rows_ptr,
     D: tl.constexpr,
     GQ: tl.constexpr,
     GK: tl.constexpr,
@@ -256,6 +263,7 @@ def _pack_kernel(
     FLOOR: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
     if USE_PDL:
@@ -374,12 +382,14 @@ def _pack_kernel(
                 ROW,
                 CB,
                 E4,
+                rows_ptr,
                 D,
                 GQ,
                 BLOCK_H,
                 HW_ROUND,
                 FLOOR,
                 EVICT,
+                PER_ROW,
             )
     else:
         # scale slots: global index m over [P destinations][L * E4 slots]; slot n < NF =
@@ -511,9 +521,10 @@ def prepare_pack(
         q_whole_lo = 0 if shift == 0 else 1
         q_whole_hi = max(q_whole_lo, (row0 + L) // q_group - row0 // q_group)
         tail_group_q, live_end, floor = q_once.tail_group, q_once.live_end, q_once.floor
+        per_row = q_once.per_row
     else:
         n_qgroups = n_qcode = q_whole_lo = q_whole_hi = live_end = 0
-        tail_group_q, floor = -1, 0.0
+        tail_group_q, floor, per_row = -1, 0.0, None
     n_scales = P * L * (scale_bytes // 4)  # every scale slot, used or not
     block_n = 256 if cuda else 4096
     (sqb, sql, sqh, _), (skb, skl, skh, _), (svb, svl, svh, _) = strides
@@ -573,6 +584,9 @@ def prepare_pack(
         k_off=i_chunk * hkv,
         HS=H_src,
         HKS=HK_src,
+        # per-row counts (``QOnce.per_row``): read at each batch row by the Q_ONCE programs
+        rows_ptr=row_table(per_row, device),
+        PER_ROW=per_row is not None,
         BLOCK_H=block_h,
         BLOCK_L=block_l,
         ROWS=rows,
@@ -589,12 +603,14 @@ def prepare_pack(
 class QOnce(NamedTuple):
     """The Q grid's values :func:`prepare_pack` needs to read Q once (``ulysses.grid.layout``
     of the Q grid): slots this rank touches, the tail group (-1: none), the end of the live
-    rows (global), the amax floor."""
+    rows (global), the amax floor; with per-row counts, per batch row (live_end, tail_group,
+    divisor) (``ulysses.grid.Layout.per_row``), which replace the two scalars."""
 
     n_touched: int
     tail_group: int
     live_end: int
     floor: float
+    per_row: tuple | None = None
 
 
 # The largest Q group tile [GQ, BLOCK_H, D] that the q_once programs hold in registers

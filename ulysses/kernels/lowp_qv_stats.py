@@ -37,6 +37,7 @@ from ._runtime import (
     gdc_wait,
     load_streamed,
     next_pow2,
+    row_table,
     tile,
 )
 from ._tl import head_block_program
@@ -87,6 +88,7 @@ def _qv_stats_kernel(
     live_end,
     q_skip_lo,
     q_skip_hi,
+    rows_ptr,
     FLOOR: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -95,6 +97,7 @@ def _qv_stats_kernel(
     ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr,
 ):
     n_hblocks = tl.cdiv(H, BLOCK_H)
     g_first = row0 // G
@@ -102,6 +105,9 @@ def _qv_stats_kernel(
     m_vd = (o_h < HV)[:, None] & (o_d[None, :] < D)  # [BH, D]: V's heads
     p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
     p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
+    if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
+        live_end = tl.load(rows_ptr + i_b * 3)
+        tail_group = tl.load(rows_ptr + i_b * 3 + 1)
     live = live_end - row0  # local rows below this are live
     floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
 
@@ -182,6 +188,7 @@ def prepare_qv_stats(
     use_pdl: bool,
     q_boundary_only: bool = False,
     v_heads: int | None = None,
+    per_row: tuple | None = None,
     span: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -248,6 +255,10 @@ def prepare_qv_stats(
         live_end=live_end,
         q_skip_lo=1 if q_boundary_only else 0,
         q_skip_hi=n_touched - 1 if q_boundary_only else 0,
+        # per-row counts (``ulysses.grid.Layout.per_row`` of the Q grid): read at each batch
+        # row instead of ``live_end`` and ``tail_group``
+        rows_ptr=row_table(per_row, device),
+        PER_ROW=per_row is not None,
         G=G,
         D=D,
         SPAN=span,
