@@ -254,12 +254,14 @@ def _quantized_attention(ctx: Context, case, inputs: Inputs) -> dict:
 
 @contextlib.contextmanager
 def logged_collectives(log: list):
-    """Record each collective step of ``ulysses.attention`` (its all_to_alls, and the
-    low-precision exchange as one step) in ``log``."""
+    """Record each collective step of ``ulysses.attention`` (its all_to_alls, the
+    low-precision exchange as one step, and with head chunks the statistics' all_gather) in
+    ``log``."""
     a2a = ulysses.attention._all_to_all
     a2a_uneven = ulysses.attention._all_to_all_uneven
     exchange = ulysses.lowp.exchange_to_heads  # the layer's entry to the exchange
     a2a_start = ulysses.overlap._all_to_all_start  # head chunks: the pipelined all_to_alls
+    chunk_stats = ulysses.overlap._exchange_stats  # head chunks in lowp: the one all_gather
 
     def logged_a2a(send, pg):
         log.append(f"all_to_all {list(send.shape)}")
@@ -273,6 +275,10 @@ def logged_collectives(log: list):
         log.append(f"all_to_all (pipelined) {list(send.shape)}")
         return a2a_start(send, pg, world_size)
 
+    def logged_chunk_stats(q, k, v, **kw):
+        log.append(f"lowp statistics all_gather {list(q.shape)} {list(k.shape)}")
+        return chunk_stats(q, k, v, **kw)
+
     def logged_exchange(q, k, v, **kw):
         log.append(f"exchange {list(q.shape)} {list(k.shape)}")
         return exchange(q, k, v, **kw)
@@ -282,6 +288,7 @@ def logged_collectives(log: list):
         mock.patch("ulysses.attention._all_to_all_uneven", logged_a2a_uneven),
         mock.patch("ulysses.lowp.exchange_to_heads", logged_exchange),
         mock.patch("ulysses.overlap._all_to_all_start", logged_a2a_start),
+        mock.patch("ulysses.overlap._exchange_stats", logged_chunk_stats),
     ):
         yield
 
@@ -444,8 +451,13 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
         run.check(f"{name} padding rows zero", _zero_rows(name, t, ctx, case.L, inputs.used))
     # forward: the input exchange (an all_to_all, or lowp's exchange) and the output all_to_all;
     # backward: two all_to_alls; each of them once per head chunk. P = 1: none, but "lowp"
-    # still calls the exchange (which then runs no collective)
-    expected_steps = (4 if ctx.world_size > 1 else int(case.lowp)) * case.chunks
+    # still calls the exchange (which then runs no collective). Head chunks run the pipeline
+    # at every P (its all_to_alls are no-ops at P = 1); in "lowp" the statistics of all heads
+    # come first, one all_gather, then the chunks' all_to_alls.
+    if case.chunks > 1:
+        expected_steps = 4 * case.chunks + int(case.lowp)
+    else:
+        expected_steps = 4 if ctx.world_size > 1 else int(case.lowp)
     mine = logs[ctx.rank]
     detail = None
     if any(other != mine for other in logs):
