@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ulysses
 from ulysses import attention as A
-from ulysses import documents
+from ulysses import documents, reference
 from ulysses.reference import bitwise_diff
 
 
@@ -25,25 +24,7 @@ def _qkv(B, S, Hq, Hkv, D, dtype=torch.bfloat16, seed=0, used=None):
 
 
 def _per_row_reference(q, k, v, causal, counts, ids=None):
-    """SDPA batch row by batch row over its live rows, one call per run of equal ids; rows
-    past each count zero (written independently of the library)."""
-    B, S = q.shape[:2]
-    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
-    rows = []
-    for b in range(B):
-        n = counts[b]
-        row_ids = [0] * n if ids is None else ids[b, :n].tolist()
-        pieces, s0 = [], 0
-        for s in range(1, n + 1):
-            if s == n or row_ids[s] != row_ids[s0]:
-                sl = [x[b : b + 1, s0:s].transpose(1, 2) for x in (q, k, v)]
-                pieces.append(
-                    F.scaled_dot_product_attention(*sl, is_causal=causal, **gqa).transpose(1, 2)
-                )
-                s0 = s
-        pieces.append(q.new_zeros(1, S - n, *q.shape[2:]))
-        rows.append(torch.cat(pieces, dim=1))
-    return torch.cat(rows)
+    return reference.attend_rows(q, k, v, causal=causal, used=tuple(counts), ids=ids)
 
 
 @pytest.fixture(autouse=True)

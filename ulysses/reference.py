@@ -51,6 +51,7 @@ __all__ = [
     "slot_masks",
     "bitwise_diff",
     "format_value",
+    "attend_rows",
 ]
 
 FLOOR = 1e-7  # the smallest amax a touched slot reports (as fp32)
@@ -489,3 +490,30 @@ def lowp_gradient_wire(partials) -> torch.Tensor:
     for p in parts[1:]:
         total = total + p.float()
     return total.to(parts[0].dtype)
+
+
+def attend_rows(q, k, v, *, causal: bool, used=None, ids=None) -> torch.Tensor:
+    """Attention of [B, S, hq, D] q and [B, S, hkv, D] k, v batch row by batch row, from the
+    rules alone: row b attends its live rows ``[0, used_b)`` (``used``: None, an int or B
+    counts) and, with ``ids`` [B, S], within each run of equal ids only, one SDPA call per
+    run (causal within it); rows past ``used_b`` are 0. The same SDPA calls on the same
+    slices as the library's per-document path, so the bits can be compared."""
+    import torch.nn.functional as F
+
+    B, S = q.shape[:2]
+    counts = tuple(used) if isinstance(used, (tuple, list)) else (S if used is None else used,) * B
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
+    rows = []
+    for b in range(B):
+        n = counts[b]
+        row_ids = [0] * n if ids is None else ids[b, :n].tolist()
+        pieces, s0 = [], 0
+        for s in range(1, n + 1):
+            if s == n or row_ids[s] != row_ids[s0]:
+                qs, ks, vs = (x[b : b + 1, s0:s].transpose(1, 2) for x in (q, k, v))
+                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, **gqa)
+                pieces.append(out.transpose(1, 2))
+                s0 = s
+        pieces.append(q.new_zeros(1, S - n, *q.shape[2:]))
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0)

@@ -105,7 +105,7 @@ def _attend(q, k, v, causal: bool, used, ids=None):
     counts (a tuple) or document ids [B, S]: batch row by batch row, one SDPA call per run
     of equal ids within the live rows."""
     if ids is not None or isinstance(used, tuple):
-        return _attend_rows(q, k, v, causal, used, ids)
+        return reference.attend_rows(q, k, v, causal=causal, used=used, ids=ids)
     S = q.shape[1]
     n = S if used is None else used
     gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
@@ -114,26 +114,6 @@ def _attend(q, k, v, causal: bool, used, ids=None):
         is_causal=causal, **gqa,
     ).transpose(1, 2)  # fmt: skip
     return torch.cat([out, out.new_zeros(out.shape[0], S - n, *out.shape[2:])], dim=1)
-
-
-def _attend_rows(q, k, v, causal: bool, used, ids):
-    B, S = q.shape[:2]
-    counts = used if isinstance(used, tuple) else (S if used is None else used,) * B
-    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
-    rows = []
-    for b in range(B):
-        n = counts[b]
-        row_ids = [0] * n if ids is None else ids[b, :n].tolist()
-        pieces, s0 = [], 0
-        for s in range(1, n + 1):
-            if s == n or row_ids[s] != row_ids[s0]:
-                qs, ks, vs = (x[b : b + 1, s0:s].transpose(1, 2) for x in (q, k, v))
-                pieces.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal,
-                                                             **gqa).transpose(1, 2))  # fmt: skip
-                s0 = s
-        pieces.append(q.new_zeros(1, S - n, *q.shape[2:]))
-        rows.append(torch.cat(pieces, dim=1))
-    return torch.cat(rows, dim=0)
 
 
 def _windowed(q, k, v, causal: bool, used, ids, window):
