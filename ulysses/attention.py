@@ -624,6 +624,8 @@ def _check_call(q, k, v, comm, layout, causal, scale, attn) -> None:
             f"q and k must agree in B, L and D (layout {layout!r}: {legend}), got "
             f"q {tuple(qs)} and k {tuple(ks)}"
         )
+    if comm == "lowp":
+        _validate.check_lowp_head_dim(qs[3], f"q {tuple(qs)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if scale is not None:

@@ -313,9 +313,9 @@ _MAX_GLOBAL_ROWS = 2**31 - 2**16
 
 def _check_qkv(q, k, v_) -> tuple[int, int, int, int, int]:
     """(B, L, Hq, Hkv, D) of valid shards: k and v [B, L, Hkv, D], q [B, L, Hq, D]."""
-    B, L, Hkv, D = _validate.check_k(k, "k")
+    B, L, Hkv, D = _validate.check_k(k, "k", lowp=True)
     for name, t in (("q", q), ("v", v_)):
-        _validate.check_k(t, name)
+        _validate.check_k(t, name, lowp=True)
         if name == "v" and tuple(t.shape) != tuple(k.shape):
             raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(t.shape)}")
         if name == "q" and (t.shape[0], t.shape[1], t.shape[3]) != (B, L, D):

@@ -146,6 +146,8 @@ DEFAULT_CASES = (
     Case("lowpbw", L=37, hq=2, kv="gqa", D=64, dtype="fp16", causal=True, used="early"),
     Case("lowpbw", L=33, hq=1, kv="gqarep", D=32, dtype="bf16", causal=False, used="tail"),
     Case("lowpbw8", L=40, hq=2, kv="mha", D=32, dtype="fp16", causal=True, used="early", B=2),
+    # a head dim that is not a power of two (the kernels' masked channel block)
+    Case("lowpbw8", L=20, hq=2, kv="gqa", D=80, dtype="bf16", causal=True, used="tail"),
     # head counts that do not split evenly over the ranks
     Case("bf16", L=5, hq=0, kv="odd", D=16, dtype="bf16", causal=True, used="tail"),
     Case("bf16", L=6, hq=0, kv="g40", D=16, dtype="bf16", causal=False, used="none"),

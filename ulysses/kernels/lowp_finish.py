@@ -197,6 +197,7 @@ def _post_gather_kernel(
     USE_PDL: tl.constexpr,
     N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
+    DB: tl.constexpr,
 ):
     """The exchange after its all_gather in ONE launch: programs [0, n_fin) are K's finalize
     (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. Small launches
@@ -232,6 +233,7 @@ def _post_gather_kernel(
             BLOCK_H,
             MODE,
             USE_PDL,
+            DB,
         )
     else:
         if USE_PDL:
