@@ -48,6 +48,8 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
                     channel_block                   of two: the pack's tile rounded down to one
                                                     (80 -> 64), so channels past it never reach
                                                     the wire (a channel mask bound wrong)
+    v_int8_scale    ulysses.lowp._V_MAX             v_format="int8": V's scale amax / 128 while
+                                                    its codes use 127 / amax
     grad_scales     ulysses.rowwire.                backward_comm="lowp": dq|dk|dv dequantized
                     grads_dequant_op (hook)         with the previous rank's scales
     dout_scales     ulysses.rowwire.                backward_comm="lowp": the output's gradient
@@ -248,6 +250,7 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "no_verify": (("ulysses.attention._verify_batch", _no_verify),),
     "head_chunk_order": (("ulysses.overlap._place_heads", Hook(_head_chunks_reversed)),),
     "channel_block": (("ulysses.kernels.lowp_pack.channel_block", _channel_block_rounded_down),),
+    "v_int8_scale": (("ulysses.lowp._V_MAX", {"fp8": 448.0, "int8": 128.0}),),
     "grad_scales": (
         (
             "ulysses.rowwire.grads_dequant_op",
@@ -302,6 +305,12 @@ SHOWCASE: tuple[Showcase, ...] = (
     Showcase("key_mask", "attention", _ATTN_TAIL, "out bitwise"),
     Showcase("backward_a2a", "attention", _ATTN_TAIL, "dq bitwise"),
     Showcase("grad_scales", "attention", _ATTN_LOWPBW, "dk bitwise vs gather-then-quantize"),
+    Showcase(
+        "v_int8_scale",
+        "attention",
+        "lowp-L24-hq1-mha-D32-bf16-full-used_tail-vint8",
+        "out bitwise vs gather-then-quantize",
+    ),
     Showcase(
         "channel_block",
         "attention",

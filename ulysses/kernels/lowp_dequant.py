@@ -82,6 +82,7 @@ def _dequant_qkv_kernel(
     BLOCK_S: tl.constexpr,
     HW_ROUND: tl.constexpr,
     DB: tl.constexpr,
+    V_INT8: tl.constexpr,
 ):
     i_s, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -122,9 +123,12 @@ def _dequant_qkv_kernel(
             b_vs = tl.load(p_vs)
         else:
             b_vs = tl.load(p_vs, mask=o_d < D, other=0.0)
-        # e4m3's NaN codes (0x7F, 0xFF) by their bits: Triton's interpreter reads them as finite
-        m_vnan = (b_vc.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
-        b_vf = tl.where(m_vnan, float("nan"), b_vc.to(tl.float32))
+        if V_INT8:  # v_format "int8"
+            b_vf = b_vc.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            # e4m3's NaN codes (0x7F, 0xFF) by their bits: the interpreter reads them as finite
+            m_vnan = (b_vc.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+            b_vf = tl.where(m_vnan, float("nan"), b_vc.to(tl.float32))
         b_v = round_to(b_vf * b_vs[None, :], out_dtype, HW_ROUND)
         p_v = v_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_hv) * D + o_d[None, :]
         tl.store(p_v, b_v, mask=m_sd)
@@ -153,13 +157,14 @@ def prepare_dequant(
     q_group: int,
     k_group: int,
     dtype: torch.dtype,
+    v_int8: bool = False,
 ) -> Launch:
     """The dequantize launch for codes q of ``q_shape`` [B, S, hq, D] and k, v of ``kv_shape``
     with ``strides`` (q's, k's, v's) into outputs of ``dtype``, prepared once per
     configuration (the compiled kernel is specialized on the output dtype): call it with
     ``(q, k, v, q_scale, k_scale, v_scale, q_out, k_out, v_out)``, scales and outputs
-    contiguous."""
-    key = (q_shape, kv_shape, strides, device, q_group, k_group, dtype)
+    contiguous. ``v_int8``: v's codes are int8 (``v_format="int8"``), else float8_e4m3fn."""
+    key = (q_shape, kv_shape, strides, device, q_group, k_group, dtype, v_int8)
     found = _PREPARED.get(key)
     if found is not None:
         return found
@@ -175,6 +180,7 @@ def prepare_dequant(
         stride_kh=skh, stride_vb=svb, stride_vs=svs, stride_vh=svh, S=S, HQ=HQ, HKV=HKV,
         q_group=q_group, k_group=k_group, n_qg=cdiv(S, q_group), n_kg=cdiv(S, k_group), D=D,
         BLOCK_S=block_s, HW_ROUND=compiled_for_gpu(device), DB=channel_block(D),
+        V_INT8=v_int8,
     )  # fmt: skip
     if len(_PREPARED) >= _MAX_PREPARED:
         _PREPARED.clear()
@@ -199,7 +205,8 @@ def dequantize_qkv(
     ``ulysses`` validates user input."""
     B, S, HQ, D = q.shape
     HKV = k.shape[2]
-    assert q.dtype == torch.int8 and k.dtype == torch.int8 and v.dtype == torch.float8_e4m3fn
+    assert q.dtype == torch.int8 and k.dtype == torch.int8
+    assert v.dtype in (torch.float8_e4m3fn, torch.int8)  # v_format "fp8" or "int8"
     assert k.shape == v.shape == (B, S, HKV, D) and HKV >= 1 and HQ % HKV == 0
     assert q.stride(3) == k.stride(3) == v.stride(3) == 1
     assert 16 <= D <= 256 and D % 16 == 0, "D must be a multiple of 16 up to 256"
@@ -217,7 +224,7 @@ def dequantize_qkv(
         return q_out, k_out, v_out
     step = prepare_dequant(
         q.shape, k.shape, (q.stride(), k.stride(), v.stride()), device, q_group=q_group,
-        k_group=k_group, dtype=dtype,
+        k_group=k_group, dtype=dtype, v_int8=v.dtype == torch.int8,
     )  # fmt: skip
     step(q, k, v, q_scale, k_scale, v_scale, q_out, k_out, v_out)
     return q_out, k_out, v_out

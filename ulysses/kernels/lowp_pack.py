@@ -259,6 +259,7 @@ def _pack_kernel(
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
     DB: tl.constexpr,
+    V_INT8: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
     if USE_PDL:
@@ -299,8 +300,11 @@ def _pack_kernel(
         b_mean = tl.load(mean_ptr + i_b * HKS * D + o_cd, mask=m_ed, other=0.0).to(tl.float32)
         b_mean = b_mean[None, :, :]
         b_av = tl.load(amax_v_ptr + i_b * HKS * D + o_cd, mask=m_ed, other=1.0)
-        b_iv = tl.math.div_rn(tl.full([BLOCK_H, DB], 448.0, tl.float32), b_av)[None, :, :]
-        b_keep = tl.where(b_av == 0.0, 0, 0xFF).to(tl.uint8)[None, :, :]
+        if V_INT8:  # v_format "int8": 127 / amax_v (amax 0: a NaN product, code 0)
+            b_iv = tl.math.div_rn(tl.full([BLOCK_H, DB], 127.0, tl.float32), b_av)[None, :, :]
+        else:
+            b_iv = tl.math.div_rn(tl.full([BLOCK_H, DB], 448.0, tl.float32), b_av)[None, :, :]
+            b_keep = tl.where(b_av == 0.0, 0, 0xFF).to(tl.uint8)[None, :, :]
 
         # ROWS rows at a time as [ROWS, BLOCK_H, D] tiles: the loads of q, k and v for a chunk
         # are issued together, with wide per-thread accesses.
@@ -346,7 +350,10 @@ def _pack_kernel(
                 b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_ak)
             p_dk = send_ptr + o_dk + o_row * ROW
             tl.store(p_dk, int8_code(b_x, b_inv[:, :, None], HW_ROUND), mask=m_rowe)
-            b_code = e4m3_code(b_v.to(tl.float32), b_iv, b_keep, HW_ROUND)
+            if V_INT8:
+                b_code = int8_code(b_v.to(tl.float32), b_iv, HW_ROUND)
+            else:
+                b_code = e4m3_code(b_v.to(tl.float32), b_iv, b_keep, HW_ROUND)
             tl.store(p_dk + hkv * D, b_code, mask=m_rowe)
     elif i_pid < n_code + n_qcode:
         if Q_ONCE:
@@ -446,6 +453,7 @@ def prepare_pack(
     block_h: int | None = None,
     num_warps: int | None = None,
     evict: bool = False,
+    v_int8: bool = False,
 ) -> Launch:
     """The pack launch for q of this ``shape`` [B, L, H, D], k and v of ``kv_heads`` heads (H
     when None) and ``strides`` (q's, k's, v's), writing ``send``: call it with ``(q, k, v,
@@ -464,7 +472,8 @@ def prepare_pack(
     of every destination j, laid out as a send buffer of ``h/n`` and ``hkv/n`` heads a
     destination (``row_bytes`` and ``scale_bytes`` of that wire); q, k, v and the statistics
     keep all their heads (the same call arguments), and each code and scale has the bits of
-    the same head in the one-chunk pack."""
+    the same head in the one-chunk pack. ``v_int8``: V as int8 codes of ``127 / amax_v``
+    (``v_format="int8"``), else e4m3 of ``448 / amax_v``."""
     B, L, H_src, D = shape
     P = world_size
     HK_src = H_src if kv_heads is None else kv_heads
@@ -588,6 +597,7 @@ def prepare_pack(
         USE_PDL=use_pdl,
         EVICT=evict,
         DB=DB,
+        V_INT8=v_int8,
         **fixed,
     )
 
