@@ -952,7 +952,9 @@ def ulysses_attention(
             that disagree (see above); ``document_ids`` not [B, L] (a plan: not [B, S]),
             decreasing along a row's global sequence or negative; unknown ``comm``,
             ``backward_comm`` or ``layout``; ``int8_output=True`` or
-            ``backward_comm="lowp"`` without ``comm="lowp"``; what ``exchange_qkv`` rejects
+            ``backward_comm="lowp"`` or ``v_format="int8"`` without ``comm="lowp"``; a
+            ``v_format`` other than "fp8" or "int8"; with "lowp" a head dim D that is not a
+            multiple of 16 up to 256; what ``exchange_qkv`` rejects
             for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``;
             ``head_chunks`` < 1, not dividing the K/V heads a rank receives, or > 1 with an
             uneven head split or repeated K/V heads (the message names the head counts).

@@ -394,7 +394,8 @@ def exchange_qkv(
         TypeError: a tensor that is not bf16/fp16 or whose dtype differs from k's, bad types
             of the int or bool arguments, a ``group`` that is not a ProcessGroup.
         ValueError: the shape/stride/alignment rules (docs/CONTRACT.md §3) broken by q, k or
-            v; v's shape not k's, q's B, L or D not k's; devices that differ; head counts
+            v (the head dim: any multiple of 16 from 16 to 256); v's shape not k's, q's B, L
+            or D not k's; devices that differ; ``v_format`` not "fp8" or "int8"; head counts
             outside the rules above (the message names the rule and the numbers);
             ``q_group`` or ``k_group`` not in (16, 32, 64, 128, 256); ``used_sequence``
             outside [1, S]; torch.distributed not initialized under a launcher that started
