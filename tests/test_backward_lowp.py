@@ -65,7 +65,8 @@ def _assert_bits(got, want, what):
 
 # ---- the kernels, P ranks simulated -----------------------------------------------------------
 
-TO_HEADS = [(1, 2, 1, 40, 64), (2, 1, 2, 33, 16), (3, 3, 2, 20, 128), (4, 2, 1, 7, 32)]
+TO_HEADS = [(1, 2, 1, 40, 64), (2, 1, 2, 33, 16), (3, 3, 2, 20, 128), (4, 2, 1, 7, 32),
+            (2, 1, 1, 11, 96), (3, 1, 1, 6, 112)]  # fmt: skip
 
 
 @pytest.mark.parametrize("P,h,B,L,D", TO_HEADS, ids=lambda x: str(x))
@@ -110,6 +111,8 @@ GRADS = [
     (2, 4, 1, 1, 21, 32),  # rep 2
     (4, 4, 2, 2, 9, 16),  # rep 2, two K/V heads
     (3, 3, 1, 1, 10, 32),  # rep 3
+    (2, 4, 2, 1, 9, 48),  # head dims that are not powers of two
+    (2, 2, 1, 1, 7, 80),  # rep 2
 ]
 
 

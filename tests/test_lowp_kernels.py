@@ -72,6 +72,12 @@ CASES = [
     ("L33-h1-D64-bf16-S-nan", 33, 1, 64, "bf16", 32, 64, "S", 1, False, "nan"),
     ("L24-h2-D32-fp16-tail-zero_v", 24, 2, 32, "fp16", 256, 16, "tail", 1, False, "zero_v"),
     ("L1-h3-D64-bf16", 1, 3, 64, "bf16", 32, 64, "none", 2, False, ""),
+    # head dims that are multiples of 16 but not powers of two (a masked channel block)
+    ("L24-h1-D80-bf16-tail", 24, 1, 80, "bf16", 16, 32, "tail", 1, False, ""),
+    ("L20-h2-D96-fp16-early-fused", 20, 2, 96, "fp16", 32, 16, "early", 1, True, ""),
+    ("L17-h1-D112-bf16-nan", 17, 1, 112, "bf16", 16, 64, "none", 2, False, "nan"),
+    ("L30-h2-D48-bf16-tail-zero_v", 30, 2, 48, "bf16", 32, 32, "tail", 1, False, "zero_v"),
+    ("L12-h1-D208-fp16-mulG", 12, 1, 208, "fp16", 16, 16, "mulG", 1, False, ""),
 ]
 WORLD_SIZES = (2, 4)
 

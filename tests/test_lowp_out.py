@@ -20,7 +20,16 @@ def _heads_out(B, S, H, D, dtype, seed):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("P,h,B,L,D", [(1, 2, 1, 40, 64), (2, 1, 2, 33, 16), (3, 3, 2, 20, 128)])
+@pytest.mark.parametrize(
+    "P,h,B,L,D",
+    [
+        (1, 2, 1, 40, 64),
+        (2, 1, 2, 33, 16),
+        (3, 3, 2, 20, 128),
+        (2, 2, 1, 9, 80),
+        (1, 1, 1, 12, 208),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_output_exchange_matches_the_reference(P, h, B, L, D, dtype):
     S = P * L

@@ -11,7 +11,17 @@ import torch
 from .grid import check_group_size, check_int, check_used, check_world  # noqa: F401 (re-exported)
 
 K_DTYPES = (torch.bfloat16, torch.float16)
-HEAD_DIMS = (16, 32, 64, 128, 256)
+HEAD_DIMS = (16, 32, 64, 128, 256)  # the statistics ops (k_grouped_amax, smooth_k_stats, ...)
+LOWP_HEAD_DIMS = "a multiple of 16 from 16 to 256"  # comm='lowp' and ulysses.lowp
+
+
+def check_lowp_head_dim(D: int, name: str) -> None:
+    """The head dims of the low-precision exchange (ValueError naming ``comm='lowp'``)."""
+    if not (16 <= D <= 256 and D % 16 == 0):
+        raise ValueError(
+            f"comm='lowp' needs a head dim D that is {LOWP_HEAD_DIMS} (e.g. 64, 80, 96, 112, "
+            f"128), got D={D} in {name}; comm='bf16' takes any D"
+        )
 
 
 def check_4d(x, name: str, dtypes: tuple) -> None:
@@ -25,8 +35,9 @@ def check_4d(x, name: str, dtypes: tuple) -> None:
         raise ValueError(f"{name} must be 4-D with every size >= 1, got shape {tuple(x.shape)}")
 
 
-def check_k(k, name: str = "k") -> tuple[int, int, int, int]:
+def check_k(k, name: str = "k", *, lowp: bool = False) -> tuple[int, int, int, int]:
     """Validate a shard [B, L, H, D] (``k``, or q/v of the exchange); return its shape.
+    ``lowp``: the exchange's head dims (:func:`check_lowp_head_dim`), else ``HEAD_DIMS``.
 
     The layout cannot be checked: a [B, H, L, D] tensor would be read with L and H swapped.
     """
@@ -40,7 +51,9 @@ def check_k(k, name: str = "k") -> tuple[int, int, int, int]:
     B, L, H, D = shape
     if B < 1 or L < 1 or H < 1:
         raise ValueError(f"{name} must have B, L, H >= 1, got shape {tuple(shape)}")
-    if D not in HEAD_DIMS:
+    if lowp:
+        check_lowp_head_dim(D, f"{name} of shape {tuple(shape)}")
+    elif D not in HEAD_DIMS:
         raise ValueError(f"{name} head dim D must be one of {HEAD_DIMS}, got shape {tuple(shape)}")
     if k.device.type not in ("cuda", "cpu"):
         raise ValueError(f"{name} must be on a CUDA or CPU device, got {k.device}")

@@ -273,16 +273,17 @@ class _LowpToHeads(torch.autograd.Function):
     P = 1, with no collective, so that the gradients do not depend on P)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, hd, pg, used_sequence, q_group, k_group, lowp_backward):
+    def forward(ctx, q, k, v, hd, pg, used_sequence, q_group, k_group, lowp_backward, v_format):
         ctx.hd, ctx.pg, ctx.lowp_backward = hd, pg, lowp_backward
         # exchange_qkv(...).dequantize(); under torch.compile one op running that eager call
         return lowp.exchange_to_heads(
-            q, k, v, group=pg, used_sequence=used_sequence, q_group=q_group, k_group=k_group
-        )
+            q, k, v, group=pg, used_sequence=used_sequence, q_group=q_group, k_group=k_group,
+            v_format=v_format,
+        )  # fmt: skip
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        hd, none = ctx.hd, (None,) * 6
+        hd, none = ctx.hd, (None,) * 7
         if ctx.lowp_backward:
             return (*_lowp_grads_to_seq(dq, dk, dv, hd, ctx.pg), *none)
         if hd.P == 1:  # the head shard is the sequence shard
@@ -632,6 +633,8 @@ def _check_call(q, k, v, comm, layout, causal, scale, attn) -> None:
             f"q and k must agree in B, L and D (layout {layout!r}: {legend}), got "
             f"q {tuple(qs)} and k {tuple(ks)}"
         )
+    if comm == "lowp":
+        _validate.check_lowp_head_dim(qs[3], f"q {tuple(qs)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if scale is not None:
@@ -772,6 +775,8 @@ def _readable_disagreement(exc: ValueError, pg, P: int, device, used, B: int) ->
         values = [bool(x) for x in values]
     elif name == "head_chunks":
         values = ["auto" if x == 0 else x for x in values]
+    elif name == "v_format":
+        values = [lowp.V_FORMATS[x] for x in values]
     elif name == "used_sequence":
         if any(x is not None and x < -1 for x in values):  # some rank passed per-row counts
             mine = list(used) if isinstance(used, tuple) else [used] * B
@@ -854,6 +859,7 @@ def ulysses_attention(
     document_ids=None,
     attn_kwargs: dict | None = None,
     head_chunks: int | str = 1,
+    v_format: str = "fp8",
 ) -> torch.Tensor:
     """Ulysses sequence-parallel attention: this rank's sequence shard in, its shard out.
 
@@ -923,6 +929,10 @@ def ulysses_attention(
       GQA groups), with the heads split evenly and K/V heads not repeated over ranks;
       ``"auto"`` picks n from the shape (``ulysses.overlap.auto_head_chunks``; 1 where
       chunks would not pay). Under torch.compile the call runs as one chunk.
+    * ``v_format`` (with "lowp" only): "fp8" (default: V as float8_e4m3fn codes, scale
+      ``amax/448`` per (head, channel)) or "int8" (V as int8 codes, scale ``amax/127`` per
+      (head, channel), the amax over the whole live sequence: the same bytes, an error of
+      at most ``amax/254`` a value before the rounding to the dtype).
     * ``group``: the Ulysses process group (default: the world group; with torch.distributed
       not initialized, a world of one). P = 1 runs no collective.
 
@@ -944,7 +954,9 @@ def ulysses_attention(
             that disagree (see above); ``document_ids`` not [B, L] (a plan: not [B, S]),
             decreasing along a row's global sequence or negative; unknown ``comm``,
             ``backward_comm`` or ``layout``; ``int8_output=True`` or
-            ``backward_comm="lowp"`` without ``comm="lowp"``; what ``exchange_qkv`` rejects
+            ``backward_comm="lowp"`` or ``v_format="int8"`` without ``comm="lowp"``; a
+            ``v_format`` other than "fp8" or "int8"; with "lowp" a head dim D that is not a
+            multiple of 16 up to 256; what ``exchange_qkv`` rejects
             for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``;
             ``head_chunks`` < 1, not dividing the K/V heads a rank receives, or > 1 with an
             uneven head split or repeated K/V heads (the message names the head counts).
@@ -959,6 +971,7 @@ def ulysses_attention(
     options = _check_attn_kwargs(attn_kwargs, custom=attn is not None)
     _check_int8_output(int8_output, comm)
     _check_backward_comm(backward_comm, comm)
+    _check_v_format(v_format, comm)
     overlap.check_head_chunks(head_chunks)
     lowp_backward = backward_comm == "lowp"
     if layout == "bhsd":
@@ -970,6 +983,7 @@ def ulysses_attention(
         "comm": COMM_MODES.index(comm), "int8_output": int(int8_output),
         "backward_comm": BACKWARD_COMMS.index(backward_comm),
         "head_chunks": 0 if head_chunks == "auto" else head_chunks,
+        "v_format": lowp.V_FORMATS.index(v_format),
     }  # fmt: skip
     _verify_batch(pg, P, q, k, wire, used, document_ids)
     hd = _heads(Hq, k.shape[2], P, comm)
@@ -992,13 +1006,14 @@ def ulysses_attention(
         out = overlap.pipelined_attention(
             q, k, v, hd=hd, pg=pg, chunks=chunks, attend=attend, lowp=comm == "lowp",
             used_sequence=used, q_group=q_group, k_group=k_group, int8_output=int8_output,
-            lowp_backward=lowp_backward,
+            lowp_backward=lowp_backward, v_format=v_format,
         )  # fmt: skip
         return out.transpose(1, 2) if layout == "bhsd" else out
 
     # 1. sequence shards -> head shards of the whole sequence
     if comm == "lowp":
-        q_h, k_h, v_h = _LowpToHeads.apply(q, k, v, hd, pg, used, q_group, k_group, lowp_backward)
+        q_h, k_h, v_h = _LowpToHeads.apply(q, k, v, hd, pg, used, q_group, k_group, lowp_backward,
+                                           v_format)  # fmt: skip
     elif P == 1:
         q_h, k_h, v_h = q, k, v
     elif isinstance(hd, _UnevenHeads):
@@ -1178,6 +1193,12 @@ def _check_int8_output(int8_output, comm) -> None:
         raise ValueError(f"int8_output=True needs comm='lowp', got comm={comm!r}")
 
 
+def _check_v_format(v_format, comm) -> None:
+    lowp.check_v_format(v_format)
+    if v_format != "fp8" and comm != "lowp":
+        raise ValueError(f"v_format={v_format!r} needs comm='lowp', got comm={comm!r}")
+
+
 def _check_backward_comm(backward_comm, comm) -> None:
     if not isinstance(backward_comm, str):
         raise TypeError(
@@ -1230,12 +1251,15 @@ class UlyssesAttention(torch.nn.Module):
         backward_comm: str = "bf16",
         attn_kwargs: dict | None = None,
         head_chunks: int | str = 1,
+        v_format: str = "fp8",
     ):
         super().__init__()
         if comm not in COMM_MODES:
             raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
         _check_int8_output(int8_output, comm)
         _check_backward_comm(backward_comm, comm)
+        _check_v_format(v_format, comm)
+        self.v_format = v_format
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if attn is not None and not callable(attn):
@@ -1257,7 +1281,7 @@ class UlyssesAttention(torch.nn.Module):
             used_sequence=used_sequence, causal=causal, scale=scale, q_group=self.q_group,
             k_group=self.k_group, layout=self.layout, int8_output=self.int8_output,
             backward_comm=self.backward_comm, document_ids=document_ids, attn_kwargs=options,
-            head_chunks=self.head_chunks,
+            head_chunks=self.head_chunks, v_format=self.v_format,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -1269,4 +1293,6 @@ class UlyssesAttention(torch.nn.Module):
             out += f", attn_kwargs={self.attn_kwargs!r}"
         if self.head_chunks != 1:
             out += f", head_chunks={self.head_chunks!r}"
+        if self.v_format != "fp8":
+            out += f", v_format={self.v_format!r}"
         return f"attn={name}, comm={self.comm!r}, layout={self.layout!r}{out}"

@@ -71,6 +71,19 @@ GROUP_SIZES = grid.SUPPORTED_GROUP_SIZES
 FP8 = torch.float8_e4m3fn
 FP32 = torch.float32
 FP8_MAX = 448.0
+V_FORMATS = ("fp8", "int8")  # V's codes: float8_e4m3fn (448 / amax) or int8 (127 / amax)
+_V_CODES = {"fp8": FP8, "int8": torch.int8}
+_V_MAX = {"fp8": FP8_MAX, "int8": 127.0}
+
+
+def check_v_format(v_format) -> None:
+    """``v_format`` is one of :data:`V_FORMATS` (TypeError, ValueError naming it)."""
+    if not isinstance(v_format, str):
+        raise TypeError(
+            f"v_format must be a str, one of {V_FORMATS}, got {type(v_format).__name__}"
+        )
+    if v_format not in V_FORMATS:
+        raise ValueError(f"v_format must be one of {V_FORMATS}, got {v_format!r}")
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -264,14 +277,16 @@ def _out_layout(w: _Wire, B: int, Hkv: int, D: int, esize: int, q_group: int, k_
     )
 
 
-def _result(o: _Out, recv: torch.Tensor, out: torch.Tensor, dtype, fields: tuple) -> LowpQKV:
-    """The LowpQKV of a call from its receive buffer and its result bytes (no copy)."""
+def _result(o: _Out, recv: torch.Tensor, out: torch.Tensor, dtype, fields: tuple,
+            v_code=FP8) -> LowpQKV:  # fmt: skip
+    """The LowpQKV of a call from its receive buffer and its result bytes (no copy); V's
+    codes of dtype ``v_code`` (float8_e4m3fn, or int8 with ``v_format="int8"``)."""
     codes, words, typed = recv.view(torch.int8), out.view(FP32), out.view(dtype)
     stride, (oq, ok, ov) = o.stride, o.offsets
     return LowpQKV(
         codes.as_strided(o.size_q, stride, oq),
         codes.as_strided(o.size_kv, stride, ok),
-        recv.view(FP8).as_strided(o.size_kv, stride, ov),
+        recv.view(v_code).as_strided(o.size_kv, stride, ov),
         words.as_strided(*o.q_scale),
         words.as_strided(*o.k_scale),
         words.as_strided(*o.v_scale),
@@ -313,9 +328,9 @@ _MAX_GLOBAL_ROWS = 2**31 - 2**16
 
 def _check_qkv(q, k, v_) -> tuple[int, int, int, int, int]:
     """(B, L, Hq, Hkv, D) of valid shards: k and v [B, L, Hkv, D], q [B, L, Hq, D]."""
-    B, L, Hkv, D = _validate.check_k(k, "k")
+    B, L, Hkv, D = _validate.check_k(k, "k", lowp=True)
     for name, t in (("q", q), ("v", v_)):
-        _validate.check_k(t, name)
+        _validate.check_k(t, name, lowp=True)
         if name == "v" and tuple(t.shape) != tuple(k.shape):
             raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(t.shape)}")
         if name == "q" and (t.shape[0], t.shape[1], t.shape[3]) != (B, L, D):
@@ -340,6 +355,7 @@ def exchange_qkv(
     q_group: int = 32,
     k_group: int = 64,
     enable_pdl: bool | None = None,
+    v_format: str = "fp8",
 ) -> LowpQKV:
     """The Ulysses sequence-to-head all-to-all of Q, K, V, sent as INT8 Q/K and FP8 V.
 
@@ -354,7 +370,9 @@ def exchange_qkv(
       (``smooth_k_stats``), ``code = clamp(rne((k - m) * (127/amax)), -127, 127)``;
     * V: per (b, head, channel) ``amax`` over the live rows, ``scale = amax/448``,
       ``code = e4m3fn(clamp(v * (448/amax), -448, 448))`` rounded to nearest even; a channel
-      with ``amax == 0`` has scale 0 and codes +0.
+      with ``amax == 0`` has scale 0 and codes +0. ``v_format="int8"``: V as int8 with the
+      same global channel amax, ``scale = amax/127``, ``code = clamp(rne(v * (127/amax)),
+      -127, 127)`` (a channel with ``amax == 0``: scale 0, codes 0); ``LowpQKV.v`` is int8.
     Each division is one IEEE fp32 division; a NaN product gives code 0 (int8) or 0x7F (fp8),
     and its scale is NaN too. Rows ``[used_sequence, S)`` must be zero padding in q, k, v.
     ``used_sequence`` may also hold one count per batch row (a sequence of B ints or an
@@ -380,7 +398,8 @@ def exchange_qkv(
         TypeError: a tensor that is not bf16/fp16 or whose dtype differs from k's, bad types
             of the int or bool arguments, a ``group`` that is not a ProcessGroup.
         ValueError: the shape/stride/alignment rules (docs/CONTRACT.md §3) broken by q, k or
-            v; v's shape not k's, q's B, L or D not k's; devices that differ; head counts
+            v (the head dim: any multiple of 16 from 16 to 256); v's shape not k's, q's B, L
+            or D not k's; devices that differ; ``v_format`` not "fp8" or "int8"; head counts
             outside the rules above (the message names the rule and the numbers);
             ``q_group`` or ``k_group`` not in (16, 32, 64, 128, 256); ``used_sequence``
             outside [1, S] or per-row counts not B of them; torch.distributed not
@@ -389,17 +408,17 @@ def exchange_qkv(
     if type(q) is type(k) is type(v) is torch.Tensor and not _ops.is_compiling():
         # the plan runs kernels on q, k, v and views of new buffers: no autograd history
         # without a no_grad context (about a microsecond a call)
-        plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+        plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format)
         return plan(q, k, v, pg)
     # torch.compile (validated while tracing) and tensor subclasses: the plan's run as one op
-    c = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    c = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format)
     recv, out = exchange_op(
         q=q, k=k, v=v, group_name=comm.group_name(c.pg), **_op_used(c.used_sequence),
-        q_group=q_group, k_group=k_group, enable_pdl=enable_pdl,
+        q_group=q_group, k_group=k_group, enable_pdl=enable_pdl, v_format=v_format,
     )  # fmt: skip
     B, _, Hkv, D = k.shape
     o = _out_layout(c.wire, B, Hkv, D, k.element_size(), q_group, k_group, c.rank)
-    return _result(o, recv, out, k.dtype, (c.used_sequence, q_group, k_group))
+    return _result(o, recv, out, k.dtype, (c.used_sequence, q_group, k_group), _V_CODES[v_format])
 
 
 def _op_used(used_sequence) -> dict:
@@ -420,6 +439,7 @@ def exchange_to_heads(
     used_sequence: int | None = None,
     q_group: int = 32,
     k_group: int = 64,
+    v_format: str = "fp8",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``exchange_qkv(...).dequantize()``: the head shards q [B, S, h, D], k (centred) and v
     [B, S, hkv, D] in the input dtype, what ``ulysses_attention(comm="lowp")`` attends over.
@@ -430,17 +450,17 @@ def exchange_to_heads(
     compiled layer pays the eager host cost plus one dispatch."""
     if type(q) is type(k) is type(v) is torch.Tensor and not _ops.is_compiling():
         # kernels writing new buffers: no autograd history without a no_grad context
-        plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, None)
+        plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, None, v_format)
         return plan.to_heads(q, k, v, pg)
     with torch.no_grad():
         if _ops.is_compiling():
             pg = comm.resolve_group(group, q.device)[0]
             return to_heads_op(
                 q=q, k=k, v=v, group_name=comm.group_name(pg), **_op_used(used_sequence),
-                q_group=q_group, k_group=k_group,
+                q_group=q_group, k_group=k_group, v_format=v_format,
             )  # fmt: skip
         x = exchange_qkv(q, k, v, group=group, used_sequence=used_sequence, q_group=q_group,
-                         k_group=k_group)  # fmt: skip
+                         k_group=k_group, v_format=v_format)  # fmt: skip
         return x.dequantize()
 
 
@@ -454,15 +474,18 @@ def _to_heads(
     used_rows: list[int] | None = None,
     q_group: int,
     k_group: int,
+    v_format: str = "fp8",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     used = used_sequence if used_rows is None else tuple(used_rows)
     return exchange_to_heads(
         q, k, v, group=comm.group_from_name(group_name), used_sequence=used, q_group=q_group,
-        k_group=k_group,
+        k_group=k_group, v_format=v_format,
     )  # fmt: skip
 
 
-def _to_heads_fake(q, k, v, *, group_name, used_sequence, q_group, k_group, used_rows=None):
+def _to_heads_fake(
+    q, k, v, *, group_name, used_sequence, q_group, k_group, used_rows=None, v_format="fp8"
+):
     pg = comm.group_from_name(group_name)
     P = 1 if pg is None else pg.size()
     B, L, Hq, D = q.shape
@@ -497,12 +520,14 @@ class _Call:
     wire: _Wire
     use_pdl: bool
     q_once: bool  # the pack reads Q (kernels/lowp_pack.q_once_fits)
+    v_format: str = "fp8"
 
 
-def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Call:
+def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format="fp8") -> _Call:
     """Validate every argument (docs/CONTRACT.md §3, §8) and resolve the group, layouts and PDL."""
     used_sequence = grid.used_counts(used_sequence)  # per-row counts: a tuple
     B, L, Hq, Hkv, D = _check_qkv(q, k, v)
+    check_v_format(v_format)
     grid.check_group_size(q_group, "q_group")
     grid.check_group_size(k_group, "k_group")
     pg, rank, P = comm.resolve_group(group, k.device)
@@ -520,7 +545,7 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
         enable_pdl=enable_pdl,
         group_size=k_group,
         caller="exchange_qkv",
-        extra={"q_group": q_group, "q_heads": Hq},
+        extra={"q_group": q_group, "q_heads": Hq, "v_format": V_FORMATS.index(v_format)},
     )
     if not _ops.is_compiling():
         _validate.check_alignment(q, "q")
@@ -541,6 +566,7 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> _Ca
         wire=_wire(B, L, Hq, D, P, q_group, k_group, Hkv),
         use_pdl=part.use_pdl,
         q_once=q_once_fits(q.shape, k.device, q_group),
+        v_format=v_format,
     )
 
 
@@ -565,6 +591,7 @@ class _SendConfig:
     q_once: QOnce | None
     dtype: torch.dtype
     pack_tiles: dict
+    v_format: str = "fp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -599,12 +626,13 @@ def _send_side(s: _SendConfig, chunk: tuple[int, int], send: torch.Tensor | None
         s.shape, s.strides, dev, send, world_size=P, row0=s.rank * L, q_group=s.q_group,
         k_group=s.k_group, n_sq=s.n_sq, n_sk=s.n_sk, row_bytes=w.row_bytes,
         scale_bytes=w.scale_bytes, use_pdl=s.use_pdl, kv_heads=s.Hkv, q_once=s.q_once,
-        chunk=chunk, **s.pack_tiles,
+        chunk=chunk, v_int8=s.v_format == "int8", **s.pack_tiles,
     )  # fmt: skip
     o = _out_layout(w, B, s.Hkv // n, D, s.dtype.itemsize, s.q_group, s.k_group, s.rank)
     gather = prepare_gather_scales(_scale_index(w, B, s.q_group, s.k_group, dev), dev)
     dequant = prepare_dequant(o.size_q, o.size_kv, (o.stride,) * 3, dev, q_group=s.q_group,
-                              k_group=s.k_group, dtype=s.dtype)  # fmt: skip
+                              k_group=s.k_group, dtype=s.dtype,
+                              v_int8=s.v_format == "int8")  # fmt: skip
     v_at = -(-o.n_index // 4) * 4
     return _Side(
         chunk=c, n=n, wire=w, out=o, pack=pack, gather_scales=gather, dequant=dequant,
@@ -673,6 +701,7 @@ class _ExchangePlan:
             self.gathered, self.amax_q, self.amax_v, first_sources=lay_q.first_sources,
             last_sources=lay_q.last_sources, n_touched=lay_q.n_touched, q_off=n_k,
             v_off=n_k + 2 * B * Hq, rank=c.rank, world_size=P, kv_rep=w.kv_rep,
+            v_max=_V_MAX[c.v_format],
         )  # fmt: skip
         k_finalize = prepare_finalize(
             self.gathered[:, :n_k], self.minmax, mode=MODE_FUSED, **part.finalize_args()
@@ -684,7 +713,7 @@ class _ExchangePlan:
             shape=tuple(q.shape), strides=(q.stride(), k.stride(), v.stride()), device=dev,
             P=P, rank=c.rank, Hkv=Hkv, q_group=c.q_group, k_group=c.k_group,
             n_sq=lay_q.n_slots, n_sk=lay_k.n_slots, use_pdl=c.use_pdl, q_once=q_once,
-            dtype=k.dtype, pack_tiles=tiles.get("pack", {}),
+            dtype=k.dtype, pack_tiles=tiles.get("pack", {}), v_format=c.v_format,
         )  # fmt: skip
         self._chunks: dict[int, tuple[_Side, ...]] = {}
         # at P = 1 the send buffer is the receive buffer: a new one each call
@@ -706,6 +735,7 @@ class _ExchangePlan:
         # exchange_to_heads: the codes dequantized by one launch into new [B, S, h, D] tensors
         self.dequant, self.heads_q, self.heads_kv = whole.dequant, whole.heads_q, whole.heads_kv
         self.dtype, self.fields = k.dtype, (c.used_sequence, c.q_group, c.k_group)
+        self.v_code = _V_CODES[c.v_format]
 
     def stats(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor]:
         """The statistics of one call, all heads: the local launches, the all_gather, the
@@ -744,7 +774,7 @@ class _ExchangePlan:
 
     def __call__(self, q, k, v, pg) -> LowpQKV:
         recv, out = self.run(q, k, v, pg)
-        return _result(self.out, recv, out, self.dtype, self.fields)
+        return _result(self.out, recv, out, self.dtype, self.fields, self.v_code)
 
     def to_heads(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``self(q, k, v, pg).dequantize()`` without the LowpQKV: the same launches."""
@@ -755,8 +785,9 @@ class _ExchangePlan:
         heads += (torch.empty_like(self.heads_kv),)
         self.dequant(
             codes.as_strided(o.size_q, stride, oq), codes.as_strided(o.size_kv, stride, ok),
-            recv.view(FP8).as_strided(o.size_kv, stride, ov), words.as_strided(*o.q_scale),
-            words.as_strided(*o.k_scale), words.as_strided(*o.v_scale), *heads,
+            recv.view(self.v_code).as_strided(o.size_kv, stride, ov),
+            words.as_strided(*o.q_scale), words.as_strided(*o.k_scale),
+            words.as_strided(*o.v_scale), *heads,
         )  # fmt: skip
         return heads
 
@@ -767,7 +798,7 @@ _PLANS: dict[tuple, _ExchangePlan] = {}
 _MAX_PLANS = 64
 
 
-def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> tuple:
+def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format="fp8") -> tuple:
     """(plan, process group) of a call: the cached plan of its signature, or a new one after
     validating every argument (which raises on bad ones). ``group=None`` without
     torch.distributed initialized keys on a group of ``None``: a plan exists only once the
@@ -779,13 +810,13 @@ def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl) -> tuple:
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
                v.dtype, q.device, v.device, comm.group_key(pg), used_sequence, q_group, k_group,
                enable_pdl, type(used_sequence), type(q_group), type(k_group), type(enable_pdl),
-               *stream_key(k.device))  # fmt: skip
+               v_format, *stream_key(k.device))  # fmt: skip
         plan = _PLANS.get(key)
     except TypeError:
         key = plan = None
     if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         return plan, pg
-    c = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl)
+    c = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format)
     plan = _ExchangePlan(c)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
@@ -823,6 +854,7 @@ def exchange_stats(
     used_sequence: int | None = None,
     q_group: int = 32,
     k_group: int = 64,
+    v_format: str = "fp8",
 ) -> _Stats:
     """The statistics half of :func:`exchange_to_heads` for all heads, once: the local
     statistics launch, ONE all_gather, the post-gather launch (the cached plan of the call,
@@ -830,7 +862,7 @@ def exchange_stats(
     head chunk, before the plan's next call. Eager tensors only (the pipeline of
     ``ulysses.overlap`` runs one chunk under ``torch.compile``)."""
     assert type(q) is type(k) is type(v) is torch.Tensor and not _ops.is_compiling()
-    plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, None)
+    plan, pg = _plan(q, k, v, group, used_sequence, q_group, k_group, None, v_format)
     out, mean = plan.stats(q, k, v, pg)
     return _Stats(plan, pg, out, mean)
 
@@ -865,8 +897,8 @@ def _chunk_heads(side: _Side, st: _Stats, recv: torch.Tensor) -> tuple:
     heads += (torch.empty_like(side.heads_kv),)
     side.dequant(
         codes.as_strided(o.size_q, stride, oq), codes.as_strided(o.size_kv, stride, ok),
-        recv.view(FP8).as_strided(o.size_kv, stride, ov), words.as_strided(*o.q_scale),
-        words.as_strided(*o.k_scale), v_scale, *heads,
+        recv.view(plan.v_code).as_strided(o.size_kv, stride, ov),
+        words.as_strided(*o.q_scale), words.as_strided(*o.k_scale), v_scale, *heads,
     )  # fmt: skip
     return heads
 
@@ -908,15 +940,26 @@ def _exchange(
     q_group: int,
     k_group: int,
     enable_pdl: bool | None,
+    v_format: str = "fp8",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group = comm.group_from_name(group_name)
     used = used_sequence if used_rows is None else tuple(used_rows)
-    plan, pg = _plan(q, k, v, group, used, q_group, k_group, enable_pdl)
+    plan, pg = _plan(q, k, v, group, used, q_group, k_group, enable_pdl, v_format)
     return plan.run(q, k, v, pg)
 
 
 def _exchange_fake(
-    q, k, v, *, group_name, used_sequence, q_group, k_group, enable_pdl, used_rows=None
+    q,
+    k,
+    v,
+    *,
+    group_name,
+    used_sequence,
+    q_group,
+    k_group,
+    enable_pdl,
+    used_rows=None,
+    v_format="fp8",
 ):
     pg = comm.group_from_name(group_name)
     P = 1 if pg is None else pg.size()
@@ -939,7 +982,7 @@ exchange_op = _ops.define_op("lowp_exchange", _exchange, _exchange_fake)
 def _local_stats(c: _Call) -> tuple:
     """The local statistics launches of ``c``'s plan: (payload, Q's partial amax, K's
     min/max), scratch buffers."""
-    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None)[0]
+    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None, c.v_format)[0]
     p.k_local(c.k)
     p.qv(c.q, c.v)
     return p.payload, p.amax_q, p.minmax
@@ -948,7 +991,7 @@ def _local_stats(c: _Call) -> tuple:
 def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q, minmax) -> tuple:
     """The post-gather launch on ``gathered`` [P, n]: (SmoothKStats, Q's merged amax, V's
     amax, v_scale); the mean and v_scale are views of a new result buffer."""
-    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None)[0]
+    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None, c.v_format)[0]
     if gathered.data_ptr() != p.gathered.data_ptr():
         p.gathered.copy_(gathered)
     out = torch.empty_like(p.out_bytes)
@@ -962,7 +1005,7 @@ def _finish_stats(c: _Call, gathered: torch.Tensor, amax_q, minmax) -> tuple:
 
 def _pack(c: _Call, k_stats, amax_q, amax_v) -> torch.Tensor:
     """The pack launch: the uint8 send buffer [P * L * row_bytes] (new at P = 1)."""
-    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None)[0]
+    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None, c.v_format)[0]
     args = (c.q, c.k, c.v, amax_q, k_stats.amax_final, k_stats.k_mean_global, amax_v)
     if p.a2a is not None:
         p.pack(*args)
@@ -975,7 +1018,7 @@ def _pack(c: _Call, k_stats, amax_q, amax_v) -> torch.Tensor:
 def _unpack(c: _Call, recv: torch.Tensor, k_stats, v_scale: torch.Tensor) -> LowpQKV:
     """The scale gather, then the LowpQKV of the call (``v_scale`` a view of the result
     buffer :func:`_finish_stats` made)."""
-    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None)[0]
+    p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None, c.v_format)[0]
     out = v_scale._base
     p.gather_scales(recv.view(FP32), out.view(FP32))
     return _result(p.out, recv, out, p.dtype, p.fields)

@@ -207,6 +207,7 @@ class _Run:
     k_group: int
     int8_output: bool
     lowp_backward: bool
+    v_format: str = "fp8"
 
     @property
     def hqc(self) -> int:
@@ -221,7 +222,8 @@ class _Run:
     def start_stats(self, q, k, v):
         """``comm="lowp"``: the statistics of all heads (one all_gather), before ``in 0``."""
         return _exchange_stats(q, k, v, group=self.pg, used_sequence=self.used_sequence,
-                               q_group=self.q_group, k_group=self.k_group)  # fmt: skip
+                               q_group=self.q_group, k_group=self.k_group,
+                               v_format=self.v_format)  # fmt: skip
 
     def start_in(self, q, k, v, c: int, stats=None):
         """Chunk c's q, k, v to head shards; ``wait()`` -> (q_h, k_h, v_h). ``comm="lowp"``:
@@ -395,6 +397,7 @@ def pipelined_attention(
     k_group: int = 64,
     int8_output: bool = False,
     lowp_backward: bool = False,
+    v_format: str = "fp8",
 ) -> torch.Tensor:
     """Ulysses attention over ``chunks`` head chunks, pipelined (module docstring): q [B, L,
     Hq, D], k, v [B, L, Hkv, D] sequence shards (validated by ``ulysses_attention``; ``hd``
@@ -404,13 +407,13 @@ def pipelined_attention(
     [B, S, hkc, D] head shards and returns [B, S, hqc, D] (the layer's attention with its
     options, output check and padding rows zeroed). ``lowp``: the inputs travel through
     ``lowp.exchange_stats`` once and ``lowp.exchange_heads`` per chunk (``used_sequence``,
-    ``q_group``, ``k_group``);
+    ``q_group``, ``k_group``, ``v_format``);
     ``int8_output`` and ``lowp_backward`` as in ``ulysses_attention``.
     Same values, bit for bit, as one chunk where ``attn`` treats heads independently."""
     assert chunks >= 1 and hd.hkv % chunks == 0 and hd.rep == 1, (chunks, hd)
     run = _Run(hd=hd, pg=pg, n=chunks, attend=attend, used_sequence=used_sequence, lowp=lowp,
                q_group=q_group, k_group=k_group, int8_output=int8_output,
-               lowp_backward=lowp_backward)  # fmt: skip
+               lowp_backward=lowp_backward, v_format=v_format)  # fmt: skip
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Pipeline.apply(q, k, v, run)
     return run.forward(q, k, v, track=False)[0]

@@ -389,6 +389,7 @@ def lowp_exchange_reference(
     used_sequence: int | None = None,
     q_group: int = 32,
     k_group: int = 64,
+    v_format: str = "fp8",
 ) -> dict[str, torch.Tensor]:
     """What ``ulysses.lowp.exchange_qkv`` must give rank ``rank``: gather first, then quantize.
 
@@ -399,7 +400,9 @@ def lowp_exchange_reference(
     * V: ``amax_v`` per (b, head, channel) over the live rows (may be 0).
     Quantization (IEEE fp32, one rounding each): ``scale = amax / 127`` and
     ``code = clamp(rne(x * (127 / amax)), -127, 127)`` for Q (x = q) and K (x = k - mean);
-    ``scale = amax_v / 448`` and ``code = e4m3fn(clamp(v * (448 / amax_v), +-448))`` for V.
+    ``scale = amax_v / 448`` and ``code = e4m3fn(clamp(v * (448 / amax_v), +-448))`` for V;
+    with ``v_format="int8"`` V as Q: ``scale = amax_v / 127``, ``code = clamp(rne(v *
+    (127 / amax_v)), -127, 127)`` int8 (``amax_v == 0``: a NaN product, code 0).
 
     Returns a dict of rank ``rank``'s head slice ``[r*h, (r+1)*h)``: ``q``, ``k`` int8 and
     ``v`` float8_e4m3fn [B, S, h, D]; ``q_scale`` [B, h, ceil(S/q_group)], ``k_scale``
@@ -439,14 +442,18 @@ def lowp_exchange_reference(
     q_code = quantize_int8(q_full.float(), _rows_of_groups(ieee_rdiv(127.0, amax_q), S, q_group))
     centred = k_full.float() - k_mean.float()[:, None]
     k_code = quantize_int8(centred, _rows_of_groups(ieee_rdiv(127.0, amax_k), S, k_group))
-    v_code = quantize_fp8(v_full.float(), ieee_rdiv(FP8_MAX, amax_v)[:, None], amax_v[:, None])
+    v_max = {"fp8": FP8_MAX, "int8": 127.0}[v_format]
+    if v_format == "int8":
+        v_code = quantize_int8(v_full.float(), ieee_rdiv(127.0, amax_v)[:, None])
+    else:
+        v_code = quantize_fp8(v_full.float(), ieee_rdiv(FP8_MAX, amax_v)[:, None], amax_v[:, None])
     return {
         "q": q_code[:, :, heads],
         "k": k_code[:, :, heads],
         "v": v_code[:, :, heads],
         "q_scale": ieee_div(amax_q, 127.0)[:, heads],
         "k_scale": ieee_div(amax_k, 127.0)[:, heads],
-        "v_scale": ieee_div(amax_v, FP8_MAX)[:, heads],
+        "v_scale": ieee_div(amax_v, v_max)[:, heads],
         "k_mean": k_mean[:, heads],
     }
 

@@ -308,8 +308,9 @@ def _validated_part(
     fn,
     extra=None,
     per_row=False,
+    lowp=False,
 ) -> tuple[KStatsPart, object, int]:
-    B, L, H, D = v.check_k(k)
+    B, L, H, D = v.check_k(k, lowp=lowp)
     grid.check_group_size(group_size)
     if method is not None and method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -344,13 +345,24 @@ def _validated_part(
 
 
 def k_stats_part(k, *, group, used_sequence, enable_pdl, group_size, caller, extra) -> tuple:
-    """Validate like :func:`smooth_k_stats` (method "fused") and return ``(part, process
+    """Validate like :func:`smooth_k_stats` (method "fused"; head dims: the exchange's, any
+    multiple of 16 up to 256) and return ``(part, process
     group, world size)`` for ``caller``, which gathers K's statistics together with its own
     (the exchange). ``extra`` int fields (e.g. the exchange's ``q_group``) join the call's
     signature: the consistency check and the tag cover them too. ``used_sequence`` may also
     be a tuple of B per-row counts (each batch row's statistics over its own live rows)."""
     return _validated_part(
-        k, group, used_sequence, enable_pdl, group_size, "fused", False, caller, extra, True
+        k,
+        group,
+        used_sequence,
+        enable_pdl,
+        group_size,
+        "fused",
+        False,
+        caller,
+        extra,
+        True,
+        lowp=True,
     )
 
 

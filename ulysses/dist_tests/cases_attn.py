@@ -25,6 +25,7 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
                    sequence, repeating)
     B{B}           batch size (1 when absent)
     win{l}_{r}     ``attn_kwargs={"window_size": (l, r)}``: query i attends keys [i - l, i + r]
+    vint8          ``v_format="int8"``: V sent as INT8 with one global scale per (head, channel)
     docs_packed    ``document_ids``: each batch row packs several documents (boundaries
                    inside ranks and on rank boundaries, drawn from the case's seed)
     disagree_used_sequence
@@ -70,6 +71,7 @@ class Case:
     disagree: str = ""
     window: tuple[int, int] | None = None
     chunks: int = 1  # head_chunks
+    v_format: str = "fp8"  # comm="lowp": V's codes, "fp8" or "int8"
 
     @property
     def lowp(self) -> bool:
@@ -99,6 +101,8 @@ class Case:
             parts.append(f"win{self.window[0]}_{self.window[1]}")
         if self.chunks != 1:
             parts.append(f"hc{self.chunks}")
+        if self.v_format != "fp8":
+            parts.append(f"v{self.v_format}")
         if self.disagree:
             parts.append(f"disagree_{self.disagree}")
         return "-".join(parts)
@@ -152,6 +156,12 @@ DEFAULT_CASES = (
     Case("lowpbw", L=37, hq=2, kv="gqa", D=64, dtype="fp16", causal=True, used="early"),
     Case("lowpbw", L=33, hq=1, kv="gqarep", D=32, dtype="bf16", causal=False, used="tail"),
     Case("lowpbw8", L=40, hq=2, kv="mha", D=32, dtype="fp16", causal=True, used="early", B=2),
+    # a head dim that is not a power of two (the kernels' masked channel block)
+    Case("lowpbw8", L=20, hq=2, kv="gqa", D=80, dtype="bf16", causal=True, used="tail"),
+    # V as INT8 with global per-(head, channel) scales (v_format="int8")
+    Case(
+        "lowp", L=24, hq=1, kv="mha", D=32, dtype="bf16", causal=False, used="tail", v_format="int8"
+    ),  # fmt: skip
     # head counts that do not split evenly over the ranks
     Case("bf16", L=5, hq=0, kv="odd", D=16, dtype="bf16", causal=True, used="tail"),
     Case("bf16", L=6, hq=0, kv="g40", D=16, dtype="bf16", causal=False, used="none"),

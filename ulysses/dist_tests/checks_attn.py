@@ -178,7 +178,7 @@ def _counts(used) -> tuple:
     return used if isinstance(used, tuple) else (used,)
 
 
-def _gathered_then_quantized(q, k, v, P: int, r: int, used, rep: int):
+def _gathered_then_quantized(q, k, v, P: int, r: int, used, rep: int, v_format: str = "fp8"):
     """What rank r attends over with comm="lowp": its heads of the gather-then-quantize values
     (dequantized). Statistics are per head, so Q is quantized on its own (any Hq), and K/V
     heads repeated over ``rep`` ranks are quantized as P heads, one a rank."""
@@ -186,7 +186,8 @@ def _gathered_then_quantized(q, k, v, P: int, r: int, used, rep: int):
     xq = reference.lowp_exchange_reference(q, q, q, world_size=P, rank=r, used_sequence=used)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    xkv = reference.lowp_exchange_reference(k, k, v, world_size=P, rank=r, used_sequence=used)
+    xkv = reference.lowp_exchange_reference(k, k, v, world_size=P, rank=r, used_sequence=used,
+                                            v_format=v_format)  # fmt: skip
     return (
         deq(xq["q"], xq["q_scale"], q.dtype, 32),
         deq(xkv["k"], xkv["k_scale"], q.dtype, 64),
@@ -210,7 +211,8 @@ def _quantized_attention(ctx: Context, case, inputs: Inputs) -> dict:
     outs, dq, dk, dv = [], [], [[] for _ in range(Hkv)], [[] for _ in range(Hkv)]
     for r in range(P):
         leaves = [x.requires_grad_(lowp_backward) for x in
-                  _gathered_then_quantized(q, k, v, P, r, inputs.used, rep)]  # fmt: skip
+                  _gathered_then_quantized(q, k, v, P, r, inputs.used, rep,
+                                           case.v_format)]  # fmt: skip
         out = _attend(*leaves, case.causal, inputs.used, inputs.ids)
         outs.append(out.detach())
         if not lowp_backward:
@@ -287,7 +289,7 @@ def call_library(ctx: Context, case, inputs: Inputs, log: list):
             used_sequence=_used_argument(inputs.used), int8_output=case.int8_output,
             backward_comm=case.backward_comm, document_ids=ids,
             attn_kwargs=None if case.window is None else {"window_size": case.window},
-            head_chunks=case.chunks,
+            head_chunks=case.chunks, v_format=case.v_format,
         )  # fmt: skip
         out.backward(inputs.grad_out)
     return out.detach(), q.grad, k.grad, v.grad

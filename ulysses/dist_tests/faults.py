@@ -47,6 +47,12 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
                                                     a rank's own used_sequence goes unnoticed
     head_chunk_order ulysses.overlap._place_heads   head_chunks: chunk c of the heads lands
                     (hook)                          where chunk n-1-c belongs
+    channel_block   ulysses.kernels.lowp_pack.      comm="lowp" at a head dim that is not a power
+                    channel_block                   of two: the pack's tile rounded down to one
+                                                    (80 -> 64), so channels past it never reach
+                                                    the wire (a channel mask bound wrong)
+    v_int8_scale    ulysses.lowp._V_MAX             v_format="int8": V's scale amax / 128 while
+                                                    its codes use 127 / amax
     grad_scales     ulysses.rowwire.                backward_comm="lowp": dq|dk|dv dequantized
                     grads_dequant_op (hook)         with the previous rank's scales
     dout_scales     ulysses.rowwire.                backward_comm="lowp": the output's gradient
@@ -205,6 +211,10 @@ def _no_verify(*args, **kwargs):
     return None
 
 
+def _channel_block_rounded_down(D):
+    return 1 << (int(D).bit_length() - 1)  # D itself when D is a power of two
+
+
 def _scales_of_previous_rank(heads: Callable[[dict], int]) -> Hook:
     """A hook for a dequantize op of the per-(row, head) INT8 wire (ulysses/rowwire.py): the
     received chunk p keeps its codes but gets chunk p-1's scales (``heads(kwargs)``: the
@@ -250,6 +260,8 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "window_shift": (("ulysses.attention.masked_attention", Hook(_window_one_wider)),),
     "no_verify": (("ulysses.attention._verify_batch", _no_verify),),
     "head_chunk_order": (("ulysses.overlap._place_heads", Hook(_head_chunks_reversed)),),
+    "channel_block": (("ulysses.kernels.lowp_pack.channel_block", _channel_block_rounded_down),),
+    "v_int8_scale": (("ulysses.lowp._V_MAX", {"fp8": 448.0, "int8": 128.0}),),
     "grad_scales": (
         (
             "ulysses.rowwire.grads_dequant_op",
@@ -305,6 +317,18 @@ SHOWCASE: tuple[Showcase, ...] = (
     Showcase("key_mask", "attention", _ATTN_TAIL, "out bitwise"),
     Showcase("backward_a2a", "attention", _ATTN_TAIL, "dq bitwise"),
     Showcase("grad_scales", "attention", _ATTN_LOWPBW, "dk bitwise vs gather-then-quantize"),
+    Showcase(
+        "v_int8_scale",
+        "attention",
+        "lowp-L24-hq1-mha-D32-bf16-full-used_tail-vint8",
+        "out bitwise vs gather-then-quantize",
+    ),
+    Showcase(
+        "channel_block",
+        "attention",
+        "lowpbw8-L20-hq2-gqa-D80-bf16-causal-used_tail",
+        "out bitwise vs gather-then-quantize",
+    ),
     Showcase("dout_scales", "attention", _ATTN_LOWPBW, "dq bitwise vs gather-then-quantize"),
     Showcase("uneven_heads", "attention", "bf16-L5-odd-D16-bf16-causal-used_tail", "out bitwise"),
     Showcase(

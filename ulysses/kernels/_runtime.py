@@ -22,6 +22,7 @@ from ._launch import COMPILE_OPTIONS, Launch, compiled_for_gpu, first_launch_sta
 from ._launch import _params as _params
 from ._scratch import (
     cdiv,
+    channel_block,
     counters,
     device_constant,
     next_pow2,
@@ -52,6 +53,7 @@ __all__ = [
     "Launch",
     "TRITON_LOCK",
     "cdiv",
+    "channel_block",
     "compiled_for_gpu",
     "counters",
     "device_constant",

@@ -30,6 +30,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def channel_block(D: int) -> int:
+    """The channel width of a kernel tile for head dim ``D``: ``next_pow2(D)`` (Triton's
+    blocks are powers of two). The kernels mask channels ``[D, block)`` off, and where
+    ``block == D`` the mask is a compile-time no-op."""
+    return next_pow2(D)
+
+
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 _KEEP: list[torch.Tensor] = []  # replaced buffers stay alive: a CUDA graph may hold them

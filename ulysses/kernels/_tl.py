@@ -26,16 +26,19 @@ def load_streamed(p, mask, other, EVICT: tl.constexpr):
 
 
 @triton.jit
-def head_block_program(n_hblocks, n_mid, H, BLOCK_H: tl.constexpr, D: tl.constexpr):
+def head_block_program(
+    n_hblocks, n_mid, H, BLOCK_H: tl.constexpr, D: tl.constexpr, DB: tl.constexpr
+):
     """This program's place in a grid of ``B * n_mid * n_hblocks`` programs, head blocks
-    fastest: ``(i_b, i_mid, o_h [BH], o_d [D], m_h [BH], m_hd [BH, D])``, the batch, the
-    middle index (a slot, span or chunk), its heads and channels and their masks."""
+    fastest: ``(i_b, i_mid, o_h [BH], o_d [DB], m_h [BH], m_hd [BH, DB])``, the batch, the
+    middle index (a slot, span or chunk), its heads and channels and their masks. ``DB`` is
+    the channel block, ``next_pow2(D)``: channels ``[D, DB)`` are masked off."""
     i_pid = tl.program_id(0).to(tl.int64)
     i_hb = i_pid % n_hblocks
     i_mid = (i_pid // n_hblocks) % n_mid
     i_b = i_pid // (n_hblocks * n_mid)
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    o_d = tl.arange(0, D)
+    o_d = tl.arange(0, DB)
     m_h = o_h < H
     m_hd = m_h[:, None] & (o_d[None, :] < D)
     return i_b, i_mid, o_h, o_d, m_h, m_hd

@@ -24,6 +24,7 @@ import triton.language as tl
 from ._runtime import (
     Launch,
     cdiv,
+    channel_block,
     compiled_for_gpu,
     counters,
     gdc_launch_dependents,
@@ -106,6 +107,7 @@ def _block_stats_kernel(
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
     PER_ROW: tl.constexpr,
+    DB: tl.constexpr,
 ):
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
     SPAN: tl.constexpr = G if G > 64 else 64
@@ -120,8 +122,8 @@ def _block_stats_kernel(
     i_b = i_pid // (n_hblocks * n_spans)
 
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    o_d = tl.arange(0, D)  # [D]
-    m_hd = (o_h < H)[:, None] & (o_d[None, :] < D)  # [BH, D]
+    o_d = tl.arange(0, DB)  # [DB]: channels [D, DB) masked off
+    m_hd = (o_h < H)[:, None] & (o_d[None, :] < D)  # [BH, DB]
     o_hd = o_h[:, None] * D + o_d[None, :]  # [BH, D] offset in a contiguous [H, D] plane
 
     if USE_PDL:
@@ -134,10 +136,10 @@ def _block_stats_kernel(
         tail_group = tl.load(rows_ptr + i_b * 3 + 1)
     live_end = used - row0  # local rows below this are live
 
-    b_sum = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    b_min = tl.full([BLOCK_H, D], float("inf"), tl.float32)
-    b_max = tl.full([BLOCK_H, D], float("-inf"), tl.float32)
-    b_nan = tl.zeros([BLOCK_H, D], dtype=tl.int1)
+    b_sum = tl.zeros([BLOCK_H, DB], dtype=tl.float32)
+    b_min = tl.full([BLOCK_H, DB], float("inf"), tl.float32)
+    b_max = tl.full([BLOCK_H, DB], float("-inf"), tl.float32)
+    b_nan = tl.zeros([BLOCK_H, DB], dtype=tl.int1)
     for i_sub in tl.static_range(N_SUB):
         sub0 = span0 + i_sub * SUB
         lo = tl.maximum(sub0 - row0, 0)
@@ -171,7 +173,7 @@ def _block_stats_kernel(
             i_blk = sub0 // SUB - block_first
             if (i_blk >= 0) & (i_blk < n_blocks):
                 tl.store(sum_ptr + (i_b * n_blocks + i_blk) * H * D + o_hd, b_sum, mask=m_hd)
-            b_sum = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+            b_sum = tl.zeros([BLOCK_H, DB], dtype=tl.float32)
         if MINMAX != 0:
             if SUB == G:
                 i_s = group - g_first
@@ -191,9 +193,9 @@ def _block_stats_kernel(
                     m_hd,
                     MINMAX,
                 )
-                b_min = tl.full([BLOCK_H, D], float("inf"), tl.float32)
-                b_max = tl.full([BLOCK_H, D], float("-inf"), tl.float32)
-                b_nan = tl.zeros([BLOCK_H, D], dtype=tl.int1)
+                b_min = tl.full([BLOCK_H, DB], float("inf"), tl.float32)
+                b_max = tl.full([BLOCK_H, DB], float("-inf"), tl.float32)
+                b_nan = tl.zeros([BLOCK_H, DB], dtype=tl.int1)
 
     if USE_PDL:
         gdc_launch_dependents()
@@ -244,14 +246,14 @@ def _block_stats_kernel(
     if n_done + (j_hi - j_lo) == c_hi - c_lo:
         tl.store(p_cnt + i_c, 0)
         p_sum = sum_ptr + i_b * n_blocks * H * D + o_hd
-        b_acc = _ordered_sum(p_sum, c_lo, c_hi, H * D, m_hd, BLOCK_H, D)
+        b_acc = _ordered_sum(p_sum, c_lo, c_hi, H * D, m_hd, BLOCK_H, DB)
         tl.store(sup_ptr + (i_b * n_super + i_c) * H * D + o_hd, b_acc, mask=m_hd)
         tl.debug_barrier()
         n_sup = tl.atomic_add(p_cnt + n_super, 1, sem="acq_rel")
         if n_sup + 1 == n_super:
             tl.store(p_cnt + n_super, 0)
             p_sup = sup_ptr + i_b * n_super * H * D + o_hd
-            b_tot = _ordered_sum(p_sup, 0, n_super, H * D, m_hd, BLOCK_H, D)
+            b_tot = _ordered_sum(p_sup, 0, n_super, H * D, m_hd, BLOCK_H, DB)
             tl.store(payload_ptr + 1 + i_b * H * D + o_hd, b_tot, mask=m_hd)
     if i_pid == 0:  # the call tag at both ends of the payload
         tl.store(payload_ptr, tag)
@@ -259,10 +261,10 @@ def _block_stats_kernel(
 
 
 @triton.jit
-def _ordered_sum(p, j0, j1, step, m_hd, BLOCK_H: tl.constexpr, D: tl.constexpr):
-    """sum_{j0 <= j < j1, in order, from +0.0} of the [BLOCK_H, D] tiles at p + j * step, read
+def _ordered_sum(p, j0, j1, step, m_hd, BLOCK_H: tl.constexpr, DB: tl.constexpr):
+    """sum_{j0 <= j < j1, in order, from +0.0} of the [BLOCK_H, DB] tiles at p + j * step, read
     from L2 (.cg: written by other programs of this launch), four loads in flight a step."""
-    b_acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, DB], dtype=tl.float32)
     for j in range(j0, j1, 4):
         for u in tl.static_range(4):
             m_u = tl.where(j + u < j1, m_hd, False)
@@ -358,7 +360,8 @@ class LocalStats:
         cuda = compiled_for_gpu(device)
         # K is read once here (evict-first in L2 on CUDA: measured cold on an H200, 28.1 ->
         # 26.8 us at 68 MB and 83.2 -> 82.4 at 268 MB)
-        auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=256)
+        DB = channel_block(D)  # channels [D, DB) of a tile masked off
+        auto_h, auto_warps = tile(DB, H, B * n_spans, device, elems=256)
         block_h = block_h or auto_h
         n_hblocks = cdiv(H, block_h)
         n_super = (block_first % SUPER_BLOCK + n_blocks + SUPER_BLOCK - 1) // SUPER_BLOCK
@@ -400,10 +403,11 @@ class LocalStats:
             D=D,
             BLOCK_H=block_h,
             # Any ROWS gives the same bits (the sum is row-sequential).
-            ROWS=rows or ((8 if D >= 128 else 16) if cuda else 4),
+            ROWS=rows or ((8 if DB >= 128 else 16) if cuda else 4),
             MINMAX=minmax_mode,
             USE_PDL=use_pdl,
             EVICT=cuda if evict is None else evict,
+            DB=DB,
         )
 
     def __call__(self, k: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ import triton.language as tl
 from ._runtime import (
     Launch,
     cdiv,
+    channel_block,
     compiled_for_gpu,
     device_constant,
     gdc_launch_dependents,
@@ -95,8 +96,9 @@ def _finalize_kernel(
     MODE: tl.constexpr,
     USE_PDL: tl.constexpr,
     PER_ROW: tl.constexpr,
+    DB: tl.constexpr,
 ):
-    i_b, i_ch, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_chunks, H, BLOCK_H, D)
+    i_b, i_ch, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_chunks, H, BLOCK_H, D, DB)
     if PER_ROW:  # per-row live counts: this batch row's divisor (block_stats.py's table)
         divisor = tl.load(rows_ptr + i_b * 3 + 2)
     o_hd = o_h[:, None] * D + o_d[None, :]
@@ -222,7 +224,7 @@ def prepare_finalize(
     if mode == MODE_FUSED:
         assert minmax is not None and minmax.shape == (B, n_slots, 2, H, D)
     cuda = compiled_for_gpu(device)
-    block_h, num_warps = tile(D, H, B, device, elems=2048)
+    block_h, num_warps = tile(channel_block(D), H, B, device, elems=2048)
     n_hblocks = cdiv(H, block_h)
     n_prog_slots = max(n_amax, 1)
     # CUDA: enough programs to spread over the SMs; CPU: as few as possible.
@@ -270,6 +272,7 @@ def prepare_finalize(
         MODE=mode,
         USE_PDL=use_pdl,
         PER_ROW=per_row is not None,
+        DB=channel_block(D),  # channels [D, DB) of a tile masked off
         **fixed,
     )
 

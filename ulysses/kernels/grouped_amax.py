@@ -76,7 +76,7 @@ def _grouped_amax_kernel(
     EVICT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    i_b, i_s, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_slots, H, BLOCK_H, D)
+    i_b, i_s, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_slots, H, BLOCK_H, D, D)
     o_r = tl.arange(0, SUB)  # [R]
 
     if USE_PDL:

@@ -16,8 +16,9 @@ bit for bit ``ulysses.reference.lowp_dequantize_reference``; K stays centred.
 
 One program per (block of BLOCK_S rows, one head of one of the three tensors, batch): the grid
 axis 1 runs over ``hq + 2 * hkv`` head slots, q's first, then k's, then v's, so a single launch
-writes all three outputs. The program's tile is [BLOCK_S, D]: 16-byte code loads along D, and
-every output element is written once. Bytes moved: codes read once, outputs written once,
+writes all three outputs. The program's tile is [BLOCK_S, DB] (``DB = next_pow2(D)``, the
+channels past D masked off): 16-byte code loads along D, and every output element is written
+once. Bytes moved: codes read once, outputs written once,
 ``3 * B * S * h * D * (1 + 2)`` bytes for bf16 when hq == hkv == h.
 """
 
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, compiled_for_gpu
+from ._runtime import Launch, cdiv, channel_block, compiled_for_gpu
 
 __all__ = ["dequantize_qkv", "prepare_dequant", "round_to"]
 
@@ -80,12 +81,17 @@ def _dequant_qkv_kernel(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HW_ROUND: tl.constexpr,
+    DB: tl.constexpr,
+    V_INT8: tl.constexpr,
 ):
     i_s, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, D)
+    o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
     m_s = o_s < S
-    m_sd = m_s[:, None]
+    if DB == D:  # a power of two: no channel mask (the code of a D-wide tile)
+        m_sd = m_s[:, None]
+    else:  # channels [D, DB) masked off
+        m_sd = m_s[:, None] & (o_d[None, :] < D)
     o_s64 = o_s.to(tl.int64)
     out_dtype = q_out_ptr.dtype.element_ty
     # names differ per branch: Triton 3.6 rejects a name bound to different types in branches
@@ -112,20 +118,27 @@ def _dequant_qkv_kernel(
         i_hv = i_slot - HQ - HKV
         p_vc = v_ptr + i_b.to(tl.int64) * stride_vb + i_hv.to(tl.int64) * stride_vh
         b_vc = tl.load(p_vc + o_s64[:, None] * stride_vs + o_d[None, :], mask=m_sd, other=0.0)
-        b_vs = tl.load(v_scale_ptr + (i_b * HKV + i_hv) * D + o_d)  # [D] channel scales
-        # e4m3's NaN codes (0x7F, 0xFF) by their bits: Triton's interpreter reads them as finite
-        m_vnan = (b_vc.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
-        b_vf = tl.where(m_vnan, float("nan"), b_vc.to(tl.float32))
+        p_vs = v_scale_ptr + (i_b * HKV + i_hv) * D + o_d  # [DB] channel scales
+        if DB == D:
+            b_vs = tl.load(p_vs)
+        else:
+            b_vs = tl.load(p_vs, mask=o_d < D, other=0.0)
+        if V_INT8:  # v_format "int8"
+            b_vf = b_vc.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            # e4m3's NaN codes (0x7F, 0xFF) by their bits: the interpreter reads them as finite
+            m_vnan = (b_vc.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+            b_vf = tl.where(m_vnan, float("nan"), b_vc.to(tl.float32))
         b_v = round_to(b_vf * b_vs[None, :], out_dtype, HW_ROUND)
         p_v = v_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_hv) * D + o_d[None, :]
         tl.store(p_v, b_v, mask=m_sd)
 
 
 def _block_s(D: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_S, num_warps): 8 KB of codes a program on CUDA (16 bytes a lane with 4 warps);
-    the interpreter pays per program, so it takes long tiles."""
+    """(BLOCK_S, num_warps): 8 KB of codes a program on CUDA (16 bytes a lane with 4 warps;
+    tiles of channel_block(D) channels); the interpreter pays per program, so it takes long tiles."""
     if compiled_for_gpu(device):
-        return max(16, 8192 // D), 4
+        return max(16, 8192 // channel_block(D)), 4
     return 128, 1
 
 
@@ -144,13 +157,14 @@ def prepare_dequant(
     q_group: int,
     k_group: int,
     dtype: torch.dtype,
+    v_int8: bool = False,
 ) -> Launch:
     """The dequantize launch for codes q of ``q_shape`` [B, S, hq, D] and k, v of ``kv_shape``
     with ``strides`` (q's, k's, v's) into outputs of ``dtype``, prepared once per
     configuration (the compiled kernel is specialized on the output dtype): call it with
     ``(q, k, v, q_scale, k_scale, v_scale, q_out, k_out, v_out)``, scales and outputs
-    contiguous."""
-    key = (q_shape, kv_shape, strides, device, q_group, k_group, dtype)
+    contiguous. ``v_int8``: v's codes are int8 (``v_format="int8"``), else float8_e4m3fn."""
+    key = (q_shape, kv_shape, strides, device, q_group, k_group, dtype, v_int8)
     found = _PREPARED.get(key)
     if found is not None:
         return found
@@ -165,7 +179,8 @@ def prepare_dequant(
         stride_qb=sqb, stride_qs=sqs, stride_qh=sqh, stride_kb=skb, stride_ks=sks,
         stride_kh=skh, stride_vb=svb, stride_vs=svs, stride_vh=svh, S=S, HQ=HQ, HKV=HKV,
         q_group=q_group, k_group=k_group, n_qg=cdiv(S, q_group), n_kg=cdiv(S, k_group), D=D,
-        BLOCK_S=block_s, HW_ROUND=compiled_for_gpu(device),
+        BLOCK_S=block_s, HW_ROUND=compiled_for_gpu(device), DB=channel_block(D),
+        V_INT8=v_int8,
     )  # fmt: skip
     if len(_PREPARED) >= _MAX_PREPARED:
         _PREPARED.clear()
@@ -190,10 +205,11 @@ def dequantize_qkv(
     ``ulysses`` validates user input."""
     B, S, HQ, D = q.shape
     HKV = k.shape[2]
-    assert q.dtype == torch.int8 and k.dtype == torch.int8 and v.dtype == torch.float8_e4m3fn
+    assert q.dtype == torch.int8 and k.dtype == torch.int8
+    assert v.dtype in (torch.float8_e4m3fn, torch.int8)  # v_format "fp8" or "int8"
     assert k.shape == v.shape == (B, S, HKV, D) and HKV >= 1 and HQ % HKV == 0
     assert q.stride(3) == k.stride(3) == v.stride(3) == 1
-    assert D >= 16 and D & (D - 1) == 0, "D must be a power of two >= 16"
+    assert 16 <= D <= 256 and D % 16 == 0, "D must be a multiple of 16 up to 256"
     n_qg, n_kg = cdiv(S, q_group), cdiv(S, k_group)
     assert q_scale.shape == (B, HQ, n_qg) and k_scale.shape == (B, HKV, n_kg)
     assert v_scale.shape == (B, HKV, D)
@@ -208,7 +224,7 @@ def dequantize_qkv(
         return q_out, k_out, v_out
     step = prepare_dequant(
         q.shape, k.shape, (q.stride(), k.stride(), v.stride()), device, q_group=q_group,
-        k_group=k_group, dtype=dtype,
+        k_group=k_group, dtype=dtype, v_int8=v.dtype == torch.int8,
     )  # fmt: skip
     step(q, k, v, q_scale, k_scale, v_scale, q_out, k_out, v_out)
     return q_out, k_out, v_out

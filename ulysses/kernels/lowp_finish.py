@@ -86,6 +86,7 @@ def _lowp_finish_kernel(
     prog0,
     N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
+    V_MAX: tl.constexpr,
 ):
     # prog0: the programs before this kernel's in the grid (the post-gather launch's finalize)
     i_prog = tl.program_id(0) - prog0
@@ -100,7 +101,7 @@ def _lowp_finish_kernel(
     i_h = (o_e // D) % H
     i_b = o_e // (H * D)
     m_local = tl.where((i_h >= head0) & (i_h < head0 + h), m_e, False)
-    b_scale = tl.math.div_rn(b_amax, tl.full([BLOCK], 448.0, tl.float32))
+    b_scale = tl.math.div_rn(b_amax, tl.full([BLOCK], V_MAX, tl.float32))  # 448 or 127
     o_scale = (i_b * h + i_h - head0) * D + o_e % D
     tl.store(v_scale_ptr + o_scale, b_scale, mask=m_local)
 
@@ -199,6 +200,8 @@ def _post_gather_kernel(
     N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
     PER_ROW: tl.constexpr,
+    DB: tl.constexpr,
+    V_MAX: tl.constexpr,
 ):
     """The exchange after its all_gather in ONE launch: programs [0, n_fin) are K's finalize
     (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. Small launches
@@ -236,6 +239,7 @@ def _post_gather_kernel(
             MODE,
             USE_PDL,
             PER_ROW,
+            DB,
         )
     else:
         if USE_PDL:
@@ -266,6 +270,7 @@ def _post_gather_kernel(
             n_fin,
             N_UNROLL,
             BLOCK,
+            V_MAX,
         )
 
 
@@ -344,6 +349,7 @@ def prepare_lowp_finish(
     rank: int,
     world_size: int,
     kv_rep: int = 1,
+    v_max: float = 448.0,
 ) -> Launch:
     """The launch for these buffers: call it with ``(v_scale,)``, fp32 [B, h, D].
 
@@ -354,7 +360,8 @@ def prepare_lowp_finish(
     ``v_off``: columns of the Q boundary slots and V amax in ``gathered``. ``kv_rep``: how
     many ranks receive each K/V head (1: K/V heads are sharded like Q's, rank r receives
     ``h = H / P`` heads from ``r * h``; ``P / H`` when every rank receives the one head
-    ``r // kv_rep``), which fixes the heads of ``v_scale``."""
+    ``r // kv_rep``), which fixes the heads of ``v_scale``. ``v_max``: the code range of V,
+    ``v_scale = div_rn(amax_v, v_max)``: 448 (e4m3, ``v_format="fp8"``) or 127 (int8)."""
     P = world_size
     B, Hq, n_slots = amax_q.shape
     _, H, D = amax_v.shape
@@ -396,4 +403,5 @@ def prepare_lowp_finish(
         prog0=0,
         N_UNROLL=min(MAX_UNROLL, next_pow2(max(first[2], last[2]))),
         BLOCK=block,
+        V_MAX=float(v_max),
     )

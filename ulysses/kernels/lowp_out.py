@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ._quant import canonical_nan_bits, int8_code
-from ._runtime import cdiv, compiled_for_gpu, launch
+from ._runtime import cdiv, channel_block, compiled_for_gpu, launch
 from .lowp_dequant import round_to
 
 __all__ = [
@@ -88,18 +88,23 @@ def _quant_out_kernel(
     BLOCK_S: tl.constexpr,
     FLOOR: tl.constexpr,
     HW_ROUND: tl.constexpr,
+    DB: tl.constexpr,
 ):
     i_s, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, D)
+    o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
     m_s = o_s < S
+    if DB == D:  # a power of two: no channel mask (the code of a D-wide tile)
+        m_sd = m_s[:, None]
+    else:  # channels [D, DB) masked off (they load as 0: the amax is over the D channels)
+        m_sd = m_s[:, None] & (o_d[None, :] < D)
     # source row s goes to rank s // L, as its row s % L
     o_s64 = o_s.to(tl.int64)
     i_p = o_s64 // L
     i_l = o_s64 - i_p * L
     p_x = x_ptr + i_b.to(tl.int64) * stride_xb + i_h.to(tl.int64) * stride_xh
     o_x = i_p * stride_xp + i_l * stride_xs  # [BLOCK_S]
-    b_x = tl.load(p_x + o_x[:, None] + o_d[None, :], mask=m_s[:, None], other=0.0)
+    b_x = tl.load(p_x + o_x[:, None] + o_d[None, :], mask=m_sd, other=0.0)
     b_x = b_x.to(tl.float32)
     b_bits = canonical_nan_bits(tl.max(tl.abs(b_x).to(tl.int32, bitcast=True), axis=1))
     floor_bits = tl.full([BLOCK_S], FLOOR, tl.float32).to(tl.int32, bitcast=True)
@@ -109,7 +114,7 @@ def _quant_out_kernel(
     b_code = int8_code(b_x, b_inv[:, None], HW_ROUND)
     o_rec = (i_b.to(tl.int64) * L + i_l) * HT + h_off + i_h  # (b, l, head) within the chunk
     p_code = send_ptr + i_p * chunk + o_rec * D
-    tl.store(p_code[:, None] + o_d[None, :], b_code, mask=m_s[:, None])
+    tl.store(p_code[:, None] + o_d[None, :], b_code, mask=m_sd)
     # the scales: fp32 elements, the chunk's scale block after its B * L * HT * D codes
     p_scale = scale_ptr + (i_p * chunk + B * L * HT * D) // 4 + o_rec
     tl.store(p_scale, b_scale, mask=m_s)
@@ -133,19 +138,22 @@ def _dequant_out_kernel(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HW_ROUND: tl.constexpr,
+    DB: tl.constexpr,
 ):
     i_l, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_p = i_slot // H  # the grid's axis 1 runs over P * H (chunk, head) pairs
     i_h = i_slot - i_p * H
     o_l = i_l * BLOCK_S + tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, D)
+    o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
     m_l = o_l < L
+    if DB == D:  # a power of two: no channel mask
+        m_ld = m_l[:, None]
+    else:  # channels [D, DB) masked off
+        m_ld = m_l[:, None] & (o_d[None, :] < D)
     o_l64 = o_l.to(tl.int64)
     o_rec = (i_b.to(tl.int64) * L + o_l64) * HT + h_off + i_h
     base = i_p.to(tl.int64) * chunk
-    b_code = tl.load(
-        recv_ptr + base + o_rec[:, None] * D + o_d[None, :], mask=m_l[:, None], other=0
-    )
+    b_code = tl.load(recv_ptr + base + o_rec[:, None] * D + o_d[None, :], mask=m_ld, other=0)
     b_scale = tl.load(scale_ptr + (base + B * L * HT * D) // 4 + o_rec, mask=m_l, other=0.0)
     out_dtype = out_ptr.dtype.element_ty
     b_out = round_to(b_code.to(tl.int8, bitcast=True).to(tl.float32) * b_scale[:, None],
@@ -157,13 +165,14 @@ def _dequant_out_kernel(
         + i_h.to(tl.int64) * stride_oh
         + o_l64 * stride_ol
     )
-    tl.store(p_out[:, None] + o_d[None, :], b_out, mask=m_l[:, None])
+    tl.store(p_out[:, None] + o_d[None, :], b_out, mask=m_ld)
 
 
 def _tile(D: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_S, num_warps): 8 KB of bf16 input a program on CUDA; long tiles interpreted."""
+    """(BLOCK_S, num_warps): 8 KB of bf16 input a program on CUDA (tiles of channel_block(D)
+    channels); long tiles interpreted."""
     if compiled_for_gpu(device):
-        return max(16, 4096 // D), 4
+        return max(16, 4096 // channel_block(D)), 4
     return 128, 1
 
 
@@ -171,7 +180,7 @@ def _check_piece(x: torch.Tensor) -> None:
     assert x.dim() == 4 and x.stride(3) == 1, "unit last stride"
     assert x.dtype in (torch.bfloat16, torch.float16)
     D = x.shape[3]
-    assert D >= 16 and D & (D - 1) == 0, "D must be a power of two >= 16"
+    assert 16 <= D <= 256 and D % 16 == 0, "D must be a multiple of 16 up to 256"
 
 
 def _new_send(P: int, chunk: int, used: int, device: torch.device) -> torch.Tensor:
@@ -229,7 +238,7 @@ def _dequantize(recv, out, *, P, B, L, h, D, HT, h_off, chunk, strides) -> None:
 def _wire_args(B, L, h, HT, h_off, chunk, D, block_s, device) -> dict:
     """The arguments both kernels take alike: sizes, the records' layout in a chunk, tiles."""
     return dict(B=B, L=L, H=h, HT=HT, h_off=h_off, chunk=chunk, D=D, BLOCK_S=block_s,
-                HW_ROUND=compiled_for_gpu(device))  # fmt: skip
+                HW_ROUND=compiled_for_gpu(device), DB=channel_block(D))  # fmt: skip
 
 
 def _check_recv(recv: torch.Tensor, nbytes: int, dtype: torch.dtype) -> None:

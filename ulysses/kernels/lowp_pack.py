@@ -48,6 +48,7 @@ from ._quant import canonical_nan_bits, e4m3_code, int8_code
 from ._runtime import (
     Launch,
     cdiv,
+    channel_block,
     compiled_for_gpu,
     gdc_launch_dependents,
     gdc_wait,
@@ -149,6 +150,7 @@ def _pack_q_group(
     FLOOR: tl.constexpr,
     EVICT: tl.constexpr,
     PER_ROW: tl.constexpr,
+    DB: tl.constexpr,
 ):
     """Q_ONCE program ``i_q`` of the pack launch: one per (batch, Q group this rank touches,
     head block). The group's [GQ, BLOCK_H, D] tile is read once, in one go. A group this
@@ -163,9 +165,9 @@ def _pack_q_group(
         live_end = tl.load(rows_ptr + i_b * 3)
         tail_group_q = tl.load(rows_ptr + i_b * 3 + 1)
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    o_d = tl.arange(0, D)  # [D]
+    o_d = tl.arange(0, DB)  # [DB]: channels [D, DB) masked off
     m_h = o_h < H
-    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
+    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, DB]
     i_j = o_h // h  # destination rank of each head
     o_g = i_g * GQ - shift + tl.arange(0, GQ)  # [GQ] local rows of the group
     m_g = (o_g >= 0) & (o_g < L)
@@ -264,6 +266,8 @@ def _pack_kernel(
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
     PER_ROW: tl.constexpr,
+    DB: tl.constexpr,
+    V_INT8: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
     if USE_PDL:
@@ -278,7 +282,7 @@ def _pack_kernel(
         W_H = h + 2 * hkv  # heads of one batch in a destination row
 
         o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] lanes: Q heads and K/V lanes
-        o_d = tl.arange(0, D)  # [D]
+        o_d = tl.arange(0, DB)  # [DB]: channels [D, DB) masked off
         o_r = tl.arange(0, ROWS)  # [R]
         m_h = o_h < H  # Q heads
         m_e = o_h < HE  # K/V lanes: (destination, K/V head) pairs
@@ -304,8 +308,11 @@ def _pack_kernel(
         b_mean = tl.load(mean_ptr + i_b * HKS * D + o_cd, mask=m_ed, other=0.0).to(tl.float32)
         b_mean = b_mean[None, :, :]
         b_av = tl.load(amax_v_ptr + i_b * HKS * D + o_cd, mask=m_ed, other=1.0)
-        b_iv = tl.math.div_rn(tl.full([BLOCK_H, D], 448.0, tl.float32), b_av)[None, :, :]
-        b_keep = tl.where(b_av == 0.0, 0, 0xFF).to(tl.uint8)[None, :, :]
+        if V_INT8:  # v_format "int8": 127 / amax_v (amax 0: a NaN product, code 0)
+            b_iv = tl.math.div_rn(tl.full([BLOCK_H, DB], 127.0, tl.float32), b_av)[None, :, :]
+        else:
+            b_iv = tl.math.div_rn(tl.full([BLOCK_H, DB], 448.0, tl.float32), b_av)[None, :, :]
+            b_keep = tl.where(b_av == 0.0, 0, 0xFF).to(tl.uint8)[None, :, :]
 
         # ROWS rows at a time as [ROWS, BLOCK_H, D] tiles: the loads of q, k and v for a chunk
         # are issued together, with wide per-thread accesses.
@@ -351,7 +358,10 @@ def _pack_kernel(
                 b_inv = tl.math.div_rn(tl.full([ROWS, BLOCK_H], 127.0, tl.float32), b_ak)
             p_dk = send_ptr + o_dk + o_row * ROW
             tl.store(p_dk, int8_code(b_x, b_inv[:, :, None], HW_ROUND), mask=m_rowe)
-            b_code = e4m3_code(b_v.to(tl.float32), b_iv, b_keep, HW_ROUND)
+            if V_INT8:
+                b_code = int8_code(b_v.to(tl.float32), b_iv, HW_ROUND)
+            else:
+                b_code = e4m3_code(b_v.to(tl.float32), b_iv, b_keep, HW_ROUND)
             tl.store(p_dk + hkv * D, b_code, mask=m_rowe)
     elif i_pid < n_code + n_qcode:
         if Q_ONCE:
@@ -390,6 +400,7 @@ def _pack_kernel(
                 FLOOR,
                 EVICT,
                 PER_ROW,
+                DB,
             )
     else:
         # scale slots: global index m over [P destinations][L * E4 slots]; slot n < NF =
@@ -452,6 +463,7 @@ def prepare_pack(
     block_h: int | None = None,
     num_warps: int | None = None,
     evict: bool = False,
+    v_int8: bool = False,
 ) -> Launch:
     """The pack launch for q of this ``shape`` [B, L, H, D], k and v of ``kv_heads`` heads (H
     when None) and ``strides`` (q's, k's, v's), writing ``send``: call it with ``(q, k, v,
@@ -470,7 +482,8 @@ def prepare_pack(
     of every destination j, laid out as a send buffer of ``h/n`` and ``hkv/n`` heads a
     destination (``row_bytes`` and ``scale_bytes`` of that wire); q, k, v and the statistics
     keep all their heads (the same call arguments), and each code and scale has the bits of
-    the same head in the one-chunk pack."""
+    the same head in the one-chunk pack. ``v_int8``: V as int8 codes of ``127 / amax_v``
+    (``v_format="int8"``), else e4m3 of ``448 / amax_v``."""
     B, L, H_src, D = shape
     P = world_size
     HK_src = H_src if kv_heads is None else kv_heads
@@ -491,6 +504,7 @@ def prepare_pack(
     assert (scale_bytes // 4) * L >= B * (h * n_sq + hkv * n_sk)
     assert send is None or (send.dtype == torch.uint8 and send.numel() == P * L * row_bytes)
     cuda = compiled_for_gpu(device)
+    DB = channel_block(D)  # channels [D, DB) of a tile masked off
     block_h = _block_h(shape, device, block_h)  # of all heads: q_once fits for every chunk
     # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
     # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]
@@ -500,8 +514,8 @@ def prepare_pack(
     # interpreter pays per operation, so it takes big tiles. Any tile gives the same bits.
     if q_once is not None and cuda:
         assert q_once_fits(shape, device, q_group, block_h)
-        num_warps = num_warps or max(2, min(8, q_group * block_h * D // 1024))
-        rows = rows or max(1, num_warps * 256 // (block_h * D))
+        num_warps = num_warps or max(2, min(8, q_group * block_h * DB // 1024))
+        rows = rows or max(1, num_warps * 256 // (block_h * DB))
         block_l = block_l or 64
     rows = next_pow2(rows or (4 if cuda else min(16, L)))
     block_l = rows * cdiv(block_l or (32 if cuda else min(64, L)), rows)
@@ -509,7 +523,7 @@ def prepare_pack(
     # the K/V loop's rows and slots are int32: global rows up to the last program's end
     assert P * L + block_l < 2**31, f"{P * L} rows: the pack's int32 row arithmetic wraps"
     # at least 2 warps: one warp on a small tile held 128 registers and spilled (Triton 3.9)
-    num_warps = num_warps or (max(2, min(8, rows * block_h * D // 256)) if cuda else 1)
+    num_warps = num_warps or (max(2, min(8, rows * block_h * DB // 256)) if cuda else 1)
     HE = P * hkv  # K/V lanes: (destination, K/V head) pairs
     n_lanes = HE if q_once is not None else max(H, HE)  # Q_ONCE: the row programs skip Q
     n_code = B * n_rblocks * cdiv(n_lanes, block_h)
@@ -596,6 +610,8 @@ def prepare_pack(
         FLOOR=floor,
         USE_PDL=use_pdl,
         EVICT=evict,
+        DB=DB,
+        V_INT8=v_int8,
         **fixed,
     )
 
@@ -620,7 +636,7 @@ _Q_TILE_MAX = 8192
 
 def _block_h(shape: tuple[int, int, int, int], device: torch.device, block_h: int | None) -> int:
     B, L, H, D = shape
-    auto_h, _ = tile(D, H, B * cdiv(L, 32), device, elems=128, warps_per_sm=22)
+    auto_h, _ = tile(channel_block(D), H, B * cdiv(L, 32), device, elems=128, warps_per_sm=22)
     return next_pow2(block_h or auto_h)
 
 
@@ -635,7 +651,7 @@ def q_once_fits(
     limit)."""
     if not compiled_for_gpu(device):
         return True
-    return q_group * _block_h(shape, device, block_h) * shape[3] <= _Q_TILE_MAX
+    return q_group * _block_h(shape, device, block_h) * channel_block(shape[3]) <= _Q_TILE_MAX
 
 
 def pack_qkv(

@@ -32,6 +32,7 @@ from ._quant import canonical_nan_bits
 from ._runtime import (
     Launch,
     cdiv,
+    channel_block,
     compiled_for_gpu,
     gdc_launch_dependents,
     gdc_wait,
@@ -98,11 +99,12 @@ def _qv_stats_kernel(
     USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,
     PER_ROW: tl.constexpr,
+    DB: tl.constexpr,
 ):
     n_hblocks = tl.cdiv(H, BLOCK_H)
     g_first = row0 // G
-    i_b, i_sp, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_spans, H, BLOCK_H, D)
-    m_vd = (o_h < HV)[:, None] & (o_d[None, :] < D)  # [BH, D]: V's heads
+    i_b, i_sp, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_spans, H, BLOCK_H, D, DB)
+    m_vd = (o_h < HV)[:, None] & (o_d[None, :] < D)  # [BH, DB]: V's heads
     p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
     p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
     if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
@@ -114,7 +116,7 @@ def _qv_stats_kernel(
     if USE_PDL:
         gdc_wait()
 
-    b_vacc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
+    b_vacc = tl.zeros([BLOCK_H, DB], dtype=tl.int32)
     for i_i in range(0, SPAN):
         i_s = i_sp * SPAN + i_i
         g = g_first + i_s
@@ -122,7 +124,7 @@ def _qv_stats_kernel(
         hi = tl.minimum(tl.maximum((g + 1) * G - row0, lo), L)  # surplus slots: no rows
         hi_q = tl.where(g == tail_group, tl.minimum(hi, live), hi)
         hi_v = tl.maximum(tl.minimum(hi, live), lo)
-        b_qacc = tl.zeros([BLOCK_H, D], dtype=tl.int32)
+        b_qacc = tl.zeros([BLOCK_H, DB], dtype=tl.int32)
         # Slots in [q_skip_lo, q_skip_hi) (groups the pack kernel reads Q for itself): no Q
         m_hq = tl.where((i_s >= q_skip_lo) & (i_s < q_skip_hi), False, m_hd)
         # Rows [lo, lo + n_full*ROWS) count for both maxima: only the head mask. The rest is
@@ -223,10 +225,11 @@ def prepare_qv_stats(
     span = span or (max(1, 128 // G) if cuda else max(1, 1024 // G))
     rows = rows or (16 if cuda else 4)
     n_spans = cdiv(n_slots, span)
-    auto_h, auto_warps = tile(D, H, B * n_spans, device, elems=128, warps_per_sm=22)
+    DB = channel_block(D)  # channels [D, DB) of a tile masked off
+    auto_h, auto_warps = tile(DB, H, B * n_spans, device, elems=128, warps_per_sm=22)
     block_h = next_pow2(block_h or auto_h)
     if cuda and q_boundary_only:
-        auto_warps = max(1, block_h * D // 128)
+        auto_warps = max(1, block_h * DB // 128)
     num_warps = num_warps or auto_warps
     step = Launch(
         _qv_stats_kernel,
@@ -267,6 +270,7 @@ def prepare_qv_stats(
         FLOOR=floor,
         USE_PDL=use_pdl,
         EVICT=evict,
+        DB=DB,
     )
 
     def run(q: torch.Tensor, v: torch.Tensor) -> None:
