@@ -720,6 +720,48 @@ def test_alignment_pattern_puts_the_first_slot_high(monkeypatch):
     assert sorted(step.direct) == [0b001, 0b100]
 
 
+def test_views_launch_passes_the_views_addresses(monkeypatch):
+    """A ``Launch`` called through ``Views`` (slots as views of a call's buffers, fixed once):
+    Triton's dispatch gets the views themselves (dtype, shape, strides, offset), the fast path
+    the views' addresses computed from the buffers' (a uint8 buffer viewed as fp32 at an
+    offset, and a buffer as it is); an offset off 16-byte alignment makes its own pattern.
+    On the CPU the Launch is called with the views. Runs on CPU with stand-ins for Triton's
+    JIT and the fast path."""
+    record = _stand_in_cuda(monkeypatch)
+    fixed = torch.zeros(64)
+    step = _launch.Launch(
+        _fake_launch_kernel, (2,), torch.device("cuda:0"), slots=("x_ptr", "out_ptr"),
+        scratch_ptr=fixed, n=7, BLOCK=16,
+    )  # fmt: skip
+    record["positions"][_fake_launch_kernel] = step.positions
+    spec = ((0, torch.float32, (2, 3), (5, 1), 4), 1)
+    at = step.views(spec)
+    buf, out = torch.zeros(64, dtype=torch.uint8), torch.zeros(8)
+    at(buf, out)
+    at(buf, out)
+    assert len(record["jit"]) == 1 and len(record["direct"]) == 1
+    (through_triton,) = record["jit"]
+    x = through_triton[step.names.index("x_ptr")]
+    assert x.dtype == torch.float32 and x.shape == (2, 3) and x.stride() == (5, 1)
+    assert x.data_ptr() == buf.data_ptr() + 16
+    assert through_triton[step.names.index("out_ptr")] is out
+    compiled, _, _, args = record["direct"][0]
+    assert compiled is record["compiled"][0b11]
+    assert args[step.names.index("x_ptr")] == buf.data_ptr() + 16
+    assert args[step.names.index("out_ptr")] == out.data_ptr()
+    assert args[step.names.index("scratch_ptr")] == fixed.data_ptr()
+    step.views(((0, torch.float32, (2,), (1,), 1), 1))(buf, out)  # 4 bytes off: another pattern
+    assert len(record["jit"]) == 2 and sorted(step.direct) == [0b01, 0b11]
+    monkeypatch.undo()
+    cpu = _launch.Launch(_fake_launch_kernel, (1,), torch.device("cpu"),
+                         slots=("x_ptr", "out_ptr"), scratch_ptr=fixed, n=7, BLOCK=16)  # fmt: skip
+    called = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *t: called.append(t))
+    cpu.views(spec)(buf, out)
+    ((x, o),) = called
+    assert x.data_ptr() == buf.data_ptr() + 16 and x.stride() == (5, 1) and o is out
+
+
 @triton.jit
 def _fake_launch_kernel(x_ptr, scratch_ptr, out_ptr, n, BLOCK: tl.constexpr):
     pass
