@@ -86,6 +86,7 @@ def stubbed_layer(a) -> None:
     from ulysses import attention, comm, lowp
     from ulysses.kernels import _launch
 
+    torch.set_num_threads(1)  # CPU time of this thread's work only (no spinning pool threads)
     print(f"ulysses from {os.path.dirname(ulysses.__file__)}, torch {torch.__version__}, stubbed")
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=a.world)
     pg = dist.group.WORLD

@@ -243,13 +243,15 @@ def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
     return gather
 
 
-def all_to_all_launcher(send: torch.Tensor):
-    """``a2a(pg) -> recv``: ``all_to_all_single`` of ``send`` into a new tensor, calling the
-    backend directly (as :func:`all_gather_launcher`)."""
+def all_to_all_launcher(send: torch.Tensor, recv: torch.Tensor | None = None):
+    """``a2a(pg) -> recv``: ``all_to_all_single`` of ``send`` into a new tensor (or into
+    ``recv``, the same one each call), calling the backend directly (as
+    :func:`all_gather_launcher`)."""
+    into = recv
     if not hasattr(dist.ProcessGroup, "alltoall_base"):  # pragma: no cover - other torch
 
         def a2a_wrapped(pg):
-            recv = torch.empty_like(send)
+            recv = torch.empty_like(send) if into is None else into
             dist.all_to_all_single(recv, send, group=pg)
             return recv
 
@@ -259,7 +261,7 @@ def all_to_all_launcher(send: torch.Tensor):
         opts.asyncOp = False
 
     def a2a(pg):
-        recv = torch.empty_like(send)
+        recv = torch.empty_like(send) if into is None else into
         if _LINK is not None and _LINK.pg is pg:
             _LINK.all_to_all(recv, send)
             return recv

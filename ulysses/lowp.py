@@ -604,8 +604,10 @@ class _ExchangePlan:
     (payload, gathered, K's min/max, Q's partial amax, K's group amax, the send buffer) and
     the collectives bound to them. Every path runs it: eager calls directly, compiled calls
     (and tensor subclasses) through the op ``lowp_exchange``. A call allocates the receive
-    buffer and the result bytes (:class:`_Out`); at world size 1 there is no collective: the
-    finalize reads the payload and the pack writes the receive buffer itself."""
+    buffer and the result bytes (:class:`_Out`; a call of ``exchange_to_heads``, which reads
+    them itself, uses scratch ones and allocates only its outputs); at world size 1 there is
+    no collective: the finalize reads the payload and the pack writes the receive buffer
+    itself."""
 
     def __init__(self, c: _Call, tiles: dict | None = None):
         # ``tiles`` (benchmarks only): {"q_once": bool, "qv": {...}, "pack": {...}}, launch
@@ -705,14 +707,21 @@ class _ExchangePlan:
             (1, FP32, *o.q_scale), (1, FP32, *o.k_scale), (1, FP32, *o.v_scale), 2, 3, 4,
         ))  # fmt: skip
         self.k_stats = self.k_local.stats
+        # exchange_to_heads reads the receive buffer and the result bytes in the call only (the
+        # dequantize): scratch there, reused in stream order (no allocation a call)
+        self.scratch_recv = workspace("lowp_recv", w.nbytes, torch.uint8, dev)[: w.nbytes]
+        self.scratch_out = workspace("lowp_out", o.nbytes, torch.uint8, dev)[: o.nbytes]
+        self.a2a_scratch = None if P == 1 else comm.all_to_all_launcher(send, self.scratch_recv)
 
-    def _stats(self, q, k, v, pg) -> torch.Tensor:
-        """The statistics launches and the all_gather of one call: its result bytes."""
+    def _stats(self, q, k, v, pg, out=None) -> torch.Tensor:
+        """The statistics launches and the all_gather of one call: its result bytes (new, or
+        ``out``)."""
         self.k_stats(k)
         self.qv(q, v)
         if self.gather is not None:
             self.gather(pg)
-        out = torch.empty_like(self.out_bytes)
+        if out is None:
+            out = torch.empty_like(self.out_bytes)
         self.post_at(out, self.part, self.final)
         return out
 
@@ -732,14 +741,15 @@ class _ExchangePlan:
             self._chunks[n] = sides
         return sides
 
-    def run(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor]:
-        """(receive buffer, result bytes) of one call: the kernels and collectives in order."""
-        out = self._stats(q, k, v, pg)
+    def run(self, q, k, v, pg, scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(receive buffer, result bytes) of one call: the kernels and collectives in order.
+        New buffers, or with ``scratch`` the plan's scratch ones (valid until its next call)."""
+        out = self._stats(q, k, v, pg, self.scratch_out if scratch else None)
         if self.a2a is not None:
             self.pack_at(q, k, v, self.amax_q, self.final, out, self.amax_v)
-            recv = self.a2a(pg)
+            recv = (self.a2a_scratch if scratch else self.a2a)(pg)
         else:
-            recv = torch.empty_like(self.recv_out)
+            recv = self.scratch_recv if scratch else torch.empty_like(self.recv_out)
             self.pack_at(q, k, v, self.amax_q, self.final, out, self.amax_v, recv)
         self.gather_at(recv, out)
         return recv, out
@@ -750,7 +760,7 @@ class _ExchangePlan:
 
     def to_heads(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``self(q, k, v, pg).dequantize()`` without the LowpQKV: the same launches."""
-        recv, out = self.run(q, k, v, pg)
+        recv, out = self.run(q, k, v, pg, scratch=True)
         heads = (torch.empty_like(self.heads_q), torch.empty_like(self.heads_kv),
                  torch.empty_like(self.heads_kv))  # fmt: skip
         self.dequant_at(recv, out, *heads)
