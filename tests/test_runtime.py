@@ -777,23 +777,49 @@ def test_one_shot_launches_reuse_their_launch_per_configuration():
     its slots: the next call with new tensors reuses it (and so, on CUDA, its fast path);
     another int or dtype makes another; the results are those of each call's tensors."""
     from ulysses.kernels import _launch
-    from ulysses.kernels.lowp_out import dequantize_out, quantize_out
 
     def kept() -> int:  # this device's (the CUDA test mirror keeps its own launches too)
-        return sum(1 for key in _launch._LAUNCHES if key[2] == x.device)
+        return sum(1 for key in _launch._LAUNCHES if key[2] == a.device)
+
+    def divide(a, b, n=4):
+        out = torch.full_like(a, 7.0)
+        _launch.launch(_divide_kernel, (1,), a.device, a_ptr=a, b_ptr=b, out_ptr=out, N=n)
+        return out
 
     _launch._LAUNCHES.clear()
+    a, b = torch.tensor([1.0, -3.0, 5.0, 2.0]), torch.tensor([4.0, 2.0, 8.0, 3.0])
+    assert ref.bitwise_diff(divide(a, b), a / b) is None
+    assert kept() == 1
+    assert ref.bitwise_diff(divide(b, a), b / a) is None  # new tensors: the same Launch
+    assert kept() == 1
+    assert ref.bitwise_diff(divide(a.double(), b.double()), a.double() / b.double()) is None
+    assert kept() == 2  # another dtype: another Launch
+    out = divide(a, b, n=2)  # another constexpr: another Launch
+    assert kept() == 3 and ref.bitwise_diff(out[:2], (a / b)[:2]) is None
+    assert out[2:].tolist() == [7.0, 7.0]
+
+
+def test_int8_wire_launches_are_prepared_per_configuration():
+    """The INT8 wire's quantize and dequantize (kernels/lowp_out.py) keep one launch per
+    configuration: new tensors of the same configuration reuse it, with their own results
+    (their bits against the reference: tests/test_lowp_out.py); another dtype makes another."""
+    from ulysses.kernels import lowp_out
+    from ulysses.kernels.lowp_out import dequantize_out, quantize_out
+
+    def kept() -> int:  # this device's
+        return sum(1 for launch in lowp_out._PREPARED.values() if launch.launch.device == x.device)
+
+    def round_trip(x):
+        return dequantize_out(quantize_out(x, world_size=2), B=1, L=4, h=2, D=16, world_size=2,
+                              dtype=x.dtype)  # fmt: skip
+
+    lowp_out._PREPARED.clear()
     x = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
-    a = dequantize_out(quantize_out(x, world_size=2), B=1, L=4, h=2, D=16, world_size=2,
-                       dtype=torch.bfloat16)  # fmt: skip
-    n = kept()
-    assert n == 2  # the quantize and the dequantize
+    a = round_trip(x)
+    assert kept() == 2  # the quantize and the dequantize
     y = 3 * x
-    b = dequantize_out(quantize_out(y, world_size=2), B=1, L=4, h=2, D=16, world_size=2,
-                       dtype=torch.bfloat16)  # fmt: skip
-    assert kept() == n
-    assert torch.equal(b, dequantize_out(quantize_out(y, world_size=2), B=1, L=4, h=2, D=16,
-                                         world_size=2, dtype=torch.bfloat16))  # fmt: skip
-    assert not torch.equal(a, b)
-    quantize_out(x.half(), world_size=2)  # another dtype: another Launch
-    assert kept() == n + 1
+    b = round_trip(y)
+    assert kept() == 2
+    assert torch.equal(b, round_trip(y)) and not torch.equal(a, b)
+    round_trip(x.half())  # another dtype: another quantize and dequantize
+    assert kept() == 4
