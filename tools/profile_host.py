@@ -24,10 +24,13 @@ and with ``--profile`` the functions with the most own time (cProfile) of the lo
 the Python path alone. Every kernel launch returns at once (after reading its tensors'
 addresses, as the CUDA fast path does), the attention is an autograd node that allocates its
 outputs and computes nothing, and the collectives on the fake group fill nothing (a link of
-``ulysses.comm.set_link`` that returns at once). Per call it prints the host time and the
-number of aten ops the call dispatches (``--ops``: which ones), forward and forward + backward,
-for each mode. On CUDA every aten op costs about 5-15 us of host time, so the op count is the
-figure a CPU run transfers to the GPU host:
+``ulysses.comm.set_link`` that returns at once). Per call it prints the host (CPU) time, the
+number of aten ops the call dispatches (``--ops``: which ones) and of the package's Triton
+launches, forward and forward + backward, for each mode. On the CPU the bf16 mode's copies
+and the layer's own reshapes still move their data (at D = 128 that dominates its time; at
+``--head-dim 16`` the Python path does). On CUDA every aten op costs about 5-15 us of host
+time and a launch about 5-13 us, so the counts are the figures a CPU run transfers to the
+GPU host:
 
     python tools/profile_host.py --device cpu --rows 1024 [--ops] [--profile]
 """
@@ -91,7 +94,10 @@ def stubbed_layer(a) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=a.world)
     pg = dist.group.WORLD
 
+    launched = [0]
+
     def no_launch(self, *tensors):
+        launched[0] += 1
         for t in tensors:  # what the CUDA fast path reads of each slot
             t.data_ptr()
 
@@ -167,11 +173,12 @@ def stubbed_layer(a) -> None:
     for name, f in calls.items():
         # this process's CPU time (a shared host's other work does not count), best of 5
         us[name] = per_call_us(f, a.calls, sync, clock=time.process_time, rounds=5)
-        counter = _OpCounter()
+        counter, launched[0] = _OpCounter(), 0
         with counter:
             f()
         ops[name] = counter.counts
-        print(f"{name:22s} {us[name]:8.1f} us of CPU a call {sum(ops[name].values()):5d} aten ops")
+        print(f"{name:22s} {us[name]:8.1f} us of CPU a call {sum(ops[name].values()):5d} aten ops"
+              f" {launched[0]:3d} kernel launches")  # fmt: skip
         if a.ops:
             print("    " + ", ".join(f"{op} {n}" for op, n in ops[name].most_common()))
     for kind in ("fwd", "fwd+bwd"):
