@@ -181,8 +181,9 @@ def _new_send(P: int, chunk: int, used: int, device: torch.device) -> torch.Tens
     return send
 
 
-# The launches prepared per configuration (shapes, strides, dtypes, device; the tensors are
-# the slots): a call looks its launch up by a short key instead of naming every argument
+# The launches prepared per configuration (shapes, strides, dtypes, device and whether it runs
+# compiled; the tensors are the slots): a call looks its launch up by a short key instead of
+# naming every argument
 _PREPARED: dict[tuple, object] = {}
 _MAX_PREPARED = 256
 
@@ -212,8 +213,8 @@ def _quantize(x, send, *, P, L, h, stride_xp, stride_xs, HT, h_off, chunk) -> No
         )  # fmt: skip
         return step.views((0, 1, (1, torch.float32, (send.numel() // 4,), (1,), 0)))
 
-    key = (0, x.shape, x.stride(), x.dtype, x.device, P, L, h, stride_xp, stride_xs, HT, h_off,
-           chunk)  # fmt: skip
+    key = (0, x.shape, x.stride(), x.dtype, x.device, compiled_for_gpu(x.device), P, L, h,
+           stride_xp, stride_xs, HT, h_off, chunk)  # fmt: skip
     _prepared(key, build)(x, send)
 
 
@@ -232,7 +233,8 @@ def _dequantize(recv, out, *, P, B, L, h, D, HT, h_off, chunk, strides) -> None:
         )  # fmt: skip
         return step.views((0, (0, torch.float32, (recv.numel() // 4,), (1,), 0), 1))
 
-    key = (1, recv.device, recv.numel(), out.dtype, P, B, L, h, D, HT, h_off, chunk, strides)
+    key = (1, recv.device, compiled_for_gpu(recv.device), recv.numel(), out.dtype, P, B, L, h, D,
+           HT, h_off, chunk, strides)  # fmt: skip
     _prepared(key, build)(recv, out)
 
 
