@@ -758,8 +758,10 @@ def test_views_launch_passes_the_views_addresses(monkeypatch):
     called = []
     monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *t: called.append(t))
     cpu.views(spec)(buf, out)
-    ((x, o),) = called
+    cpu.views(spec)(buf[16:], out)  # a buffer that does not start its storage
+    (x, o), (x2, _) = called
     assert x.data_ptr() == buf.data_ptr() + 16 and x.stride() == (5, 1) and o is out
+    assert x2.data_ptr() == buf.data_ptr() + 32 and x2.shape == (2, 3)
 
 
 @triton.jit

@@ -290,12 +290,11 @@ class Launch:
 class Views:
     """A :class:`Launch` whose slots are views of the buffers a call passes, each view fixed
     once: ``spec[i]`` is ``j`` (slot i is the call's buffer j as it is) or
-    ``(j, dtype, size, stride, offset)`` (slot i is
-    ``buffers[j].view(dtype).as_strided(size, stride, offset)``, offset in elements of
-    ``dtype``). On CUDA the fast path takes the views' addresses from the buffers' (no view
-    is made: each costs an aten op of host time); Triton's dispatch gets the views themselves,
-    and on the CPU the Launch is called with them. The same kernels, arguments and bits as
-    calling the Launch with the views."""
+    ``(j, dtype, size, stride, offset)`` (slot i is ``buffers[j].view(dtype)`` strided as
+    ``size``, ``stride`` from its element ``offset``). On CUDA the fast path takes the views'
+    addresses from the buffers' (no view is made: each costs an aten op of host time);
+    Triton's dispatch gets the views themselves, and on the CPU the Launch is called with
+    them. The same kernels, arguments and bits as calling the Launch with the views."""
 
     __slots__ = ("launch", "spec", "offsets")
 
@@ -309,10 +308,14 @@ class Views:
 
     def tensors(self, buffers) -> list:
         """The slots' tensors: the buffers and views of them."""
-        return [
-            buffers[s] if isinstance(s, int) else buffers[s[0]].view(s[1]).as_strided(*s[2:])
-            for s in self.spec
-        ]
+        out = []
+        for s in self.spec:
+            if isinstance(s, int):
+                out.append(buffers[s])
+            else:  # the offset counts from the buffer's first element, as the fast path's
+                typed = buffers[s[0]].view(s[1])
+                out.append(typed.as_strided(s[2], s[3], typed.storage_offset() + s[4]))
+        return out
 
     def __call__(self, *buffers: torch.Tensor) -> None:
         launch = self.launch
