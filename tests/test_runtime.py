@@ -481,6 +481,14 @@ def test_cuda_mirror_compiles_the_cuda_launch_settings(monkeypatch):
     monkeypatch.setattr(finalize_stats, "sm_count", lambda device: 132)
     monkeypatch.setattr(grouped_amax_module, "sm_count", lambda device: 132)
     monkeypatch.setattr(_scratch, "_TILES", {})
+    # the per-row table is a device constant: a CPU stand-in on a machine without a GPU
+    from ulysses.kernels import block_stats
+
+    def table(rows, device):
+        return torch.zeros(1, _scratch.ROW_FIELDS, dtype=torch.int32)
+
+    for module in (block_stats, finalize_stats, lowp_pack, qv_stats_module):
+        monkeypatch.setattr(module, "row_table", table)
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     shape, strides = (1, 592, 56, 128), (592 * 56 * 128, 56 * 128, 128, 1)
     args = dict(group_size=64, row0=592, n_slots=10, g_first=9, n_touched=10, tail_group=-1,
@@ -720,6 +728,50 @@ def test_alignment_pattern_puts_the_first_slot_high(monkeypatch):
     assert sorted(step.direct) == [0b001, 0b100]
 
 
+def test_views_launch_passes_the_views_addresses(monkeypatch):
+    """A ``Launch`` called through ``Views`` (slots as views of a call's buffers, fixed once):
+    Triton's dispatch gets the views themselves (dtype, shape, strides, offset), the fast path
+    the views' addresses computed from the buffers' (a uint8 buffer viewed as fp32 at an
+    offset, and a buffer as it is); an offset off 16-byte alignment makes its own pattern.
+    On the CPU the Launch is called with the views. Runs on CPU with stand-ins for Triton's
+    JIT and the fast path."""
+    record = _stand_in_cuda(monkeypatch)
+    fixed = torch.zeros(64)
+    step = _launch.Launch(
+        _fake_launch_kernel, (2,), torch.device("cuda:0"), slots=("x_ptr", "out_ptr"),
+        scratch_ptr=fixed, n=7, BLOCK=16,
+    )  # fmt: skip
+    record["positions"][_fake_launch_kernel] = step.positions
+    spec = ((0, torch.float32, (2, 3), (5, 1), 4), 1)
+    at = step.views(spec)
+    buf, out = torch.zeros(64, dtype=torch.uint8), torch.zeros(8)
+    at(buf, out)
+    at(buf, out)
+    assert len(record["jit"]) == 1 and len(record["direct"]) == 1
+    (through_triton,) = record["jit"]
+    x = through_triton[step.names.index("x_ptr")]
+    assert x.dtype == torch.float32 and x.shape == (2, 3) and x.stride() == (5, 1)
+    assert x.data_ptr() == buf.data_ptr() + 16
+    assert through_triton[step.names.index("out_ptr")] is out
+    compiled, _, _, args = record["direct"][0]
+    assert compiled is record["compiled"][0b11]
+    assert args[step.names.index("x_ptr")] == buf.data_ptr() + 16
+    assert args[step.names.index("out_ptr")] == out.data_ptr()
+    assert args[step.names.index("scratch_ptr")] == fixed.data_ptr()
+    step.views(((0, torch.float32, (2,), (1,), 1), 1))(buf, out)  # 4 bytes off: another pattern
+    assert len(record["jit"]) == 2 and sorted(step.direct) == [0b01, 0b11]
+    monkeypatch.undo()
+    cpu = _launch.Launch(_fake_launch_kernel, (1,), torch.device("cpu"),
+                         slots=("x_ptr", "out_ptr"), scratch_ptr=fixed, n=7, BLOCK=16)  # fmt: skip
+    called = []
+    monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *t: called.append(t))
+    cpu.views(spec)(buf, out)
+    cpu.views(spec)(buf[16:], out)  # a buffer that does not start its storage
+    (x, o), (x2, _) = called
+    assert x.data_ptr() == buf.data_ptr() + 16 and x.stride() == (5, 1) and o is out
+    assert x2.data_ptr() == buf.data_ptr() + 32 and x2.shape == (2, 3)
+
+
 @triton.jit
 def _fake_launch_kernel(x_ptr, scratch_ptr, out_ptr, n, BLOCK: tl.constexpr):
     pass
@@ -735,23 +787,49 @@ def test_one_shot_launches_reuse_their_launch_per_configuration():
     its slots: the next call with new tensors reuses it (and so, on CUDA, its fast path);
     another int or dtype makes another; the results are those of each call's tensors."""
     from ulysses.kernels import _launch
-    from ulysses.kernels.lowp_out import dequantize_out, quantize_out
 
     def kept() -> int:  # this device's (the CUDA test mirror keeps its own launches too)
-        return sum(1 for key in _launch._LAUNCHES if key[2] == x.device)
+        return sum(1 for key in _launch._LAUNCHES if key[2] == a.device)
+
+    def divide(a, b, n=4):
+        out = torch.full_like(a, 7.0)
+        _launch.launch(_divide_kernel, (1,), a.device, a_ptr=a, b_ptr=b, out_ptr=out, N=n)
+        return out
 
     _launch._LAUNCHES.clear()
+    a, b = torch.tensor([1.0, -3.0, 5.0, 2.0]), torch.tensor([4.0, 2.0, 8.0, 3.0])
+    assert ref.bitwise_diff(divide(a, b), a / b) is None
+    assert kept() == 1
+    assert ref.bitwise_diff(divide(b, a), b / a) is None  # new tensors: the same Launch
+    assert kept() == 1
+    assert ref.bitwise_diff(divide(a.double(), b.double()), a.double() / b.double()) is None
+    assert kept() == 2  # another dtype: another Launch
+    out = divide(a, b, n=2)  # another constexpr: another Launch
+    assert kept() == 3 and ref.bitwise_diff(out[:2], (a / b)[:2]) is None
+    assert out[2:].tolist() == [7.0, 7.0]
+
+
+def test_int8_wire_launches_are_prepared_per_configuration():
+    """The INT8 wire's quantize and dequantize (kernels/lowp_out.py) keep one launch per
+    configuration: new tensors of the same configuration reuse it, with their own results
+    (their bits against the reference: tests/test_lowp_out.py); another dtype makes another."""
+    from ulysses.kernels import lowp_out
+    from ulysses.kernels.lowp_out import dequantize_out, quantize_out
+
+    def kept() -> int:  # this device's
+        return sum(1 for launch in lowp_out._PREPARED.values() if launch.launch.device == x.device)
+
+    def round_trip(x):
+        return dequantize_out(quantize_out(x, world_size=2), B=1, L=4, h=2, D=16, world_size=2,
+                              dtype=x.dtype)  # fmt: skip
+
+    lowp_out._PREPARED.clear()
     x = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
-    a = dequantize_out(quantize_out(x, world_size=2), B=1, L=4, h=2, D=16, world_size=2,
-                       dtype=torch.bfloat16)  # fmt: skip
-    n = kept()
-    assert n == 2  # the quantize and the dequantize
+    a = round_trip(x)
+    assert kept() == 2  # the quantize and the dequantize
     y = 3 * x
-    b = dequantize_out(quantize_out(y, world_size=2), B=1, L=4, h=2, D=16, world_size=2,
-                       dtype=torch.bfloat16)  # fmt: skip
-    assert kept() == n
-    assert torch.equal(b, dequantize_out(quantize_out(y, world_size=2), B=1, L=4, h=2, D=16,
-                                         world_size=2, dtype=torch.bfloat16))  # fmt: skip
-    assert not torch.equal(a, b)
-    quantize_out(x.half(), world_size=2)  # another dtype: another Launch
-    assert kept() == n + 1
+    b = round_trip(y)
+    assert kept() == 2
+    assert torch.equal(b, round_trip(y)) and not torch.equal(a, b)
+    round_trip(x.half())  # another dtype: another quantize and dequantize
+    assert kept() == 4

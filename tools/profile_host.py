@@ -19,6 +19,20 @@ commit), so that two runs of this one script give before/after figures. Prints, 
   group's cost, and whether the blocking option costs anything;
 
 and with ``--profile`` the functions with the most own time (cProfile) of the lowp modes.
+
+``--stub`` (forced with ``--device cpu``, where Triton's interpreter would run the kernels):
+the Python path alone. Every kernel launch returns at once (after reading its tensors'
+addresses, as the CUDA fast path does), the attention is an autograd node that allocates its
+outputs and computes nothing, and the collectives on the fake group fill nothing (a link of
+``ulysses.comm.set_link`` that returns at once). Per call it prints the host (CPU) time, the
+number of aten ops the call dispatches (``--ops``: which ones) and of the package's Triton
+launches, forward and forward + backward, for each mode. On the CPU the bf16 mode's copies
+and the layer's own reshapes still move their data (at D = 128 that dominates its time; at
+``--head-dim 16`` the Python path does). On CUDA every aten op costs about 5-15 us of host
+time and a launch about 5-13 us, so the counts are the figures a CPU run transfers to the
+GPU host:
+
+    python tools/profile_host.py --device cpu --rows 1024 [--ops] [--profile]
 """
 
 from __future__ import annotations
@@ -31,18 +45,160 @@ import sys
 import time
 
 
-def per_call_us(fn, n, sync) -> float:
-    """Best of 3 rounds of ``n`` back-to-back calls, in us a call."""
+def per_call_us(fn, n, sync, clock=time.perf_counter, rounds=3) -> float:
+    """Best of ``rounds`` rounds of ``n`` back-to-back calls, in us a call."""
     fn()
     sync()
     best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
+    for _ in range(rounds):
+        t = clock()
         for _ in range(n):
             fn()
         sync()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
+        best = min(best, (clock() - t) / n * 1e6)
     return best
+
+
+class _OpCounter:
+    """A TorchDispatchMode counting the aten ops dispatched under it, by name."""
+
+    def __new__(cls):
+        from collections import Counter
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.counts = Counter()
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.counts[str(func.overloadpacket.__name__)] += 1
+                return func(*args, **(kwargs or {}))
+
+        return Mode()
+
+
+def stubbed_layer(a) -> None:
+    """The ``--stub`` run (module docstring): host time and aten ops per call, no kernel."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import ulysses
+    from ulysses import attention, comm, lowp
+    from ulysses.kernels import _launch
+
+    torch.set_num_threads(1)  # CPU time of this thread's work only (no spinning pool threads)
+    print(f"ulysses from {os.path.dirname(ulysses.__file__)}, torch {torch.__version__}, stubbed")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=a.world)
+    pg = dist.group.WORLD
+
+    launched = [0]
+
+    def no_launch(self, *tensors):
+        launched[0] += 1
+        for t in tensors:  # what the CUDA fast path reads of each slot
+            t.data_ptr()
+
+    class NoLink:  # the collectives fill nothing (torch's fake group copies on the CPU)
+        def __init__(self, pg):
+            self.pg = pg
+
+        def all_to_all(self, recv, send):
+            pass
+
+        def all_gather(self, out, inp):
+            pass
+
+    class NoAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return torch.empty_like(q)
+
+        @staticmethod
+        def backward(ctx, dout):
+            return torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)
+
+    def sdpa(q, k, v, **kwargs):
+        return NoAttention.apply(q, k, v)
+
+    _launch.Launch.__call__ = no_launch
+    if hasattr(_launch, "Views"):  # launches on views of a call's buffers (CUDA: no view made)
+        _launch.Views.__call__ = no_launch
+    attention.F = type("F", (), {"scaled_dot_product_attention": staticmethod(sdpa),
+                                 "pad": staticmethod(torch.nn.functional.pad)})  # fmt: skip
+    dev = a.device
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    shape = (1, a.rows, a.heads, a.head_dim)
+    q, k, v = (torch.zeros(shape, device=dev, dtype=torch.bfloat16) for _ in "qkv")
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    dout = torch.zeros(shape, device=dev, dtype=torch.bfloat16)
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    modes = {
+        "bf16": {},
+        "lowp": {"comm": "lowp"},
+        "lowp+bwdlowp": {"comm": "lowp", "backward_comm": "lowp"},
+    }
+
+    def fwd(kw):
+        def f():
+            with torch.no_grad():
+                ulysses.ulysses_attention(q, k, v, causal=True, **kw)
+
+        return f
+
+    def train(kw):
+        def f():
+            out = ulysses.ulysses_attention(q, k, v, causal=True, **kw)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        return f
+
+    calls = {}
+    for name, kw in modes.items():
+        calls[f"{name} fwd"] = fwd(kw)
+        calls[f"{name} fwd+bwd"] = train(kw)
+    calls["exchange_qkv"] = lambda: lowp.exchange_qkv(qd, kd, vd)
+    calls["exchange_to_heads"] = lambda: lowp.exchange_to_heads(qd, kd, vd)
+    for f in calls.values():  # the first call of a signature: the fake group's all_gather
+        f()  # of the ranks' signatures (a link would leave it unfilled)
+    comm.set_link(NoLink(pg))
+    for f in calls.values():
+        for _ in range(3):
+            f()
+    print(f"L {a.rows}, H {a.heads}, D {a.head_dim}, P {a.world} (fake group, rank 1)")
+    us, ops = {}, {}
+    for name, f in calls.items():
+        # this process's CPU time (a shared host's other work does not count), best of 5
+        us[name] = per_call_us(f, a.calls, sync, clock=time.process_time, rounds=5)
+        counter, launched[0] = _OpCounter(), 0
+        with counter:
+            f()
+        ops[name] = counter.counts
+        print(f"{name:22s} {us[name]:8.1f} us of CPU a call {sum(ops[name].values()):5d} aten ops"
+              f" {launched[0]:3d} kernel launches")  # fmt: skip
+        if a.ops:
+            print("    " + ", ".join(f"{op} {n}" for op, n in ops[name].most_common()))
+    for kind in ("fwd", "fwd+bwd"):
+        for name in ("lowp", "lowp+bwdlowp"):
+            d_us = us[f"{name} {kind}"] - us[f"bf16 {kind}"]
+            d_ops = sum(ops[f"{name} {kind}"].values()) - sum(ops[f"bf16 {kind}"].values())
+            print(f"{name} - bf16, {kind}: {d_us:+.1f} us, {d_ops:+d} aten ops")
+    if a.profile:
+        for name, f in calls.items():
+            if name.startswith("bf16"):
+                continue
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(a.calls):
+                f()
+            pr.disable()
+            print(f"\n==== {name}: top {a.top} by own time ({a.calls} calls)")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
+    comm.set_link(None)
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -55,9 +211,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--profile", action="store_true", help="also print cProfile tables")
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    ap.add_argument("--device", default="cuda", help="cpu: the Python path (--stub)")
+    ap.add_argument("--stub", action="store_true", help="kernels, attention, collectives stubbed")
+    ap.add_argument("--ops", action="store_true", help="with --stub: the aten ops of a call")
     a = ap.parse_args()
     sys.path.insert(0, os.path.abspath(a.repo))
+    if a.device == "cpu" or a.stub:
+        stubbed_layer(a)
+        return
 
     import torch
     import torch.distributed as dist
@@ -121,12 +282,15 @@ def main() -> None:
     }
     for name, fn in exch.items():
         print(f"{name}: {per_call_us(fn, n, sync):.1f} us a call")
-    real = _launch.Launch.__call__
-    _launch.Launch.__call__ = lambda self, *tensors: None
+    launchers = [c for c in (_launch.Launch, getattr(_launch, "Views", None)) if c is not None]
+    real = [c.__call__ for c in launchers]
+    for c in launchers:
+        c.__call__ = lambda self, *tensors: None
     try:
         stubbed = per_call_us(exch["exchange_to_heads"], n, sync)
     finally:
-        _launch.Launch.__call__ = real
+        for c, f in zip(launchers, real, strict=True):
+            c.__call__ = f
     print(f"exchange_to_heads, kernel launches stubbed: {stubbed:.1f} us a call")
 
     # the fake group's collectives at the exchange's sizes

@@ -70,9 +70,9 @@ class _PerGroup:
     def __init__(self, key: int):
         self.key = key
         self.members: dict[str, tuple[int, int]] = {}  # device type -> (rank, world size)
-        # call signatures every rank agreed on, the most recent last (bounded: a training loop
-        # whose per-row counts change every step makes a new signature each step)
-        self.verified: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        # call signatures every rank agreed on -> their tags, the most recent last (bounded: a
+        # training loop whose per-row counts change every step makes a new signature each step)
+        self.verified: collections.OrderedDict[tuple, float] = collections.OrderedDict()
 
 
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -243,13 +243,15 @@ def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
     return gather
 
 
-def all_to_all_launcher(send: torch.Tensor):
-    """``a2a(pg) -> recv``: ``all_to_all_single`` of ``send`` into a new tensor, calling the
-    backend directly (as :func:`all_gather_launcher`)."""
+def all_to_all_launcher(send: torch.Tensor, recv: torch.Tensor | None = None):
+    """``a2a(pg) -> recv``: ``all_to_all_single`` of ``send`` into a new tensor (or into
+    ``recv``, the same one each call), calling the backend directly (as
+    :func:`all_gather_launcher`)."""
+    into = recv
     if not hasattr(dist.ProcessGroup, "alltoall_base"):  # pragma: no cover - other torch
 
         def a2a_wrapped(pg):
-            recv = torch.empty_like(send)
+            recv = torch.empty_like(send) if into is None else into
             dist.all_to_all_single(recv, send, group=pg)
             return recv
 
@@ -259,7 +261,7 @@ def all_to_all_launcher(send: torch.Tensor):
         opts.asyncOp = False
 
     def a2a(pg):
-        recv = torch.empty_like(send)
+        recv = torch.empty_like(send) if into is None else into
         if _LINK is not None and _LINK.pg is pg:
             _LINK.all_to_all(recv, send)
             return recv
@@ -388,9 +390,17 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
     ranks disagree on sizes; on a mismatch every rank raises the same ValueError naming the
     field and the per-rank values. It runs on the first call of each new signature per
     process group (or every call with ``force``), never while compiling or capturing a CUDA
-    graph; later calls cost a set lookup. What it cannot see (a rank that switches to a new
+    graph; later calls cost a dict lookup. What it cannot see (a rank that switches to a new
     signature while the others reuse a verified one) the tag turns into NaN outputs.
     """
+    if world_size != 1 and not force and not _ops.is_compiling():
+        # a verified signature: its tag, kept with it (no check, no hash a call)
+        verified = _state(pg).verified
+        key = (fn, *fields.items())
+        tag = verified.get(key)
+        if tag is not None:
+            verified.move_to_end(key)
+            return tag
     values = [_FN_CODES.get(fn) or zlib.crc32(fn.encode()) & 0x7FFFFFFF]
     values += [-1 if x is None else int(x) for x in fields.values()]
     assert len(values) <= SIGNATURE_FIELDS, fields
@@ -402,9 +412,6 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
         return tag
     verified = _state(pg).verified
     key = (fn, *fields.items())
-    if not force and key in verified:
-        verified.move_to_end(key)
-        return tag
     values += [0] * (SIGNATURE_FIELDS - len(values))
     mine = torch.tensor(values, dtype=torch.int64).to(device)
     table = all_gather(mine, pg, world_size).cpu()
@@ -422,7 +429,7 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
                 f"ranks disagree on {name} in {fn}: per-rank values {shown}; every rank of the "
                 f"group must call {fn} with the same {name}"
             )
-    verified[key] = None
+    verified[key] = tag
     if len(verified) > _VERIFIED_MAX:
         verified.popitem(last=False)
     return tag

@@ -649,8 +649,10 @@ class _ExchangePlan:
     (payload, gathered, K's min/max, Q's partial amax, K's group amax, the send buffer) and
     the collectives bound to them. Every path runs it: eager calls directly, compiled calls
     (and tensor subclasses) through the op ``lowp_exchange``. A call allocates the receive
-    buffer and the result bytes (:class:`_Out`); at world size 1 there is no collective: the
-    finalize reads the payload and the pack writes the receive buffer itself."""
+    buffer and the result bytes (:class:`_Out`; a call of ``exchange_to_heads``, which reads
+    them itself, uses scratch ones and allocates only its outputs); at world size 1 there is
+    no collective: the finalize reads the payload and the pack writes the receive buffer
+    itself."""
 
     def __init__(self, c: _Call, tiles: dict | None = None):
         # ``tiles`` (benchmarks only): {"q_once": bool, "qv": {...}, "pack": {...}}, launch
@@ -736,20 +738,49 @@ class _ExchangePlan:
         self.dequant, self.heads_q, self.heads_kv = whole.dequant, whole.heads_q, whole.heads_kv
         self.dtype, self.fields = k.dtype, (c.used_sequence, c.q_group, c.k_group)
         self.v_code = _V_CODES[c.v_format]
+        # a call's launches on views of its buffers, the views fixed here: on CUDA no view is
+        # made per call (kernels/_launch.Views). Buffers: out = the result bytes, recv
+        words = (FP32, (o.nbytes // 4,), (1,), 0)
+        mean_at, v_scale_at = (0, k.dtype, *o.mean), (0, FP32, *o.v_scale)
+        self.post_at = self.post.views((mean_at, 1, 2, v_scale_at))  # (out, part, final)
+        # (q, k, v, amax_q, final, out, amax_v[, recv])
+        send_at = () if P > 1 else (7, (7, FP32, (w.nbytes // 4,), (1,), 0))
+        self.pack_at = self.pack.views((0, 1, 2, 3, 4, (5, k.dtype, *o.mean), 6, *send_at))
+        recv_words = (0, FP32, (w.nbytes // 4,), (1,), 0)
+        self.gather_at = self.gather_scales.views((recv_words, (1, *words)))  # (recv, out)
+        # (recv, out, q_out, k_out, v_out)
+        self.dequant_at = self.dequant.views((
+            (0, torch.int8, o.size_q, o.stride, o.offsets[0]),
+            (0, torch.int8, o.size_kv, o.stride, o.offsets[1]),
+            (0, self.v_code, o.size_kv, o.stride, o.offsets[2]),
+            (1, FP32, *o.q_scale), (1, FP32, *o.k_scale), (1, FP32, *o.v_scale), 2, 3, 4,
+        ))  # fmt: skip
+        self.k_stats = self.k_local.stats
+        # exchange_to_heads reads the receive buffer and the result bytes in the call only (the
+        # dequantize): scratch there, reused in stream order (no allocation a call)
+        self.scratch_recv = workspace("lowp_recv", w.nbytes, torch.uint8, dev)[: w.nbytes]
+        self.scratch_out = workspace("lowp_out", o.nbytes, torch.uint8, dev)[: o.nbytes]
+        self.a2a_scratch = None if P == 1 else comm.all_to_all_launcher(send, self.scratch_recv)
+
+    def _stats(self, q, k, v, pg, out=None) -> torch.Tensor:
+        """The statistics launches and the all_gather of one call: its result bytes (new, or
+        ``out``)."""
+        self.k_stats(k)
+        self.qv(q, v)
+        if self.gather is not None:
+            self.gather(pg)
+        if out is None:
+            out = torch.empty_like(self.out_bytes)
+        self.post_at(out, self.part, self.final)
+        return out
 
     def stats(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor]:
         """The statistics of one call, all heads: the local launches, the all_gather, the
         post-gather launch. Returns (result bytes, the global K mean view of them); K's final
         and Q's merged group amax and V's amax are in this plan's scratch buffers until its
         next call."""
-        self.k_local(k)
-        self.qv(q, v)
-        if self.gather is not None:
-            self.gather(pg)
-        out = torch.empty_like(self.out_bytes)
-        mean = out.view(self.dtype).as_strided(*self.mean_view)
-        self.post(mean, self.part, self.final, out.view(FP32).as_strided(*self.v_scale_view))
-        return out, mean
+        out = self._stats(q, k, v, pg)
+        return out, out.view(self.dtype).as_strided(*self.mean_view)
 
     def chunk_sides(self, n: int) -> tuple[_Side, ...]:
         """The send sides of the ``n`` head chunks (built once, by :func:`_send_side`)."""
@@ -759,17 +790,17 @@ class _ExchangePlan:
             self._chunks[n] = sides
         return sides
 
-    def run(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor]:
-        """(receive buffer, result bytes) of one call: the kernels and collectives in order."""
-        out, mean = self.stats(q, k, v, pg)
-        words = out.view(FP32)
+    def run(self, q, k, v, pg, scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(receive buffer, result bytes) of one call: the kernels and collectives in order.
+        New buffers, or with ``scratch`` the plan's scratch ones (valid until its next call)."""
+        out = self._stats(q, k, v, pg, self.scratch_out if scratch else None)
         if self.a2a is not None:
-            self.pack(q, k, v, self.amax_q, self.final, mean, self.amax_v)
-            recv = self.a2a(pg)
+            self.pack_at(q, k, v, self.amax_q, self.final, out, self.amax_v)
+            recv = (self.a2a_scratch if scratch else self.a2a)(pg)
         else:
-            recv = torch.empty_like(self.recv_out)
-            self.pack(q, k, v, self.amax_q, self.final, mean, self.amax_v, recv, recv.view(FP32))
-        self.gather_scales(recv.view(FP32), words)
+            recv = self.scratch_recv if scratch else torch.empty_like(self.recv_out)
+            self.pack_at(q, k, v, self.amax_q, self.final, out, self.amax_v, recv)
+        self.gather_at(recv, out)
         return recv, out
 
     def __call__(self, q, k, v, pg) -> LowpQKV:
@@ -778,17 +809,10 @@ class _ExchangePlan:
 
     def to_heads(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``self(q, k, v, pg).dequantize()`` without the LowpQKV: the same launches."""
-        recv, out = self.run(q, k, v, pg)
-        o, codes, words = self.out, recv.view(torch.int8), out.view(FP32)
-        stride, (oq, ok, ov) = o.stride, o.offsets
-        heads = torch.empty_like(self.heads_q), torch.empty_like(self.heads_kv)
-        heads += (torch.empty_like(self.heads_kv),)
-        self.dequant(
-            codes.as_strided(o.size_q, stride, oq), codes.as_strided(o.size_kv, stride, ok),
-            recv.view(self.v_code).as_strided(o.size_kv, stride, ov),
-            words.as_strided(*o.q_scale), words.as_strided(*o.k_scale),
-            words.as_strided(*o.v_scale), *heads,
-        )  # fmt: skip
+        recv, out = self.run(q, k, v, pg, scratch=True)
+        heads = (torch.empty_like(self.heads_q), torch.empty_like(self.heads_kv),
+                 torch.empty_like(self.heads_kv))  # fmt: skip
+        self.dequant_at(recv, out, *heads)
         return heads
 
 

@@ -24,7 +24,14 @@ import torch
 
 from . import _interp
 
-__all__ = ["COMPILE_OPTIONS", "Launch", "compiled_for_gpu", "first_launch_stats", "launch"]
+__all__ = [
+    "COMPILE_OPTIONS",
+    "Launch",
+    "Views",
+    "compiled_for_gpu",
+    "first_launch_stats",
+    "launch",
+]
 
 # Compiler options every compiled launch of the package pins, whatever the Triton version's
 # defaults and the environment say:
@@ -232,27 +239,42 @@ class Launch:
         self.direct: dict[int, object] = {}  # alignment pattern -> fast path (or None)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        index = self.index
-        if index is None:
+        if self.index is None:
             self._launch_cpu(tensors)
-            return
-        ptrs = [t.data_ptr() for t in tensors]
+        elif not self._direct([t.data_ptr() for t in tensors]):
+            self._launch_jit(tensors)
+
+    def _direct(self, ptrs: list) -> bool:
+        """Launch with the slots at addresses ``ptrs`` through the fast path of their
+        alignment pattern; False where there is none (yet)."""
         bits = 0
         for ptr in ptrs:  # the first slot is the pattern's high bit
             bits = (bits << 1) | ((ptr & 15) == 0)
         direct = self.direct.get(bits)
-        if direct is not None:
-            args = self.addresses.copy()
-            for p, ptr in zip(self.positions, ptrs, strict=True):
-                args[p] = ptr
-            if direct(self.g, index, args):
-                return
+        if direct is None:
+            return False
+        args = self.addresses.copy()
+        for p, ptr in zip(self.positions, ptrs, strict=True):
+            args[p] = ptr
+        return direct(self.g, self.index, args)
+
+    def _launch_jit(self, tensors) -> None:
+        """Triton's own dispatch; its first return for an alignment pattern makes that
+        pattern's fast path."""
+        bits = 0
+        for t in tensors:
+            bits = (bits << 1) | ((t.data_ptr() & 15) == 0)
         args = self.args.copy()
         for p, t in zip(self.positions, tensors, strict=True):
             args[p] = t
-        compiled = _jit_launch(self.kernel, self.grid, index, self.num_warps, self.use_pdl, args)
+        compiled = _jit_launch(self.kernel, self.grid, self.index, self.num_warps, self.use_pdl,
+                               args)  # fmt: skip
         if bits not in self.direct:
             self.direct[bits] = None if compiled is None else _direct_launcher(compiled)
+
+    def views(self, spec: tuple) -> Views:
+        """This launch called with views of a call's buffers: see :class:`Views`."""
+        return Views(self, spec)
 
     def _launch_cpu(self, tensors) -> None:
         args = self.args.copy()
@@ -265,10 +287,51 @@ class Launch:
             _interp.run(self.kernel, self.grid, kwargs)
 
 
+class Views:
+    """A :class:`Launch` whose slots are views of the buffers a call passes, each view fixed
+    once: ``spec[i]`` is ``j`` (slot i is the call's buffer j as it is) or
+    ``(j, dtype, size, stride, offset)`` (slot i is ``buffers[j].view(dtype)`` strided as
+    ``size``, ``stride`` from its element ``offset``). On CUDA the fast path takes the views'
+    addresses from the buffers' (no view is made: each costs an aten op of host time);
+    Triton's dispatch gets the views themselves, and on the CPU the Launch is called with
+    them. The same kernels, arguments and bits as calling the Launch with the views."""
+
+    __slots__ = ("launch", "spec", "offsets")
+
+    def __init__(self, launch: Launch, spec: tuple) -> None:
+        assert len(spec) == len(launch.positions), (spec, launch.positions)
+        self.launch, self.spec = launch, tuple(spec)
+        # (buffer, byte offset) of each slot
+        self.offsets = tuple(
+            (s, 0) if isinstance(s, int) else (s[0], s[4] * s[1].itemsize) for s in self.spec
+        )
+
+    def tensors(self, buffers) -> list:
+        """The slots' tensors: the buffers and views of them."""
+        out = []
+        for s in self.spec:
+            if isinstance(s, int):
+                out.append(buffers[s])
+            else:  # the offset counts from the buffer's first element, as the fast path's
+                typed = buffers[s[0]].view(s[1])
+                out.append(typed.as_strided(s[2], s[3], typed.storage_offset() + s[4]))
+        return out
+
+    def __call__(self, *buffers: torch.Tensor) -> None:
+        launch = self.launch
+        if launch.index is not None:
+            bases = [b.data_ptr() for b in buffers]
+            if launch._direct([bases[j] + off for j, off in self.offsets]):
+                return
+            launch._launch_jit(self.tensors(buffers))
+            return
+        launch(*self.tensors(buffers))
+
+
 # One-shot launches (``launch``) of a configuration seen before reuse its Launch, so that from
 # the second call on they take the fast path too (a new Launch each call went through Triton's
 # own dispatch every time: ~100 us of host time for the dequantize on an H200 host).
-_LAUNCHES: dict[tuple, Launch] = {}
+_LAUNCHES: dict[tuple, tuple[Launch, tuple[str, ...]]] = {}  # -> (Launch, slot names)
 _MAX_LAUNCHES = 512
 
 
@@ -286,29 +349,29 @@ def launch(
     slots; the Launch of the rest (grid, ints, dtypes of the tensors) is kept for the next
     call with the same configuration."""
     assert device.type == "cuda" or not use_pdl, "PDL is a CUDA launch option"
-    slots, tensors, fixed = [], [], {}
-    key = [kernel, tuple(grid), device, num_warps, use_pdl]
-    for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
-            slots.append(name)
-            tensors.append(value)
-            key.append((name, value.dtype, value.device))
-        else:
-            fixed[name] = value
-            key.append((name, type(value), value))
+    Tensor = torch.Tensor
+    config = [
+        (v.dtype, v.device) if isinstance(v, Tensor) else (type(v), v) for v in kwargs.values()
+    ]
+    # the kernel by id (a JITFunction hashes in Python: ~1 us; the kept Launch holds it, so the
+    # id stays its own), the names in order, each value's type and value (a tensor: dtype, device)
     try:
-        found = _LAUNCHES.get(key := tuple(key))
+        found = _LAUNCHES.get(key := (id(kernel), tuple(grid), device, num_warps, use_pdl,
+                                      tuple(kwargs), *config))  # fmt: skip
     except TypeError:  # an unhashable argument (a TMA descriptor): a Launch for this call only
         Launch(kernel, grid, device, num_warps=num_warps, use_pdl=use_pdl, **kwargs)()
         return
     if found is None:
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
-        found = _LAUNCHES[key] = Launch(
-            kernel, grid, device, num_warps=num_warps, use_pdl=use_pdl, slots=tuple(slots),
-            **fixed,
+        slots = tuple(n for n, v in kwargs.items() if isinstance(v, Tensor))
+        fixed = {n: v for n, v in kwargs.items() if not isinstance(v, Tensor)}
+        found = _LAUNCHES[key] = (
+            Launch(kernel, grid, device, num_warps=num_warps, use_pdl=use_pdl, slots=slots,
+                   **fixed),
+            slots,
         )  # fmt: skip
-    found(*tensors)
+    found[0](*[kwargs[n] for n in found[1]])
 
 
 def _launch_mirrored(kernel, grid: tuple, num_warps: int, kwargs: dict) -> None:
