@@ -132,8 +132,8 @@ class WireStandIn:
             note("all_gather", payload)
             return gathered
 
-        def all_to_all_launcher(send):
-            a2a = orig["all_to_all_launcher"](send)
+        def all_to_all_launcher(send, recv=None):
+            a2a = orig["all_to_all_launcher"](send, recv)
 
             def stand_in(pg):
                 recv = a2a(pg)
