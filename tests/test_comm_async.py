@@ -129,7 +129,8 @@ def test_cuda_started_step_overlaps_the_current_stream(fake_link):
     with link:
         send = torch.randn(P, 1 << 22, device="cuda")  # 32 MB: 16 ms on a 1 GB/s link
         comm.all_to_all_start(send, link.pg, P).wait()  # the link's first call allocates its
-        torch.cuda.synchronize()  # buffers (a pinned one blocks the host meanwhile)
+        (send[0] * 2).sum()  # buffers (a pinned one blocks the host meanwhile); the kernels
+        torch.cuda.synchronize()  # below load now, not while the link copies
         began = torch.cuda.Event(enable_timing=True)
         began.record()
         pending = comm.all_to_all_start(send, link.pg, P)
