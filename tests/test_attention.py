@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _attention_ref import sdpa_live
 
 import ulysses
 from ulysses import attention as A
@@ -16,16 +16,7 @@ from ulysses.reference import bitwise_diff
 WORLD_SIZES = (1, 2, 3, 4, 6, 8, 16)
 
 
-def _sdpa_full(q, k, v, causal=False, used=None):
-    """Plain SDPA over [B, S, H, D] live rows; rows [used, S) zero (written independently)."""
-    S = q.shape[1]
-    n = S if used is None else used
-    kw = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
-    out = F.scaled_dot_product_attention(
-        q[:, :n].transpose(1, 2), k[:, :n].transpose(1, 2), v[:, :n].transpose(1, 2),
-        is_causal=causal, **kw,
-    ).transpose(1, 2)  # fmt: skip
-    return torch.cat([out, out.new_zeros(out.shape[0], S - n, *out.shape[2:])], dim=1)
+_sdpa_full = sdpa_live
 
 
 def _qkv(B, S, Hq, Hkv, D, dtype=torch.bfloat16, seed=0):

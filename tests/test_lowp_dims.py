@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _attention_ref import sdpa_live
 
 import ulysses
 from ulysses import grid, lowp, reference
@@ -120,15 +120,7 @@ def test_exchange_at_world_size_one_is_gather_then_quantize(D, assert_bitwise):
 # ---- the layer at P = 1 ------------------------------------------------------------------------
 
 
-def _sdpa(q, k, v, causal, used):
-    """Plain SDPA over the live rows of [B, S, H, D]; rows [used, S) zero."""
-    S, n = q.shape[1], q.shape[1] if used is None else used
-    kw = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
-    out = F.scaled_dot_product_attention(
-        q[:, :n].transpose(1, 2), k[:, :n].transpose(1, 2), v[:, :n].transpose(1, 2),
-        is_causal=causal, **kw,
-    ).transpose(1, 2)  # fmt: skip
-    return torch.cat([out, out.new_zeros(out.shape[0], S - n, *out.shape[2:])], dim=1)
+_sdpa = sdpa_live
 
 
 def _gathered_then_quantized(q, k, v, used):
