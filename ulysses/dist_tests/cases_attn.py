@@ -72,6 +72,9 @@ class Case:
     window: tuple[int, int] | None = None
     chunks: int = 1  # head_chunks
     v_format: str = "fp8"  # comm="lowp": V's codes, "fp8" or "int8"
+    # a feature whose rules act within a batch row, channel or head, not across ranks: its
+    # case runs at world sizes up to this one (the lowp suite covers every world size's grid)
+    max_world: int | None = None
 
     @property
     def lowp(self) -> bool:
@@ -157,10 +160,21 @@ DEFAULT_CASES = (
     Case("lowpbw", L=33, hq=1, kv="gqarep", D=32, dtype="bf16", causal=False, used="tail"),
     Case("lowpbw8", L=40, hq=2, kv="mha", D=32, dtype="fp16", causal=True, used="early", B=2),
     # a head dim that is not a power of two (the kernels' masked channel block)
-    Case("lowpbw8", L=20, hq=2, kv="gqa", D=80, dtype="bf16", causal=True, used="tail"),
+    Case(
+        "lowpbw8", L=20, hq=2, kv="gqa", D=80, dtype="bf16", causal=True, used="tail", max_world=4
+    ),  # fmt: skip
     # V as INT8 with global per-(head, channel) scales (v_format="int8")
     Case(
-        "lowp", L=24, hq=1, kv="mha", D=32, dtype="bf16", causal=False, used="tail", v_format="int8"
+        "lowp",
+        L=24,
+        hq=1,
+        kv="mha",
+        D=32,
+        dtype="bf16",
+        causal=False,
+        used="tail",
+        v_format="int8",
+        max_world=4,
     ),  # fmt: skip
     # head counts that do not split evenly over the ranks
     Case("bf16", L=5, hq=0, kv="odd", D=16, dtype="bf16", causal=True, used="tail"),
@@ -203,10 +217,33 @@ DEFAULT_CASES = (
         used="early",
         B=2,
         docs="packed",
+        max_world=4,
     ),  # fmt: skip
     # "lowp" with per-row counts: each batch row's statistics over its own live rows
-    Case("lowp", L=10, hq=1, kv="mha", D=16, dtype="bf16", causal=False, used="rows_edge", B=3),
-    Case("lowpbw", L=10, hq=1, kv="gqa", D=16, dtype="fp16", causal=True, used="rows_edge", B=3),
+    Case(
+        "lowp",
+        L=10,
+        hq=1,
+        kv="mha",
+        D=16,
+        dtype="bf16",
+        causal=False,
+        used="rows_edge",
+        B=3,
+        max_world=4,
+    ),
+    Case(
+        "lowpbw",
+        L=10,
+        hq=1,
+        kv="gqa",
+        D=16,
+        dtype="fp16",
+        causal=True,
+        used="rows_edge",
+        B=3,
+        max_world=4,
+    ),  # fmt: skip
     # the all_to_alls pipelined over two head chunks (head_chunks=2; hkv = 2 a rank)
     Case("bf16", L=24, hq=2, kv="mha", D=32, dtype="bf16", causal=True, used="tail", B=2, chunks=2),
     Case("lowpbw8", L=24, hq=2, kv="mha", D=32, dtype="bf16", causal=False, used="early", chunks=2),
@@ -224,7 +261,16 @@ DEFAULT_CASES = (
         window=(5, 0),
     ),  # fmt: skip
     Case(
-        "lowp", L=12, hq=2, kv="mha", D=16, dtype="bf16", causal=False, used="none", window=(6, 2)
+        "lowp",
+        L=12,
+        hq=2,
+        kv="mha",
+        D=16,
+        dtype="bf16",
+        causal=False,
+        used="none",
+        window=(6, 2),
+        max_world=4,
     ),  # fmt: skip
     # ranks that disagree: the same ValueError on every rank (a shape no other case uses)
     Case(

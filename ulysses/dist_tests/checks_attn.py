@@ -451,6 +451,8 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
 
 def run_case(ctx: Context, case, seed: int) -> CaseRun:
     run = CaseRun(ctx, case.id)
+    if case.max_world is not None and ctx.world_size > case.max_world:
+        return run.skip(f"not at P = {ctx.world_size} (a case for P <= {case.max_world})")
     inputs = run.local("build", lambda: build_inputs(ctx, case, seed))
     if case.disagree:
         message = run.collective("ulysses_attention", lambda: call_disagreeing(ctx, case, inputs))
