@@ -41,6 +41,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -57,6 +58,22 @@ def per_call_us(fn, n, sync, clock=time.perf_counter, rounds=3) -> float:
         sync()
         best = min(best, (clock() - t) / n * 1e6)
     return best
+
+
+def host_issue_us(fn, n) -> float:
+    """Host time a call on CUDA: ``n`` calls issued while a sleep kernel (about 50 ms on an
+    H200) holds the GPU, so that no call waits for the device; ``n`` small enough for the
+    calls' launches to fit in the launch queue."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 class _OpCounter:
@@ -214,6 +231,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: the Python path (--stub)")
     ap.add_argument("--stub", action="store_true", help="kernels, attention, collectives stubbed")
     ap.add_argument("--ops", action="store_true", help="with --stub: the aten ops of a call")
+    ap.add_argument("--compiled", action="store_true", help="CUDA: also torch.compile'd calls")
+    ap.add_argument("--rounds", type=int, default=7, help="CUDA: rounds of the host figures")
+    ap.add_argument("--host-calls", type=int, default=10, help="CUDA: calls a host figure")
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="CUDA: the GPU kernels one call of each mode launches (torch.profiler)",
+    )
     a = ap.parse_args()
     sys.path.insert(0, os.path.abspath(a.repo))
     if a.device == "cpu" or a.stub:
@@ -246,34 +271,74 @@ def main() -> None:
         "lowp+bwdlowp": {"comm": "lowp", "backward_comm": "lowp"},
     }
 
-    def fwd(kw):
+    def layer(kw, compiled):
+        def call(q, k, v):
+            return ulysses.ulysses_attention(q, k, v, causal=True, **kw)
+
+        return torch.compile(call, fullgraph=True, dynamic=False) if compiled else call
+
+    for attr in ("recompile_limit", "cache_size_limit"):  # a graph per mode and grad mode
+        if hasattr(torch._dynamo.config, attr):
+            setattr(torch._dynamo.config, attr, 64)
+
+    def fwd(kw, compiled=False):
+        fn = layer(kw, compiled)
+
         def f():
             with torch.no_grad():
-                ulysses.ulysses_attention(q, k, v, causal=True, **kw)
+                fn(q, k, v)
 
         return f
 
-    def train(kw):
+    def train(kw, compiled=False):
+        fn = layer(kw, compiled)
+
         def f():
-            out = ulysses.ulysses_attention(q, k, v, causal=True, **kw)
-            torch.autograd.grad(out, (q, k, v), dout)
+            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
 
         return f
 
-    for kw in modes.values():
+    calls = {}
+    for name, kw in modes.items():
+        for path in ("eager", "compiled") if a.compiled else ("eager",):
+            calls[(name, path, "fwd")] = fwd(kw, path == "compiled")
+            calls[(name, path, "fwd+bwd")] = train(kw, path == "compiled")
+    for f in calls.values():
         for _ in range(3):
-            fwd(kw)()
-            train(kw)()
+            f()
+    sync()
     n = a.calls
-    for rnd in range(3):
+    for rnd in range(3):  # wall time of n calls back to back (the device work included)
         figures = {}
-        for name, kw in modes.items():
-            figures[name] = (per_call_us(fwd(kw), n, sync), per_call_us(train(kw), n, sync))
+        for name in modes:
+            figures[name] = (per_call_us(calls[(name, "eager", "fwd")], n, sync),
+                             per_call_us(calls[(name, "eager", "fwd+bwd")], n, sync))  # fmt: skip
         print(
-            f"layer round {rnd}: "
+            f"layer wall, round {rnd}: "
             + ", ".join(f"{m} fwd {f:.0f} / fwd+bwd {t:.0f} us" for m, (f, t) in figures.items())
             + f"; lowp - bf16: fwd {figures['lowp'][0] - figures['bf16'][0]:+.0f} us"
         )
+    # host time: calls issued behind a sleep kernel (no call waits for the device), the modes
+    # and paths interleaved in each round, medians over the rounds
+    host = {key: [] for key in calls}
+    for _ in range(a.rounds):
+        for key, f in calls.items():
+            host[key].append(host_issue_us(f, a.host_calls))
+    med = {key: statistics.median(v) for key, v in host.items()}
+    print(f"host time a call, us (median of {a.rounds} rounds of {a.host_calls} calls issued "
+          "behind a sleep kernel):")  # fmt: skip
+    for (name, path, kind), us in med.items():
+        base = med[("bf16", path, kind)]
+        spread = f"{min(host[(name, path, kind)]):.0f}-{max(host[(name, path, kind)]):.0f}"
+        print(
+            f"  {name:13s} {path:8s} {kind:8s} {us:7.0f} (range {spread}; "
+            f"{name} - bf16: {us - base:+.0f})"
+        )
+    if a.compiled:
+        for name in modes:
+            for kind in ("fwd", "fwd+bwd"):
+                ratio = med[(name, "compiled", kind)] / med[(name, "eager", kind)]
+                print(f"  compiled / eager host: {name} {kind}: {ratio:.2f}")
 
     qd, kd, vd = (x.detach() for x in (q, k, v))
     exch = {
@@ -281,7 +346,8 @@ def main() -> None:
         "exchange_to_heads": lambda: lowp.exchange_to_heads(qd, kd, vd),
     }
     for name, fn in exch.items():
-        print(f"{name}: {per_call_us(fn, n, sync):.1f} us a call")
+        print(f"{name}: wall {per_call_us(fn, n, sync):.1f} us a call, host "
+              f"{host_issue_us(fn, a.host_calls):.1f}")  # fmt: skip
     launchers = [c for c in (_launch.Launch, getattr(_launch, "Views", None)) if c is not None]
     real = [c.__call__ for c in launchers]
     for c in launchers:
@@ -344,19 +410,35 @@ def main() -> None:
         "recv.copy_(send) alone": lambda: torch.empty_like(send).copy_(send),
     }
     for name, fn in colls.items():
-        print(f"{name}: {per_call_us(fn, n, sync):.1f} us a call")
+        print(f"{name}: wall {per_call_us(fn, n, sync):.1f} us a call, host "
+              f"{host_issue_us(fn, a.host_calls):.1f}")  # fmt: skip
 
-    if a.profile:
-        for name in ("lowp", "lowp+bwdlowp"):
-            for kind, f in (("fwd", fwd(modes[name])), ("fwd+bwd", train(modes[name]))):
-                pr = cProfile.Profile()
-                pr.enable()
-                for _ in range(n):
-                    f()
+    if a.kernels:  # after every timing: torch.profiler changes the host path it watches
+        from torch.profiler import ProfilerActivity, profile
+
+        for key, f in calls.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                f()
                 sync()
-                pr.disable()
-                print(f"\n==== {name} {kind}: top {a.top} by own time ({n} calls)")
-                pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
+            gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            names = {}
+            for e in gpu:
+                names[e.name[:60]] = names.get(e.name[:60], 0) + 1
+            print(f"\n==== kernels of one call: {' '.join(key)}: {len(gpu)}")
+            for kname, count in sorted(names.items(), key=lambda x: -x[1]):
+                print(f"  {count:3d}  {kname}")
+    if a.profile:
+        for (name, path, kind), f in calls.items():
+            if name == "bf16" and path == "eager":
+                continue
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(n):
+                f()
+            sync()
+            pr.disable()
+            print(f"\n==== {name} {path} {kind}: top {a.top} by own time ({n} calls)")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
     dist.destroy_process_group()
 
 
