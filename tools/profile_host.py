@@ -431,13 +431,19 @@ def main() -> None:
         for (name, path, kind), f in calls.items():
             if name == "bf16" and path == "eager":
                 continue
+            # host time only: each batch of calls is issued behind a sleep kernel
             pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(n):
-                f()
+            for _ in range(a.rounds):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(100_000_000)
+                pr.enable()
+                for _ in range(a.host_calls):
+                    f()
+                pr.disable()
             sync()
-            pr.disable()
-            print(f"\n==== {name} {path} {kind}: top {a.top} by own time ({n} calls)")
+            calls_n = a.rounds * a.host_calls
+            print(f"\n==== {name} {path} {kind}: top {a.top} by own time ({calls_n} calls "
+                  "issued behind a sleep kernel)")  # fmt: skip
             pstats.Stats(pr).sort_stats("tottime").print_stats(a.top)
     dist.destroy_process_group()
 
