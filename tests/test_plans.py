@@ -261,3 +261,20 @@ def test_a_tensor_subclass_runs_the_plan_through_the_op(monkeypatch):
     for name in _FIELDS:
         a, b = getattr(got, name), getattr(want, name)
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_v_amax_starts_from_zero_on_every_call(device):
+    """V's amax is an atomic max into a scratch block that K's statistics launch zeroes
+    first: a call after one with larger |v| must get its own v_scale, not the earlier one."""
+    from ulysses import lowp
+
+    g = torch.Generator().manual_seed(7)
+    shape = (2, 40, 4, 32)
+    q, k = (torch.randn(shape, generator=g, dtype=torch.bfloat16) for _ in "qk")
+    for scale in (100.0, 1.0, 0.01):  # the same signature, |v| shrinking
+        v = (torch.randn(shape, generator=g) * scale).to(torch.bfloat16)
+        got = lowp.exchange_qkv(q.to(device), k.to(device), v.to(device))
+        want = ref.lowp_exchange_reference(q, k, v, world_size=1, rank=0)
+        assert ref.bitwise_diff(got.v_scale.cpu(), want["v_scale"]) is None, scale
+        assert ref.bitwise_diff(got.v.cpu().view(torch.uint8), want["v"].view(torch.uint8)) is None

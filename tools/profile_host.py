@@ -1,24 +1,30 @@
-"""Where the host time of one eager layer call goes, on a GPU, at a tiny shape on torch's fake
-process group (rank 1 of P: the collectives move no data, the GPU is kept busy by nothing,
-so small shapes are host-bound).
+"""Where the host time of one layer call goes, on a GPU, on torch's fake process group (rank 1
+of P: the collectives move no data).
 
-    python tools/profile_host.py [--repo DIR] [--world 8] [--rows 128] [--heads 32]
-                                 [--calls 300] [--profile]
+    python tools/profile_host.py [--repo DIR] [--world 8] [--rows 1024] [--heads 32]
+        [--compiled] [--no-collectives] [--rounds 7] [--host-calls 10] [--kernels] [--profile]
 
 ``--repo`` imports ``ulysses`` from another checkout (e.g. a ``git worktree`` of an older
 commit), so that two runs of this one script give before/after figures. Prints, per call:
 
-* the layer: forward and forward + backward, comm "bf16", "lowp", "lowp" with
-  backward_comm "lowp" (the host cost of a lowp call minus the bf16 call's is what
-  docs/CONTRACT.md §11 bounds);
+* the layer's wall time (n calls back to back, the device work included), eager, comm
+  "bf16", "lowp", "lowp" with backward_comm "lowp";
+* the layer's host time: ``--host-calls`` calls issued behind a sleep kernel that holds the GPU
+  (no call waits for the device), eager and with ``--compiled`` ``torch.compile(fullgraph=True)``,
+  forward and forward + backward, every mode and path in each of ``--rounds`` rounds, medians
+  and ranges, and each mode minus bf16 (what docs/CONTRACT.md §11 bounds). ``--no-collectives``
+  makes the library's eager collectives return at once (:class:`NoLink`) after the warm-up,
+  so the figures hold the library's own host cost and not the fake group's (on CUDA its
+  all_gather makes one device copy per rank);
 * the exchange alone: ``exchange_qkv``, ``exchange_to_heads``, and ``exchange_to_heads``
-  with every kernel launch stubbed out (the Python path and the collectives' own cost);
+  with every kernel launch stubbed out;
 * the fake group's collectives at the exchange's sizes, called as the plans call them
   (``pg.alltoall_base`` / ``pg._allgather_base`` with blocking options) and as
-  ``torch.distributed`` does, blocking and not: what a benchmark subtracts as the fake
-  group's cost, and whether the blocking option costs anything;
+  ``torch.distributed`` does, blocking and not;
 
-and with ``--profile`` the functions with the most own time (cProfile) of the lowp modes.
+``--kernels``: the GPU kernels one call of each mode and path launches (torch.profiler, after
+every timing); ``--profile``: the functions with the most own time (cProfile) of calls issued
+behind the sleep kernel, every mode and path but eager bf16.
 
 ``--stub`` (forced with ``--device cpu``, where Triton's interpreter would run the kernels):
 the Python path alone. Every kernel launch returns at once (after reading its tensors'
@@ -76,6 +82,21 @@ def host_issue_us(fn, n) -> float:
     return us
 
 
+class NoLink:
+    """A link (``ulysses.comm.set_link``) whose collectives return at once and fill nothing:
+    the library's own host cost without the fake group's (torch's fake group copies on the
+    CPU, and on CUDA its all_gather makes one device copy per rank)."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def all_to_all(self, recv, send):
+        pass
+
+    def all_gather(self, out, inp):
+        pass
+
+
 class _OpCounter:
     """A TorchDispatchMode counting the aten ops dispatched under it, by name."""
 
@@ -117,16 +138,6 @@ def stubbed_layer(a) -> None:
         launched[0] += 1
         for t in tensors:  # what the CUDA fast path reads of each slot
             t.data_ptr()
-
-    class NoLink:  # the collectives fill nothing (torch's fake group copies on the CPU)
-        def __init__(self, pg):
-            self.pg = pg
-
-        def all_to_all(self, recv, send):
-            pass
-
-        def all_gather(self, out, inp):
-            pass
 
     class NoAttention(torch.autograd.Function):
         @staticmethod
@@ -232,6 +243,11 @@ def main() -> None:
     ap.add_argument("--stub", action="store_true", help="kernels, attention, collectives stubbed")
     ap.add_argument("--ops", action="store_true", help="with --stub: the aten ops of a call")
     ap.add_argument("--compiled", action="store_true", help="CUDA: also torch.compile'd calls")
+    ap.add_argument(
+        "--no-collectives",
+        action="store_true",
+        help="CUDA: the library's collectives return at once (no fake group)",
+    )
     ap.add_argument("--rounds", type=int, default=7, help="CUDA: rounds of the host figures")
     ap.add_argument("--host-calls", type=int, default=10, help="CUDA: calls a host figure")
     ap.add_argument(
@@ -307,6 +323,12 @@ def main() -> None:
         for _ in range(3):
             f()
     sync()
+    if a.no_collectives:  # after the warm-up: a signature's first call gathers the signatures
+        from ulysses import comm
+
+        comm.set_link(NoLink(pg))
+        print("the library's eager collectives stubbed (a link that returns at once); the "
+              "compiled graphs' own all_to_alls still call the fake group")  # fmt: skip
     n = a.calls
     for rnd in range(3):  # wall time of n calls back to back (the device work included)
         figures = {}

@@ -55,7 +55,7 @@ from .kernels.finalize_stats import MODE_FUSED, prepare_finalize
 from .kernels.lowp_dequant import dequantize_qkv, prepare_dequant
 from .kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
 from .kernels.lowp_pack import QOnce, prepare_pack, q_once_fits
-from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel
+from .kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, vamax_block
 from .kernels.lowp_scales import prepare_gather_scales
 
 __all__ = [
@@ -675,9 +675,12 @@ class _ExchangePlan:
         n_mm = B * lay_k.n_slots * 2 * Hkv * D
         self.minmax = workspace("lowp_minmax", n_mm, k.dtype, dev)[:n_mm]
         self.minmax = self.minmax.view(B, lay_k.n_slots, 2, Hkv, D)
+        # K's statistics launch also zeroes V's amax block, which the Q/V launch right after
+        # it fills with atomic maxima (no memset launch)
         self.k_local = LocalStats(
             k.shape, k.stride(), dev, payload[:n_k], self.minmax, minmax_mode=part.minmax_mode,
-            tag=part.tag, use_pdl=c.use_pdl, **lay_k.stats_args(),
+            tag=part.tag, use_pdl=c.use_pdl, zero=vamax_block(payload[n_k:], B, Hq),
+            **lay_k.stats_args(),
         )  # fmt: skip
         # Q read once, by the pack kernel, where its group tile fits in registers; then the
         # statistics kernel reads Q only for the first and last touched slot
@@ -693,7 +696,7 @@ class _ExchangePlan:
             group_size=c.q_group, row0=lay_q.row0, n_slots=lay_q.n_slots,
             n_touched=lay_q.n_touched, tail_group=lay_q.tail_group, live_end=lay_q.live_end,
             floor=grid.FLOOR, use_pdl=c.use_pdl, q_boundary_only=q_once is not None,
-            v_heads=Hkv, per_row=lay_q.per_row, **tiles.get("qv", {}),
+            v_heads=Hkv, per_row=lay_q.per_row, zeroed=True, **tiles.get("qv", {}),
         )  # fmt: skip
         # K's finalize, Q's boundary merge, V's amax over ranks and v_scale: ONE launch
         # (prepare_post_gather of kernels/lowp_finish)

@@ -71,6 +71,7 @@ _NOT_SPECIALIZED = [
     "n_mm",
     "block_first",
     "n_blocks",
+    "n_zero",
 ]
 
 
@@ -99,6 +100,8 @@ def _block_stats_kernel(
     block_first,
     n_blocks,
     rows_ptr,
+    zero_ptr,
+    n_zero,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -108,6 +111,7 @@ def _block_stats_kernel(
     EVICT: tl.constexpr,
     PER_ROW: tl.constexpr,
     DB: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
 ):
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
     SPAN: tl.constexpr = G if G > 64 else 64
@@ -128,6 +132,11 @@ def _block_stats_kernel(
 
     if USE_PDL:
         gdc_wait()
+    if ZERO_BLOCK > 0:  # +0.0 over [0, n_zero) of zero_ptr, the programs taking turns
+        o_z = tl.arange(0, ZERO_BLOCK)
+        for z0 in range(i_pid * ZERO_BLOCK, n_zero, tl.num_programs(0) * ZERO_BLOCK):
+            b_zero = tl.zeros([ZERO_BLOCK], tl.float32)
+            tl.store(zero_ptr + z0 + o_z, b_zero, mask=z0 + o_z < n_zero)
 
     span0 = (span_first + i_sp) * SPAN  # first global row of this span
     p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
@@ -313,7 +322,12 @@ def _store_minmax(
 class LocalStats:
     """The launch of :func:`local_stats` for one shard shape, bound to ``payload`` and
     ``minmax``: ``local(k)`` runs it (one block-stats kernel, which also finishes the ordered
-    sum). Built once per call signature by the eager fast path of ``ulysses``."""
+    sum). Built once per call signature by the eager fast path of ``ulysses``.
+
+    ``zero`` (optional, a contiguous fp32 tensor): the same launch also writes +0.0 over it,
+    after waiting for the previous kernel of the stream. The exchange zeroes V's amax block
+    there, which the Q/V statistics kernel launched next fills with atomic maxima: one
+    memset launch fewer a call."""
 
     __slots__ = ("stats",)
 
@@ -342,6 +356,7 @@ class LocalStats:
         block_h: int | None = None,
         num_warps: int | None = None,
         evict: bool | None = None,
+        zero: torch.Tensor | None = None,
     ) -> None:
         B, L, H, D = shape
         G = group_size
@@ -355,6 +370,7 @@ class LocalStats:
         n_sums = B * n_blocks * H * D
         block_sums = workspace("block_sums", n_sums, torch.float32, device)[:n_sums]
         block_sums = block_sums.view(B, n_blocks, H, D)
+        assert zero is None or (zero.dtype == torch.float32 and zero.is_contiguous())
         n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
         assert minmax.shape == (B, n_mm, 2, H, D)
         cuda = compiled_for_gpu(device)
@@ -399,6 +415,9 @@ class LocalStats:
             # ``used`` and ``tail_group``
             rows_ptr=row_table(per_row, device),
             PER_ROW=per_row is not None,
+            zero_ptr=payload if zero is None else zero,
+            n_zero=0 if zero is None else zero.numel(),
+            ZERO_BLOCK=0 if zero is None else (128 if cuda else 1024),
             G=G,
             D=D,
             BLOCK_H=block_h,

@@ -43,7 +43,7 @@ from ._runtime import (
 )
 from ._tl import head_block_program
 
-__all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats"]
+__all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats", "vamax_block"]
 
 
 # Ints that only bound masks, loops and grid indices are not specialized, so one compilation
@@ -196,10 +196,13 @@ def prepare_qv_stats(
     block_h: int | None = None,
     num_warps: int | None = None,
     evict: bool = False,
+    zeroed: bool = False,
 ):
     """The launch of :func:`qv_stats` bound to ``payload`` and ``amax``: returns
     ``run(q, v)``, which zeroes V's amax block (the atomic max starts from +0.0) and
-    launches the kernel. ``shape`` is q's [B, L, H, D]; v has ``v_heads`` heads (H when
+    launches the kernel; with ``zeroed`` the caller has the block (:func:`vamax_block`)
+    zeroed by the kernel it launches just before on the stream, and ``run`` launches the
+    kernel alone. ``shape`` is q's [B, L, H, D]; v has ``v_heads`` heads (H when
     None; H must be a multiple). ``q_boundary_only``: Q's amax for the first and last
     touched slot only (the pack kernel's ``q_once`` derives the others from the rows it
     reads): slots ``[1, n_touched - 1)`` of ``amax`` hold the floor (surplus slots are still
@@ -211,7 +214,7 @@ def prepare_qv_stats(
     assert n_slots == (L + 2 * G - 2) // G and amax.shape == (B, H, n_slots)
     numel = qv_payload_numel(B, H, D, HV)
     assert payload.dtype == torch.float32 and payload.is_contiguous() and payload.numel() == numel
-    vamax_f32 = payload[B * H * 2 :]
+    vamax_f32 = vamax_block(payload, B, H)
     vamax = vamax_f32.view(torch.int32)
     cuda = compiled_for_gpu(device)
     # CUDA: ~128 rows a program, 16 rows unrolled, [128 / D heads, D] tiles with 2 warps (a
@@ -273,11 +276,20 @@ def prepare_qv_stats(
         DB=DB,
     )
 
+    if zeroed:
+        return step
+
     def run(q: torch.Tensor, v: torch.Tensor) -> None:
         vamax_f32.zero_()  # +0.0: int bits 0 (a float fill: benchmarks mark calls with int fills)
         step(q, v)
 
     return run
+
+
+def vamax_block(payload: torch.Tensor, B: int, H: int) -> torch.Tensor:
+    """V's amax block of a Q/V ``payload`` (fp32, q of ``H`` heads): what the atomic maxima
+    start from, +0.0 before each launch."""
+    return payload[B * H * 2 :]
 
 
 def qv_stats(
