@@ -209,6 +209,53 @@ def test_exchange_runs_one_pipeline_under_a_process_group(monkeypatch, fake_worl
     assert runs[1][0] == plan_kernels
 
 
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
+def test_exchange_to_heads_dequantizes_without_a_scale_gather(monkeypatch, fake_world):
+    """exchange_to_heads (the layer's exchange), rank 1 of 4, eager and compiled: the
+    exchange's launches without the scale gather, then the dequantize, which reads Q's and K's
+    group scales from the receive buffer: five launches a call."""
+    from ulysses import lowp
+
+    q, k, v = _exchange_inputs(fake_world, L=24)
+
+    def step(q, k, v):
+        return lowp.exchange_to_heads(q, k, v, q_group=16, k_group=32)
+
+    runs = _eager_and_compiled(monkeypatch, q, k, v, step=step)
+    assert [name for name, *_ in runs[0][0]] == [
+        "_block_stats_kernel",
+        "_qv_stats_kernel",
+        "_post_gather_kernel",
+        "_pack_kernel",
+        "_dequant_qkv_kernel",
+    ]
+    assert runs[1][0] == runs[0][0]
+
+
+def test_a_head_chunk_dequantizes_without_a_scale_gather(monkeypatch):
+    """A head chunk of the exchange (``exchange_heads``, world size 1): the pack, then one
+    launch when it is waited for (the dequantize), with the bits of the same heads of
+    exchange_to_heads."""
+    from ulysses import lowp
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    q, k, v = _exchange_inputs(1, Hq=4, Hkv=2, L=40)
+    q[:, 37:], k[:, 37:], v[:, 37:] = 0, 0, 0
+    kw = dict(used_sequence=37, q_group=16, k_group=32)
+    whole = lowp.exchange_to_heads(q, k, v, **kw)
+    seen = _kernel_log(monkeypatch)
+    stats = lowp.exchange_stats(q, k, v, **kw)
+    for c in range(2):
+        del seen[:]
+        pending = lowp.exchange_heads(stats, q, k, v, c, 2)
+        assert [name for name, *_ in seen] == ["_pack_kernel"]
+        got = pending.wait()
+        assert [name for name, *_ in seen] == ["_pack_kernel", "_dequant_qkv_kernel"]
+        for a, b in zip(got, whole, strict=True):
+            part = b[:, :, c * a.shape[2] : (c + 1) * a.shape[2]]
+            assert torch.equal(a.view(torch.int16), part.contiguous().view(torch.int16))
+
+
 @pytest.mark.parametrize("method", ["fused", "two_pass"])
 @pytest.mark.parametrize("fake_world", [4], indirect=True)
 def test_smooth_k_stats_runs_one_pipeline(monkeypatch, fake_world, method):

@@ -26,8 +26,8 @@ Data flow of ``exchange_qkv`` (two collectives, nothing else crosses ranks; none
 Head chunks (``ulysses.overlap``): ``exchange_stats`` runs the statistics half once for all
 heads (the plan's statistics launch, the all_gather, the post-gather launch); then
 ``exchange_heads`` for each chunk packs only that chunk's heads (the plan's pack kernel with a
-head offset), sends them in one all_to_all, gathers their scales and dequantizes them: the
-bits of the same heads of the one-chunk exchange.
+head offset), sends them in one all_to_all and dequantizes them (one launch reading Q's and
+K's group scales where they arrived): the bits of the same heads of the one-chunk exchange.
 
 Grouped-query attention: K and V travel with their own head count. When ``Hkv % P == 0`` each
 rank receives its ``Hkv / P`` heads and the bytes are those of Hkv heads; when
@@ -598,7 +598,10 @@ class _SendConfig:
 class _Side:
     """The send side of head chunk ``chunk`` of ``n``: its wire (``h/n`` query and ``hkv/n``
     K/V heads a rank), where its results lie, the pack launch (all heads' statistics in, this
-    chunk's heads out), the scale gather and the dequantize."""
+    chunk's heads out), the scale gather (``exchange_qkv``) and the dequantize, which reads
+    Q's and K's group scales from the receive buffer through the gather's index and v_scale
+    from the call's result bytes (``dequant_at``: views fixed here, buffers
+    ``(recv, out, q_out, k_out, v_out)``)."""
 
     chunk: int
     n: int
@@ -610,8 +613,7 @@ class _Side:
     recv_out: torch.Tensor
     heads_q: torch.Tensor
     heads_kv: torch.Tensor
-    words: int  # fp32 words of a chunk's scale buffer: the gathered scales, then v_scale
-    v_scale_at: int
+    dequant_at: object
 
 
 def _send_side(s: _SendConfig, chunk: tuple[int, int], send: torch.Tensor | None) -> _Side:
@@ -629,17 +631,34 @@ def _send_side(s: _SendConfig, chunk: tuple[int, int], send: torch.Tensor | None
         chunk=chunk, v_int8=s.v_format == "int8", **s.pack_tiles,
     )  # fmt: skip
     o = _out_layout(w, B, s.Hkv // n, D, s.dtype.itemsize, s.q_group, s.k_group, s.rank)
-    gather = prepare_gather_scales(_scale_index(w, B, s.q_group, s.k_group, dev), dev)
-    dequant = prepare_dequant(o.size_q, o.size_kv, (o.stride,) * 3, dev, q_group=s.q_group,
-                              k_group=s.k_group, dtype=s.dtype,
-                              v_int8=s.v_format == "int8")  # fmt: skip
-    v_at = -(-o.n_index // 4) * 4
+    index = _scale_index(w, B, s.q_group, s.k_group, dev)
+    gather = prepare_gather_scales(index, dev)
+    # the chunk's v_scale: its K/V heads of the call's v_scale [B, hkv, D] (the result bytes of
+    # all heads' statistics)
+    whole = o
+    if n > 1:
+        whole = _out_layout(_wire(B, L, Hq, D, P, s.q_group, s.k_group, s.Hkv), B, s.Hkv, D,
+                            s.dtype.itemsize, s.q_group, s.k_group, s.rank)  # fmt: skip
+    _, vs_stride, vs_at = whole.v_scale
+    n_q, n_k = math.prod(o.q_scale[0]), math.prod(o.k_scale[0])
+    dequant = prepare_dequant(
+        o.size_q, o.size_kv, (o.stride,) * 3, dev, q_group=s.q_group, k_group=s.k_group,
+        dtype=s.dtype, v_int8=s.v_format == "int8", v_scale_stride=vs_stride[0],
+        scale_index=(index[:n_q], index[o.n_index - n_k :]),
+    )  # fmt: skip
+    recv_words = (0, FP32, (w.nbytes // 4,), (1,), 0)
+    dequant_at = dequant.views((
+        (0, torch.int8, o.size_q, o.stride, o.offsets[0]),
+        (0, torch.int8, o.size_kv, o.stride, o.offsets[1]),
+        (0, _V_CODES[s.v_format], o.size_kv, o.stride, o.offsets[2]),
+        recv_words, recv_words, (1, FP32, o.v_scale[0], vs_stride, vs_at + c * w.hkv * D),
+        2, 3, 4,
+    ))  # fmt: skip
     return _Side(
         chunk=c, n=n, wire=w, out=o, pack=pack, gather_scales=gather, dequant=dequant,
         recv_out=output_template((w.nbytes,), torch.uint8, dev),
         heads_q=output_template(o.size_q, s.dtype, dev),
-        heads_kv=output_template(o.size_kv, s.dtype, dev),
-        words=v_at + B * w.hkv * D, v_scale_at=v_at,
+        heads_kv=output_template(o.size_kv, s.dtype, dev), dequant_at=dequant_at,
     )  # fmt: skip
 
 
@@ -751,13 +770,8 @@ class _ExchangePlan:
         self.pack_at = self.pack.views((0, 1, 2, 3, 4, (5, k.dtype, *o.mean), 6, *send_at))
         recv_words = (0, FP32, (w.nbytes // 4,), (1,), 0)
         self.gather_at = self.gather_scales.views((recv_words, (1, *words)))  # (recv, out)
-        # (recv, out, q_out, k_out, v_out)
-        self.dequant_at = self.dequant.views((
-            (0, torch.int8, o.size_q, o.stride, o.offsets[0]),
-            (0, torch.int8, o.size_kv, o.stride, o.offsets[1]),
-            (0, self.v_code, o.size_kv, o.stride, o.offsets[2]),
-            (1, FP32, *o.q_scale), (1, FP32, *o.k_scale), (1, FP32, *o.v_scale), 2, 3, 4,
-        ))  # fmt: skip
+        # (recv, out, q_out, k_out, v_out): Q's and K's scales read from recv (no gather)
+        self.dequant_at = whole.dequant_at
         self.k_stats = self.k_local.stats
         # exchange_to_heads reads the receive buffer and the result bytes in the call only (the
         # dequantize): scratch there, reused in stream order (no allocation a call)
@@ -793,9 +807,12 @@ class _ExchangePlan:
             self._chunks[n] = sides
         return sides
 
-    def run(self, q, k, v, pg, scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, q, k, v, pg, scratch: bool = False, scales: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(receive buffer, result bytes) of one call: the kernels and collectives in order.
-        New buffers, or with ``scratch`` the plan's scratch ones (valid until its next call)."""
+        New buffers, or with ``scratch`` the plan's scratch ones (valid until its next call).
+        ``scales=False``: no scale gather (the result bytes then hold no q_scale, k_scale)."""
         out = self._stats(q, k, v, pg, self.scratch_out if scratch else None)
         if self.a2a is not None:
             self.pack_at(q, k, v, self.amax_q, self.final, out, self.amax_v)
@@ -803,7 +820,8 @@ class _ExchangePlan:
         else:
             recv = self.scratch_recv if scratch else torch.empty_like(self.recv_out)
             self.pack_at(q, k, v, self.amax_q, self.final, out, self.amax_v, recv)
-        self.gather_at(recv, out)
+        if scales:
+            self.gather_at(recv, out)
         return recv, out
 
     def __call__(self, q, k, v, pg) -> LowpQKV:
@@ -811,8 +829,10 @@ class _ExchangePlan:
         return _result(self.out, recv, out, self.dtype, self.fields, self.v_code)
 
     def to_heads(self, q, k, v, pg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``self(q, k, v, pg).dequantize()`` without the LowpQKV: the same launches."""
-        recv, out = self.run(q, k, v, pg, scratch=True)
+        """``self(q, k, v, pg).dequantize()`` without the LowpQKV: the same launches but the
+        scale gather (the dequantize reads Q's and K's scales from the receive buffer), the
+        same bits."""
+        recv, out = self.run(q, k, v, pg, scratch=True, scales=False)
         heads = (torch.empty_like(self.heads_q), torch.empty_like(self.heads_kv),
                  torch.empty_like(self.heads_kv))  # fmt: skip
         self.dequant_at(recv, out, *heads)
@@ -911,22 +931,11 @@ class _HeadsPending:
 
 
 def _chunk_heads(side: _Side, st: _Stats, recv: torch.Tensor) -> tuple:
-    """The scale gather and the dequantize of one chunk's receive buffer."""
-    o, plan = side.out, st.plan
-    words = torch.empty(side.words, dtype=FP32, device=recv.device)
-    side.gather_scales(recv.view(FP32), words)
-    hkv = side.wire.hkv
-    v_scale = words[side.v_scale_at :].view(o.v_scale[0])
-    lo = side.chunk * hkv
-    v_scale.copy_(st.out.view(FP32).as_strided(*plan.v_scale_view)[:, lo : lo + hkv])
-    codes, stride, (oq, ok, ov) = recv.view(torch.int8), o.stride, o.offsets
+    """The dequantize of one chunk's receive buffer: Q's and K's group scales read where they
+    arrived, v_scale from the statistics' result bytes."""
     heads = torch.empty_like(side.heads_q), torch.empty_like(side.heads_kv)
     heads += (torch.empty_like(side.heads_kv),)
-    side.dequant(
-        codes.as_strided(o.size_q, stride, oq), codes.as_strided(o.size_kv, stride, ok),
-        recv.view(plan.v_code).as_strided(o.size_kv, stride, ov),
-        words.as_strided(*o.q_scale), words.as_strided(*o.k_scale), v_scale, *heads,
-    )  # fmt: skip
+    side.dequant_at(recv, st.out, *heads)
     return heads
 
 
@@ -944,10 +953,10 @@ def exchange_heads(
     (the same q, k, v): the pack of query heads ``r*h + [c*h/n, (c+1)*h/n)`` of every rank r
     and the K/V heads they use (one launch reading q, k, v and the statistics at those heads),
     then ``start(send, pg, P)`` (``comm.all_to_all_start`` when None: one uint8 all_to_all,
-    asynchronous); ``wait()`` of the result runs the scale gather and the dequantize and
-    returns the chunk's q_h [B, S, h/n, D], k_h (centred) and v_h [B, S, hkv/n, D]. Codes and
-    scales have the bits of the same heads of the one-chunk exchange. K/V heads sharded
-    (``Hkv % P == 0``) and ``n_chunks`` dividing the K/V heads a rank receives."""
+    asynchronous); ``wait()`` of the result runs the dequantize and returns the chunk's q_h
+    [B, S, h/n, D], k_h (centred) and v_h [B, S, hkv/n, D]. Codes and scales have the bits
+    of the same heads of the one-chunk exchange. K/V heads sharded (``Hkv % P == 0``) and
+    ``n_chunks`` dividing the K/V heads a rank receives."""
     plan = stats.plan
     side = plan.chunk_sides(n_chunks)[chunk]
     send = torch.empty_like(side.recv_out)

@@ -241,7 +241,7 @@ class _Run:
 
     def finish_in(self, pending) -> tuple:
         got = pending.wait()
-        if self.lowp:  # scale gather and dequantize: the chunk's head shards
+        if self.lowp:  # the dequantize: the chunk's head shards
             return got
         hqc, hkc = self.hqc, self.hkc
         return (_merge_rows(got[:, :, :, :hqc]), _merge_rows(got[:, :, :, hqc : hqc + hkc]),

@@ -5,14 +5,22 @@ holds (hq % hkv == 0), D head dim, Gq / Gk the Q / K group sizes.
 
     q_code         [B, S, hq, D]  int8            (strided views of the receive buffer:
     k_code         [B, S, hkv, D] int8             unit last stride, any row stride)
-    v_code         [B, S, hkv, D] float8_e4m3fn
-    q_scale        [B, hq, ceil(S / Gq)]  fp32
+    v_code         [B, S, hkv, D] float8_e4m3fn (or int8)
+    q_scale        [B, hq, ceil(S / Gq)]  fp32    contiguous, or see "scales in place" below
     k_scale        [B, hkv, ceil(S / Gk)] fp32
-    v_scale        [B, hkv, D]            fp32
+    v_scale        [B, hkv, D]            fp32    unit head and channel strides, any batch stride
     -> q, k, v     [B, S, h, D] contiguous, in the input dtype (bf16/fp16)
 
 Each value is ``code * scale`` in fp32, rounded to nearest (one multiplication, one rounding),
 bit for bit ``ulysses.reference.lowp_dequantize_reference``; K stays centred.
+
+Scales in place (``prepare_dequant(..., scale_index=(q_index, k_index))``): the exchange that
+dequantizes right away (``ulysses.lowp``'s to-heads path) does not gather Q's and K's group
+scales first. ``q_scale`` and ``k_scale`` are then the receive buffer's fp32 words, and the
+int64 ``q_index`` [B * hq * ceil(S / Gq)] and ``k_index`` [B * hkv * ceil(S / Gk)] (fixed, the
+word of each group's scale: the index :mod:`.lowp_scales` gathers by) lead each program to its
+group's word: ``scale = recv_words[index[group]]``, the same value, so the same bits, as
+dequantizing the gathered scales.
 
 One program per (block of BLOCK_S rows, one head of one of the three tensors, batch): the grid
 axis 1 runs over ``hq + 2 * hkv`` head slots, q's first, then k's, then v's, so a single launch
@@ -68,6 +76,9 @@ def _dequant_qkv_kernel(
     q_scale_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    q_index_ptr,
+    k_index_ptr,
+    stride_vsb,
     q_out_ptr,
     k_out_ptr,
     v_out_ptr,
@@ -83,6 +94,7 @@ def _dequant_qkv_kernel(
     HW_ROUND: tl.constexpr,
     DB: tl.constexpr,
     V_INT8: tl.constexpr,
+    SCALES_FROM_RECV: tl.constexpr,
 ):
     i_s, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -100,7 +112,11 @@ def _dequant_qkv_kernel(
         p_qc = q_ptr + i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh
         b_qc = tl.load(p_qc + o_s64[:, None] * stride_qs + o_d[None, :], mask=m_sd, other=0)
         # [BLOCK_S] row scales: rows of one group share a scale (L1 serves the repeats)
-        p_qs = q_scale_ptr + (i_b * HQ + i_hq) * n_qg + o_s // q_group
+        o_qg = (i_b * HQ + i_hq) * n_qg + o_s // q_group
+        if SCALES_FROM_RECV:  # the group's word in the receive buffer, by the fixed index
+            p_qs = q_scale_ptr + tl.load(q_index_ptr + o_qg, mask=m_s, other=0)
+        else:
+            p_qs = q_scale_ptr + o_qg
         b_qs = tl.load(p_qs, mask=m_s, other=0.0)
         b_q = round_to(b_qc.to(tl.float32) * b_qs[:, None], out_dtype, HW_ROUND)
         p_q = q_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HQ + i_hq) * D + o_d[None, :]
@@ -109,7 +125,11 @@ def _dequant_qkv_kernel(
         i_hk = i_slot - HQ
         p_kc = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
         b_kc = tl.load(p_kc + o_s64[:, None] * stride_ks + o_d[None, :], mask=m_sd, other=0)
-        p_ks = k_scale_ptr + (i_b * HKV + i_hk) * n_kg + o_s // k_group
+        o_kg = (i_b * HKV + i_hk) * n_kg + o_s // k_group
+        if SCALES_FROM_RECV:
+            p_ks = k_scale_ptr + tl.load(k_index_ptr + o_kg, mask=m_s, other=0)
+        else:
+            p_ks = k_scale_ptr + o_kg
         b_ks = tl.load(p_ks, mask=m_s, other=0.0)
         b_k = round_to(b_kc.to(tl.float32) * b_ks[:, None], out_dtype, HW_ROUND)
         p_k = k_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_hk) * D + o_d[None, :]
@@ -118,7 +138,7 @@ def _dequant_qkv_kernel(
         i_hv = i_slot - HQ - HKV
         p_vc = v_ptr + i_b.to(tl.int64) * stride_vb + i_hv.to(tl.int64) * stride_vh
         b_vc = tl.load(p_vc + o_s64[:, None] * stride_vs + o_d[None, :], mask=m_sd, other=0.0)
-        p_vs = v_scale_ptr + (i_b * HKV + i_hv) * D + o_d  # [DB] channel scales
+        p_vs = v_scale_ptr + i_b * stride_vsb + i_hv * D + o_d  # [DB] channel scales
         if DB == D:
             b_vs = tl.load(p_vs)
         else:
@@ -158,18 +178,32 @@ def prepare_dequant(
     k_group: int,
     dtype: torch.dtype,
     v_int8: bool = False,
+    scale_index: tuple[torch.Tensor, torch.Tensor] | None = None,
+    v_scale_stride: int | None = None,
 ) -> Launch:
     """The dequantize launch for codes q of ``q_shape`` [B, S, hq, D] and k, v of ``kv_shape``
     with ``strides`` (q's, k's, v's) into outputs of ``dtype``, prepared once per
     configuration (the compiled kernel is specialized on the output dtype): call it with
-    ``(q, k, v, q_scale, k_scale, v_scale, q_out, k_out, v_out)``, scales and outputs
-    contiguous. ``v_int8``: v's codes are int8 (``v_format="int8"``), else float8_e4m3fn."""
-    key = (q_shape, kv_shape, strides, device, q_group, k_group, dtype, v_int8)
-    found = _PREPARED.get(key)
-    if found is not None:
-        return found
+    ``(q, k, v, q_scale, k_scale, v_scale, q_out, k_out, v_out)``, q_scale, k_scale and the
+    outputs contiguous. ``v_int8``: v's codes are int8 (``v_format="int8"``), else float8_e4m3fn.
+    ``v_scale_stride``: v_scale's batch stride in elements (None: ``hkv * D``, contiguous).
+    ``scale_index``: (q_index, k_index), int64 word indices of each Q / K group's scale
+    (module docstring); q_scale and k_scale are then fp32 words of the receive buffer, and
+    the launch is new (its owner keeps it, as it keeps the index)."""
     B, S, HQ, D = q_shape
     HKV = kv_shape[2]
+    v_scale_stride = HKV * D if v_scale_stride is None else v_scale_stride
+    key = (q_shape, kv_shape, strides, device, q_group, k_group, dtype, v_int8, v_scale_stride)
+    found = None if scale_index is not None else _PREPARED.get(key)
+    if found is not None:
+        return found
+    n_qg, n_kg = cdiv(S, q_group), cdiv(S, k_group)
+    q_index = k_index = None  # not read without SCALES_FROM_RECV
+    if scale_index is not None:
+        q_index, k_index = scale_index
+        assert q_index.dtype == k_index.dtype == torch.int64
+        assert q_index.shape == (B * HQ * n_qg,) and k_index.shape == (B * HKV * n_kg,)
+        assert q_index.device == k_index.device == device
     (sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _) = strides
     block_s, num_warps = _block_s(D, device)
     found = Launch(
@@ -177,11 +211,14 @@ def prepare_dequant(
         slots=("q_ptr", "k_ptr", "v_ptr", "q_scale_ptr", "k_scale_ptr", "v_scale_ptr",
                "q_out_ptr", "k_out_ptr", "v_out_ptr"),
         stride_qb=sqb, stride_qs=sqs, stride_qh=sqh, stride_kb=skb, stride_ks=sks,
-        stride_kh=skh, stride_vb=svb, stride_vs=svs, stride_vh=svh, S=S, HQ=HQ, HKV=HKV,
-        q_group=q_group, k_group=k_group, n_qg=cdiv(S, q_group), n_kg=cdiv(S, k_group), D=D,
+        stride_kh=skh, stride_vb=svb, stride_vs=svs, stride_vh=svh, q_index_ptr=q_index,
+        k_index_ptr=k_index, stride_vsb=v_scale_stride, S=S, HQ=HQ, HKV=HKV,
+        q_group=q_group, k_group=k_group, n_qg=n_qg, n_kg=n_kg, D=D,
         BLOCK_S=block_s, HW_ROUND=compiled_for_gpu(device), DB=channel_block(D),
-        V_INT8=v_int8,
+        V_INT8=v_int8, SCALES_FROM_RECV=scale_index is not None,
     )  # fmt: skip
+    if scale_index is not None:
+        return found
     if len(_PREPARED) >= _MAX_PREPARED:
         _PREPARED.clear()
     _PREPARED[key] = found

@@ -9,8 +9,11 @@ launch into a contiguous fp32 vector:
     out[i] = recv_words[index[i]]        (words as int32: every bit pattern, NaN too, as sent)
 
 The scales are a few KB, so the kernel costs its launch; a launch prepared once
-(:func:`prepare_gather_scales`) is what the exchange's plan calls on every path;
-:func:`gather_scales` (allocating its output) launches the same kernel once.
+(:func:`prepare_gather_scales`) is what the exchange's plan calls where the result is a
+``LowpQKV`` (``exchange_qkv``), whose ``q_scale`` and ``k_scale`` are views of ``out``;
+:func:`gather_scales` (allocating its output) launches the same kernel once. The paths that
+dequantize right away (``exchange_to_heads``, the head chunks) launch no gather: the
+dequantize reads ``recv_words[index[i]]`` itself (kernels/lowp_dequant.py, scales in place).
 """
 
 from __future__ import annotations
