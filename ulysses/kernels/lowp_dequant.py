@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, channel_block, compiled_for_gpu
+from ._runtime import Launch, cdiv, channel_block, compiled_for_gpu, row_table
 
 __all__ = ["dequantize_qkv", "prepare_dequant", "round_to"]
 
@@ -198,7 +198,9 @@ def prepare_dequant(
     if found is not None:
         return found
     n_qg, n_kg = cdiv(S, q_group), cdiv(S, k_group)
-    q_index = k_index = None  # not read without SCALES_FROM_RECV
+    # not read without SCALES_FROM_RECV: a small constant tensor (a pointer argument like any
+    # other on every launch path, never a None)
+    q_index = k_index = row_table(None, device)
     if scale_index is not None:
         q_index, k_index = scale_index
         assert q_index.dtype == k_index.dtype == torch.int64
