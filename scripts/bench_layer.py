@@ -25,7 +25,7 @@ The first compiled call's results are checked against eager's, bit for bit (prin
 
 Real values on the wire. A fake all_to_all may leave its receive buffer unwritten (torch 2.11
 does), so for the run ``comm.all_to_all``, ``comm.all_gather`` and their ``*_launcher`` forms
-(and every name in ``ulysses`` bound to one of them, such as ``ulysses.attention._all_to_all``)
+(and every name in ``ulysses`` bound to one of them, such as ``ulysses._heads._all_to_all``)
 are wrapped (:class:`WireStandIn`): an eager call issues the fake collective, then, unless the
 fake already did, copies what this rank sends into the receive buffer (an all_gather receives
 P copies of this rank's payload), so the consumers read real codes and scales in the layout
@@ -177,7 +177,7 @@ class WireStandIn:
 
     def install(self) -> None:
         """Replace every attribute of a loaded ``ulysses`` module that is one of the four
-        collectives (``comm``'s own names, ``attention._all_to_all``, ...); forget the plans
+        collectives (``comm``'s own names, ``_heads._all_to_all``, ...); forget the plans
         (they hold launchers made before)."""
         by_id = {id(fn): name for name, fn in self.orig.items()}
         for mod_name, mod in list(sys.modules.items()):

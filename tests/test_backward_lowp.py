@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_ref import sdpa_live
+from _attention_ref import gathered_then_quantized, sdpa_live
 
 import ulysses
 from ulysses import attention as A
@@ -176,19 +176,6 @@ def _qkv(B, S, Hq, Hkv, D, dtype=torch.bfloat16, seed=0):
 _sdpa = sdpa_live
 
 
-def _gathered_then_quantized(q, k, v, used):
-    """The dequantized values one device gets by quantizing the gathered q, k, v (P = 1):
-    Q's statistics are Q's alone, K's and V's theirs, so GQA takes two calls."""
-    deq = reference.lowp_dequantize_reference
-    xq = reference.lowp_exchange_reference(q, q, q, world_size=1, rank=0, used_sequence=used)
-    xkv = reference.lowp_exchange_reference(k, k, v, world_size=1, rank=0, used_sequence=used)
-    return (
-        deq(xq["q"], xq["q_scale"], q.dtype, 32),
-        deq(xkv["k"], xkv["k_scale"], q.dtype, 64),
-        deq(xkv["v"], xkv["v_scale"], q.dtype, None),
-    )
-
-
 def _layer_grads(q, k, v, go, **kwargs):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = ulysses.ulysses_attention(*leaves, comm="lowp", **kwargs)
@@ -203,7 +190,7 @@ def test_world_of_one_equals_gather_then_quantize_bit_for_bit(Hkv, causal, used,
     q, k, v, go = _qkv(2, 64, 4, Hkv, 32, dtype, seed=Hkv)
     out, grads = _layer_grads(q, k, v, go, causal=causal, used_sequence=used,
                               backward_comm="lowp")  # fmt: skip
-    deq = [x.clone().requires_grad_() for x in _gathered_then_quantized(q, k, v, used)]
+    deq = [x.clone().requires_grad_() for x in gathered_then_quantized(q, k, v, used)]
     ref = _sdpa(*deq, causal, used)
     _assert_bits(out, ref, "forward")
     ref_grads = torch.autograd.grad(ref, deq, reference.lowp_gradient_wire([go]))

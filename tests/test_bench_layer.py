@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses
+import ulysses._heads
 from ulysses import comm
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
@@ -99,7 +100,7 @@ def test_runs_prints_tables_and_restores_collectives(bench, capsys, tmp_path):
 
     for name, fn in originals.items():  # the stand-ins are gone
         assert getattr(comm, name) is fn, name
-    assert ulysses.attention._all_to_all is comm.all_to_all
+    assert ulysses._heads._all_to_all is comm.all_to_all
     assert not dist.is_initialized()
 
 
@@ -113,7 +114,7 @@ def test_host_table_and_own_copies(bench, capsys, monkeypatch):
         return torch.empty_like(send)  # NaN: conftest poisons new buffers
 
     monkeypatch.setattr(comm, "all_to_all", unwritten)
-    monkeypatch.setattr(ulysses.attention, "_all_to_all", unwritten)
+    monkeypatch.setattr(ulysses._heads, "_all_to_all", unwritten)  # where the layer looks it up
     monkeypatch.setattr(bench.WireStandIn, "probe", lambda self, P: None)
     rc = bench.main([*TINY, "--modes", "bf16", "--backend", "aot_eager", "--shapes", "32",
                      "--check"])  # fmt: skip

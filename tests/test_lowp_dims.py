@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_ref import sdpa_live
+from _attention_ref import gathered_then_quantized, sdpa_live
 
 import ulysses
 from ulysses import grid, lowp, reference
@@ -123,17 +123,6 @@ def test_exchange_at_world_size_one_is_gather_then_quantize(D, assert_bitwise):
 _sdpa = sdpa_live
 
 
-def _gathered_then_quantized(q, k, v, used):
-    deq = reference.lowp_dequantize_reference
-    xq = reference.lowp_exchange_reference(q, q, q, world_size=1, rank=0, used_sequence=used)
-    xkv = reference.lowp_exchange_reference(k, k, v, world_size=1, rank=0, used_sequence=used)
-    return (
-        deq(xq["q"], xq["q_scale"], q.dtype, 32),
-        deq(xkv["k"], xkv["k_scale"], q.dtype, 64),
-        deq(xkv["v"], xkv["v_scale"], q.dtype, None),
-    )
-
-
 @pytest.mark.parametrize("D", (80, 208))
 def test_layer_at_world_size_one_equals_gather_then_quantize(D, assert_bitwise):
     """``comm="lowp"``, ``int8_output=True``, ``backward_comm="lowp"``, GQA, padding: the
@@ -151,7 +140,7 @@ def test_layer_at_world_size_one_equals_gather_then_quantize(D, assert_bitwise):
     out = ulysses.ulysses_attention(*leaves, comm="lowp", causal=True, used_sequence=used,
                                     int8_output=True, backward_comm="lowp")  # fmt: skip
     out.backward(go)
-    deq = [x.clone().requires_grad_() for x in _gathered_then_quantized(q, k, v, used)]
+    deq = [x.clone().requires_grad_() for x in gathered_then_quantized(q, k, v, used)]
     ref = _sdpa(*deq, True, used)
     assert_bitwise(out, reference.lowp_output_roundtrip(ref), "forward")
     ref_grads = torch.autograd.grad(ref, deq, reference.lowp_gradient_wire([go]))

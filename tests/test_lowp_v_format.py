@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_ref import sdpa_live
+from _attention_ref import gathered_then_quantized, sdpa_live
 
 import ulysses
 from ulysses import grid, lowp, reference
@@ -155,13 +155,7 @@ def test_layer_at_world_size_one_equals_gather_then_quantize(assert_bitwise):
         out = ulysses.ulysses_attention(*leaves, head_chunks=chunks, **kw)
         out.backward(go)
         results.append((out, *(x.grad for x in leaves)))
-    deq = reference.lowp_dequantize_reference
-    xq = reference.lowp_exchange_reference(q, q, q, world_size=1, rank=0, used_sequence=used)
-    xkv = reference.lowp_exchange_reference(k, k, v, world_size=1, rank=0, used_sequence=used,
-                                            v_format="int8")  # fmt: skip
-    leaves = [deq(xq["q"], xq["q_scale"], q.dtype, 32), deq(xkv["k"], xkv["k_scale"], q.dtype, 64),
-              deq(xkv["v"], xkv["v_scale"], q.dtype, None)]  # fmt: skip
-    leaves = [x.requires_grad_() for x in leaves]
+    leaves = [x.requires_grad_() for x in gathered_then_quantized(q, k, v, used, "int8")]
     ref = _sdpa(*leaves, True, used)
     grads = torch.autograd.grad(ref, leaves, reference.lowp_gradient_wire([go]))
     want = [

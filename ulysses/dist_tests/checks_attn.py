@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import ulysses
-import ulysses.attention
+import ulysses._heads
 from ulysses import reference
 from ulysses.reference import bitwise_diff
 
@@ -236,11 +236,11 @@ def _quantized_attention(ctx: Context, case, inputs: Inputs) -> dict:
 
 @contextlib.contextmanager
 def logged_collectives(log: list):
-    """Record each collective step of ``ulysses.attention`` (its all_to_alls, the
+    """Record each collective step of ``ulysses_attention`` (its all_to_alls, the
     low-precision exchange as one step, and with head chunks the statistics' all_gather) in
     ``log``."""
-    a2a = ulysses.attention._all_to_all
-    a2a_uneven = ulysses.attention._all_to_all_uneven
+    a2a = ulysses._heads._all_to_all  # where the layer's nodes look the collectives up
+    a2a_uneven = ulysses._heads._all_to_all_uneven
     exchange = ulysses.lowp.exchange_to_heads  # the layer's entry to the exchange
     a2a_start = ulysses.overlap._all_to_all_start  # head chunks: the pipelined all_to_alls
     chunk_stats = ulysses.overlap._exchange_stats  # head chunks in lowp: the one all_gather
@@ -266,8 +266,8 @@ def logged_collectives(log: list):
         return exchange(q, k, v, **kw)
 
     with (
-        mock.patch("ulysses.attention._all_to_all", logged_a2a),
-        mock.patch("ulysses.attention._all_to_all_uneven", logged_a2a_uneven),
+        mock.patch("ulysses._heads._all_to_all", logged_a2a),
+        mock.patch("ulysses._heads._all_to_all_uneven", logged_a2a_uneven),
         mock.patch("ulysses.lowp.exchange_to_heads", logged_exchange),
         mock.patch("ulysses.overlap._all_to_all_start", logged_a2a_start),
         mock.patch("ulysses.overlap._exchange_stats", logged_chunk_stats),

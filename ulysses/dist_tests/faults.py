@@ -27,12 +27,12 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
     mean_divisor    ulysses.grid.mean_divisor       S instead of used_sequence
     boundary_merge  ulysses.grid.boundary_sources   only this rank's own record: groups that
                                                     straddle ranks are never merged
-    head_order      ulysses.attention._merge_heads  heads->sequence all_to_all puts heads in
+    head_order      ulysses._heads._merge_heads     heads->sequence all_to_all puts heads in
                                                     (head, rank) order instead of (rank, head)
     key_mask        ulysses.attention._live_keys    every row is a key: padding keys attended
-    backward_a2a    ulysses.attention.              the backward all_to_all dropped: each rank
+    backward_a2a    ulysses._heads.                 the backward all_to_all dropped: each rank
                     _backward_all_to_all            keeps its own gradient chunks
-    uneven_heads    ulysses.attention._merge_uneven heads that do not split evenly come back
+    uneven_heads    ulysses._heads._merge_uneven    heads that do not split evenly come back
                                                     with the ranks' head ranges reversed
     document_runs   ulysses.documents.              every batch row one document: queries
                     plan_documents (hook)           attend keys of other documents
@@ -250,10 +250,10 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     ),
     "mean_divisor": (("ulysses.grid.mean_divisor", _divide_by_S),),
     "boundary_merge": (("ulysses.grid.boundary_sources", Hook(_own_record_only)),),
-    "head_order": (("ulysses.attention._merge_heads", _merge_heads_rank_minor),),
+    "head_order": (("ulysses._heads._merge_heads", _merge_heads_rank_minor),),
     "key_mask": (("ulysses.attention._live_keys", _every_row_a_key),),
-    "backward_a2a": (("ulysses.attention._backward_all_to_all", _no_backward_all_to_all),),
-    "uneven_heads": (("ulysses.attention._merge_uneven", _merge_uneven_reversed),),
+    "backward_a2a": (("ulysses._heads._backward_all_to_all", _no_backward_all_to_all),),
+    "uneven_heads": (("ulysses._heads._merge_uneven", _merge_uneven_reversed),),
     "document_runs": (("ulysses.documents.plan_documents", Hook(_one_document_per_row)),),
     "per_row_used": (("ulysses.documents._used_rows", Hook(_first_row_count)),),
     "per_row_stats": (("ulysses.grid.row_values", Hook(_first_row_values)),),

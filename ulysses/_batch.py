@@ -1,0 +1,342 @@
+"""The layer's argument checks and the batch signature the ranks agree on.
+
+* checks that need no other rank: :func:`_check_call` (q, k, v, ``comm``, ``layout``,
+  ``causal``, ``scale``, ``attn``), :func:`_check_attn_kwargs`, ``_check_int8_output``,
+  ``_check_backward_comm``, ``_check_v_format``, :func:`_used_values` and, after the ranks
+  agreed, :func:`_check_used`;
+* the signature: :func:`_verify_batch` (one all_gather of ``comm.SIGNATURE_FIELDS`` ints on
+  the first call of a signature, ``comm.verify_call``) and its readable error;
+* ``document_ids``: :func:`_document_plan` (one all_gather of the ids -> a DocumentPlan).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _validate, comm, documents, lowp
+
+COMM_MODES = ("bf16", "lowp")
+BACKWARD_COMMS = ("bf16", "lowp")
+LAYOUTS = ("bshd", "bhsd")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ATTN_OPTIONS = ("dropout_p", "window_size", "softcap")
+
+
+# ---- checks that need no other rank -----------------------------------------------------------
+
+
+def _check_4d(x, name: str, dtypes=_FLOAT_DTYPES) -> None:
+    _validate.check_4d(x, name, dtypes)
+
+
+def _check_call(q, k, v, comm, layout, causal, scale, attn) -> None:
+    """The checks that need no other rank (every rank runs the same code)."""
+    if comm not in COMM_MODES:
+        raise ValueError(f"comm must be one of {COMM_MODES}, got {comm!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_4d(x, name, _FLOAT_DTYPES)
+        if comm == "lowp" and x.dtype == torch.float32:
+            raise TypeError(
+                f"comm='lowp' sends bfloat16 or float16 inputs as 8-bit codes; {name} has dtype "
+                f"float32: cast q, k, v to bfloat16, or use comm='bf16'"
+            )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    qs, ks = q.shape, k.shape
+    if layout == "bshd":
+        same = qs[0] == ks[0] and qs[1] == ks[1] and qs[3] == ks[3]
+        legend = "[B, L, H, D]"
+    else:
+        same = qs[0] == ks[0] and qs[2] == ks[2] and qs[3] == ks[3]
+        legend = "[B, H, L, D]"
+    if not same:
+        raise ValueError(
+            f"q and k must agree in B, L and D (layout {layout!r}: {legend}), got "
+            f"q {tuple(qs)} and k {tuple(ks)}"
+        )
+    if comm == "lowp":
+        _validate.check_lowp_head_dim(qs[3], f"q {tuple(qs)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be None or a float, got {type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    if attn is not None and not callable(attn):
+        raise TypeError(f"attn must be None or a callable, got {type(attn).__name__}")
+
+
+def _check_attn_kwargs(attn_kwargs, custom: bool) -> dict:
+    """``attn_kwargs`` -> a dict; for the default attention only :data:`ATTN_OPTIONS`, each
+    checked (a custom ``attn`` receives them as given)."""
+    if attn_kwargs is None:
+        return {}
+    if not isinstance(attn_kwargs, dict) or not all(isinstance(x, str) for x in attn_kwargs):
+        raise TypeError(
+            f"attn_kwargs must be None or a dict of keyword arguments, got "
+            f"{type(attn_kwargs).__name__}"
+        )
+    if custom:
+        return attn_kwargs
+    unknown = sorted(set(attn_kwargs) - set(ATTN_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"attn_kwargs has options the default attention does not take: {unknown}; it "
+            f"takes {list(ATTN_OPTIONS)} (pass attn= for others)"
+        )
+    p = attn_kwargs.get("dropout_p", 0.0)
+    if isinstance(p, bool) or not isinstance(p, int | float):
+        raise TypeError(f"attn_kwargs['dropout_p'] must be a float, got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"attn_kwargs['dropout_p'] must be in [0, 1), got {p}")
+    w = attn_kwargs.get("window_size")
+    if w is not None and not (
+        isinstance(w, tuple | list)
+        and len(w) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in w)
+    ):
+        raise ValueError(
+            f"attn_kwargs['window_size'] must be None or (left, right), ints >= -1 (-1: no "
+            f"limit on that side), got {w!r}"
+        )
+    c = attn_kwargs.get("softcap")
+    if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or c <= 0):
+        raise ValueError(f"attn_kwargs['softcap'] must be None or a number > 0, got {c!r}")
+    return attn_kwargs
+
+
+def _check_int8_output(int8_output, comm) -> None:
+    if not isinstance(int8_output, bool):
+        raise TypeError(f"int8_output must be a bool, got {type(int8_output).__name__}")
+    if int8_output and comm != "lowp":
+        raise ValueError(f"int8_output=True needs comm='lowp', got comm={comm!r}")
+
+
+def _check_v_format(v_format, comm) -> None:
+    lowp.check_v_format(v_format)
+    if v_format != "fp8" and comm != "lowp":
+        raise ValueError(f"v_format={v_format!r} needs comm='lowp', got comm={comm!r}")
+
+
+def _check_backward_comm(backward_comm, comm) -> None:
+    if not isinstance(backward_comm, str):
+        raise TypeError(
+            f"backward_comm must be a str, one of {BACKWARD_COMMS}, got "
+            f"{type(backward_comm).__name__}"
+        )
+    if backward_comm not in BACKWARD_COMMS:
+        raise ValueError(f"backward_comm must be one of {BACKWARD_COMMS}, got {backward_comm!r}")
+    if backward_comm == "lowp" and comm != "lowp":
+        raise ValueError(f"backward_comm='lowp' needs comm='lowp', got comm={comm!r}")
+
+
+def _check_attn_output(out, shape, dtype) -> None:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out)
+        raise ValueError(f"attn must return a {dtype} tensor of shape {shape}, got {got}")
+
+
+_USED_TYPES = "None, an int, a sequence of B ints or a 1-D integer tensor [B]"
+
+
+def _used_values(used_sequence):
+    """``used_sequence`` as given -> None, an int, or a tuple of ints (per batch row). Reads a
+    tensor back to the host."""
+    if used_sequence is None or (
+        isinstance(used_sequence, int) and not isinstance(used_sequence, bool)
+    ):
+        return used_sequence
+    if isinstance(used_sequence, torch.Tensor):
+        if used_sequence.dtype not in documents._INT_DTYPES or used_sequence.dim() != 1:
+            raise TypeError(
+                f"used_sequence must be {_USED_TYPES}, got a tensor of dtype "
+                f"{used_sequence.dtype} and shape {tuple(used_sequence.shape)}"
+            )
+        return tuple(used_sequence.tolist())
+    if isinstance(used_sequence, (list, tuple)) and all(
+        isinstance(u, int) and not isinstance(u, bool) for u in used_sequence
+    ):
+        return tuple(used_sequence)
+    raise TypeError(f"used_sequence must be {_USED_TYPES}, got {type(used_sequence).__name__}")
+
+
+def _check_used(used, B: int, S: int, comm_mode: str):
+    """Range and length checks (after the ranks agreed on B, L and used_sequence) -> None (no
+    padding), an int (one count for every batch row) or a tuple of B counts."""
+    if isinstance(used, tuple):
+        if len(used) != B:
+            raise ValueError(
+                f"used_sequence must hold one live-row count per batch row (B = {B}), got "
+                f"{len(used)} counts: {list(used)}"
+            )
+        if len(set(used)) == 1:
+            used = used[0]
+    counts = (used,) if isinstance(used, int) else used or ()
+    for u in counts:
+        if not 1 <= u <= S:
+            raise ValueError(
+                f"used_sequence must be None or global row counts in [1, S = L * P = {S}], "
+                f"got {list(used) if isinstance(used, tuple) else used}"
+            )
+    if used == S:
+        return None
+    if isinstance(used, tuple) and all(u == S for u in used):
+        return None
+    return used
+
+
+# ---- the batch signature ----------------------------------------------------------------------
+
+
+_DTYPE_CODES = {
+    dt: i
+    for i, dt in enumerate(
+        (torch.bfloat16, torch.float16, torch.float32, *documents._INT_DTYPES, torch.bool)
+    )
+}
+
+
+def _used_field(used, S: int) -> int | None:
+    """One int for the signature: None when every row is live, the count, or a digest of
+    per-row counts (< -1)."""
+    if isinstance(used, tuple):
+        if len(set(used)) == 1:
+            used = used[0]
+        else:
+            digest = len(used)
+            for u in used:  # plain integer arithmetic, which torch.compile folds
+                digest = (digest * 1000003 + u) & 0x3FFFFFFF
+            return -2 - digest
+    return None if used == S else used
+
+
+def _ids_fields(document_ids) -> dict:
+    """The signature fields of ``document_ids``: its batch, row count and dtype (-1: none)."""
+    if document_ids is None:
+        return {"document_ids_batch": -1, "document_ids_rows": -1, "document_ids_dtype": -1}
+    if isinstance(document_ids, documents.DocumentPlan):
+        document_ids = document_ids.ids
+    if not isinstance(document_ids, torch.Tensor):
+        return {"document_ids_batch": -3, "document_ids_rows": -3, "document_ids_dtype": -3}
+    batch = document_ids.shape[0] if document_ids.dim() == 2 else -10 - document_ids.dim()
+    return {
+        "document_ids_batch": batch,
+        "document_ids_rows": document_ids.shape[-1] if document_ids.dim() else 0,
+        "document_ids_dtype": _DTYPE_CODES.get(document_ids.dtype, -4),
+    }
+
+
+def _verify_batch(pg, P: int, q, k, wire: dict, used, document_ids) -> None:
+    """Every rank must call with the same sizes, dtype, wire (``comm``, ``int8_output``,
+    ``backward_comm``, ``head_chunks``), live counts and document-id shape: checked on the
+    first call of each signature (one all_gather of ``comm.SIGNATURE_FIELDS`` ints), so that a
+    rank that differs gets the same ValueError on every rank instead of a backend abort, a
+    hang or silently wrong rows."""
+    if P == 1:
+        return
+    B, L, Hq, D = q.shape
+    fields = {
+        "B": B, "L": L, "Hq": Hq, "Hkv": k.shape[2], "D": D, "dtype": _DTYPE_CODES[q.dtype],
+        **wire, "used_sequence": _used_field(used, L * P), **_ids_fields(document_ids),
+    }  # fmt: skip
+    try:
+        comm.verify_call(pg, P, q.device, "ulysses_attention", False, **fields)
+    except ValueError as exc:
+        raise _readable_disagreement(exc, pg, P, q.device, used, B) from None
+
+
+def _readable_disagreement(exc: ValueError, pg, P: int, device, used, B: int) -> ValueError:
+    """The signature check's error with dtype names and per-row counts spelled out (every
+    rank holds the same error, so every rank takes the same branch here)."""
+    import ast
+    import re
+
+    found = re.search(r"disagree on (\w+) in ulysses_attention: per-rank values (\[.*?\])",
+                      str(exc))  # fmt: skip
+    if found is None:
+        return exc
+    name, values = found.group(1), ast.literal_eval(found.group(2))
+    names = {code: str(dt).removeprefix("torch.") for dt, code in _DTYPE_CODES.items()}
+    hint = ""
+    if name in ("dtype", "document_ids_dtype"):
+        values = [names.get(x, "none" if x == -1 else "not a tensor") for x in values]
+    elif name == "comm":
+        values = [COMM_MODES[x] for x in values]
+    elif name == "backward_comm":
+        values = [BACKWARD_COMMS[x] for x in values]
+    elif name == "int8_output":
+        values = [bool(x) for x in values]
+    elif name == "head_chunks":
+        values = ["auto" if x == 0 else x for x in values]
+    elif name == "v_format":
+        values = [lowp.V_FORMATS[x] for x in values]
+    elif name == "used_sequence":
+        if any(x is not None and x < -1 for x in values):  # some rank passed per-row counts
+            mine = list(used) if isinstance(used, tuple) else [used] * B
+            row = [len(mine)] + [-1 if u is None else u for u in mine[:B]]
+            row += [-1] * (B + 1 - len(row))
+            table = comm.all_gather(torch.tensor(row, dtype=torch.int64).to(device), pg, P)
+            values = [
+                r[1 : 1 + r[0]] if r[0] <= B else r[1:] + ["..."] for r in table.cpu().tolist()
+            ]
+            values = [[None if u == -1 else u for u in r] for r in values]
+        hint = " (a global live-row count of the whole sequence, not of this rank's shard)"
+    elif name == "L":
+        hint = " (every rank holds L = S / P rows of the global sequence)"
+    elif name.startswith("document_ids"):
+        hint = " (document_ids: an integer tensor [B, L] of this rank's rows on every rank)"
+    return ValueError(
+        f"ranks disagree on {name} in ulysses_attention: per-rank values {values}; every rank "
+        f"of the group must call ulysses_attention with the same {name}{hint}"
+    )
+
+
+# ---- packed documents -------------------------------------------------------------------------
+
+
+def _document_plan(document_ids, B: int, L: int, P: int, pg, device):
+    """``document_ids`` -> a :class:`documents.DocumentPlan` of the global ids [B, S] (one
+    all_gather of the [B, L] ids, checked non-decreasing and non-negative: the same ids and
+    the same error on every rank), or None."""
+    if document_ids is None:
+        return None
+    S = L * P
+    if isinstance(document_ids, documents.DocumentPlan):
+        if document_ids.shape != (B, S):
+            raise ValueError(
+                f"document_ids plan must be of the global ids [B, S] = [{B}, {S}], got "
+                f"{list(document_ids.shape)}"
+            )
+        return document_ids
+    if not isinstance(document_ids, torch.Tensor):
+        raise TypeError(
+            f"document_ids must be None, an integer tensor [B, L] = [{B}, {L}] of this rank's "
+            f"rows or a documents.DocumentPlan, got {type(document_ids).__name__}"
+        )
+    if document_ids.dtype not in documents._INT_DTYPES:
+        raise TypeError(
+            f"document_ids must have an integer dtype in {documents._INT_DTYPES}, got "
+            f"{document_ids.dtype}"
+        )
+    if tuple(document_ids.shape) != (B, L):
+        raise ValueError(
+            f"document_ids must have shape [B, L] = [{B}, {L}] (this rank's rows, as q), got "
+            f"{tuple(document_ids.shape)}"
+        )
+    if document_ids.device != device:
+        raise ValueError(f"document_ids must be on q's device {device}, got {document_ids.device}")
+    if P == 1:
+        ids_full = document_ids
+    else:
+        gathered = comm.all_gather(document_ids.reshape(-1), pg, P)  # [P, B * L]
+        ids_full = gathered.view(P, B, L).permute(1, 0, 2).reshape(B, S).clone()
+    return documents.plan_documents(ids_full, local_rows=L)
