@@ -10,6 +10,7 @@ import torch
 from _attention_ref import sdpa_live
 
 import ulysses
+from ulysses import _heads as HM
 from ulysses import attention as A
 from ulysses.reference import bitwise_diff
 
@@ -193,11 +194,11 @@ def test_uneven_exchange_simulated_moves_every_head_and_row(Hq, Hkv, P):
     B, L, D = 2, 3, 4
     x = torch.randn(B, P * L, Hq + 2 * Hkv, D)
     hd = A._heads(Hq, Hkv, P)
-    sends = [A._send_segments(x[:, p * L : (p + 1) * L], hd.segments) for p in range(P)]
+    sends = [HM._send_segments(x[:, p * L : (p + 1) * L], hd.segments) for p in range(P)]
     for r in range(P):
         recv = torch.cat([buf.split(sizes)[r] for buf, sizes in sends])
         n_r = sum(n for _, n in hd.segments[r])
-        got = A._merge_rows(recv.view(P, B, L, n_r, D))
+        got = HM._merge_rows(recv.view(P, B, L, n_r, D))
         want = torch.cat([x[:, :, s0 : s0 + n] for s0, n in hd.segments[r]], dim=2)
         assert torch.equal(got, want)
 
@@ -233,9 +234,9 @@ def test_packed_exchange_moves_every_head_and_row_to_its_rank(P, Hq, Hkv):
     q, k, v = _qkv(B, S, Hq, Hkv, D, torch.float32, seed=P)
     hd = A._heads(Hq, Hkv, P)
     shard = [tuple(x[:, r * L : (r + 1) * L] for x in (q, k, v)) for r in range(P)]
-    recvs = _exchange([A._pack_qkv(*parts, hd) for parts in shard])
+    recvs = _exchange([HM._pack_qkv(*parts, hd) for parts in shard])
     for r in range(P):
-        qh, kh, vh = A._unpack_heads(recvs[r], hd)
+        qh, kh, vh = HM._unpack_heads(recvs[r], hd)
         assert torch.equal(qh, q[:, :, r * hd.hq : (r + 1) * hd.hq])
         assert torch.equal(kh, k[:, :, _kv_heads_of(r, hd)])
         assert torch.equal(vh, v[:, :, _kv_heads_of(r, hd)])
@@ -249,7 +250,7 @@ def test_packed_exchange_moves_every_head_and_row_to_its_rank(P, Hq, Hkv):
     dk_rank = [torch.randn(B, S, hd.hkv, D) for _ in range(P)]
     dv_rank = [torch.randn(B, S, hd.hkv, D) for _ in range(P)]
     sends = [
-        A._pack_grads(dq[:, :, r * hd.hq : (r + 1) * hd.hq], dk_rank[r], dv_rank[r], hd)
+        HM._pack_grads(dq[:, :, r * hd.hq : (r + 1) * hd.hq], dk_rank[r], dv_rank[r], hd)
         for r in range(P)
     ]
     recvs = _exchange(sends)
@@ -257,7 +258,7 @@ def test_packed_exchange_moves_every_head_and_row_to_its_rank(P, Hq, Hkv):
     for r in range(P):
         dk_full[:, :, _kv_heads_of(r, hd)] += dk_rank[r]
     for r in range(P):
-        gq, gk, gv = A._unpack_grads(recvs[r], hd)
+        gq, gk, gv = HM._unpack_grads(recvs[r], hd)
         rows = slice(r * L, (r + 1) * L)
         assert torch.equal(gq, dq[:, rows])
         torch.testing.assert_close(gk, dk_full[:, rows], rtol=1e-6, atol=1e-6)
@@ -268,11 +269,11 @@ def test_packed_exchange_moves_every_head_and_row_to_its_rank(P, Hq, Hkv):
 def test_seq_heads_round_trip_simulated(P):
     B, L, H, D = 2, 3, 2 * P, 4
     x = torch.randn(B, P * L, H, D)
-    sends = [A._split_heads(x[:, r * L : (r + 1) * L], P).contiguous() for r in range(P)]
-    heads = [A._merge_rows(recv) for recv in _exchange(sends)]
+    sends = [HM._split_heads(x[:, r * L : (r + 1) * L], P).contiguous() for r in range(P)]
+    heads = [HM._merge_rows(recv) for recv in _exchange(sends)]
     for r in range(P):
         assert torch.equal(heads[r], x[:, :, r * (H // P) : (r + 1) * (H // P)])
-    back = [A._merge_heads(recv) for recv in _exchange([A._split_rows(h, P) for h in heads])]
+    back = [HM._merge_heads(recv) for recv in _exchange([HM._split_rows(h, P) for h in heads])]
     for r in range(P):
         assert torch.equal(back[r], x[:, r * L : (r + 1) * L])
 

@@ -19,6 +19,7 @@ import torch
 from _attention_ref import gathered_then_quantized, sdpa_live
 
 import ulysses
+from ulysses import _heads as HM
 from ulysses import attention as A
 from ulysses import reference
 from ulysses.kernels.lowp_out import (
@@ -143,7 +144,7 @@ def test_gradients_to_rows_match_the_reference(P, Hq, Hkv, B, L, D):
         _assert_bits(gq, want_q[:, rows], f"dq rank {j}")
         for name, got, parts in (("dk", gk, dk_rank), ("dv", gv, dv_rank)):
             if hd.rep > 1:
-                got = A._sum_partials(got, hd)
+                got = HM._sum_partials(got, hd)
             assert got.shape == (B, L, Hkv, D)
             for head in range(Hkv):
                 if hd.rep == 1:

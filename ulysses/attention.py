@@ -64,7 +64,6 @@ from ._batch import (
     _check_used,
     _check_v_format,
     _document_plan,
-    _used_field,  # noqa: F401 (tests)
     _used_values,
     _verify_batch,
 )
@@ -73,22 +72,12 @@ from ._heads import (
     _heads,
     _LowpHeadsToSeq,
     _LowpToHeads,
-    _merge_heads,  # noqa: F401 (tests)
-    _merge_rows,  # noqa: F401 (tests)
-    _pack_grads,  # noqa: F401 (tests)
-    _pack_qkv,  # noqa: F401 (tests)
     _QKVToHeads,
     _Reshard,
-    _send_segments,  # noqa: F401 (tests)
-    _split_heads,  # noqa: F401 (tests)
-    _split_rows,  # noqa: F401 (tests)
-    _sum_partials,  # noqa: F401 (tests)
     _uneven_to_heads,
     _UnevenHeads,
     _UnevenHeadsToSeq,
     _UnevenSeqToHeads,
-    _unpack_grads,  # noqa: F401 (tests)
-    _unpack_heads,  # noqa: F401 (tests)
 )
 
 __all__ = [
