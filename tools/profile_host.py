@@ -29,16 +29,19 @@ behind the sleep kernel, every mode and path but eager bf16.
 ``--stub`` (forced with ``--device cpu``, where Triton's interpreter would run the kernels):
 the Python path alone. Every kernel launch returns at once (after reading its tensors'
 addresses, as the CUDA fast path does), the attention is an autograd node that allocates its
-outputs and computes nothing, and the collectives on the fake group fill nothing (a link of
-``ulysses.comm.set_link`` that returns at once). Per call it prints the host (CPU) time, the
-number of aten ops the call dispatches (``--ops``: which ones) and of the package's Triton
-launches, forward and forward + backward, for each mode. On the CPU the bf16 mode's copies
-and the layer's own reshapes still move their data (at D = 128 that dominates its time; at
-``--head-dim 16`` the Python path does). On CUDA every aten op costs about 5-15 us of host
-time and a launch about 5-13 us, so the counts are the figures a CPU run transfers to the
-GPU host:
+output and copies one row of k and v into it (so that a compiled graph keeps what made
+them), and the library's eager collectives fill nothing (a link of ``ulysses.comm.set_link``
+that returns at once; a compiled graph's own all_to_alls still call the fake group). Per
+call it prints the host (CPU) time, the number of aten ops the call dispatches (``--ops``:
+which ones; eager calls only) and of the package's Triton launches, forward and forward +
+backward, for each mode, eager and with ``--compiled`` compiled. On the CPU the bf16 mode's
+copies and the layer's own reshapes still move their data (at D = 128 that dominates its
+time; at ``--head-dim 16`` and a few rows the Python path does). On CUDA every aten op costs
+about 5-15 us of host time and a launch about 5-13 us, so the counts are the figures a CPU
+run transfers to the GPU host:
 
     python tools/profile_host.py --device cpu --rows 1024 [--ops] [--profile]
+    OMP_NUM_THREADS=1 python tools/profile_host.py --device cpu --rows 32 --compiled
 """
 
 from __future__ import annotations
@@ -142,7 +145,11 @@ def stubbed_layer(a) -> None:
     class NoAttention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            return torch.empty_like(q)
+            # reads one row of k and v, so that a compiled graph cannot drop what made them
+            # (Inductor removes an op whose outputs nothing uses)
+            out = torch.empty_like(q)
+            out[:, :, :1] = k[:, :, :1] + v[:, :, :1]
+            return out
 
         @staticmethod
         def backward(ctx, dout):
@@ -170,24 +177,40 @@ def stubbed_layer(a) -> None:
         "lowp+bwdlowp": {"comm": "lowp", "backward_comm": "lowp"},
     }
 
-    def fwd(kw):
+    def layer(kw, compiled):
+        def call(q, k, v):
+            return ulysses.ulysses_attention(q, k, v, causal=True, **kw)
+
+        return torch.compile(call, fullgraph=True, dynamic=False) if compiled else call
+
+    def fwd(kw, compiled=False):
+        fn = layer(kw, compiled)
+
         def f():
             with torch.no_grad():
-                ulysses.ulysses_attention(q, k, v, causal=True, **kw)
+                fn(q, k, v)
 
         return f
 
-    def train(kw):
+    def train(kw, compiled=False):
+        fn = layer(kw, compiled)
+
         def f():
-            out = ulysses.ulysses_attention(q, k, v, causal=True, **kw)
-            torch.autograd.grad(out, (q, k, v), dout)
+            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
 
         return f
 
+    if a.compiled:
+        for attr in ("recompile_limit", "cache_size_limit"):  # a graph per mode and grad mode
+            if hasattr(torch._dynamo.config, attr):
+                setattr(torch._dynamo.config, attr, 64)
     calls = {}
     for name, kw in modes.items():
         calls[f"{name} fwd"] = fwd(kw)
         calls[f"{name} fwd+bwd"] = train(kw)
+        if a.compiled:  # the compiled graphs' own all_to_alls still call the fake group
+            calls[f"{name} compiled fwd"] = fwd(kw, True)
+            calls[f"{name} compiled fwd+bwd"] = train(kw, True)
     calls["exchange_qkv"] = lambda: lowp.exchange_qkv(qd, kd, vd)
     calls["exchange_to_heads"] = lambda: lowp.exchange_to_heads(qd, kd, vd)
     for f in calls.values():  # the first call of a signature: the fake group's all_gather
@@ -202,18 +225,29 @@ def stubbed_layer(a) -> None:
         # this process's CPU time (a shared host's other work does not count), best of 5
         us[name] = per_call_us(f, a.calls, sync, clock=time.process_time, rounds=5)
         counter, launched[0] = _OpCounter(), 0
-        with counter:
+        if "compiled" in name:  # Dynamo refuses a dispatch mode: the launches alone
             f()
+        else:
+            with counter:
+                f()
         ops[name] = counter.counts
         print(f"{name:22s} {us[name]:8.1f} us of CPU a call {sum(ops[name].values()):5d} aten ops"
               f" {launched[0]:3d} kernel launches")  # fmt: skip
         if a.ops:
             print("    " + ", ".join(f"{op} {n}" for op, n in ops[name].most_common()))
-    for kind in ("fwd", "fwd+bwd"):
+    kinds = (
+        ("fwd", "fwd+bwd", "compiled fwd", "compiled fwd+bwd") if a.compiled else ("fwd", "fwd+bwd")
+    )
+    for kind in kinds:
         for name in ("lowp", "lowp+bwdlowp"):
             d_us = us[f"{name} {kind}"] - us[f"bf16 {kind}"]
             d_ops = sum(ops[f"{name} {kind}"].values()) - sum(ops[f"bf16 {kind}"].values())
             print(f"{name} - bf16, {kind}: {d_us:+.1f} us, {d_ops:+d} aten ops")
+    if a.compiled:
+        for name in modes:
+            for kind in ("fwd", "fwd+bwd"):
+                ratio = us[f"{name} compiled {kind}"] / us[f"{name} {kind}"]
+                print(f"compiled / eager: {name} {kind}: {ratio:.2f}")
     if a.profile:
         for name, f in calls.items():
             if name.startswith("bf16"):
@@ -242,7 +276,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: the Python path (--stub)")
     ap.add_argument("--stub", action="store_true", help="kernels, attention, collectives stubbed")
     ap.add_argument("--ops", action="store_true", help="with --stub: the aten ops of a call")
-    ap.add_argument("--compiled", action="store_true", help="CUDA: also torch.compile'd calls")
+    ap.add_argument("--compiled", action="store_true", help="also torch.compile'd calls")
     ap.add_argument(
         "--no-collectives",
         action="store_true",
