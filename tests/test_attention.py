@@ -305,6 +305,58 @@ def test_int8_output_at_world_of_one_is_the_lowp_output_through_its_roundtrip(ca
     assert bitwise_diff(module(q, k, v, causal=causal, used_sequence=used), outs[1]) is None
 
 
+@pytest.mark.parametrize(
+    "kw", [{"comm": "lowp"}, {"comm": "lowp", "int8_output": True},
+           {"comm": "lowp", "backward_comm": "lowp"}], ids=["lowp", "int8out", "bwdlowp"],
+)  # fmt: skip
+def test_an_inference_call_builds_no_autograd_node_and_keeps_the_bits(monkeypatch, kw):
+    """Where no gradient can flow (grad mode off, or no input requiring one) the layer runs
+    its nodes' forwards without building autograd nodes: the same output bits."""
+    q, k, v = _qkv(2, 40, 4, 2, 32, seed=3)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    trained = ulysses.ulysses_attention(*leaves, causal=True, **kw)
+    assert trained.grad_fn is not None
+
+    def no_node(*args):
+        raise AssertionError("an autograd node was built for a call without gradients")
+
+    for node in (HM._LowpToHeads, HM._LowpHeadsToSeq, HM._QKVToHeads, HM._Reshard):
+        monkeypatch.setattr(node, "apply", no_node)
+    with torch.no_grad():
+        out = ulysses.ulysses_attention(*leaves, causal=True, **kw)
+    assert out.grad_fn is None and bitwise_diff(out, trained.detach()) is None
+    out = ulysses.ulysses_attention(q, k, v, causal=True, **kw)  # nothing requires a gradient
+    assert out.grad_fn is None and bitwise_diff(out, trained.detach()) is None
+    with pytest.raises(AssertionError, match="autograd node"):  # the shortcut is the cause
+        ulysses.ulysses_attention(*leaves, causal=True, **kw)
+
+
+def test_a_custom_attention_with_parameters_keeps_its_gradient_path():
+    """q, k, v without gradients but an ``attn`` holding a parameter: the output's way back
+    to head shards stays an autograd node, so the parameter gets its gradient (with the INT8
+    output wire as without)."""
+    q, k, v = _qkv(1, 40, 4, 2, 32, seed=4)
+    grads = []
+    for int8_output in (False, True):
+        w = torch.tensor(1.5, requires_grad=True)
+
+        def attn(qh, kh, vh, *, causal, scale, used_sequence, w=w):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), is_causal=causal,
+                enable_gqa=True,
+            )  # fmt: skip
+            return (out.transpose(1, 2) * w).to(qh.dtype)
+
+        out = ulysses.ulysses_attention(q, k, v, attn=attn, causal=True, comm="lowp",
+                                        int8_output=int8_output)  # fmt: skip
+        assert out.requires_grad
+        out.float().sum().backward()
+        assert w.grad is not None and torch.isfinite(w.grad)
+        grads.append(w.grad)
+    # d(sum out)/dw = sum(out) / w: the INT8 wire is straight-through, so the two agree closely
+    assert torch.allclose(grads[0], grads[1], rtol=2e-2)
+
+
 @pytest.mark.parametrize("comm,int8_output", [("bf16", False), ("lowp", False), ("lowp", True)])
 def test_the_layer_compiles_fullgraph_with_the_same_bits(comm, int8_output):
     """torch.compile(fullgraph=True) of ulysses_attention (one process): forward and the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import torch
 
@@ -206,6 +207,16 @@ def _unpack_grads(recv: torch.Tensor, hd: _Heads):
 
 
 # ---- autograd nodes: one collective per direction ---------------------------------------------
+
+
+def run_node(node, grad: bool, *args):
+    """``node.apply(*args)``; with ``grad`` False (grad mode off, or nothing the node reads
+    requires a gradient) the node's forward called directly, with a throwaway context: the
+    same computation, the same collectives, without building an autograd node (an
+    ``apply`` costs a few microseconds of host time, a share of an inference call)."""
+    if grad:
+        return node.apply(*args)
+    return node.forward(types.SimpleNamespace(), *args)
 
 
 class _QKVToHeads(torch.autograd.Function):

@@ -78,6 +78,7 @@ from ._heads import (
     _UnevenHeads,
     _UnevenHeadsToSeq,
     _UnevenSeqToHeads,
+    run_node,
 )
 
 __all__ = [
@@ -483,29 +484,33 @@ def ulysses_attention(
         )  # fmt: skip
         return out.transpose(1, 2) if layout == "bhsd" else out
 
-    # 1. sequence shards -> head shards of the whole sequence
+    # 1. sequence shards -> head shards of the whole sequence (an autograd node only where a
+    # gradient can flow: inference calls skip the node's host cost, not its work)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if comm == "lowp":
-        q_h, k_h, v_h = _LowpToHeads.apply(q, k, v, hd, pg, used, q_group, k_group, lowp_backward,
-                                           v_format)  # fmt: skip
+        q_h, k_h, v_h = run_node(_LowpToHeads, grad, q, k, v, hd, pg, used, q_group, k_group,
+                                 lowp_backward, v_format)  # fmt: skip
     elif P == 1:
         q_h, k_h, v_h = q, k, v
     elif isinstance(hd, _UnevenHeads):
         q_h, k_h, v_h = _uneven_to_heads(q, k, v, hd, rank, pg)
     else:
-        q_h, k_h, v_h = _QKVToHeads.apply(q, k, v, hd, pg)
+        q_h, k_h, v_h = run_node(_QKVToHeads, grad, q, k, v, hd, pg)
 
     # 2. the attention on this rank's heads, every row
     out_h = attend(q_h, k_h, v_h)
 
-    # 3. head shards -> sequence shards of the output
+    # 3. head shards -> sequence shards of the output (a custom ``attn`` may hold parameters:
+    # the output's own requires_grad decides)
+    grad = torch.is_grad_enabled() and out_h.requires_grad
     if int8_output or lowp_backward:
-        out = _LowpHeadsToSeq.apply(out_h, P, pg, int8_output, lowp_backward)
+        out = run_node(_LowpHeadsToSeq, grad, out_h, P, pg, int8_output, lowp_backward)
     elif P == 1:
         out = out_h
     elif isinstance(hd, _UnevenHeads):
         out = _UnevenHeadsToSeq.apply(out_h, hd.q_ranges, rank, pg)
     else:
-        out = _Reshard.apply(out_h, P, pg, False)
+        out = run_node(_Reshard, grad, out_h, P, pg, False)
     return out.transpose(1, 2) if layout == "bhsd" else out
 
 
