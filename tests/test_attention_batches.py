@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ulysses
+from ulysses import _batch as BM
 from ulysses import attention as A
 from ulysses import documents, reference
 from ulysses.reference import bitwise_diff
@@ -395,7 +396,7 @@ def test_the_signature_field_of_used_sequence_depends_on_the_values_only():
     """None, S and [S, S] mean the same: ranks passing them agree; per-row counts that
     differ get a digest that no count can take."""
     S = 40
-    assert A._used_field(None, S) is A._used_field(S, S) is A._used_field((S, S), S) is None
-    assert A._used_field(30, S) == A._used_field((30, 30), S) == 30
-    a, b = A._used_field((30, 40), S), A._used_field((40, 30), S)
+    assert BM._used_field(None, S) is BM._used_field(S, S) is BM._used_field((S, S), S) is None
+    assert BM._used_field(30, S) == BM._used_field((30, 30), S) == 30
+    a, b = BM._used_field((30, 40), S), BM._used_field((40, 30), S)
     assert a < -1 and b < -1 and a != b
