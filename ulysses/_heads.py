@@ -213,8 +213,9 @@ def run_node(node, grad: bool, *args):
     """``node.apply(*args)``; with ``grad`` False (grad mode off, or nothing the node reads
     requires a gradient) the node's forward called directly, with a throwaway context: the
     same computation, the same collectives, without building an autograd node (an
-    ``apply`` costs a few microseconds of host time, a share of an inference call)."""
-    if grad:
+    ``apply`` costs a few microseconds of host time, a share of an inference call). Under
+    torch.compile always ``apply``: the graph is traced once, and Dynamo traces the node."""
+    if grad or _ops.is_compiling():
         return node.apply(*args)
     return node.forward(types.SimpleNamespace(), *args)
 
