@@ -13,8 +13,14 @@ exchange and the attention layer come here for
                                    -> the same collectives bound to fixed buffers, calling the
                                       backend directly (the eager fast path of the plans)
 
-Under ``torch.compile`` the collectives are torch's functional collectives (traceable, no
-graph break); the per-group caches are skipped there (the eager call before filled them).
+Under ``torch.compile`` each collective is one op of the package (``torch.ops.ulysses.
+all_to_all``, ``all_to_all_uneven``, ``all_gather``: traceable, no graph break) whose kernel is
+the eager call below, so compiled and eager calls take the same path to the backend (and to a
+stand-in link). torch's functional collectives cost about 30 us of host time each through
+their Python autograd wrappers, against about 7 for these ops (CPU host, fake group); the
+price is that Inductor cannot move compute between a collective and its first use (its
+comm/compute reordering passes, off by default, work on functional collectives only). The
+per-group caches are skipped while tracing (the eager call before filled them).
 What is cached per group lives in weak dictionaries keyed by the group object itself: a
 destroyed group's entries go with it, and a new group never inherits them (an ``id()`` can
 be reused; an object identity held weakly cannot).
@@ -30,7 +36,6 @@ import zlib
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
@@ -171,14 +176,13 @@ def all_gather(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
     the payload itself, with no collective."""
     if world_size == 1:
         return payload.view(1, payload.numel())
-    if _LINK is not None and _LINK.pg is pg and not _ops.is_compiling():
-        gathered = torch.empty(world_size * payload.numel(), dtype=payload.dtype,
-                               device=payload.device)  # fmt: skip
-        _LINK.all_gather(gathered, payload)
+    if _ops.is_compiling():  # the package's op: this function's eager path, no graph break
+        gathered = _all_gather_op.op(
+            payload.contiguous(), group_name=group_name(pg), world_size=world_size
+        )
         return gathered.view(world_size, payload.numel())
-    if _ops.is_compiling():  # traceable functional collective, no graph break
-        gathered = funcol.all_gather_tensor(payload, 0, pg)
-        return gathered.view(world_size, payload.numel())
+    if _LINK is not None and _LINK.pg is pg:
+        return _gathered_new(payload, pg, world_size).view(world_size, payload.numel())
     # Flat (gloo rejects a [P, N] output) and reused from call to call on this stream: a new
     # NCCL output tensor per call cost ~24 us of host time (measured on an H200 host). Reuse is
     # stream-ordered: the next all_gather waits for this call's kernels that read it.
@@ -195,8 +199,9 @@ def all_to_all(send: torch.Tensor, pg, world_size: int | None = None) -> torch.T
         world_size = 1 if pg is None else pg.size()
     if world_size == 1:
         return send
-    if _ops.is_compiling():
-        return funcol.all_to_all_single(send, None, None, pg)
+    if _ops.is_compiling():  # the package's op: this function's eager path, no graph break
+        send = send.contiguous()  # as the backend requires (a no-op on the traced layouts)
+        return _all_to_all_op.op(send, group_name=group_name(pg), world_size=world_size)
     recv = torch.empty_like(send)
     if _LINK is not None and _LINK.pg is pg:
         _LINK.all_to_all(recv, send)
@@ -210,11 +215,60 @@ def all_to_all_uneven(send: torch.Tensor, in_splits, out_splits, pg) -> torch.Te
     1-D receive buffer, ``out_splits[p]`` elements from rank p in rank order (head counts that
     do not split evenly over the ranks)."""
     in_splits, out_splits = list(in_splits), list(out_splits)
-    if _ops.is_compiling():
-        return funcol.all_to_all_single(send, out_splits, in_splits, pg)
+    if _ops.is_compiling():  # the package's op: this function's eager path, no graph break
+        return _all_to_all_uneven_op.op(
+            send.contiguous(), in_splits=in_splits, out_splits=out_splits, group_name=group_name(pg)
+        )
     recv = send.new_empty(sum(out_splits))
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
     return recv
+
+
+def _gathered_new(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
+    """all_gather of ``payload`` into a new flat tensor of ``world_size * numel`` elements."""
+    gathered = payload.new_empty(world_size * payload.numel())
+    if _LINK is not None and _LINK.pg is pg:
+        _LINK.all_gather(gathered, payload)
+    else:
+        _all_gather_single(gathered, payload, group=pg)
+    return gathered
+
+
+# ---- the collectives as ops of a compiled graph -------------------------------------------------
+# Their kernels are the eager functions above (a compiled graph calls them at P > 1 only). Each
+# returns a new tensor: the eager all_gather's reused workspace would alias across calls.
+
+
+def _op_all_to_all(send: torch.Tensor, *, group_name: str, world_size: int) -> torch.Tensor:
+    return _compiled_all_to_all(send, group_from_name(group_name), world_size)
+
+
+_compiled_all_to_all = all_to_all  # (its own name: the harness's planted faults patch it)
+
+
+def _op_all_to_all_uneven(
+    send: torch.Tensor, *, in_splits: list[int], out_splits: list[int], group_name: str
+) -> torch.Tensor:
+    return all_to_all_uneven(send, in_splits, out_splits, group_from_name(group_name))
+
+
+def _op_all_gather(payload: torch.Tensor, *, group_name: str, world_size: int) -> torch.Tensor:
+    return _gathered_new(payload, group_from_name(group_name), world_size)
+
+
+_all_to_all_op = _ops.define_op(
+    "all_to_all", _op_all_to_all, lambda send, *, group_name, world_size: torch.empty_like(send)
+)
+_all_to_all_uneven_op = _ops.define_op(
+    "all_to_all_uneven",
+    _op_all_to_all_uneven,
+    lambda send, *, in_splits, out_splits, group_name: send.new_empty(sum(out_splits)),
+)
+_all_gather_op = _ops.define_op(
+    "all_gather",
+    _op_all_gather,
+    lambda payload, *, group_name, world_size: payload.new_empty(world_size * payload.numel()),
+)
 
 
 def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):

@@ -28,6 +28,10 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
     vint8          ``v_format="int8"``: V sent as INT8 with one global scale per (head, channel)
     docs_packed    ``document_ids``: each batch row packs several documents (boundaries
                    inside ranks and on rank boundaries, drawn from the case's seed)
+    compiled       the call runs inside ``torch.compile(fullgraph=True)`` (backend
+                   "aot_eager": the traced graph runs the eager kernels): its collectives are
+                   the package's ops in the graph. The values are checked as in eager; the
+                   collective log is not (the patched Python functions are traced, not called)
     disagree_used_sequence
                    rank r passes ``used_sequence = used - r``: every rank must raise the
                    same ValueError naming used_sequence and the per-rank values
@@ -72,6 +76,7 @@ class Case:
     window: tuple[int, int] | None = None
     chunks: int = 1  # head_chunks
     v_format: str = "fp8"  # comm="lowp": V's codes, "fp8" or "int8"
+    compiled: bool = False  # the call inside torch.compile(fullgraph=True)
     # a feature whose rules act within a batch row, channel or head, not across ranks: its
     # case runs at world sizes up to this one (the lowp suite covers every world size's grid)
     max_world: int | None = None
@@ -106,6 +111,8 @@ class Case:
             parts.append(f"hc{self.chunks}")
         if self.v_format != "fp8":
             parts.append(f"v{self.v_format}")
+        if self.compiled:
+            parts.append("compiled")
         if self.disagree:
             parts.append(f"disagree_{self.disagree}")
         return "-".join(parts)
@@ -247,6 +254,31 @@ DEFAULT_CASES = (
     # the all_to_alls pipelined over two head chunks (head_chunks=2; hkv = 2 a rank)
     Case("bf16", L=24, hq=2, kv="mha", D=32, dtype="bf16", causal=True, used="tail", B=2, chunks=2),
     Case("lowpbw8", L=24, hq=2, kv="mha", D=32, dtype="bf16", causal=False, used="early", chunks=2),
+    # torch.compile(fullgraph=True) of the call: the graph's all_to_all ops (bf16), the
+    # exchange, INT8 output and INT8 backward ops (lowpbw8)
+    Case(
+        "bf16",
+        L=12,
+        hq=1,
+        kv="gqa",
+        D=16,
+        dtype="bf16",
+        causal=True,
+        used="tail",
+        B=2,
+        compiled=True,
+    ),  # fmt: skip
+    Case(
+        "lowpbw8",
+        L=12,
+        hq=1,
+        kv="mha",
+        D=16,
+        dtype="bf16",
+        causal=False,
+        used="early",
+        compiled=True,
+    ),  # fmt: skip
     # a sliding window across rank boundaries (attn_kwargs={"window_size": ...})
     Case(
         "bf16",

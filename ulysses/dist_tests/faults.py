@@ -45,6 +45,8 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
                     masked_attention (hook)
     no_verify       ulysses.attention._verify_batch the ranks' batch signature is not checked:
                                                     a rank's own used_sequence goes unnoticed
+    compiled_a2a    ulysses.comm.                   the all_to_all op of a compiled graph: chunk
+                    _compiled_all_to_all (hook)     p of its result holds rank p - 1's data
     head_chunk_order ulysses.overlap._place_heads   head_chunks: chunk c of the heads lands
                     (hook)                          where chunk n-1-c belongs
     channel_block   ulysses.kernels.lowp_pack.      comm="lowp" at a head dim that is not a power
@@ -175,6 +177,14 @@ def _head_chunks_reversed(original):
     return place_heads
 
 
+def _chunks_rotated(original):
+    def all_to_all(send, pg, world_size=None):
+        recv = original(send, pg, world_size)
+        return recv.reshape(world_size, -1).roll(1, dims=0).reshape(recv.shape)
+
+    return all_to_all
+
+
 def _one_document_per_row(original):
     def plan_documents(document_ids, **kwargs):
         plan = original(document_ids, **kwargs)
@@ -260,6 +270,7 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "window_shift": (("ulysses.attention.masked_attention", Hook(_window_one_wider)),),
     "no_verify": (("ulysses.attention._verify_batch", _no_verify),),
     "head_chunk_order": (("ulysses.overlap._place_heads", Hook(_head_chunks_reversed)),),
+    "compiled_a2a": (("ulysses.comm._compiled_all_to_all", Hook(_chunks_rotated)),),
     "channel_block": (("ulysses.kernels.lowp_pack.channel_block", _channel_block_rounded_down),),
     "v_int8_scale": (("ulysses.lowp._V_MAX", {"fp8": 448.0, "int8": 128.0}),),
     "grad_scales": (
@@ -344,6 +355,12 @@ SHOWCASE: tuple[Showcase, ...] = (
         "head_chunk_order",
         "attention",
         "bf16-L24-hq2-mha-D32-bf16-causal-used_tail-B2-hc2",
+        "out bitwise",
+    ),
+    Showcase(
+        "compiled_a2a",
+        "attention",
+        "bf16-L12-hq1-gqa-D16-bf16-causal-used_tail-B2-compiled",
         "out bitwise",
     ),
     Showcase(
