@@ -183,3 +183,40 @@ def test_the_ops_check_out(rotated):
         (torch.randn(2 * P),),
         {"in_splits": splits, "out_splits": splits, "group_name": name},
     )
+
+
+class _Counting(_Rotate):
+    def __init__(self, pg, P: int):
+        super().__init__(pg, P)
+        self.calls = 0
+
+    def all_to_all(self, recv, send):
+        self.calls += 1
+        super().all_to_all(recv, send)
+
+    def all_gather(self, out, inp):
+        self.calls += 1
+        super().all_gather(out, inp)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_collective_whose_result_goes_unused_still_runs(rotated, backend):
+    """Every rank must make every collective, so a compiled graph keeps one whose result it
+    never reads (dead-code elimination would leave the other ranks waiting)."""
+    P = rotated
+    pg = dist.group.WORLD
+    link = _Counting(pg, P)
+    comm.set_link(link)
+    x = torch.arange(4.0 * P)
+
+    def f(x):
+        comm.all_to_all(x, pg, P)
+        comm.all_gather(x, pg, P)
+        comm.all_to_all_uneven(x, [4] * P, [4] * P, pg)  # the fake group's: not counted
+        return x * 2
+
+    fn = torch.compile(f, fullgraph=True, backend=backend)
+    fn(x)
+    link.calls = 0
+    assert torch.equal(fn(x), x * 2)
+    assert link.calls == 2

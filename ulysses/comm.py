@@ -269,6 +269,9 @@ _all_gather_op = _ops.define_op(
     _op_all_gather,
     lambda payload, *, group_name, world_size: payload.new_empty(world_size * payload.numel()),
 )
+# Every rank must make every collective: a graph never drops one whose result goes unused.
+for _op in (_all_to_all_op, _all_to_all_uneven_op, _all_gather_op):
+    torch.fx.node.has_side_effect(_op.op)
 
 
 def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
