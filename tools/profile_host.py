@@ -13,9 +13,10 @@ commit), so that two runs of this one script give before/after figures. Prints, 
   (no call waits for the device), eager and with ``--compiled`` ``torch.compile(fullgraph=True)``,
   forward and forward + backward, every mode and path in each of ``--rounds`` rounds, medians
   and ranges, and each mode minus bf16 (what docs/CONTRACT.md §11 bounds). ``--no-collectives``
-  makes the library's eager collectives return at once (:class:`NoLink`) after the warm-up,
-  so the figures hold the library's own host cost and not the fake group's (on CUDA its
-  all_gather makes one device copy per rank);
+  makes the library's collectives (eager, and the compiled graphs' collective ops, which run
+  the eager ones) return at once (:class:`NoLink`) after the warm-up, so the figures hold
+  the library's own host cost and not the fake group's (on CUDA its all_gather makes one
+  device copy per rank);
 * the exchange alone: ``exchange_qkv``, ``exchange_to_heads``, and ``exchange_to_heads``
   with every kernel launch stubbed out;
 * the fake group's collectives at the exchange's sizes, called as the plans call them
@@ -30,8 +31,8 @@ behind the sleep kernel, every mode and path but eager bf16.
 the Python path alone. Every kernel launch returns at once (after reading its tensors'
 addresses, as the CUDA fast path does), the attention is an autograd node that allocates its
 output and copies one row of k and v into it (so that a compiled graph keeps what made
-them), and the library's eager collectives fill nothing (a link of ``ulysses.comm.set_link``
-that returns at once; a compiled graph's own all_to_alls still call the fake group). Per
+them), and the library's collectives fill nothing (a link of ``ulysses.comm.set_link`` that
+returns at once; a compiled graph's collective ops run the same eager collectives). Per
 call it prints the host (CPU) time, the number of aten ops the call dispatches (``--ops``:
 which ones; eager calls only) and of the package's Triton launches, forward and forward +
 backward, for each mode, eager and with ``--compiled`` compiled. On the CPU the bf16 mode's
@@ -208,7 +209,7 @@ def stubbed_layer(a) -> None:
     for name, kw in modes.items():
         calls[f"{name} fwd"] = fwd(kw)
         calls[f"{name} fwd+bwd"] = train(kw)
-        if a.compiled:  # the compiled graphs' own all_to_alls still call the fake group
+        if a.compiled:
             calls[f"{name} compiled fwd"] = fwd(kw, True)
             calls[f"{name} compiled fwd+bwd"] = train(kw, True)
     calls["exchange_qkv"] = lambda: lowp.exchange_qkv(qd, kd, vd)
@@ -361,8 +362,8 @@ def main() -> None:
         from ulysses import comm
 
         comm.set_link(NoLink(pg))
-        print("the library's eager collectives stubbed (a link that returns at once); the "
-              "compiled graphs' own all_to_alls still call the fake group")  # fmt: skip
+        print("the library's collectives stubbed, eager and compiled (a link that returns "
+              "at once)")  # fmt: skip
     n = a.calls
     for rnd in range(3):  # wall time of n calls back to back (the device work included)
         figures = {}
