@@ -23,18 +23,14 @@ eager and ``torch.compile(fullgraph=True, dynamic=False)``:
 The first compiled call's results are checked against eager's, bit for bit (printed loudly;
 ``--check`` makes a mismatch the exit status).
 
-Real values on the wire. A fake all_to_all may leave its receive buffer unwritten (torch 2.11
-does), so for the run ``comm.all_to_all``, ``comm.all_gather`` and their ``*_launcher`` forms
-(and every name in ``ulysses`` bound to one of them, such as ``ulysses._heads._all_to_all``)
-are wrapped (:class:`WireStandIn`): an eager call issues the fake collective, then, unless the
-fake already did, copies what this rank sends into the receive buffer (an all_gather receives
-P copies of this rank's payload), so the consumers read real codes and scales in the layout
-the library made. A traced call (under torch.compile) becomes ``send.clone()``, which Inductor
-removes as a no-op (the receive aliases the send buffer; an all_gather's tiled copy of a few
-KB stays). The stand-in calls of each timed call are recorded once after warm-up and replayed
-alone on buffers of the same sizes (:class:`Replay`: the fake collectives' own cost and the
-copies), timed the same way (back to back, or host), and subtracted. The bare fake calls'
-host cost is printed beside them.
+Real values on the wire. The run routes every collective of the library on the fake group
+through a link (``comm.set_link``, :class:`MirrorLink`): an all_to_all receives what this rank
+sends, an all_gather P copies of this rank's payload, as copies on the current stream, so the
+consumers read real codes and scales in the layout the library made. Eager calls and the
+collective ops of compiled graphs (whose kernels are the eager collectives) take the same
+route; no timed call reaches the fake group itself. The link's copies of each timed call are
+recorded once after warm-up and replayed alone on buffers of the same sizes
+(:class:`Replay`), timed the same way (back to back, or host), and subtracted.
 
 Model at link bandwidth ``beta`` (GB/s, one direction): step time = measured time +
 ``bytes * (P-1)/P / beta`` (no overlap). Forward bytes: q|k|v in (bf16: 2 bytes an element;
@@ -81,123 +77,33 @@ KIND_NAMES = {"fwd": "fwd", "train": "fwd+bwd"}
 # (rounds, target ms a sample, most calls a sample); quick
 TIMING = {False: (5, 60.0, 200), True: (3, 15.0, 30)}
 HOST_CALLS = {"fwd": 20, "train": 10}  # the launches of these calls fit in the launch queue
-COLLECTIVES = ("all_to_all", "all_gather", "all_to_all_launcher", "all_gather_launcher")
 
 
 # ---- real values on the wire -----------------------------------------------------------------
 
 
-class WireStandIn:
-    """The library's collectives, wrapped so that the fake process group's receive buffers hold
-    what this rank sends (module docstring). While ``recording``, each eager call appends
-    ``(kind, numel, dtype)`` of what it sends to ``calls``, for :class:`Replay`."""
+class MirrorLink:
+    """The wire of the run (``comm.set_link``; module docstring): each all_to_all receives
+    what this rank sends, each all_gather P copies of the payload. While ``recording``, each
+    call appends ``(kind, numel, dtype)`` of what it sends to ``calls``, for :class:`Replay`."""
 
-    def __init__(self):
-        self.orig = {name: getattr(comm, name) for name in COLLECTIVES}
-        # kinds whose fake collective already writes the receive buffer (newer torch copies
-        # the send into it): no second copy then
-        self.fake_writes = dict.fromkeys(COLLECTIVES, False)
+    def __init__(self, pg, P: int):
+        self.pg, self.P = pg, P
         self.recording = False
         self.calls: list[tuple[str, int, torch.dtype]] = []
-        self.wrapped = self._wrappers()
-        self._patched: list[tuple[object, str, object]] = []
 
-    def _note(self, kind: str, sent: torch.Tensor) -> None:
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+        recv.view(-1).copy_(send.reshape(-1))
         if self.recording:
-            self.calls.append((kind, sent.numel(), sent.dtype))
+            self.calls.append(("all_to_all", send.numel(), send.dtype))
 
-    def _wrappers(self) -> dict:
-        orig, note, writes = self.orig, self._note, self.fake_writes
-
-        def all_to_all(send, pg, world_size=None):
-            P = world_size if world_size is not None else (1 if pg is None else pg.size())
-            if P == 1:
-                return orig["all_to_all"](send, pg, world_size)
-            if torch.compiler.is_compiling():
-                return send.clone()
-            recv = orig["all_to_all"](send, pg, world_size)
-            if not writes["all_to_all"]:
-                recv.copy_(send)
-            note("all_to_all", send)
-            return recv
-
-        def all_gather(payload, pg, world_size):
-            if world_size == 1:
-                return orig["all_gather"](payload, pg, world_size)
-            if torch.compiler.is_compiling():
-                return payload.reshape(1, -1).expand(world_size, -1).clone()
-            gathered = orig["all_gather"](payload, pg, world_size)
-            if not writes["all_gather"]:
-                gathered.copy_(payload.reshape(1, -1))
-            note("all_gather", payload)
-            return gathered
-
-        def all_to_all_launcher(send, recv=None):
-            a2a = orig["all_to_all_launcher"](send, recv)
-
-            def stand_in(pg):
-                recv = a2a(pg)
-                if not writes["all_to_all_launcher"]:
-                    recv.copy_(send)
-                note("all_to_all_launcher", send)
-                return recv
-
-            return stand_in
-
-        def all_gather_launcher(out, inp):
-            gather = orig["all_gather_launcher"](out, inp)
-            rows, src = out.view(-1, inp.numel()), inp.reshape(1, -1)
-
-            def stand_in(pg):
-                gather(pg)
-                if not writes["all_gather_launcher"]:
-                    rows.copy_(src)
-                note("all_gather_launcher", inp)
-
-            return stand_in
-
-        return dict(all_to_all=all_to_all, all_gather=all_gather,
-                    all_to_all_launcher=all_to_all_launcher,
-                    all_gather_launcher=all_gather_launcher)  # fmt: skip
-
-    def probe(self, P: int) -> None:
-        """Which fake collectives write their receive buffer themselves (on a world of P)."""
-        pg, orig = dist.group.WORLD, self.orig
-        g = torch.Generator(device=DEV).manual_seed(5)
-        send = torch.rand(P * 64, generator=g, device=DEV) + 1  # no zero, no NaN
-        payload = torch.rand(64, generator=g, device=DEV) + 1
-        out = torch.full((P * 64,), float("nan"), device=DEV)
-        self.fake_writes["all_to_all"] = torch.equal(orig["all_to_all"](send, pg, P), send)
-        recv = orig["all_to_all_launcher"](send)(pg)
-        self.fake_writes["all_to_all_launcher"] = torch.equal(recv, send)
-        gathered = orig["all_gather"](payload, pg, P)
-        self.fake_writes["all_gather"] = bool((gathered == payload).all())
-        orig["all_gather_launcher"](out, payload)(pg)
-        self.fake_writes["all_gather_launcher"] = bool((out.view(P, -1) == payload).all())
-
-    def install(self) -> None:
-        """Replace every attribute of a loaded ``ulysses`` module that is one of the four
-        collectives (``comm``'s own names, ``_heads._all_to_all``, ...); forget the plans
-        (they hold launchers made before)."""
-        by_id = {id(fn): name for name, fn in self.orig.items()}
-        for mod_name, mod in list(sys.modules.items()):
-            if mod is None or not (mod_name == "ulysses" or mod_name.startswith("ulysses.")):
-                continue
-            for attr, value in list(vars(mod).items()):
-                name = by_id.get(id(value))
-                if name is not None and value is self.orig[name]:
-                    self._patched.append((mod, attr, value))
-                    setattr(mod, attr, self.wrapped[name])
-        grid.clear_caches()
-
-    def restore(self) -> None:
-        for mod, attr, value in reversed(self._patched):
-            setattr(mod, attr, value)
-        self._patched.clear()
-        grid.clear_caches()
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        out.view(self.P, -1).copy_(inp.reshape(1, -1).expand(self.P, -1))
+        if self.recording:
+            self.calls.append(("all_gather", inp.numel(), inp.dtype))
 
     def record(self, fn) -> tuple[list, float]:
-        """(the stand-in calls, wall µs) of one call of ``fn``."""
+        """(the link's calls, wall µs) of one call of ``fn``."""
         self.calls, self.recording = [], True
         try:
             us = per_call_us(fn, 1)
@@ -206,7 +112,7 @@ class WireStandIn:
         return list(self.calls), us
 
 
-STAND_IN: WireStandIn | None = None
+LINK: MirrorLink | None = None
 
 
 # ---- timing -----------------------------------------------------------------------------------
@@ -255,47 +161,14 @@ def host_us(fn, n: int) -> float:
     return best
 
 
-def loop_us(fn, n: int = 50) -> float:
-    """Host time per call of a call that launches no device work: best of 5 loops of ``n``."""
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n * 1e6)
-    return best
-
-
-def fake_collective_us(P: int) -> dict[str, float]:
-    """Host µs of one bare fake call of each collective kind, as the library issues it,
-    without the receive allocation (that stays the layer's cost)."""
-    orig, pg = STAND_IN.orig, dist.group.WORLD
-    buf = torch.zeros(P * 1024, dtype=torch.uint8, device=DEV)
-    payload = torch.zeros(256, device=DEV)
-    out = torch.zeros(P * 256, device=DEV)
-    a2a = orig["all_to_all_launcher"](buf)
-    gather = orig["all_gather_launcher"](out, payload)
-    alloc = loop_us(lambda: torch.empty_like(buf))
-    sync()
-    res = {
-        "all_to_all": loop_us(lambda: orig["all_to_all"](buf, pg, P)) - alloc,
-        "all_to_all_launcher": loop_us(lambda: a2a(pg)) - alloc,
-        "all_gather": loop_us(lambda: orig["all_gather"](payload, pg, P)),
-        "all_gather_launcher": loop_us(lambda: gather(pg)),
-    }
-    sync()
-    return {k: max(0.0, v) for k, v in res.items()}
-
-
 class Replay:
-    """The stand-in collectives one call issued (``WireStandIn.calls``), issued again alone,
-    in the same order, on scratch buffers of the same sizes and dtypes: the fake collectives'
-    own cost and the stand-in copies, as they run in the call."""
+    """The link's copies one call made (``MirrorLink.calls``), made again alone, in the same
+    order, on scratch buffers of the same sizes and dtypes."""
 
     _pool: dict = {}
 
     def __init__(self, calls: list, P: int):
-        pg, new = dist.group.WORLD, STAND_IN.wrapped
+        link = MirrorLink(None, P)  # never recording
         need = max((n * dtype.itemsize for _, n, dtype in calls), default=0)
         pool = Replay._pool.get("bytes")
         if need and (pool is None or pool.numel() < need):
@@ -306,13 +179,8 @@ class Replay:
         self.steps = []
         for kind, n, dtype in calls:
             sent = pool[: n * dtype.itemsize].view(dtype)
-            if kind in ("all_to_all", "all_gather"):
-                self.steps.append((new[kind], (sent, pg, P)))
-            elif kind == "all_to_all_launcher":
-                self.steps.append((new[kind](sent), (pg,)))
-            else:
-                out = torch.empty(P * n, dtype=dtype, device=DEV)
-                self.steps.append((new[kind](out, sent), (pg,)))
+            recv = torch.empty((P if kind == "all_gather" else 1) * n, dtype=dtype, device=DEV)
+            self.steps.append((getattr(link, kind), (recv, sent)))
 
     def __call__(self) -> None:
         for fn, args in self.steps:
@@ -418,7 +286,6 @@ class Run:
         self.paths = ("eager",) if args.no_compile else PATHS
         self.results: dict = {}  # (P, label, mode, path, kind) -> dict
         self.host: dict = {}  # (P, mode, path, kind) -> dict
-        self.fake: dict = {}  # P -> {collective: bare host µs}
         self.checks: list = []  # (P, label, mode, what, mismatch message or None, note)
         self.failures: list = []
         self.shapes: dict = {}  # (P, label) -> Shape
@@ -432,7 +299,7 @@ class Run:
         """Per (mode, path): the calls, warmed up (compiled), their results checked finite
         and, with ``check``, the compiled call's first results against eager's bits; then one
         recorded call of each kind. Returns {(mode, path): {"calls": {kind: fn},
-        "record": {kind: (stand-in calls, µs)}}}."""
+        "record": {kind: (the link's calls, µs)}}}."""
         q, k, v, dout = shape.inputs(seed)
         prepared = {}
         for mode in self.modes:
@@ -452,7 +319,7 @@ class Run:
                     if DEV.type == "cuda" and not self.args.quick:  # steady state first
                         for kind in KINDS:
                             calls[kind]()
-                    record = {kind: STAND_IN.record(calls[kind]) for kind in KINDS}
+                    record = {kind: LINK.record(calls[kind]) for kind in KINDS}
                     prepared[(mode, path)] = dict(calls=calls, record=record)
                 except Exception as e:
                     self.fail(where, e)
@@ -501,7 +368,7 @@ class Run:
                   f"{diff}", flush=True)  # fmt: skip
 
     def measure_stand_ins(self, calls: list, P: int, n: int, host: bool) -> float:
-        """µs of the recorded stand-in calls replayed alone (per call back to back, or host)."""
+        """µs of the link's recorded copies replayed alone (per call back to back, or host)."""
         if not calls:
             return 0.0
         replay = Replay(calls, P)
@@ -627,7 +494,7 @@ def report(run: Run, meta: dict, links: list[float]) -> list[dict]:
     ]
     table(
         f"Per call, µs (B {a.batch}, H {a.heads}, D {a.head_dim}, bf16; wall time back to "
-        "back, median of rounds; the stand-in collectives, replayed alone, subtracted)",
+        "back, median of rounds; the link's copies, replayed alone, subtracted)",
         head,
         ["P", "S", "mode"] + cols,
         rows,
@@ -647,7 +514,7 @@ def report(run: Run, meta: dict, links: list[float]) -> list[dict]:
     if rows:
         table(
             f"Host time per call, µs (B {a.batch}, L {a.host_len}, H {a.heads}, D {a.head_dim};"
-            f" {where}; the stand-in collectives, replayed alone, subtracted)",
+            f" {where}; the link's copies, replayed alone, subtracted)",
             head,
             ["P", "mode"] + cols,
             rows,
@@ -695,10 +562,6 @@ def report(run: Run, meta: dict, links: list[float]) -> list[dict]:
         rows,
     )
 
-    fake = "; ".join(
-        f"P{P}: " + ", ".join(f"{k} {v:.1f}" for k, v in f.items()) for P, f in run.fake.items()
-    )
-    writes = [k for k, w in STAND_IN.fake_writes.items() if w]
     rows = []
     listed = sorted(res.items(), key=lambda x: (-x[0][0], run.shapes[x[0][:2]].S))
     listed += [((P, f"host L{a.host_len}", m, p, k), r) for (P, m, p, k), r in run.host.items()]
@@ -712,13 +575,11 @@ def report(run: Run, meta: dict, links: list[float]) -> list[dict]:
         rows.append([str(P), lab, mode, path, KIND_NAMES[kind], fmt(r["raw_us"]),
                      fmt(r["stand_us"], ".1f"), calls, fmt(sent / 1e6, ".1f"), rounds])  # fmt: skip
     table(
-        "Subtracted: the stand-in collectives of a call replayed alone (the fake collective and "
-        "the copy into its receive buffer; traced ones are clones Inductor removes). A bare "
-        f"fake call, host µs: {fake}; fakes that write the receive buffer themselves: "
-        f"{', '.join(writes) or 'none'}",
+        "Subtracted: the link's copies of a call (each collective's receive buffer filled with "
+        "what this rank sends), replayed alone",
         head,
-        ["P", "S", "mode", "path", "kind", "measured µs", "stand-ins µs", "eager collectives a "
-         "call", "MB sent", "rounds × calls"],
+        ["P", "S", "mode", "path", "kind", "measured µs", "copies µs",
+         "collectives a call", "MB sent", "rounds × calls"],
         rows,
     )  # fmt: skip
 
@@ -774,7 +635,7 @@ def parse_shapes(text: str) -> list[tuple[int, bool]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global DEV, STAND_IN, T0
+    global DEV, LINK, T0
     T0 = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default=WORLDS, help="world sizes P, comma-separated")
@@ -826,16 +687,13 @@ def main(argv: list[str] | None = None) -> int:
 
     run = Run(args)
     t0 = time.perf_counter()
-    STAND_IN = WireStandIn()
-    STAND_IN.install()
     host_world = None if args.no_host else args.host_world
     try:
         for P in worlds + ([host_world] if host_world and host_world not in worlds else []):
             init_world(P)
             torch._dynamo.reset()
-            if not run.fake:
-                STAND_IN.probe(P)
-            run.fake[P] = fake_collective_us(P)
+            LINK = MirrorLink(dist.group.WORLD, P)
+            comm.set_link(LINK)
             if P == host_world:
                 if args.heads % P:
                     print(f"# skipped the host figures: H {args.heads} is not a multiple of P {P}")
@@ -854,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
             torch._dynamo.reset()
     finally:
-        STAND_IN.restore()
+        comm.set_link(None)
+        LINK = None
         Replay.release()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """scripts/bench_layer.py end to end on CPU, in-process (Triton's interpreter, torch's fake
-process group): it runs, prints every table with numbers, checks compiled against eager bits,
-leaves the library's collectives as it found them, and fails on a planted mismatch.
+process group): it runs, prints every table with numbers, routes every collective (eager and
+compiled) through its link, checks compiled against eager bits, leaves the library's route to
+the backend as it found it, and fails on a planted mismatch or a receive buffer left unwritten.
 
 Shape legend: S global rows, P world size, H heads, D head dim (tiny: S 64, P 2, H 2, D 16).
 """
@@ -51,7 +52,6 @@ def _numbers(cells: list[str]) -> list[float]:
 
 
 def test_runs_prints_tables_and_restores_collectives(bench, capsys, tmp_path):
-    originals = {name: getattr(comm, name) for name in bench.COLLECTIVES}
     csv_path = tmp_path / "layer.csv"
     rc = bench.main([*TINY, "--modes", "lowp-int8out", "--backend", "aot_eager", "--check",
                      "--no-host", "--csv", str(csv_path)])  # fmt: skip
@@ -81,55 +81,51 @@ def test_runs_prints_tables_and_restores_collectives(bench, capsys, tmp_path):
     lowp_in = ulysses.lowp.payload_bytes(1, L, H, D, 2) / 1e6
     assert wire["lowp-int8out"][:2] == pytest.approx([lowp_in, L * H * (D + 4) / 1e6], abs=0.006)
 
-    # every eager call issued its collectives through the stand-ins; compiled calls traced them
+    # every call, eager and compiled, made its collectives through the link: bf16 one
+    # all_to_all each way, forward and backward; lowp the statistics' all_gather, the
+    # exchange's all_to_all and the INT8 output's
     sub = _table_rows(out, "Subtracted:")
-    eager = {(r[1], r[2], r[4]): r[7] for r in sub if r[3] == "eager"}
-    assert eager[("64c", "bf16", "fwd")] == "all_to_all 2"
-    assert eager[("64c", "bf16", "fwd+bwd")] == "all_to_all 4"
-    assert "all_to_all_launcher 1" in eager[("64c", "lowp-int8out", "fwd")]
-    compiled = [r for r in sub if r[3] == "compiled"]
-    # compiled bf16 traces its collectives; compiled lowp runs the eager exchange inside one
-    # op (lowp.exchange_to_heads), whose collectives go through the stand-ins too
-    assert all(r[7] == "none" for r in compiled if r[2] == "bf16")
-    assert all("all_to_all_launcher 1" in r[7] for r in compiled if r[2] != "bf16")
+    made = {(r[1], r[2], r[3], r[4]): r[7] for r in sub}
+    for path in ("eager", "compiled"):
+        assert made[("64c", "bf16", path, "fwd")] == "all_to_all 2", made
+        assert made[("64c", "bf16", path, "fwd+bwd")] == "all_to_all 4", made
+        assert made[("64c", "lowp-int8out", path, "fwd")] == "all_gather 1, all_to_all 2", made
+        assert made[("64c", "lowp-int8out", path, "fwd+bwd")] == "all_gather 1, all_to_all 4"
 
     m = re.search(r"bit for bit \(first compiled call\): (\d+) of (\d+) equal, 0 mismatched", out)
     assert m and m.group(1) == m.group(2) == "10", out[-2000:]
     rows = csv_path.read_text().splitlines()
     assert len(rows) == 1 + 8 + 10  # header, layer rows (2 modes x 2 paths x 2 kinds), checks
 
-    for name, fn in originals.items():  # the stand-ins are gone
-        assert getattr(comm, name) is fn, name
+    assert comm.set_link(None) is None  # the link is gone: the backend's route again
     assert ulysses._heads._all_to_all is comm.all_to_all
     assert not dist.is_initialized()
 
 
-def test_host_table_and_own_copies(bench, capsys, monkeypatch):
+def test_host_table(bench, capsys):
     """The host figures at the host shape (bf16 only: the interpreter makes lowp slow), with
-    the stand-ins' own copies on (as for a fake collective that leaves its receive buffer
-    unwritten, torch 2.11's): the results stay finite (new buffers are poisoned with NaN here)
-    and equal to the compiled call's."""
-
-    def unwritten(send, pg, world_size=None):  # a fake all_to_all that writes nothing
-        return torch.empty_like(send)  # NaN: conftest poisons new buffers
-
-    monkeypatch.setattr(comm, "all_to_all", unwritten)
-    monkeypatch.setattr(ulysses._heads, "_all_to_all", unwritten)  # where the layer looks it up
-    monkeypatch.setattr(bench.WireStandIn, "probe", lambda self, P: None)
+    the link's copies of each call subtracted; compiled equals eager."""
     rc = bench.main([*TINY, "--modes", "bf16", "--backend", "aot_eager", "--shapes", "32",
                      "--check"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
     assert "!!!" not in out and "0 mismatched" in out, out[-3000:]
-    assert "write the receive buffer themselves: none" in out
     host = _table_rows(out, "Host time per call, µs")
     assert [r[:2] for r in host] == [["2", "bf16"]]
     assert len(host[0]) == 8 and all(x > 0 for x in _numbers(host[0][2:])), host
     sub = _table_rows(out, "Subtracted:")
-    assert [r[7] for r in sub if r[1] == "host L32" and r[3] == "eager"] == [
-        "all_to_all 2",
-        "all_to_all 4",
-    ]
+    assert [r[7] for r in sub if r[1] == "host L32"] == ["all_to_all 2", "all_to_all 4"] * 2
+
+
+def test_a_receive_buffer_left_unwritten_fails_the_run(bench, capsys, monkeypatch):
+    """A link whose all_to_all writes nothing leaves the receive buffers as allocated (NaN:
+    conftest poisons new buffers): the run reports the non-finite results and exits 1."""
+    monkeypatch.setattr(bench.MirrorLink, "all_to_all", lambda self, recv, send: None)
+    rc = bench.main([*TINY, "--modes", "bf16", "--no-compile", "--no-host", "--shapes", "32"])
+    out = capsys.readouterr().out
+    assert rc == 1, out[-3000:]
+    assert "non-finite" in out and "receive buffer left unwritten" in out, out[-3000:]
+    assert comm.set_link(None) is None and not dist.is_initialized()
 
 
 def test_check_fails_on_a_planted_mismatch(bench, capsys, monkeypatch):
