@@ -107,6 +107,22 @@ def test_a_compiled_layer_takes_the_eager_route_with_the_eager_bits(rotated, mod
         assert bitwise_diff(a, b) is None, (name, bitwise_diff(a, b))
 
 
+@pytest.mark.parametrize("mode", ["bf16", "lowp-bwdlowp"])
+def test_inductor_gives_the_eager_bits(rotated, mode):
+    """The same with Inductor, torch.compile's default backend (P = 2 and 8): its fused
+    head packing and the package's ops give the eager call's bits."""
+    P, kw = rotated, MODES[mode]
+    q, k, v, dout = _inputs(P, seed=5)
+
+    def layer(q, k, v):
+        return ulysses.ulysses_attention(q, k, v, causal=False, **kw)
+
+    want = _run(layer, q, k, v, dout)
+    got = _run(torch.compile(layer, fullgraph=True), q, k, v, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert bitwise_diff(a, b) is None, (name, bitwise_diff(a, b))
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_graphs_hold_the_package_collectives_and_no_functional_ones(rotated, mode):
     """The forward and backward graphs of a compiled layer call: no ``_c10d_functional`` node,
