@@ -205,38 +205,70 @@ def test_the_ops_check_out(rotated):
     )
 
 
-class _Counting(_Rotate):
+class _Logging(_Rotate):
+    """The rotating wire that also logs each collective's kind, size and dtype."""
+
     def __init__(self, pg, P: int):
         super().__init__(pg, P)
-        self.calls = 0
+        self.log: list = []
 
     def all_to_all(self, recv, send):
-        self.calls += 1
+        self.log.append(("all_to_all", send.numel(), send.dtype))
         super().all_to_all(recv, send)
 
     def all_gather(self, out, inp):
-        self.calls += 1
+        self.log.append(("all_gather", inp.numel(), inp.dtype))
         super().all_gather(out, inp)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_a_collective_whose_result_goes_unused_still_runs(rotated, backend):
-    """Every rank must make every collective, so a compiled graph keeps one whose result it
-    never reads (dead-code elimination would leave the other ranks waiting)."""
-    P = rotated
-    pg = dist.group.WORLD
-    link = _Counting(pg, P)
+def _boxed(gm, example_inputs):
+    return make_boxed_func(gm.forward)
+
+
+def _logged_step(link, fn, q, k, v, dout) -> tuple[list, list, tuple]:
+    """(forward collectives, backward collectives, results) of one call of ``fn``."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    link.log.clear()
+    out = fn(*leaves)
+    forward = list(link.log)
+    grads = torch.autograd.grad(out, leaves, dout)
+    return forward, link.log[len(forward) :], (out.detach(), *grads)
+
+
+@pytest.mark.parametrize("rotated", [2], indirect=True, ids=["P2"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor", "default_partitioner"])
+@pytest.mark.parametrize("mode", ["bf16", "lowp-bwdlowp"])
+def test_a_compiled_call_makes_the_eager_collectives(rotated, mode, backend, checkpointed,
+                                                     monkeypatch):  # fmt: skip
+    """A compiled call makes the collectives an eager call makes, in the same order, forward
+    and backward (the graph drops none and repeats none), with the eager bits; also with the
+    layer under activation checkpointing (``torch.utils.checkpoint``, non-reentrant), and with
+    AOTAutograd's default partitioner, which refuses checkpointing around an op marked
+    side-effecting."""
+    monkeypatch.undo()  # torch.empty unpoisoned, as in test_inductor_gives_the_eager_bits
+    P, kw = rotated, MODES[mode]
+    link = _Logging(dist.group.WORLD, P)
     comm.set_link(link)
-    x = torch.arange(4.0 * P)
+    q, k, v, dout = _inputs(P, seed=9)
 
-    def f(x):
-        comm.all_to_all(x, pg, P)
-        comm.all_gather(x, pg, P)
-        comm.all_to_all_uneven(x, [4] * P, [4] * P, pg)  # the fake group's: not counted
-        return x * 2
+    def attend(q, k, v):
+        return ulysses.ulysses_attention(q, k, v, causal=True, **kw)
 
-    fn = torch.compile(f, fullgraph=True, backend=backend)
-    fn(x)
-    link.calls = 0
-    assert torch.equal(fn(x), x * 2)
-    assert link.calls == 2
+    def layer(q, k, v):
+        if checkpointed:
+            return torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
+        return attend(q, k, v)
+
+    if backend == "default_partitioner":
+        backend = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed)
+    _logged_step(link, layer, q, k, v, dout)  # the first call of a signature checks the ranks
+    want = _logged_step(link, layer, q, k, v, dout)
+    fn = torch.compile(layer, fullgraph=True, backend=backend)
+    _logged_step(link, fn, q, k, v, dout)
+    got = _logged_step(link, fn, q, k, v, dout)
+    assert got[0] == want[0], ("forward", got[0], want[0])
+    assert got[1] == want[1], ("backward", got[1], want[1])
+    assert len(want[0]) >= 2 and len(want[1]) >= 2
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got[2], want[2], strict=True):
+        assert bitwise_diff(a, b) is None, (name, bitwise_diff(a, b))

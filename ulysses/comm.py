@@ -236,10 +236,15 @@ def _gathered_new(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
 
 # ---- the collectives as ops of a compiled graph -------------------------------------------------
 # Their kernels are the eager functions above (a compiled graph calls them at P > 1 only). Each
-# returns a new tensor: the eager all_gather's reused workspace would alias across calls.
+# returns a new tensor: the eager all_gather's reused workspace would alias across calls. They
+# are pure ops to the compiler: a graph that never reads the result of one drops it, the same
+# way on every rank (every rank traces the same program); marked side-effecting, they would
+# make AOTAutograd's default partitioner refuse activation checkpointing around the layer.
 
 
 def _op_all_to_all(send: torch.Tensor, *, group_name: str, world_size: int) -> torch.Tensor:
+    if world_size == 1:  # an op's result never aliases its input
+        return send.clone()
     return _compiled_all_to_all(send, group_from_name(group_name), world_size)
 
 
@@ -269,9 +274,6 @@ _all_gather_op = _ops.define_op(
     _op_all_gather,
     lambda payload, *, group_name, world_size: payload.new_empty(world_size * payload.numel()),
 )
-# Every rank must make every collective: a graph never drops one whose result goes unused.
-for _op in (_all_to_all_op, _all_to_all_uneven_op, _all_gather_op):
-    torch.fx.node.has_side_effect(_op.op)
 
 
 def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
