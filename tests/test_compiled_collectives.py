@@ -242,10 +242,13 @@ def _logged_step(link, fn, q, k, v, dout) -> tuple[list, list, tuple]:
 def test_a_compiled_call_makes_the_eager_collectives(rotated, mode, backend, checkpointed,
                                                      monkeypatch):  # fmt: skip
     """A compiled call makes the collectives an eager call makes, in the same order, forward
-    and backward (the graph drops none and repeats none), with the eager bits; also with the
-    layer under activation checkpointing (``torch.utils.checkpoint``, non-reentrant), and with
+    and backward (the graph drops none and repeats none), with the eager bits; also with
     AOTAutograd's default partitioner, which refuses checkpointing around an op marked
-    side-effecting."""
+    side-effecting. Under activation checkpointing (``torch.utils.checkpoint``,
+    non-reentrant) an eager backward makes the forward's input exchange again to recompute
+    what it did not keep; a compiled graph may keep that result instead (torch 2.11 does, 2.13
+    recomputes), so there its backward makes eager's collectives in eager's order, or those of
+    a call without checkpointing."""
     monkeypatch.undo()  # torch.empty unpoisoned, as in test_inductor_gives_the_eager_bits
     P, kw = rotated, MODES[mode]
     link = _Logging(dist.group.WORLD, P)
@@ -268,7 +271,11 @@ def test_a_compiled_call_makes_the_eager_collectives(rotated, mode, backend, che
     _logged_step(link, fn, q, k, v, dout)
     got = _logged_step(link, fn, q, k, v, dout)
     assert got[0] == want[0], ("forward", got[0], want[0])
-    assert got[1] == want[1], ("backward", got[1], want[1])
+    if checkpointed:  # eager's sequence, or the sequence of a call without checkpointing
+        plain = _logged_step(link, attend, q, k, v, dout)[1]
+        assert got[1] in (want[1], plain), ("backward", got[1], want[1], plain)
+    else:
+        assert got[1] == want[1], ("backward", got[1], want[1])
     assert len(want[0]) >= 2 and len(want[1]) >= 2
     for name, a, b in zip(("out", "dq", "dk", "dv"), got[2], want[2], strict=True):
         assert bitwise_diff(a, b) is None, (name, bitwise_diff(a, b))
