@@ -32,7 +32,10 @@ On every rank:
        to the gather-then-quantize backward (CPU, every GQA kind);
      * padding: output and gradient rows ``>= used`` exactly zero;
      * the collectives: every rank took the same steps, as many as the design says (forward:
-       the input exchange and the output all_to_all; backward: two all_to_alls; none at P = 1).
+       the input exchange and the output all_to_all; backward: two all_to_alls; none at P = 1);
+       a compiled case (``-compiled``) routes the group's collectives through a logging link
+       (``comm.set_link``, :class:`_LoggedWire`) and checks that the compiled call made the
+       collectives of an eager call, in its order, with their sizes, on every rank alike.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ import dataclasses
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import ulysses
 import ulysses._heads
-from ulysses import reference
+from ulysses import comm, reference
 from ulysses.reference import bitwise_diff
 
 from . import cases_attn
@@ -275,6 +279,25 @@ def logged_collectives(log: list):
         yield
 
 
+class _LoggedWire:
+    """A link (``comm.set_link``) that logs each collective the library makes on ``pg`` (eager
+    calls, a plan's launchers and a compiled graph's collective ops alike), then makes it
+    with torch.distributed: what travels is unchanged. The all_to_alls of heads that do not
+    split evenly take no link and are not logged."""
+
+    def __init__(self, pg, log: list, tag: str):
+        self.pg, self.log, self.tag = pg, log, tag
+
+    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+        self.log.append(f"{self.tag}all_to_all {send.numel()} {send.dtype}")
+        dist.all_to_all_single(recv.view(-1), send.reshape(-1), group=self.pg)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.log.append(f"{self.tag}all_gather {inp.numel()} {inp.dtype}")
+        dist.all_gather(list(out.view(-1).chunk(dist.get_world_size(self.pg))),
+                        inp.reshape(-1), group=self.pg)  # fmt: skip
+
+
 def _used_argument(used):
     """Per-row counts go in as a tensor [B] (the other accepted forms: unit tests)."""
     return torch.tensor(used) if isinstance(used, tuple) else used
@@ -293,11 +316,21 @@ def call_library(ctx: Context, case, inputs: Inputs, log: list):
             head_chunks=case.chunks, v_format=case.v_format,
         )  # fmt: skip
 
-    if case.compiled:  # the graph's own collectives: traced, so not logged
-        torch._dynamo.reset()
-        out = torch.compile(layer, fullgraph=True, backend="aot_eager")(q, k, v)
-        out.backward(inputs.grad_out)
-        torch._dynamo.reset()
+    if case.compiled:  # the collectives of an eager call, then the compiled call's
+        pg, previous = dist.group.WORLD, comm.set_link(None)
+        try:
+            for tag in ("warm-up: ", "eager: "):  # the first call also checks the ranks agree
+                comm.set_link(_LoggedWire(pg, log, tag))
+                leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+                layer(*leaves).backward(inputs.grad_out)
+            comm.set_link(_LoggedWire(pg, log, "compiled: "))
+            torch._dynamo.reset()
+            out = torch.compile(layer, fullgraph=True, backend="aot_eager")(q, k, v)
+            out.backward(inputs.grad_out)
+        finally:
+            comm.set_link(previous)
+            torch._dynamo.reset()
+        log[:] = [x for x in log if not x.startswith("warm-up: ")]
     else:
         with logged_collectives(log):
             out = layer(q, k, v)
@@ -451,6 +484,17 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
     else:
         expected_steps = 4 if ctx.world_size > 1 else int(case.lowp)
     if case.compiled:
+        mine = logs[ctx.rank]
+        made = {tag: [x[len(tag) :] for x in mine if x.startswith(tag)]
+                for tag in ("eager: ", "compiled: ")}  # fmt: skip
+        detail = None
+        if any(other != mine for other in logs):
+            detail = f"ranks made different collectives: {logs}"
+        elif made["compiled: "] != made["eager: "]:
+            detail = f"compiled made {made['compiled: ']}, eager {made['eager: ']}"
+        elif ctx.world_size > 1 and len(made["eager: "]) < 4:
+            detail = f"expected at least 4 collectives at P > 1, eager made {made['eager: ']}"
+        run.check("collectives: compiled as eager", detail)
         return
     mine = logs[ctx.rank]
     detail = None

@@ -47,6 +47,9 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
                                                     a rank's own used_sequence goes unnoticed
     compiled_a2a    ulysses.comm.                   the all_to_all op of a compiled graph: chunk
                     _compiled_all_to_all (hook)     p of its result holds rank p - 1's data
+    compiled_a2a_twice ulysses.comm.                the all_to_all op of a compiled graph makes
+                    _compiled_all_to_all (hook)     its collective twice (the same values: only
+                                                    the count of collectives shows it)
     head_chunk_order ulysses.overlap._place_heads   head_chunks: chunk c of the heads lands
                     (hook)                          where chunk n-1-c belongs
     channel_block   ulysses.kernels.lowp_pack.      comm="lowp" at a head dim that is not a power
@@ -185,6 +188,14 @@ def _chunks_rotated(original):
     return all_to_all
 
 
+def _made_twice(original):
+    def all_to_all(send, pg, world_size=None):
+        original(send, pg, world_size)
+        return original(send, pg, world_size)
+
+    return all_to_all
+
+
 def _one_document_per_row(original):
     def plan_documents(document_ids, **kwargs):
         plan = original(document_ids, **kwargs)
@@ -271,6 +282,7 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "no_verify": (("ulysses.attention._verify_batch", _no_verify),),
     "head_chunk_order": (("ulysses.overlap._place_heads", Hook(_head_chunks_reversed)),),
     "compiled_a2a": (("ulysses.comm._compiled_all_to_all", Hook(_chunks_rotated)),),
+    "compiled_a2a_twice": (("ulysses.comm._compiled_all_to_all", Hook(_made_twice)),),
     "channel_block": (("ulysses.kernels.lowp_pack.channel_block", _channel_block_rounded_down),),
     "v_int8_scale": (("ulysses.lowp._V_MAX", {"fp8": 448.0, "int8": 128.0}),),
     "grad_scales": (
@@ -362,6 +374,12 @@ SHOWCASE: tuple[Showcase, ...] = (
         "attention",
         "bf16-L12-hq1-gqa-D16-bf16-causal-used_tail-B2-compiled",
         "out bitwise",
+    ),
+    Showcase(
+        "compiled_a2a_twice",
+        "attention",
+        "lowpbw8-L12-hq1-mha-D16-bf16-full-used_early-compiled",
+        "collectives: compiled as eager",
     ),
     Showcase(
         "window_shift",
