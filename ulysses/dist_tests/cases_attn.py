@@ -31,7 +31,7 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
     compiled       the call runs inside ``torch.compile(fullgraph=True)`` (backend
                    "aot_eager": the traced graph runs the eager kernels): its collectives are
                    the package's ops in the graph. The values are checked as in eager; the
-                   collective log is not (the patched Python functions are traced, not called)
+                   collectives, logged through a link, against an eager call's
     disagree_used_sequence
                    rank r passes ``used_sequence = used - r``: every rank must raise the
                    same ValueError naming used_sequence and the per-rank values
