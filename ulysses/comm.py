@@ -202,6 +202,11 @@ def all_to_all(send: torch.Tensor, pg, world_size: int | None = None) -> torch.T
     if _ops.is_compiling():  # the package's op: this function's eager path, no graph break
         send = send.contiguous()  # as the backend requires (a no-op on the traced layouts)
         return _all_to_all_op.op(send, group_name=group_name(pg), world_size=world_size)
+    return _all_to_all_new(send, pg)
+
+
+def _all_to_all_new(send: torch.Tensor, pg) -> torch.Tensor:
+    """all_to_all of ``send`` into a new tensor of its shape (the link's, or the backend's)."""
     recv = torch.empty_like(send)
     if _LINK is not None and _LINK.pg is pg:
         _LINK.all_to_all(recv, send)
@@ -219,6 +224,10 @@ def all_to_all_uneven(send: torch.Tensor, in_splits, out_splits, pg) -> torch.Te
         return _all_to_all_uneven_op.op(
             send.contiguous(), in_splits=in_splits, out_splits=out_splits, group_name=group_name(pg)
         )
+    return _all_to_all_uneven_new(send, in_splits, out_splits, pg)
+
+
+def _all_to_all_uneven_new(send: torch.Tensor, in_splits, out_splits, pg) -> torch.Tensor:
     recv = send.new_empty(sum(out_splits))
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
     return recv
@@ -235,8 +244,10 @@ def _gathered_new(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
 
 
 # ---- the collectives as ops of a compiled graph -------------------------------------------------
-# Their kernels are the eager functions above (a compiled graph calls them at P > 1 only). Each
-# returns a new tensor: the eager all_gather's reused workspace would alias across calls. They
+# Their kernels are the eager bodies above (``_*_new``: never the op again, also when a kernel
+# runs while something traces with real tensors; a compiled graph calls them at P > 1 only).
+# Each returns a new tensor: the eager all_gather's reused workspace would alias across calls.
+# They
 # are pure ops to the compiler: a graph that never reads the result of one drops it, the same
 # way on every rank (every rank traces the same program); marked side-effecting, they would
 # make AOTAutograd's default partitioner refuse activation checkpointing around the layer.
@@ -245,16 +256,16 @@ def _gathered_new(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
 def _op_all_to_all(send: torch.Tensor, *, group_name: str, world_size: int) -> torch.Tensor:
     if world_size == 1:  # an op's result never aliases its input
         return send.clone()
-    return _compiled_all_to_all(send, group_from_name(group_name), world_size)
+    return _compiled_all_to_all(send, group_from_name(group_name))
 
 
-_compiled_all_to_all = all_to_all  # (its own name: the harness's planted faults patch it)
+_compiled_all_to_all = _all_to_all_new  # (its own name: the harness's planted faults patch it)
 
 
 def _op_all_to_all_uneven(
     send: torch.Tensor, *, in_splits: list[int], out_splits: list[int], group_name: str
 ) -> torch.Tensor:
-    return all_to_all_uneven(send, in_splits, out_splits, group_from_name(group_name))
+    return _all_to_all_uneven_new(send, in_splits, out_splits, group_from_name(group_name))
 
 
 def _op_all_gather(payload: torch.Tensor, *, group_name: str, world_size: int) -> torch.Tensor:

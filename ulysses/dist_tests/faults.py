@@ -181,17 +181,17 @@ def _head_chunks_reversed(original):
 
 
 def _chunks_rotated(original):
-    def all_to_all(send, pg, world_size=None):
-        recv = original(send, pg, world_size)
-        return recv.reshape(world_size, -1).roll(1, dims=0).reshape(recv.shape)
+    def all_to_all(send, pg):
+        recv = original(send, pg)
+        return recv.reshape(pg.size(), -1).roll(1, dims=0).reshape(recv.shape)
 
     return all_to_all
 
 
 def _made_twice(original):
-    def all_to_all(send, pg, world_size=None):
-        original(send, pg, world_size)
-        return original(send, pg, world_size)
+    def all_to_all(send, pg):
+        original(send, pg)
+        return original(send, pg)
 
     return all_to_all
 
