@@ -352,9 +352,10 @@ _LINK = None  # a network stand-in (ulysses.testing_link.LinkModel) or None: the
 def set_link(link) -> object:
     """Route every collective on ``link.pg`` through ``link`` (``link.all_to_all(recv, send)``,
     ``link.all_gather(out, inp)``: each fills its output, ordered like a blocking collective
-    on the current stream) instead of the backend; ``None`` restores the backend. Returns the
-    link it replaced. For measuring on one device (``ulysses.testing_link``), never for
-    training."""
+    on the current stream) instead of the backend, eager calls and compiled graphs alike (the
+    all_to_alls with split sizes of heads that do not split evenly excepted); ``None``
+    restores the backend. Returns the link it replaced. For measuring on one device
+    (``ulysses.testing_link``), never for training."""
     global _LINK
     previous, _LINK = _LINK, link
     return previous
