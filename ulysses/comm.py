@@ -247,10 +247,9 @@ def _gathered_new(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
 # Their kernels are the eager bodies above (``_*_new``: never the op again, also when a kernel
 # runs while something traces with real tensors; a compiled graph calls them at P > 1 only).
 # Each returns a new tensor: the eager all_gather's reused workspace would alias across calls.
-# They
-# are pure ops to the compiler: a graph that never reads the result of one drops it, the same
-# way on every rank (every rank traces the same program); marked side-effecting, they would
-# make AOTAutograd's default partitioner refuse activation checkpointing around the layer.
+# They are pure ops to the compiler: a graph that never reads the result of one drops it, the
+# same way on every rank (every rank traces the same program); marked side-effecting, they
+# would make AOTAutograd's default partitioner refuse activation checkpointing around the layer.
 
 
 def _op_all_to_all(send: torch.Tensor, *, group_name: str, world_size: int) -> torch.Tensor:
