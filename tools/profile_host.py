@@ -30,12 +30,14 @@ behind the sleep kernel, every mode and path but eager bf16.
 ``--stub`` (forced with ``--device cpu``, where Triton's interpreter would run the kernels):
 the Python path alone. Every kernel launch returns at once (after reading its tensors'
 addresses, as the CUDA fast path does), the attention is an autograd node that allocates its
-output and copies one row of k and v into it (so that a compiled graph keeps what made
-them), and the library's collectives fill nothing (a link of ``ulysses.comm.set_link`` that
-returns at once; a compiled graph's collective ops run the same eager collectives). Per
-call it prints the host (CPU) time, the number of aten ops the call dispatches (``--ops``:
-which ones; eager calls only) and of the package's Triton launches, forward and forward +
-backward, for each mode, eager and with ``--compiled`` compiled. On the CPU the bf16 mode's
+output and copies one row of k and v into it, and in backward one row of the output's
+gradient into each gradient (so that a compiled graph keeps what made them: it drops a
+collective whose result nothing reads), and the library's collectives fill nothing (a link
+of ``ulysses.comm.set_link`` that returns at once; a compiled graph's collective ops run the
+same eager collectives). Per call it prints the host (CPU) time, the number of aten ops
+the call dispatches (``--ops``: which ones; eager calls only) and of the package's Triton
+launches, forward and forward + backward, for each mode, eager and with ``--compiled``
+compiled. On the CPU the bf16 mode's
 copies and the layer's own reshapes still move their data (at D = 128 that dominates its
 time; at ``--head-dim 16`` and a few rows the Python path does). On CUDA every aten op costs
 about 5-15 us of host time and a launch about 5-13 us, so the counts are the figures a CPU
@@ -154,7 +156,11 @@ def stubbed_layer(a) -> None:
 
         @staticmethod
         def backward(ctx, dout):
-            return torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)
+            # reads one row of dout likewise (else a compiled graph drops dout's all_to_all)
+            grads = tuple(torch.empty_like(dout) for _ in range(3))
+            for g in grads:
+                g[:, :, :1] = dout[:, :, :1]
+            return grads
 
     def sdpa(q, k, v, **kwargs):
         return NoAttention.apply(q, k, v)
