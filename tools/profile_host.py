@@ -37,9 +37,9 @@ of ``ulysses.comm.set_link`` that returns at once; a compiled graph's collective
 same eager collectives). Per call it prints the host (CPU) time, the number of aten ops
 the call dispatches (``--ops``: which ones; eager calls only) and of the package's Triton
 launches, forward and forward + backward, for each mode, eager and with ``--compiled``
-compiled. On the CPU the bf16 mode's
-copies and the layer's own reshapes still move their data (at D = 128 that dominates its
-time; at ``--head-dim 16`` and a few rows the Python path does). On CUDA every aten op costs
+compiled. On the CPU the bf16 mode's copies and the layer's own reshapes still move their
+data (at D = 128 that dominates its time; at ``--head-dim 16`` and a few rows the Python
+path does). On CUDA every aten op costs
 about 5-15 us of host time and a launch about 5-13 us, so the counts are the figures a CPU
 run transfers to the GPU host:
 
