@@ -35,11 +35,12 @@ gradient into each gradient (so that a compiled graph keeps what made them: it d
 collective whose result nothing reads), and the library's collectives fill nothing (a link
 of ``ulysses.comm.set_link`` that returns at once; a compiled graph's collective ops run the
 same eager collectives). Per call it prints the host (CPU) time, the number of aten ops
-the call dispatches (``--ops``: which ones; eager calls only) and of the package's Triton
-launches, forward and forward + backward, for each mode, eager and with ``--compiled``
-compiled. On the CPU the bf16 mode's copies and the layer's own reshapes still move their
-data (at D = 128 that dominates its time; at ``--head-dim 16`` and a few rows the Python
-path does). On CUDA every aten op costs
+the call dispatches (``--ops``: which ones; eager calls only), of the package's Triton
+launches and of the collectives it makes (a compiled call makes an eager call's: a smaller
+count is a collective the graph dropped), forward and forward + backward, for each mode,
+eager and with ``--compiled`` compiled. On the CPU the bf16 mode's copies and the layer's
+own reshapes still move their data (at D = 128 that dominates its time; at ``--head-dim 16``
+and a few rows the Python path does). On CUDA every aten op costs
 about 5-15 us of host time and a launch about 5-13 us, so the counts are the figures a CPU
 run transfers to the GPU host:
 
@@ -95,12 +96,13 @@ class NoLink:
 
     def __init__(self, pg):
         self.pg = pg
+        self.made = 0  # collectives routed here
 
     def all_to_all(self, recv, send):
-        pass
+        self.made += 1
 
     def all_gather(self, out, inp):
-        pass
+        self.made += 1
 
 
 class _OpCounter:
@@ -222,7 +224,8 @@ def stubbed_layer(a) -> None:
     calls["exchange_to_heads"] = lambda: lowp.exchange_to_heads(qd, kd, vd)
     for f in calls.values():  # the first call of a signature: the fake group's all_gather
         f()  # of the ranks' signatures (a link would leave it unfilled)
-    comm.set_link(NoLink(pg))
+    link = NoLink(pg)
+    comm.set_link(link)
     for f in calls.values():
         for _ in range(3):
             f()
@@ -231,7 +234,7 @@ def stubbed_layer(a) -> None:
     for name, f in calls.items():
         # this process's CPU time (a shared host's other work does not count), best of 5
         us[name] = per_call_us(f, a.calls, sync, clock=time.process_time, rounds=5)
-        counter, launched[0] = _OpCounter(), 0
+        counter, launched[0], link.made = _OpCounter(), 0, 0
         if "compiled" in name:  # Dynamo refuses a dispatch mode: the launches alone
             f()
         else:
@@ -239,7 +242,7 @@ def stubbed_layer(a) -> None:
                 f()
         ops[name] = counter.counts
         print(f"{name:22s} {us[name]:8.1f} us of CPU a call {sum(ops[name].values()):5d} aten ops"
-              f" {launched[0]:3d} kernel launches")  # fmt: skip
+              f" {launched[0]:3d} kernel launches {link.made:2d} collectives")  # fmt: skip
         if a.ops:
             print("    " + ", ".join(f"{op} {n}" for op, n in ops[name].most_common()))
     kinds = (
