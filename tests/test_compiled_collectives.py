@@ -279,3 +279,23 @@ def test_a_compiled_call_makes_the_eager_collectives(rotated, mode, backend, che
     assert len(want[0]) >= 2 and len(want[1]) >= 2
     for name, a, b in zip(("out", "dq", "dk", "dv"), got[2], want[2], strict=True):
         assert bitwise_diff(a, b) is None, (name, bitwise_diff(a, b))
+
+
+def test_the_harness_skips_compiled_cases_on_gloo_with_cuda_tensors():
+    """The harness's ``-compiled`` cases are skipped, saying why, where torch.compile with gloo
+    on CUDA tensors is a known crash (docs/VALIDATION.md), and run everywhere else."""
+    import types
+
+    from ulysses.dist_tests import cases_attn, checks_attn
+
+    compiled = next(c for c in cases_attn.DEFAULT_CASES if c.compiled)
+    eager = next(c for c in cases_attn.DEFAULT_CASES if not c.compiled and not c.max_world)
+
+    def ctx(backend, device):
+        return types.SimpleNamespace(world_size=2, backend=backend, device=torch.device(device))
+
+    reason = checks_attn.skip_reason(ctx("gloo-cuda", "cuda"), compiled)
+    assert reason and "gloo on CUDA tensors" in reason
+    assert checks_attn.skip_reason(ctx("gloo-cuda", "cuda"), eager) is None
+    assert checks_attn.skip_reason(ctx("nccl", "cuda"), compiled) is None
+    assert checks_attn.skip_reason(ctx("gloo-cpu", "cpu"), compiled) is None
