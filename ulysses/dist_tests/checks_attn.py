@@ -506,7 +506,8 @@ def compare(run: CaseRun, ctx: Context, case, inputs: Inputs, exp: dict, got, lo
 
 
 def skip_reason(ctx: Context, case) -> str | None:
-    """Why ``case`` does not run in this session (every rank decides alike), or None."""
+    """Why ``case`` does not run on this backend and world size (every rank decides alike),
+    or None."""
     if case.max_world is not None and ctx.world_size > case.max_world:
         return f"not at P = {ctx.world_size} (a case for P <= {case.max_world})"
     if case.compiled and ctx.backend == "gloo-cuda":
