@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import comm, documents, lowp, overlap
+from . import _ops, codes, comm, documents, lowp, overlap
 
 # The head split and the autograd nodes that move heads: ulysses/_heads.py (the collectives are
 # looked up there, so a patch of ``_all_to_all`` and the like goes to ``ulysses._heads``); the
@@ -90,7 +90,10 @@ __all__ = [
     "masked_attention",
     "COMM_MODES",
     "ATTN_OPTIONS",
+    "ATTN_MODES",
 ]
+
+ATTN_MODES = codes.ATTN_MODES  # the strings ``attn=`` takes: "sdpa", "codes"
 
 
 _resolve = comm.resolve_group
@@ -298,6 +301,30 @@ def _default_attention(q_h, k_h, v_h, *, causal, scale, used, plan, options):
     )
 
 
+def _attn_mode(attn) -> tuple[str | None, Callable | None]:
+    """``attn`` -> (mode, callable): a string of :data:`ATTN_MODES` is a mode with the
+    default attention, anything else a callable (or None)."""
+    if isinstance(attn, str):
+        if attn not in ATTN_MODES:
+            raise ValueError(f"attn must be None, a callable or one of {ATTN_MODES}, got {attn!r}")
+        return attn, None
+    if attn is not None and not callable(attn):
+        raise TypeError(
+            f"attn must be None, a callable or one of {ATTN_MODES}, got {type(attn).__name__}"
+        )
+    return None, attn
+
+
+def _chunks_asked(head_chunks, chunks: int, hd, B: int, S: int, D: int, causal: bool) -> int:
+    """The head chunks a call asked for: what eager runs (a compiled call runs one chunk, and
+    must choose its attention as eager does)."""
+    if not _ops.is_compiling():
+        return chunks
+    if head_chunks == overlap.AUTO:
+        return overlap.auto_head_chunks(B, S, hd, D=D, causal=causal)
+    return head_chunks
+
+
 def _zero_padding(out_h: torch.Tensor, used) -> torch.Tensor:
     """Rows ``[used_b, S)`` of each batch row b set to 0 (what a custom ``attn`` returned
     there is discarded)."""
@@ -320,7 +347,7 @@ def ulysses_attention(
     v: torch.Tensor,
     *,
     group=None,
-    attn: Callable | None = None,
+    attn: Callable | str | None = None,
     comm: str = "bf16",
     used_sequence=None,
     causal: bool = False,
@@ -441,6 +468,7 @@ def ulysses_attention(
         out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp")
         out = ulysses.ulysses_attention(q, k, v, causal=True, document_ids=ids)  # ids [B, L]
     """
+    mode, attn = _attn_mode(attn)
     _check_call(q, k, v, comm, layout, causal, scale, attn)
     options = _check_attn_kwargs(attn_kwargs, custom=attn is not None)
     _check_int8_output(int8_output, comm)
@@ -465,6 +493,10 @@ def ulysses_attention(
     used = _check_used(used, B, S, comm)
     plan = _document_plan(document_ids, B, L, P, pg, q.device)
     chunks = overlap.resolve_head_chunks(head_chunks, B=B, S=S, hd=hd, D=D, causal=causal)
+    on_codes = codes.use_codes(
+        mode, comm=comm, q=q, custom=attn is not None, options=options,
+        chunks=_chunks_asked(head_chunks, chunks, hd, B, S, D, causal),
+    )  # fmt: skip
 
     def attend(q_h, k_h, v_h):
         """The attention on this rank's heads (or a chunk of them), every row."""
@@ -487,7 +519,13 @@ def ulysses_attention(
     # 1. sequence shards -> head shards of the whole sequence (an autograd node only where a
     # gradient can flow: inference calls skip the node's host cost, not its work)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if comm == "lowp":
+    if on_codes:  # with step 2: the exchange and the attention on its codes, one node
+        out_h = codes.exchange_attend(
+            q, k, v, grad=grad, hd=hd, pg=pg, used=used, q_group=q_group, k_group=k_group,
+            lowp_backward=lowp_backward, v_format=v_format, causal=causal, scale=scale,
+            plan=plan,
+        )  # fmt: skip
+    elif comm == "lowp":
         q_h, k_h, v_h = run_node(_LowpToHeads, grad, q, k, v, hd, pg, used, q_group, k_group,
                                  lowp_backward, v_format)  # fmt: skip
     elif P == 1:
@@ -498,7 +536,8 @@ def ulysses_attention(
         q_h, k_h, v_h = run_node(_QKVToHeads, grad, q, k, v, hd, pg)
 
     # 2. the attention on this rank's heads, every row
-    out_h = attend(q_h, k_h, v_h)
+    if not on_codes:
+        out_h = attend(q_h, k_h, v_h)
 
     # 3. head shards -> sequence shards of the output (a custom ``attn`` may hold parameters:
     # the output's own requires_grad decides)
@@ -537,7 +576,7 @@ class UlyssesAttention(torch.nn.Module):
 
     def __init__(
         self,
-        attn: Callable | None = None,
+        attn: Callable | str | None = None,
         *,
         group=None,
         comm: str = "bf16",
@@ -559,9 +598,8 @@ class UlyssesAttention(torch.nn.Module):
         self.v_format = v_format
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if attn is not None and not callable(attn):
-            raise TypeError(f"attn must be None or a callable, got {type(attn).__name__}")
-        self.attn_kwargs = dict(_check_attn_kwargs(attn_kwargs, custom=attn is not None))
+        mode, custom = _attn_mode(attn)
+        self.attn_kwargs = dict(_check_attn_kwargs(attn_kwargs, custom=custom is not None))
         self.attn, self.group, self.comm = attn, group, comm
         self.q_group, self.k_group, self.layout = q_group, k_group, layout
         self.int8_output, self.backward_comm = int8_output, backward_comm
@@ -582,7 +620,10 @@ class UlyssesAttention(torch.nn.Module):
         )  # fmt: skip
 
     def extra_repr(self) -> str:
-        name = "sdpa" if self.attn is None else getattr(self.attn, "__name__", repr(self.attn))
+        if self.attn is None or isinstance(self.attn, str):
+            name = "default" if self.attn is None else repr(self.attn)
+        else:
+            name = getattr(self.attn, "__name__", repr(self.attn))
         out = ", int8_output=True" if self.int8_output else ""
         if self.backward_comm != "bf16":
             out += f", backward_comm={self.backward_comm!r}"
