@@ -45,8 +45,6 @@ end of ``used`` or of the document).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
