@@ -162,7 +162,6 @@ def bench(fn):
 
 def env_row():
     import triton
-
     from _bench import git_commit
 
     return {
