@@ -374,9 +374,16 @@ def ulysses_attention(
       attention of the gathered sequence (bit for bit where ``attn`` treats heads
       independently, as torch's CPU SDPA does).
     * ``comm="lowp"``: q, k, v travel as INT8 Q/K and FP8 V with scales from global
-      statistics (``ulysses.lowp.exchange_qkv``: bf16/fp16 inputs, D in 16..256), and
-      ``attn`` sees the dequantized values (K centred, which attention ignores). Backward is
-      straight-through in the input dtype. ``q_group``, ``k_group``: rows per scale.
+      statistics (``ulysses.lowp.exchange_qkv``: bf16/fp16 inputs, D in 16..256). On CUDA
+      the default attention runs on those codes where they land (``ulysses.codes``: INT8
+      Q.K, P.V in FP8, no dequantize pass), wherever the codes kernel supports the call (head
+      dim 64 or 128, no ``attn_kwargs`` window, soft cap or dropout, one head chunk); its
+      output is within ``2**-4 * max|v|`` (over the keys a row attends, per channel) of fp32
+      attention of the dequantized values, plus the rounding to the dtype. Every other call,
+      and every call on CPU, dequantizes (K centred, which attention ignores) and runs the
+      default attention (or ``attn``) on the values. Backward is straight-through in the
+      input dtype (on the codes: from the forward's output and log-sum-exp, no second
+      forward). ``q_group``, ``k_group``: rows per scale.
     * ``int8_output=True`` (with "lowp" only): the output returns as INT8 codes with one fp32
       scale per (row, head), ``D + 4`` bytes instead of ``2 D``; it adds at most ``amax / 254``
       of its (row, head) to the error, then the rounding to the dtype. Default: the input
@@ -408,6 +415,12 @@ def ulysses_attention(
       read: what compiled code passes). A query attends only keys of its own document
       (causal within it when ``causal``). The default attention is then
       ``documents.document_attention``; no statistic of "lowp" depends on documents.
+    * ``attn="codes"`` (with "lowp" only): the attention on the codes, also on CPU (Triton's
+      interpreter: slow, for tests); a call the kernel cannot run raises ValueError naming
+      the reason. ``attn="sdpa"``: the default attention over the dequantized values
+      (today's "lowp" path, and with "bf16" the default). At P = 1 (no group),
+      ``ulysses_attention(q, k, v, comm="lowp", attn="codes")`` is an 8-bit attention of one
+      device: smooth-K INT8 Q/K (K centred by its mean), FP8 V, the same kernel.
     * ``attn(q_h, k_h, v_h, *, causal, scale, used_sequence) -> [B, S, hq, D]`` on head shards
       [B, S, h, D] (k_h/v_h with ``hkv`` heads, see the module docstring); default
       :func:`sdpa_attention`. ``used_sequence`` reaches it as None, an int or a tuple of B
@@ -429,7 +442,9 @@ def ulysses_attention(
       that chunk's heads. n must divide the K/V heads a rank receives (a chunk holds whole
       GQA groups), with the heads split evenly and K/V heads not repeated over ranks;
       ``"auto"`` picks n from the shape (``ulysses.overlap.auto_head_chunks``; 1 where
-      chunks would not pay). Under torch.compile the call runs as one chunk.
+      chunks would not pay). Under torch.compile the call runs as one chunk. With "lowp",
+      more than one chunk (asked, or from ``"auto"``) dequantizes each chunk and runs the
+      default attention on the values, compiled or not (the codes path runs one chunk).
     * ``v_format`` (with "lowp" only): "fp8" (default: V as float8_e4m3fn codes, scale
       ``amax/448`` per (head, channel)) or "int8" (V as int8 codes, scale ``amax/127`` per
       (head, channel), the amax over the whole live sequence: the same bytes, an error of
@@ -460,13 +475,18 @@ def ulysses_attention(
             multiple of 16 up to 256; what ``exchange_qkv`` rejects
             for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``;
             ``head_chunks`` < 1, not dividing the K/V heads a rank receives, or > 1 with an
-            uneven head split or repeated K/V heads (the message names the head counts).
+            uneven head split or repeated K/V heads (the message names the head counts);
+            ``attn`` a string other than "sdpa" or "codes"; ``attn="codes"`` without
+            ``comm="lowp"`` or on a call the codes kernel cannot run (a head dim, dtype,
+            attention option or ``head_chunks`` > 1: the message names it and the fallback).
 
     Example (under torchrun, one process per GPU)::
 
         out = ulysses.ulysses_attention(q, k, v, causal=True)           # [B, L, Hq, D]
         out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp")
         out = ulysses.ulysses_attention(q, k, v, causal=True, document_ids=ids)  # ids [B, L]
+        # one device, no group: an 8-bit attention (INT8 Q/K with smooth K, FP8 V)
+        out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp", attn="codes")
     """
     mode, attn = _attn_mode(attn)
     _check_call(q, k, v, comm, layout, causal, scale, attn)
