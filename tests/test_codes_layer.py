@@ -274,15 +274,21 @@ def test_codes_layer_options_p1():
     assert torch.equal(out8.detach(), want8)
 
 
-def test_codes_compiled_equals_eager():
+@pytest.mark.parametrize("rows_docs", [False, True], ids=["plain", "rows-docs"])
+def test_codes_compiled_equals_eager(rows_docs):
     """torch.compile(fullgraph=True) of the layer with attn="codes": no graph break, the eager
     call's output and gradients bit for bit (the same kernels: the exchange's op, the codes
-    kernel's op, the dequantize op)."""
-    B, S, H, D = 1, 32, 2, 64
-    q, k, v = _qkv(B, S, H, H, D, seed=41, grad=True)
+    kernel's op, the dequantize op); also with per-row live counts and documents (a
+    DocumentPlan, as compiled code passes them)."""
+    B, S, H, D = (2, 32, 2, 64) if rows_docs else (1, 32, 2, 64)
+    used = (20, 32) if rows_docs else None
+    q, k, v = _qkv(B, S, H, H, D, seed=41, used=used, grad=True)
+    plan = ulysses.documents.plan_documents(_doc_ids(B, S, seed=6)) if rows_docs else None
+    extra = {"used_sequence": list(used), "document_ids": plan} if rows_docs else {}
 
     def layer(q, k, v):
-        return ulysses.ulysses_attention(q, k, v, comm="lowp", attn="codes", causal=True)
+        return ulysses.ulysses_attention(q, k, v, comm="lowp", attn="codes", causal=True,
+                                         **extra)  # fmt: skip
 
     out = layer(q, k, v)
     torch.manual_seed(0)

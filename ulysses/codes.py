@@ -225,8 +225,8 @@ def _flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | Non
     g = hq // k.shape[2]
     if g > 1:
         k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
-    seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # read only with dropout
-    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    # the RNG state is read only with dropout: empty scalars, as its forward returns without
+    seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
         dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         out.transpose(1, 2), lse.contiguous(), None, None, S, S, 0.0, causal, seed, offset,
