@@ -372,6 +372,9 @@ def test_attn_type_errors():
         ulysses.ulysses_attention(q, k, v, attn=3)
     with pytest.raises(ValueError, match="attn must be None, a callable or one of"):
         ulysses.UlyssesAttention(attn="sage")
+    with pytest.raises(ValueError, match="attn='codes' attends on the 8-bit codes of comm='lowp'"):
+        ulysses.UlyssesAttention(attn="codes")
+    assert "attn='sdpa'" in repr(ulysses.UlyssesAttention(attn="sdpa", comm="lowp"))
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------

@@ -619,6 +619,10 @@ class UlyssesAttention(torch.nn.Module):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         mode, custom = _attn_mode(attn)
+        if mode == "codes" and comm != "lowp":
+            raise ValueError(
+                f"attn='codes' attends on the 8-bit codes of comm='lowp', got comm={comm!r}"
+            )
         self.attn_kwargs = dict(_check_attn_kwargs(attn_kwargs, custom=custom is not None))
         self.attn, self.group, self.comm = attn, group, comm
         self.q_group, self.k_group, self.layout = q_group, k_group, layout

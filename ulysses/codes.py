@@ -25,10 +25,12 @@ Backward (straight-through, §9): the gradients of attention over the dequantize
 centred, which softmax ignores), from the forward's ``out_h`` and ``lse`` without a second
 forward: the codes are dequantized once (``LowpQKV.dequantize``), then
 
-* CUDA, every row live or one live count for all batch rows, no documents: torch's flash
-  attention backward (``aten._scaled_dot_product_flash_attention_backward``, which takes the
-  output and the log-sum-exp) on the live rows; K/V heads repeated per query head and their
-  gradients summed (GQA);
+* CUDA with SDPA's flash backend enabled (``torch.backends.cuda.flash_sdp_enabled()``: not
+  inside ``sdpa_kernel([SDPBackend.MATH])``, which asks for deterministic bits), every row live
+  or one live count for all batch rows, no documents: torch's flash attention backward
+  (``aten._scaled_dot_product_flash_attention_backward``, which takes the output and the
+  log-sum-exp) on the live rows; K/V heads repeated per query head and their gradients
+  summed (GQA);
 * otherwise (CPU, per-row live counts, documents): :func:`blockwise_backward`, in fp32, one
   block of query rows at a time: ``P = exp(s - lse)`` on the allowed keys, ``dV = P^T dO``,
   ``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ = dS K * scale``, ``dK = dS^T Q * scale``.
@@ -203,9 +205,22 @@ def attend(
 # ---- backward: from out and lse ---------------------------------------------------------------
 
 
+@torch.compiler.assume_constant_result
+def _flash_enabled(index: int) -> bool:
+    """SDPA's flash backend is built, enabled (not switched off, e.g. by
+    ``sdpa_kernel([SDPBackend.MATH])`` for determinism) and runs on CUDA device ``index``
+    (sm80+). A compiled graph takes the value of its tracing."""
+    return (
+        torch.backends.cuda.flash_sdp_enabled()
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.cuda.get_device_capability(index)[0] >= 8
+    )
+
+
 def _flash_fits(q: torch.Tensor, used, document_ids) -> bool:
-    """torch's flash attention backward takes this call: CUDA, sm80+, bf16/fp16, D <= 256 a
-    multiple of 8, every row live (or one count for all rows: the live prefix), no documents."""
+    """torch's flash attention backward takes this call: CUDA with SDPA's flash backend
+    enabled, bf16/fp16, D <= 256 a multiple of 8, every row live (or one count for all rows:
+    the live prefix), no documents."""
     return (
         q.is_cuda
         and document_ids is None
@@ -213,8 +228,7 @@ def _flash_fits(q: torch.Tensor, used, document_ids) -> bool:
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[3] <= 256
         and q.shape[3] % 8 == 0
-        and torch.backends.cuda.is_flash_attention_available()
-        and torch.cuda.get_device_capability(q.device)[0] >= 8
+        and _flash_enabled(q.device.index if q.device.index is not None else 0)
     )
 
 
