@@ -439,3 +439,47 @@ def test_codes_cuda_graph():
     torch.cuda.synchronize()
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert torch.equal(a, b), name
+
+
+# ---- the op and the per-chunk piece -----------------------------------------------------------
+
+
+def test_opcheck_codes_op():
+    """The kernel's op: schema, fake (shapes, dtypes) and dispatch agree with the eager call
+    (V as INT8: opcheck's own comparisons have no float8 arithmetic on CPU)."""
+    q, k, v = _qkv(2, 24, 2, 1, 32, seed=91)
+    x = ulysses.lowp.exchange_qkv(q, k, v, used_sequence=(20, 24), v_format="int8")
+    ids = _doc_ids(2, 24, seed=2).to(torch.int32)
+    args = (x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, ids)
+    kw = {"q_group": 32, "k_group": 64, "causal": True, "sm_scale": None, "used_rows": [20, 24],
+          "out_dtype": DT, "k_shift": 0}  # fmt: skip
+    torch.library.opcheck(torch.ops.ulysses.codes_attention.default, args, kw)
+
+
+def _head_slice(x, c: int, n: int):
+    """Head chunk c of n of one exchange's codes (views), as a chunked exchange delivers it."""
+    hq, hkv = x.q.shape[2] // n, x.k.shape[2] // n
+    sq, skv = slice(c * hq, (c + 1) * hq), slice(c * hkv, (c + 1) * hkv)
+    return ulysses.lowp.LowpQKV(
+        x.q[:, :, sq], x.k[:, :, skv], x.v[:, :, skv], x.q_scale[:, sq], x.k_scale[:, skv],
+        x.v_scale[:, skv], x.k_mean[:, skv], x.used_sequence, x.q_group, x.k_group,
+    )  # fmt: skip
+
+
+def test_chunk_pieces_compose():
+    """``chunk_forward`` per head chunk gives the one-chunk output bit for bit (the kernel
+    treats heads independently), and ``chunk_backward`` per chunk the one-chunk gradients."""
+    B, S, Hq, Hkv, D = 1, 48, 4, 2, 32
+    q, k, v = _qkv(B, S, Hq, Hkv, D, seed=95, used=40)
+    x = ulysses.lowp.exchange_qkv(q, k, v, used_sequence=40)
+    kw = {"causal": True, "scale": None, "used": 40}
+    out, saved = codes.chunk_forward(x, **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DT)
+    grads = codes.chunk_backward(dout, saved)
+    parts = [codes.chunk_forward(_head_slice(x, c, 2), **kw) for c in range(2)]
+    assert torch.equal(torch.cat([p[0] for p in parts], dim=2), out)
+    back = [codes.chunk_backward(dout[:, :, 2 * c : 2 * c + 2], p[1]) for c, p in enumerate(parts)]
+    for i, name in enumerate("qkv"):
+        got = torch.cat([b[i] for b in back], dim=2).float()
+        want = grads[i].float()
+        assert (got - want).abs().max() <= 2**-8 * want.abs().max(), name
