@@ -313,7 +313,7 @@ DEFAULT_CASES = (
         max_world=4,
     ),  # fmt: skip
     # the attention on the exchange's codes (attn="codes"): GQA within a rank, causal; per-row
-    # counts, documents, the INT8 output and backward wires; V as INT8, padding
+    # counts, documents, the INT8 output and backward wires; V as INT8, padding, compiled
     Case("lowp", L=40, hq=2, kv="gqa", D=64, dtype="bf16", causal=True, used="none", attn="codes"),
     Case(
         "lowpbw8",
@@ -340,6 +340,7 @@ DEFAULT_CASES = (
         used="early",
         v_format="int8",
         attn="codes",
+        compiled=True,
         max_world=4,
     ),
     # ranks that disagree: the same ValueError on every rank (a shape no other case uses)
