@@ -215,6 +215,39 @@ def test_blockwise_backward_equals_autograd(causal, used, docs, Hkv, monkeypatch
     assert (wrong[0] - want[0]).abs().max() > 1e-2 * want[0].abs().max()
 
 
+def _cpu_flash_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, causal,
+                        seed, offset, *, scale=None):  # fmt: skip
+    """The CUDA flash backward's signature on torch's CPU flash backward (the same math from
+    out and logsumexp [B, H, S]); no GQA, dense, no dropout, as ``codes`` calls it."""
+    assert cum_q is None and cum_k is None and dropout_p == 0.0 and k.shape[1] == q.shape[1]
+    assert max_q == max_k == q.shape[2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+@pytest.mark.parametrize("causal,used,Hkv", [(False, None, 2), (True, 45, 1), (True, None, 4)])
+def test_flash_path_wrapping(causal, used, Hkv, monkeypatch):
+    """The flash backward path's wrapping (layouts, K/V heads repeated and their gradients
+    summed, the live prefix of one count and zero rows past it) on torch's CPU flash
+    backward: the blockwise backward's gradients up to bf16 rounding."""
+    B, S, Hq, D = 2, 64, 4, 64
+    q, k, v = _qkv(B, S, Hq, Hkv, D, seed=7, used=used, kind="randn")
+    out, lse = _exact_out_lse(q, k, v, causal=causal, used=used, ids=None)
+    out = out.to(DT)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(DT)
+    monkeypatch.setattr(codes, "_flash_fits", lambda *a: True)
+    monkeypatch.setattr(codes, "_flash_bwd_op", lambda: _cpu_flash_backward)
+    got = codes.attention_backward(dout, q, k, v, out, lse, causal=causal, scale=None, used=used)
+    want = codes.blockwise_backward(dout, q, k, v, out, lse, causal=causal, scale=None)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == DT, name
+        err = (g.float() - w.float()).abs().max().item() / w.float().abs().max().item()
+        assert err < 2e-2, f"d{name}: {err}"
+        if used is not None:
+            assert bool((g[:, used:] == 0).all()), name
+
+
 @pytest.mark.parametrize("causal,used,docs", [(True, None, False), (False, (40, 64), True)])
 def test_codes_gradients_straight_through(causal, used, docs):
     """The layer's gradients with attn="codes" against autograd of fp32 attention over the

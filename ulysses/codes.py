@@ -232,6 +232,11 @@ def _flash_fits(q: torch.Tensor, used, document_ids) -> bool:
     )
 
 
+def _flash_bwd_op():
+    """torch's flash attention backward op (a seam: the CPU tests put the CPU one here)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+
+
 def _flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None):
     """``aten._scaled_dot_product_flash_attention_backward`` on [B, S, h, D] tensors (every
     row live); GQA: K/V heads repeated, their gradients summed in fp32."""
@@ -241,7 +246,7 @@ def _flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | Non
         k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
     # the RNG state is read only with dropout: empty scalars, as its forward returns without
     seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+    dq, dk, dv = _flash_bwd_op()(
         dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         out.transpose(1, 2), lse.contiguous(), None, None, S, S, 0.0, causal, seed, offset,
         scale=scale,
