@@ -516,3 +516,26 @@ def test_chunk_pieces_compose():
         got = torch.cat([b[i] for b in back], dim=2).float()
         want = grads[i].float()
         assert (got - want).abs().max() <= 2**-8 * want.abs().max(), name
+
+
+def test_codes_scale_argument():
+    """``scale`` reaches the kernel and the backward: the output within the bound of fp32
+    attention at that scale (not at the default), the gradients those of autograd at it."""
+    B, S, H, D, scale = 1, 64, 2, 64, 0.31
+    q, k, v = _qkv(B, S, H, H, D, seed=97, kind="randn", grad=True)
+    out = ulysses.ulysses_attention(q, k, v, comm="lowp", attn="codes", scale=scale)
+    ref, vf, x = _fp32_codes_reference(q, k, v, causal=False, used=None, ids=None,
+                                       v_format="fp8", scale=scale)  # fmt: skip
+    bound = _bound(ref, vf, H, causal=False, used=None, ids=None, rel_p=2.0**-4, dtype=DT)
+    assert bool(((out.float() - ref).abs() <= bound).all())
+    ref_default, _, _ = _fp32_codes_reference(q, k, v, causal=False, used=None, ids=None,
+                                              v_format="fp8")  # fmt: skip
+    assert not bool(((out.float() - ref_default).abs() <= bound).all())
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(DT)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    deq = [t.float().requires_grad_() for t in x.dequantize()]
+    s = torch.einsum("bihd,bjhd->bhij", deq[0], deq[1]) * scale
+    want_out = torch.einsum("bhij,bjhd->bihd", torch.softmax(s, dim=-1), deq[2])
+    want = torch.autograd.grad(want_out, deq, dout.float())
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert ((g.float() - w).norm() / w.norm()).item() < 3e-2, name
