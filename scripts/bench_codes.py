@@ -228,7 +228,7 @@ def _warm(job: int, jobs: int) -> None:
     """Compile this job's share of the sweep (one call each): Triton's disk cache then serves
     the timing process, so compiles run ``jobs`` at a time."""
     i = 0
-    for name, B, S, h, hkv, D, causal in SWEEP_SHAPES:
+    for _name, B, S, h, hkv, D, causal in SWEEP_SHAPES:
         q, k, v = inputs(B, min(S, 2048), h, hkv, D, "cuda")
         for cfg in SWEEP:
             if i % jobs == job:
