@@ -91,11 +91,9 @@ def _key_block(
     # bits of 1.5 * 2^23 (the conversion is free, the max is an integer max, the exponent one
     # FMA); 2 exp2 in packed fp16 (two a MUFU op); 4 the accumulator is rescaled only when
     # a row's max grew
-    FAST: tl.constexpr = (not MASKED) and KS_BLOCK and (OPT & 1) != 0
-    EX2_F16: tl.constexpr = (OPT & 2) != 0 and HW_ROUND and PV_FP8
-    if FAST:
-        b_init = tl.full((b_q.shape[0], BLOCK_N), 0x4B400000, tl.int32)
-        b_bits = tl.dot(b_q, tl.trans(b_k), b_init)  # [BM, BN] bits of 1.5 * 2^23 + q.k
+    if (not MASKED) and KS_BLOCK and (OPT & 1) != 0:
+        b_init = tl.full([b_q.shape[0], BLOCK_N], 0x4B400000, tl.int32)
+        b_bits = tl.dot(b_q, tl.trans(b_k), b_init, out_dtype=tl.int32)  # bits of 1.5 2^23 + q.k
         b_ab = b_a * tl.load(ks_base + start_n // k_group)  # [BM] one K group a block
         b_mx = tl.max(b_bits, 1).to(tl.float32, bitcast=True) - 12582912.0  # [BM]
         m_new = tl.maximum(m_i, b_mx * b_ab)
@@ -140,7 +138,7 @@ def _key_block(
         alpha = tl.math.exp2(m_i - m_use)
         acc = acc * alpha[:, None]
         l_i = l_i * alpha
-    if EX2_F16:
+    if (OPT & 2) != 0 and HW_ROUND and PV_FP8:
         b_p16 = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r",
                                           [b_arg.to(tl.float16)], dtype=tl.float16,
                                           is_pure=True, pack=2)  # fmt: skip
@@ -150,7 +148,7 @@ def _key_block(
         b_p = tl.math.exp2(b_arg)
         l_i = l_i + tl.sum(b_p, 1)
     if PV_FP8:
-        if not EX2_F16:
+        if not ((OPT & 2) != 0 and HW_ROUND):
             if HW_ROUND:
                 b_p8 = b_p.to(tl.float8e4nv)
             else:  # the interpreter rounds e4m3 subnormals wrongly: round on the bits
