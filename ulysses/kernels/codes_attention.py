@@ -371,10 +371,12 @@ class CodesConfig(tuple):
         return f"M{self[0]}-N{self[1]}-w{self[2]}-s{self[3]}-{self[4]}-o{self[5]}"
 
 
-# On CUDA: the configuration of the fastest measured Hopper sweep (scripts/bench_codes.py
-# --sweep keeps the table); on CPU (the interpreter): small one-warp tiles.
-GPU_DEFAULT = CodesConfig(128, 64, 8, 3, "fp8t")
-_CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t")
+# On CUDA: the fastest configuration of the Hopper sweep in docs/BENCHMARKS.md
+# (scripts/bench_codes.py --sweep): one warpgroup on 128 query rows, 64-key blocks (one K group
+# a block, so the K scale folds into the row factor), three stages, the biased accumulator.
+# On CPU (the interpreter): small one-warp tiles, the same code path.
+GPU_DEFAULT = CodesConfig(128, 64, 4, 3, "fp8t", 1)
+_CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t", 1)
 _CUDA_D = (64, 128)
 
 
