@@ -252,13 +252,20 @@ class _LowpToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        hd, none = ctx.hd, (None,) * 7
-        if ctx.lowp_backward:
-            return (*_lowp_grads_to_seq(dq, dk, dv, hd, ctx.pg), *none)
-        if hd.P == 1:  # the head shard is the sequence shard
-            return dq, dk, dv, *none
-        recv = _backward_all_to_all(_pack_grads(dq, dk, dv, hd), ctx.pg)
-        return (*_unpack_grads(recv, hd), *none)
+        return (*grads_to_seq(dq, dk, dv, ctx.hd, ctx.pg, ctx.lowp_backward), *(None,) * 7)
+
+
+def grads_to_seq(dq, dk, dv, hd: _Heads, pg, lowp_backward: bool) -> tuple:
+    """The straight-through backward of the ``comm="lowp"`` exchange (also the codes path's,
+    ``ulysses.codes``): head-shard gradients dq [B, S, hq, D], dk, dv [B, S, hkv, D] ->
+    sequence shards, ONE all_to_all, in the input dtype or with ``lowp_backward`` as INT8
+    codes and one fp32 scale per (row, head) (also at P = 1, with no collective)."""
+    if lowp_backward:
+        return _lowp_grads_to_seq(dq, dk, dv, hd, pg)
+    if hd.P == 1:  # the head shard is the sequence shard
+        return dq, dk, dv
+    recv = _backward_all_to_all(_pack_grads(dq, dk, dv, hd), pg)
+    return _unpack_grads(recv, hd)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:

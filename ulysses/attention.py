@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import comm, documents, lowp, overlap
+from . import _ops, codes, comm, documents, lowp, overlap
 
 # The head split and the autograd nodes that move heads: ulysses/_heads.py (the collectives are
 # looked up there, so a patch of ``_all_to_all`` and the like goes to ``ulysses._heads``); the
@@ -90,7 +90,10 @@ __all__ = [
     "masked_attention",
     "COMM_MODES",
     "ATTN_OPTIONS",
+    "ATTN_MODES",
 ]
+
+ATTN_MODES = codes.ATTN_MODES  # the strings ``attn=`` takes: "sdpa", "codes"
 
 
 _resolve = comm.resolve_group
@@ -298,6 +301,30 @@ def _default_attention(q_h, k_h, v_h, *, causal, scale, used, plan, options):
     )
 
 
+def _attn_mode(attn) -> tuple[str | None, Callable | None]:
+    """``attn`` -> (mode, callable): a string of :data:`ATTN_MODES` is a mode with the
+    default attention, anything else a callable (or None)."""
+    if isinstance(attn, str):
+        if attn not in ATTN_MODES:
+            raise ValueError(f"attn must be None, a callable or one of {ATTN_MODES}, got {attn!r}")
+        return attn, None
+    if attn is not None and not callable(attn):
+        raise TypeError(
+            f"attn must be None, a callable or one of {ATTN_MODES}, got {type(attn).__name__}"
+        )
+    return None, attn
+
+
+def _chunks_asked(head_chunks, chunks: int, hd, B: int, S: int, D: int, causal: bool) -> int:
+    """The head chunks a call asked for: what eager runs (a compiled call runs one chunk, and
+    must choose its attention as eager does)."""
+    if not _ops.is_compiling():
+        return chunks
+    if head_chunks == overlap.AUTO:
+        return overlap.auto_head_chunks(B, S, hd, D=D, causal=causal)
+    return head_chunks
+
+
 def _zero_padding(out_h: torch.Tensor, used) -> torch.Tensor:
     """Rows ``[used_b, S)`` of each batch row b set to 0 (what a custom ``attn`` returned
     there is discarded)."""
@@ -320,7 +347,7 @@ def ulysses_attention(
     v: torch.Tensor,
     *,
     group=None,
-    attn: Callable | None = None,
+    attn: Callable | str | None = None,
     comm: str = "bf16",
     used_sequence=None,
     causal: bool = False,
@@ -347,9 +374,16 @@ def ulysses_attention(
       attention of the gathered sequence (bit for bit where ``attn`` treats heads
       independently, as torch's CPU SDPA does).
     * ``comm="lowp"``: q, k, v travel as INT8 Q/K and FP8 V with scales from global
-      statistics (``ulysses.lowp.exchange_qkv``: bf16/fp16 inputs, D in 16..256), and
-      ``attn`` sees the dequantized values (K centred, which attention ignores). Backward is
-      straight-through in the input dtype. ``q_group``, ``k_group``: rows per scale.
+      statistics (``ulysses.lowp.exchange_qkv``: bf16/fp16 inputs, D in 16..256). On CUDA
+      the default attention runs on those codes where they land (``ulysses.codes``: INT8
+      Q.K, P.V in FP8, no dequantize pass), wherever the codes kernel supports the call (head
+      dim 64 or 128, no ``attn_kwargs`` window, soft cap or dropout, one head chunk); its
+      output is within ``2**-4 * max|v|`` (over the keys a row attends, per channel) of fp32
+      attention of the dequantized values, plus the rounding to the dtype. Every other call,
+      and every call on CPU, dequantizes (K centred, which attention ignores) and runs the
+      default attention (or ``attn``) on the values. Backward is straight-through in the
+      input dtype (on the codes: from the forward's output and log-sum-exp, no second
+      forward). ``q_group``, ``k_group``: rows per scale.
     * ``int8_output=True`` (with "lowp" only): the output returns as INT8 codes with one fp32
       scale per (row, head), ``D + 4`` bytes instead of ``2 D``; it adds at most ``amax / 254``
       of its (row, head) to the error, then the rounding to the dtype. Default: the input
@@ -381,6 +415,12 @@ def ulysses_attention(
       read: what compiled code passes). A query attends only keys of its own document
       (causal within it when ``causal``). The default attention is then
       ``documents.document_attention``; no statistic of "lowp" depends on documents.
+    * ``attn="codes"`` (with "lowp" only): the attention on the codes, also on CPU (Triton's
+      interpreter: slow, for tests); a call the kernel cannot run raises ValueError naming
+      the reason. ``attn="sdpa"``: the default attention over the dequantized values
+      (today's "lowp" path, and with "bf16" the default). At P = 1 (no group),
+      ``ulysses_attention(q, k, v, comm="lowp", attn="codes")`` is an 8-bit attention of one
+      device: smooth-K INT8 Q/K (K centred by its mean), FP8 V, the same kernel.
     * ``attn(q_h, k_h, v_h, *, causal, scale, used_sequence) -> [B, S, hq, D]`` on head shards
       [B, S, h, D] (k_h/v_h with ``hkv`` heads, see the module docstring); default
       :func:`sdpa_attention`. ``used_sequence`` reaches it as None, an int or a tuple of B
@@ -402,7 +442,9 @@ def ulysses_attention(
       that chunk's heads. n must divide the K/V heads a rank receives (a chunk holds whole
       GQA groups), with the heads split evenly and K/V heads not repeated over ranks;
       ``"auto"`` picks n from the shape (``ulysses.overlap.auto_head_chunks``; 1 where
-      chunks would not pay). Under torch.compile the call runs as one chunk.
+      chunks would not pay). Under torch.compile the call runs as one chunk. With "lowp",
+      more than one chunk (asked, or from ``"auto"``) dequantizes each chunk and runs the
+      default attention on the values, compiled or not (the codes path runs one chunk).
     * ``v_format`` (with "lowp" only): "fp8" (default: V as float8_e4m3fn codes, scale
       ``amax/448`` per (head, channel)) or "int8" (V as int8 codes, scale ``amax/127`` per
       (head, channel), the amax over the whole live sequence: the same bytes, an error of
@@ -433,14 +475,20 @@ def ulysses_attention(
             multiple of 16 up to 256; what ``exchange_qkv`` rejects
             for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``;
             ``head_chunks`` < 1, not dividing the K/V heads a rank receives, or > 1 with an
-            uneven head split or repeated K/V heads (the message names the head counts).
+            uneven head split or repeated K/V heads (the message names the head counts);
+            ``attn`` a string other than "sdpa" or "codes"; ``attn="codes"`` without
+            ``comm="lowp"`` or on a call the codes kernel cannot run (a head dim, dtype,
+            attention option or ``head_chunks`` > 1: the message names it and the fallback).
 
     Example (under torchrun, one process per GPU)::
 
         out = ulysses.ulysses_attention(q, k, v, causal=True)           # [B, L, Hq, D]
         out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp")
         out = ulysses.ulysses_attention(q, k, v, causal=True, document_ids=ids)  # ids [B, L]
+        # one device, no group: an 8-bit attention (INT8 Q/K with smooth K, FP8 V)
+        out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp", attn="codes")
     """
+    mode, attn = _attn_mode(attn)
     _check_call(q, k, v, comm, layout, causal, scale, attn)
     options = _check_attn_kwargs(attn_kwargs, custom=attn is not None)
     _check_int8_output(int8_output, comm)
@@ -465,6 +513,10 @@ def ulysses_attention(
     used = _check_used(used, B, S, comm)
     plan = _document_plan(document_ids, B, L, P, pg, q.device)
     chunks = overlap.resolve_head_chunks(head_chunks, B=B, S=S, hd=hd, D=D, causal=causal)
+    on_codes = codes.use_codes(
+        mode, comm=comm, q=q, custom=attn is not None, options=options,
+        chunks=_chunks_asked(head_chunks, chunks, hd, B, S, D, causal),
+    )  # fmt: skip
 
     def attend(q_h, k_h, v_h):
         """The attention on this rank's heads (or a chunk of them), every row."""
@@ -487,7 +539,13 @@ def ulysses_attention(
     # 1. sequence shards -> head shards of the whole sequence (an autograd node only where a
     # gradient can flow: inference calls skip the node's host cost, not its work)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if comm == "lowp":
+    if on_codes:  # with step 2: the exchange and the attention on its codes, one node
+        out_h = codes.exchange_attend(
+            q, k, v, grad=grad, hd=hd, pg=pg, used=used, q_group=q_group, k_group=k_group,
+            lowp_backward=lowp_backward, v_format=v_format, causal=causal, scale=scale,
+            plan=plan,
+        )  # fmt: skip
+    elif comm == "lowp":
         q_h, k_h, v_h = run_node(_LowpToHeads, grad, q, k, v, hd, pg, used, q_group, k_group,
                                  lowp_backward, v_format)  # fmt: skip
     elif P == 1:
@@ -498,7 +556,8 @@ def ulysses_attention(
         q_h, k_h, v_h = run_node(_QKVToHeads, grad, q, k, v, hd, pg)
 
     # 2. the attention on this rank's heads, every row
-    out_h = attend(q_h, k_h, v_h)
+    if not on_codes:
+        out_h = attend(q_h, k_h, v_h)
 
     # 3. head shards -> sequence shards of the output (a custom ``attn`` may hold parameters:
     # the output's own requires_grad decides)
@@ -537,7 +596,7 @@ class UlyssesAttention(torch.nn.Module):
 
     def __init__(
         self,
-        attn: Callable | None = None,
+        attn: Callable | str | None = None,
         *,
         group=None,
         comm: str = "bf16",
@@ -559,9 +618,8 @@ class UlyssesAttention(torch.nn.Module):
         self.v_format = v_format
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if attn is not None and not callable(attn):
-            raise TypeError(f"attn must be None or a callable, got {type(attn).__name__}")
-        self.attn_kwargs = dict(_check_attn_kwargs(attn_kwargs, custom=attn is not None))
+        mode, custom = _attn_mode(attn)
+        self.attn_kwargs = dict(_check_attn_kwargs(attn_kwargs, custom=custom is not None))
         self.attn, self.group, self.comm = attn, group, comm
         self.q_group, self.k_group, self.layout = q_group, k_group, layout
         self.int8_output, self.backward_comm = int8_output, backward_comm
@@ -582,7 +640,10 @@ class UlyssesAttention(torch.nn.Module):
         )  # fmt: skip
 
     def extra_repr(self) -> str:
-        name = "sdpa" if self.attn is None else getattr(self.attn, "__name__", repr(self.attn))
+        if self.attn is None or isinstance(self.attn, str):
+            name = "default" if self.attn is None else repr(self.attn)
+        else:
+            name = getattr(self.attn, "__name__", repr(self.attn))
         out = ", int8_output=True" if self.int8_output else ""
         if self.backward_comm != "bf16":
             out += f", backward_comm={self.backward_comm!r}"

@@ -28,6 +28,10 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
     vint8          ``v_format="int8"``: V sent as INT8 with one global scale per (head, channel)
     docs_packed    ``document_ids``: each batch row packs several documents (boundaries
                    inside ranks and on rank boundaries, drawn from the case's seed)
+    codes          ``attn="codes"``: the layer attends on the exchange's 8-bit codes
+                   (``ulysses.codes``; on CPU Triton's interpreter runs the kernel); K's
+                   64-row groups alternate between 1x and 2x the generated values, so that
+                   neighbouring K groups have very different scales
     compiled       the call runs inside ``torch.compile(fullgraph=True)`` (backend
                    "aot_eager": the traced graph runs the eager kernels): its collectives are
                    the package's ops in the graph. The values are checked as in eager; the
@@ -39,7 +43,8 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
 Every rank builds the same global q [B, S, Hq, D], k, v [B, S, Hkv, D] and output gradient
 [B, S, Hq, D] with ``ulysses.testing.make_k_full`` (seed: crc32 of the case id plus --seed;
 q, v and the gradient standard normal; k with channel means 4x its spread, as K has), rows
-[used, S) of q, k, v zero, and takes its rows as its shard.
+[used, S) of q, k, v zero, and takes its rows as its shard. On a GPU the "lowp" cases without
+``codes`` run the layer's default attention, which there is the codes path too.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class Case:
     chunks: int = 1  # head_chunks
     v_format: str = "fp8"  # comm="lowp": V's codes, "fp8" or "int8"
     compiled: bool = False  # the call inside torch.compile(fullgraph=True)
+    attn: str | None = None  # "codes": attn="codes" (the attention on the exchange's codes)
     # a feature whose rules act within a batch row, channel or head, not across ranks: its
     # case runs at world sizes up to this one (the lowp suite covers every world size's grid)
     max_world: int | None = None
@@ -111,6 +117,8 @@ class Case:
             parts.append(f"hc{self.chunks}")
         if self.v_format != "fp8":
             parts.append(f"v{self.v_format}")
+        if self.attn is not None:
+            parts.append(self.attn)
         if self.compiled:
             parts.append("compiled")
         if self.disagree:
@@ -304,6 +312,36 @@ DEFAULT_CASES = (
         window=(6, 2),
         max_world=4,
     ),  # fmt: skip
+    # the attention on the exchange's codes (attn="codes"): GQA within a rank, causal; per-row
+    # counts, documents, the INT8 output and backward wires; V as INT8, padding
+    Case("lowp", L=40, hq=2, kv="gqa", D=64, dtype="bf16", causal=True, used="none", attn="codes"),
+    Case(
+        "lowpbw8",
+        L=16,
+        hq=1,
+        kv="mha",
+        D=32,
+        dtype="fp16",
+        causal=False,
+        used="rows",
+        B=3,
+        docs="packed",
+        attn="codes",
+        max_world=4,
+    ),
+    Case(
+        "lowp",
+        L=24,
+        hq=1,
+        kv="gqarep",
+        D=32,
+        dtype="bf16",
+        causal=True,
+        used="early",
+        v_format="int8",
+        attn="codes",
+        max_world=4,
+    ),
     # ranks that disagree: the same ValueError on every rank (a shape no other case uses)
     Case(
         "bf16",
@@ -326,6 +364,19 @@ LARGE_CASES = (
     Case("lowp8", L=2048, hq=4, kv="mha", D=128, dtype="bf16", causal=True, used="tail"),
     Case("lowpbw", L=2048, hq=4, kv="gqa", D=128, dtype="bf16", causal=True, used="tail"),
     Case("lowpbw8", L=1000, hq=2, kv="gqarep", D=128, dtype="bf16", causal=False, used="early"),
+    Case(
+        "lowpbw",
+        L=2048,
+        hq=4,
+        kv="gqa",
+        D=128,
+        dtype="bf16",
+        causal=True,
+        used="rows",
+        B=2,
+        docs="packed",
+        attn="codes",
+    ),
 )
 
 
@@ -372,6 +423,9 @@ def build_full(case: Case, world_size: int, used, device, base_seed: int):
 
     q = make(Hq, "randn", 1, used)
     k = make(Hkv, "smooth", 2, used, mean_scale=4.0, spread=1.0)
+    if case.attn == "codes":  # odd 64-row groups 2x (exact): a K scale read off by a row shows
+        odd = (torch.arange(S, device=k.device) // 64) % 2 == 1
+        k = k * torch.where(odd, 2.0, 1.0).to(k.dtype)[None, :, None, None]
     v = make(Hkv, "randn", 3, used)
     grad_out = make(Hq, "randn", 4, None)
     return q, k, v, grad_out

@@ -62,6 +62,9 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
                     grads_dequant_op (hook)         with the previous rank's scales
     dout_scales     ulysses.rowwire.                backward_comm="lowp": the output's gradient
                     dout_dequant_op (hook)          dequantized with the previous rank's scales
+    codes_k_shift   ulysses.codes.K_SHIFT           attn="codes": the kernel reads each key's K
+                                                    scale one row further on (the last row of a
+                                                    K group takes the next group's scale)
     error           ulysses.k_grouped_amax          hook: raises on the last rank
     hang            ulysses.testing.make_k_full     hook: blocks forever on the last rank
 
@@ -294,6 +297,7 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "dout_scales": (
         ("ulysses.rowwire.dout_dequant_op", _scales_of_previous_rank(lambda kw: kw["h"])),
     ),
+    "codes_k_shift": (("ulysses.codes.K_SHIFT", 1),),
     "error": (("ulysses.k_grouped_amax", Hook(_raise_on_last_rank)),),
     "hang": (("ulysses.testing.make_k_full", Hook(_hang_on_last_rank)),),
 }
@@ -386,6 +390,12 @@ SHOWCASE: tuple[Showcase, ...] = (
         "attention",
         "bf16-L9-hq1-gqa-D16-bf16-causal-used_tail-B2-win5_0",
         "out within",
+    ),
+    Showcase(
+        "codes_k_shift",
+        "attention",
+        "lowp-L40-hq2-gqa-D64-bf16-causal-used_none-codes",
+        "out within the codes bound",
     ),
     Showcase(
         "no_verify",

@@ -1,0 +1,372 @@
+"""Attention on the exchange's 8-bit codes (docs/CONTRACT.md §14): ``comm="lowp"`` without the
+dequantize pass.
+
+Shape legend: B batch, L local rows, P world size, S = L * P global rows, D head dim,
+hq query heads and hkv key/value heads a rank attends (``hq % hkv == 0``; query head j uses
+key/value head ``j // (hq // hkv)``), Gq / Gk the Q / K group sizes.
+    q, k, v            [B, L, Hq or Hkv, D]  this rank's rows (bf16/fp16)
+    LowpQKV.q          [B, S, hq, D]   int8 codes, views of the receive buffer
+    LowpQKV.k          [B, S, hkv, D]  int8 codes of K - k_mean (centred)
+    LowpQKV.v          [B, S, hkv, D]  float8_e4m3fn (or int8) codes
+    q_scale / k_scale  [B, hq / hkv, ceil(S / Gq or Gk)]  fp32;  v_scale [B, hkv, D] fp32
+    out_h              [B, S, hq, D]   q.dtype; rows >= used are 0
+    lse                [B, hq, S]      fp32, natural log of sum_j exp(s_ij); +inf on dead rows
+    document_ids       [B, S]          int32, the global ids (non-decreasing along a row)
+
+Forward (one autograd node, :class:`_CodesToHeads`): ``lowp.exchange_qkv`` (one statistics
+all_gather, one uint8 all_to_all) -> the kernel ``ulysses.kernels.codes_attention`` on the
+codes and scales where they landed: scores ``(q_code . k_code) * q_scale * k_scale * scale``
+exactly in fp32, online softmax in fp32, P.V with P rounded to e4m3 (relative error at most
+2**-4), so that the output is within ``2**-4 * max_j |v_j|`` (per row and channel, over the
+keys the row attends) of fp32 attention of the dequantized values (``code * scale`` in fp32),
+plus the rounding to the output dtype (``2**-8 |out|`` for bf16).
+
+Backward (straight-through, §9): the gradients of attention over the dequantized values (K
+centred, which softmax ignores), from the forward's ``out_h`` and ``lse`` without a second
+forward: the codes are dequantized once (``LowpQKV.dequantize``), then
+
+* CUDA, every row live or one live count for all batch rows, no documents: torch's flash
+  attention backward (``aten._scaled_dot_product_flash_attention_backward``, which takes the
+  output and the log-sum-exp) on the live rows; K/V heads repeated per query head and their
+  gradients summed (GQA);
+* otherwise (CPU, per-row live counts, documents): :func:`blockwise_backward`, in fp32, one
+  block of query rows at a time: ``P = exp(s - lse)`` on the allowed keys, ``dV = P^T dO``,
+  ``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ = dS K * scale``, ``dK = dS^T Q * scale``.
+
+The head shards' gradients then go back exactly as the dequantized path's do
+(``_heads.grads_to_seq``: one all_to_all, in the input dtype or with ``backward_comm="lowp"``
+as INT8 codes).
+
+Which calls run here (:func:`use_codes`): with ``comm="lowp"`` and ``attn`` None, every call
+the kernel supports on CUDA (head dim 64 or 128, bf16/fp16, the default attention without a
+window, soft cap or dropout, one head chunk); everything else, and every CPU call, attends
+over the dequantized values (the Triton interpreter runs the kernel on CPU, slowly).
+``attn="codes"`` asks for this path (on CPU: the interpreter) and raises ValueError naming the
+reason where the kernel cannot run the call; ``attn="sdpa"`` keeps the dequantized path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _heads, _ops, lowp
+from .kernels._runtime import device_constant
+
+__all__ = [
+    "ATTN_MODES",
+    "use_codes",
+    "attend",
+    "attention_backward",
+    "blockwise_backward",
+    "chunk_forward",
+    "chunk_backward",
+    "exchange_attend",
+]
+
+ATTN_MODES = ("sdpa", "codes")  # the strings ``attn=`` takes
+# The kernel's K scales read one row off when 1: a planted fault of the harness
+# (ulysses/dist_tests/faults.py, "codes_k_shift"); always 0 in the library.
+K_SHIFT = 0
+# fp32 scores of one query block of the blockwise backward (B * hq * rows * keys): about
+# 64 MB a score tensor, a few of them alive at once
+_BWD_BLOCK_ELEMS = 2**24
+
+
+def _kernel():
+    """The kernel module (imported on first use)."""
+    from .kernels import codes_attention
+
+    return codes_attention
+
+
+# ---- which calls attend on the codes ----------------------------------------------------------
+
+
+def unsupported_reason(q: torch.Tensor, *, options: dict, chunks: int) -> str | None:
+    """Why the codes kernel cannot run a ``comm="lowp"`` call with the default attention, or
+    None: the kernel's own rule for the device, head dim and dtype, then the attention options
+    it has no way to apply, then head chunks (the pipeline dequantizes each chunk)."""
+    reason = _kernel().codes_supported(q.device, q.shape[3], q.dtype)
+    if reason:
+        return reason
+    named = [n for n in ("window_size", "softcap") if options.get(n) is not None]
+    named += ["dropout_p"] if options.get("dropout_p", 0.0) else []
+    if named:
+        return f"attn_kwargs {named} (the codes kernel has no window, soft cap or dropout)"
+    if chunks > 1:
+        return f"head_chunks={chunks} (the pipelined exchange dequantizes each head chunk)"
+    return None
+
+
+def use_codes(mode: str | None, *, comm: str, q: torch.Tensor, custom: bool, options: dict,
+              chunks: int) -> bool:  # fmt: skip
+    """Whether a call attends on the codes: ``mode`` "codes" (raises ValueError naming why a
+    call cannot), "sdpa" (never) or None (the default: ``comm="lowp"`` on CUDA with the
+    default attention, wherever the kernel supports the call). ``chunks``: the head chunks the
+    call asked for (``"auto"`` resolved)."""
+    if mode == "sdpa":
+        return False
+    if mode is None:
+        if comm != "lowp" or custom or q.device.type != "cuda":
+            return False
+        return unsupported_reason(q, options=options, chunks=chunks) is None
+    assert mode == "codes", mode
+    if comm != "lowp":
+        raise ValueError(
+            f"attn='codes' attends on the 8-bit codes of comm='lowp', got comm={comm!r}; "
+            f"pass comm='lowp', or attn=None for the default attention"
+        )
+    reason = unsupported_reason(q, options=options, chunks=chunks)
+    if reason:
+        raise ValueError(
+            f"attn='codes' cannot run this call: {reason}; attn='sdpa' (or attn=None, which "
+            f"falls back to it) attends over the dequantized values with the default attention"
+        )
+    return True
+
+
+# ---- forward: the kernel as one op ------------------------------------------------------------
+
+_USED: dict[tuple, torch.Tensor] = {}
+
+
+def _used_tensor(used_rows: tuple, device: torch.device) -> torch.Tensor:
+    """int32 [B] live counts on ``device``, cached per counts and device (a pinned copy, so
+    that it may first be made inside a CUDA graph capture)."""
+    key = (used_rows, str(device))
+    found = _USED.get(key)
+    if found is None:
+        if len(_USED) >= 256:
+            _USED.clear()
+        found = _USED[key] = device_constant(torch.tensor(used_rows, dtype=torch.int32), device)
+    return found
+
+
+def _attend_codes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    *,
+    q_group: int,
+    k_group: int,
+    causal: bool,
+    sm_scale: float | None,
+    used_rows: list[int] | None,
+    out_dtype: torch.dtype,
+    k_shift: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    used = None if used_rows is None else _used_tensor(tuple(used_rows), q.device)
+    return _kernel().codes_attention(
+        q, k, v, q_scale, k_scale, v_scale, q_group=q_group, k_group=k_group, causal=causal,
+        sm_scale=sm_scale, used=used, doc_ids=document_ids, out_dtype=out_dtype,
+        k_shift=k_shift,
+    )  # fmt: skip
+
+
+def _attend_codes_fake(q, k, v, q_scale, k_scale, v_scale, document_ids, *, q_group, k_group,
+                       causal, sm_scale, used_rows, out_dtype, k_shift):  # fmt: skip
+    B, S, hq, D = q.shape
+    return q.new_empty((B, S, hq, D), dtype=out_dtype), q.new_empty((B, hq, S), dtype=torch.float32)
+
+
+# the kernel's launch as one op of a compiled graph (eager calls run the function directly)
+codes_op = _ops.define_op("codes_attention", _attend_codes, _attend_codes_fake)
+
+
+def _used_rows(used, B: int) -> list[int] | None:
+    """The layer's ``used`` (None, an int or B counts) as the op takes it."""
+    if used is None:
+        return None
+    return list(used) if isinstance(used, tuple) else [used] * B
+
+
+def attend(
+    x: lowp.LowpQKV, *, causal: bool, scale: float | None, used=None, document_ids=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on one exchange's codes: ``(out_h [B, S, hq, D] in the input dtype, lse
+    [B, hq, S] fp32)``. ``used``: None, an int or a tuple of B live counts; ``document_ids``:
+    None or int32 [B, S] on the codes' device (global ids)."""
+    return codes_op(
+        q=x.q, k=x.k, v=x.v, q_scale=x.q_scale, k_scale=x.k_scale, v_scale=x.v_scale,
+        document_ids=document_ids, q_group=x.q_group, k_group=x.k_group, causal=causal,
+        sm_scale=scale, used_rows=_used_rows(used, x.q.shape[0]), out_dtype=x.k_mean.dtype,
+        k_shift=K_SHIFT,
+    )  # fmt: skip
+
+
+# ---- backward: from out and lse ---------------------------------------------------------------
+
+
+def _flash_fits(q: torch.Tensor, used, document_ids) -> bool:
+    """torch's flash attention backward takes this call: CUDA, sm80+, bf16/fp16, D <= 256 a
+    multiple of 8, every row live (or one count for all rows: the live prefix), no documents."""
+    return (
+        q.is_cuda
+        and document_ids is None
+        and not isinstance(used, tuple)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[3] <= 256
+        and q.shape[3] % 8 == 0
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    )
+
+
+def _flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None):
+    """``aten._scaled_dot_product_flash_attention_backward`` on [B, S, h, D] tensors (every
+    row live); GQA: K/V heads repeated, their gradients summed in fp32."""
+    B, S, hq, D = q.shape
+    g = hq // k.shape[2]
+    if g > 1:
+        k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
+    # the RNG state is read only with dropout: empty scalars, as its forward returns without
+    seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out.transpose(1, 2), lse.contiguous(), None, None, S, S, 0.0, causal, seed, offset,
+        scale=scale,
+    )  # fmt: skip
+    dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+    if g > 1:
+        dk, dv = (x.unflatten(2, (-1, g)).float().sum(3).to(q.dtype) for x in (dk, dv))
+    return dq, dk, dv
+
+
+def blockwise_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None,
+                       document_ids=None, live_rows: int | None = None):  # fmt: skip
+    """The attention backward from the forward's output and log-sum-exp, in fp32, one block
+    of query rows at a time (memory ``O(rows * S)`` a block, not ``O(S**2)``).
+
+    ``dout``, ``q``, ``out`` [B, S, hq, D]; ``k``, ``v`` [B, S, hkv, D]; ``lse`` [B, hq, S]
+    fp32 with +inf on the rows that are not live (which also marks the keys that are not:
+    a row is live as a query exactly when it is live as a key); ``document_ids`` None or
+    [B, S]: a query attends keys of its own document only; ``live_rows``: no row at or past
+    it is live (a bound that only saves work). Returns dq [B, S, hq, D], dk, dv [B, S, hkv,
+    D] in q's dtype; the rows that are not live get 0."""
+    B, S, hq, D = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    sm = D**-0.5 if scale is None else scale
+    n = S if live_rows is None else live_rows
+    qf = q.float().view(B, S, hkv, g, D)
+    kf, vf = k.float(), v.float()
+    do = dout.float().view(B, S, hkv, g, D)
+    delta = (dout.float() * out.float()).sum(-1).view(B, S, hkv, g).permute(0, 2, 3, 1)
+    lse_g = lse.view(B, hkv, g, S)
+    live = lse[:, 0] != math.inf  # [B, S]: rows (and keys) that are live
+    dq = torch.zeros_like(qf)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    rows = torch.arange(S, device=q.device)
+    m = max(1, min(n, _BWD_BLOCK_ELEMS // max(1, B * hq * n)))
+    for i0 in range(0, n, m):
+        i1 = min(i0 + m, n)
+        nk = i1 if causal else n  # keys a block of queries may attend
+        s = torch.einsum("bmhgd,bnhd->bhgmn", qf[:, i0:i1], kf[:, :nk]) * sm
+        allowed = live[:, None, :nk] & live[:, i0:i1, None]  # [B, m, nk]
+        if causal:
+            allowed = allowed & (rows[None, :nk] <= rows[i0:i1, None])
+        if document_ids is not None:
+            ids = document_ids
+            allowed = allowed & (ids[:, i0:i1, None] == ids[:, None, :nk])
+        p = torch.exp(s - lse_g[..., i0:i1, None])
+        p = torch.where(allowed[:, None, None], p, p.new_zeros(()))  # [B, hkv, g, m, nk]
+        dob = do[:, i0:i1]  # [B, m, hkv, g, D]
+        dv[:, :nk] += torch.einsum("bhgmn,bmhgd->bnhd", p, dob)
+        dp = torch.einsum("bmhgd,bnhd->bhgmn", dob, vf[:, :nk])
+        ds = p * (dp - delta[..., i0:i1, None])
+        dq[:, i0:i1] = torch.einsum("bhgmn,bnhd->bmhgd", ds, kf[:, :nk]) * sm
+        dk[:, :nk] += torch.einsum("bhgmn,bmhgd->bnhd", ds, qf[:, i0:i1]) * sm
+    return dq.view(B, S, hq, D).to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None,
+                       used=None, document_ids=None):  # fmt: skip
+    """The gradients of attention over ``q``, ``k``, ``v`` (the dequantized head shards,
+    [B, S, hq or hkv, D]) from its output ``out`` and ``lse`` (module docstring): torch's
+    flash backward where it takes the call, else :func:`blockwise_backward`. ``used``: None,
+    an int or a tuple of B live counts."""
+    dout = dout.contiguous()
+    if _flash_fits(q, used, document_ids):
+        if used is None:
+            return _flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        n, S = used, q.shape[1]
+        got = _flash_backward(dout[:, :n], q[:, :n], k[:, :n], v[:, :n], out[:, :n],
+                              lse[:, :, :n], causal=causal, scale=scale)  # fmt: skip
+        return tuple(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, S - n)) for x in got)
+    live_rows = None if used is None else max(used) if isinstance(used, tuple) else used
+    return blockwise_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                              document_ids=document_ids, live_rows=live_rows)  # fmt: skip
+
+
+# ---- the per-chunk piece (a head chunk's codes in, its head shards' gradients out) ------------
+
+
+def chunk_forward(x: lowp.LowpQKV, *, causal: bool, scale: float | None, used=None,
+                  document_ids=None) -> tuple[torch.Tensor, tuple]:  # fmt: skip
+    """The attention of one exchange's (or one head chunk's) codes: ``(out_h, saved)``;
+    pass ``saved`` to :func:`chunk_backward` with the gradient of ``out_h``. ``saved`` holds
+    the codes (half the bytes of the dequantized values), ``out_h`` and ``lse``."""
+    out_h, lse = attend(x, causal=causal, scale=scale, used=used, document_ids=document_ids)
+    return out_h, (x, out_h, lse, causal, scale, used, document_ids)
+
+
+def chunk_backward(dout_h: torch.Tensor, saved: tuple) -> tuple:
+    """(dq_h [B, S, hq, D], dk_h, dv_h [B, S, hkv, D]) in the input dtype: the
+    straight-through gradients of :func:`chunk_forward`'s attention (the codes dequantized
+    once, then :func:`attention_backward`)."""
+    x, out_h, lse, causal, scale, used, document_ids = saved
+    q, k, v = x.dequantize()
+    return attention_backward(dout_h, q, k, v, out_h, lse, causal=causal, scale=scale,
+                              used=used, document_ids=document_ids)  # fmt: skip
+
+
+# ---- the layer's node: exchange and attention on the codes ------------------------------------
+
+
+def _exchange(q, k, v, **kwargs) -> lowp.LowpQKV:
+    """``lowp.exchange_qkv`` (its own name: the harness logs the collective step here)."""
+    return lowp.exchange_qkv(q, k, v, **kwargs)
+
+
+class _CodesToHeads(torch.autograd.Function):
+    """Sequence shards q, k, v -> this rank's attention output on head shards ``out_h``
+    [B, S, hq, D]: the low-precision exchange and the codes kernel (one statistics all_gather,
+    one uint8 all_to_all). Backward: the straight-through gradients from out_h and lse, then
+    ONE all_to_all of dq|dk|dv back to sequence shards (``_heads.grads_to_seq``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, document_ids, hd, pg, used, q_group, k_group, lowp_backward,
+                v_format, causal, scale):  # fmt: skip
+        x = _exchange(q, k, v, group=pg, used_sequence=used, q_group=q_group, k_group=k_group,
+                      v_format=v_format)  # fmt: skip
+        out_h, lse = attend(x, causal=causal, scale=scale, used=used, document_ids=document_ids)
+        if hasattr(ctx, "save_for_backward"):  # not for a call without gradients (run_node)
+            ctx.save_for_backward(x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, x.k_mean,
+                                  out_h, lse, document_ids)  # fmt: skip
+            ctx.hd, ctx.pg, ctx.used, ctx.lowp_backward = hd, pg, used, lowp_backward
+            ctx.groups, ctx.causal, ctx.scale = (q_group, k_group), causal, scale
+        return out_h
+
+    @staticmethod
+    def backward(ctx, dout_h):
+        qc, kc, vc, qs, ks, vs, km, out_h, lse, document_ids = ctx.saved_tensors
+        x = lowp.LowpQKV(qc, kc, vc, qs, ks, vs, km, ctx.used, *ctx.groups)
+        saved = (x, out_h, lse, ctx.causal, ctx.scale, ctx.used, document_ids)
+        dq, dk, dv = chunk_backward(dout_h, saved)
+        grads = _heads.grads_to_seq(dq, dk, dv, ctx.hd, ctx.pg, ctx.lowp_backward)
+        return (*grads, *(None,) * 10)
+
+
+def exchange_attend(q, k, v, *, grad: bool, hd, pg, used, q_group: int, k_group: int,
+                    lowp_backward: bool, v_format: str, causal: bool, scale, plan):  # fmt: skip
+    """The layer's ``comm="lowp"`` steps 1 and 2 on the codes: ``out_h`` [B, S, hq, D] (an
+    autograd node where ``grad``). ``plan``: the call's DocumentPlan or None."""
+    ids = None if plan is None else plan.ids.to(device=q.device, dtype=torch.int32)
+    return _heads.run_node(_CodesToHeads, grad, q, k, v, ids, hd, pg, used, q_group, k_group,
+                           lowp_backward, v_format, causal, scale)  # fmt: skip
