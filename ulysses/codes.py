@@ -238,6 +238,46 @@ def _flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | Non
     return dq, dk, dv
 
 
+def _cudnn_fits(q: torch.Tensor) -> bool:
+    """torch's cuDNN attention backward is there and enabled for ``q``'s device (Hopper)."""
+    return (
+        torch.backends.cuda.cudnn_sdp_enabled()
+        and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
+        and torch.cuda.get_device_capability(q.device)[0] == 9
+    )
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None):
+    """``aten._scaled_dot_product_cudnn_attention_backward`` on [B, S, h, D] tensors (every row
+    live): cuDNN's fused backward takes the forward's output and its log-sum-exp ([B, h, S, 1],
+    natural log, what the codes kernel writes); GQA as :func:`_flash_backward`."""
+    B, S, hq, D = q.shape
+    g = hq // k.shape[2]
+    if g > 1:
+        k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
+    seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out.transpose(1, 2), lse.unsqueeze(-1), seed, offset, None, None, None, S, S, 0.0,
+        causal, scale=scale,
+    )  # fmt: skip
+    dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+    if g > 1:
+        dk, dv = (x.unflatten(2, (-1, g)).float().sum(3).to(q.dtype) for x in (dk, dv))
+    return dq, dk, dv
+
+
+# The fused backward that the codes path uses on CUDA where both are there: "cudnn" (on
+# Hopper the faster of the two, docs/BENCHMARKS.md) or "flash".
+FUSED_BACKWARD = "cudnn"
+
+
+def _fused_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None):
+    if FUSED_BACKWARD == "cudnn" and _cudnn_fits(q):
+        return _cudnn_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    return _flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+
 def blockwise_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None,
                        document_ids=None, live_rows: int | None = None):  # fmt: skip
     """The attention backward from the forward's output and log-sum-exp, in fp32, one block
@@ -294,10 +334,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | 
     dout = dout.contiguous()
     if _flash_fits(q, used, document_ids):
         if used is None:
-            return _flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+            return _fused_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
         n, S = used, q.shape[1]
-        got = _flash_backward(dout[:, :n], q[:, :n], k[:, :n], v[:, :n], out[:, :n],
-                              lse[:, :, :n], causal=causal, scale=scale)  # fmt: skip
+        got = _fused_backward(dout[:, :n], q[:, :n], k[:, :n], v[:, :n], out[:, :n],
+                              lse[:, :, :n].contiguous(), causal=causal, scale=scale)  # fmt: skip
         return tuple(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, S - n)) for x in got)
     live_rows = None if used is None else max(used) if isinstance(used, tuple) else used
     return blockwise_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
