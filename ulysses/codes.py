@@ -37,12 +37,12 @@ The head shards' gradients then go back exactly as the dequantized path's do
 (``_heads.grads_to_seq``: one all_to_all, in the input dtype or with ``backward_comm="lowp"``
 as INT8 codes).
 
-Which calls run here (:func:`use_codes`): with ``comm="lowp"`` and ``attn`` None, every call
-the kernel supports on CUDA (head dim 64 or 128, bf16/fp16, the default attention without a
-window, soft cap or dropout, one head chunk); everything else, and every CPU call, attends
-over the dequantized values (the Triton interpreter runs the kernel on CPU, slowly).
-``attn="codes"`` asks for this path (on CPU: the interpreter) and raises ValueError naming the
-reason where the kernel cannot run the call; ``attn="sdpa"`` keeps the dequantized path.
+Which calls run here (:func:`use_codes`): those that pass ``attn="codes"`` with
+``comm="lowp"`` (on CPU: Triton's interpreter, slowly); a call the kernel cannot run (head dim
+other than 64 or 128 on CUDA, a window, soft cap or dropout, several head chunks) raises
+ValueError naming the reason. ``attn=None`` (the default) and ``attn="sdpa"`` attend over the
+dequantized values: measured on an H100 the kernel is not yet faster than torch's cuDNN
+attention at every shape (docs/BENCHMARKS.md), so it is not the default.
 """
 
 from __future__ import annotations
@@ -103,15 +103,12 @@ def unsupported_reason(q: torch.Tensor, *, options: dict, chunks: int) -> str | 
 def use_codes(mode: str | None, *, comm: str, q: torch.Tensor, custom: bool, options: dict,
               chunks: int) -> bool:  # fmt: skip
     """Whether a call attends on the codes: ``mode`` "codes" (raises ValueError naming why a
-    call cannot), "sdpa" (never) or None (the default: ``comm="lowp"`` on CUDA with the
-    default attention, wherever the kernel supports the call). ``chunks``: the head chunks the
-    call asked for (``"auto"`` resolved)."""
-    if mode == "sdpa":
+    call cannot), "sdpa" or None (the default: never; the dequantized path). ``chunks``: the
+    head chunks the call asked for (``"auto"`` resolved)."""
+    if mode is None or mode == "sdpa":
+        # The default stays the dequantized path: on an H100 the kernel measured 0.82-1.13x
+        # torch's cuDNN attention and its training step slower (docs/BENCHMARKS.md)
         return False
-    if mode is None:
-        if comm != "lowp" or custom or q.device.type != "cuda":
-            return False
-        return unsupported_reason(q, options=options, chunks=chunks) is None
     assert mode == "codes", mode
     if comm != "lowp":
         raise ValueError(
@@ -255,7 +252,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | Non
     g = hq // k.shape[2]
     if g > 1:
         k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
-    seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
+    seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default(
         dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         out.transpose(1, 2), lse.unsqueeze(-1), seed, offset, None, None, None, S, S, 0.0,
@@ -267,9 +264,10 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | Non
     return dq, dk, dv
 
 
-# The fused backward that the codes path uses on CUDA where both are there: "cudnn" (on
-# Hopper the faster of the two, docs/BENCHMARKS.md) or "flash".
-FUSED_BACKWARD = "cudnn"
+# The fused backward of the codes path on CUDA: "flash" (torch's flash attention backward), or
+# "cudnn" (cuDNN's, which torch's own SDPA backward runs on Hopper; checked against flash in
+# tests/test_codes_layer.py on a GPU).
+FUSED_BACKWARD = "flash"
 
 
 def _fused_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None):
