@@ -458,6 +458,6 @@ def test_cudnn_backward_matches_flash(causal):
     dout = torch.randn(B, S, hq, D, generator=g, device="cuda").to(DT)
     want = codes._flash_backward(dout, q, k, v, out, lse, causal=causal, scale=None)
     got = codes._cudnn_backward(dout, q, k, v, out, lse, causal=causal, scale=None)
-    for name, a, b in zip("qkv", got, want):
+    for name, a, b in zip("qkv", got, want, strict=True):
         err = (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
         assert err < 2e-2, f"d{name}: {err}"
