@@ -24,7 +24,8 @@ rank), runs the sharded step with the library's helpers, and compares:
   batch beside the one-device bf16 model: every step's loss within ``--lowp-bound``.
 
 ``--plant local-shift`` shifts the labels after sharding (each rank's last target lost) and
-``--plant no-sp-sum`` skips the gradient sum over sp: the checks must then fail (exit 1).
+``--plant no-sp-sum`` skips the gradient sum over sp: the checks must then fail (exit 1);
+``--check-plants`` (mesh) runs both after the clean step and fails unless each is detected.
 Exit codes: 0 pass, 1 a check failed, 2 setup, 3 the watchdog.
 """
 
@@ -145,16 +146,15 @@ def _ids_from_cu(cu, S0):
 
 
 def _case_mesh(ctx, args) -> list[str]:
-    import ulysses
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import ulysses
 
     failures = []
     if ctx.world_size % args.sp:
         raise _dist.SetupError(f"world size {ctx.world_size} is not a multiple of --sp {args.sp}")
     dp = ctx.world_size // args.sp
     mesh = init_device_mesh("cpu", (dp, args.sp), mesh_dim_names=("dp", "sp"))
-    sp_pg, dp_pg = mesh.get_group("sp"), mesh.get_group("dp")
-    replica = mesh.get_local_rank("dp")
 
     # bad input: each must raise the named error on every rank
     def expect(exc, pattern, group):
@@ -184,14 +184,37 @@ def _case_mesh(ctx, args) -> list[str]:
         ids, labels, mask, cu, used = _mesh_batch(d)
         doc = _ids_from_cu(cu, ids.shape[1])
         pos, tgt = zip(*(_ref_positions_targets(labels[b].tolist(), doc[b].tolist(), used[b])
-                         for b in range(ids.shape[0])))  # fmt: skip
+                         for b in range(ids.shape[0])), strict=True)  # fmt: skip
         logits = ref_model(ids, torch.tensor(pos), _ref_attend(doc, used))
-        ref_loss = ref_loss + F.cross_entropy(
-            logits.flatten(0, 1), torch.tensor(tgt).flatten(), ignore_index=IGNORE
-        ) / dp
+        ref_loss = (
+            ref_loss
+            + F.cross_entropy(
+                logits.flatten(0, 1), torch.tensor(tgt).flatten(), ignore_index=IGNORE
+            )
+            / dp
+        )
     ref_loss.backward()
     ref_loss = ref_loss.detach()
 
+    failures += _mesh_step(ctx, args, mesh, copy.deepcopy(model), ref_model, ref_loss, args.plant)
+    if args.check_plants:
+        for plant in ("local-shift", "no-sp-sum"):
+            found = _mesh_step(ctx, args, mesh, copy.deepcopy(model), ref_model, ref_loss, plant)
+            if ctx.any_rank(bool(found)):
+                _log(ctx, f"mesh: planted fault {plant!r} detected: {found[0] if found else ''}")
+            else:
+                failures.append(f"mesh: planted fault {plant!r} was not detected")
+    return failures
+
+
+def _mesh_step(ctx, args, mesh, model, ref_model, ref_loss, plant: str) -> list[str]:
+    """One sharded step of ``model`` on this rank's replica, compared with the reference."""
+    import ulysses
+
+    failures = []
+    dp = mesh.size(0)
+    sp_pg, dp_pg = mesh.get_group("sp"), mesh.get_group("dp")
+    replica = mesh.get_local_rank("dp")
     # this rank: its replica's batch, its rows
     ids, labels, mask, cu, used = _mesh_batch(replica)
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
@@ -199,7 +222,7 @@ def _case_mesh(ctx, args) -> list[str]:
     if shard.used_sequence != tuple(used):
         failures.append(f"used_sequence {shard.used_sequence} != {tuple(used)}")
     targets = shard["shift_labels"]
-    if args.plant == "local-shift":  # shift this rank's rows only: the last target is lost
+    if plant == "local-shift":  # shift this rank's rows only: the last target is lost
         local = shard["input_ids"].new_full(targets.shape, IGNORE)
         rows = slice(shard.rank * shard.local_len, (shard.rank + 1) * shard.local_len)
         padded = F.pad(labels, (0, shard.seq_len - labels.shape[1]), value=IGNORE)[:, rows]
@@ -216,7 +239,7 @@ def _case_mesh(ctx, args) -> list[str]:
     loss = ulysses.batch.causal_lm_loss(logits, targets, group=(mesh, "sp"))
     loss.backward()
     for p in model.parameters():
-        if args.plant != "no-sp-sum":
+        if plant != "no-sp-sum":
             dist.all_reduce(p.grad, group=sp_pg)
         dist.all_reduce(p.grad, group=dp_pg)
         p.grad /= dp
@@ -225,7 +248,7 @@ def _case_mesh(ctx, args) -> list[str]:
     mean_loss /= dp
 
     d_loss = abs(float(mean_loss) - float(ref_loss))
-    _log(ctx, f"mesh dp {dp} x sp {args.sp}: loss {float(mean_loss):.6f} vs one device "
+    _log(ctx, f"mesh ({plant}) dp {dp} x sp {args.sp}: loss {float(mean_loss):.6f} vs one device "
               f"{float(ref_loss):.6f} (|diff| {d_loss:.2e})")  # fmt: skip
     if not d_loss <= args.tol * max(1.0, abs(float(ref_loss))):
         failures.append(f"loss {float(mean_loss)} != one device's {float(ref_loss)}")
@@ -235,7 +258,7 @@ def _case_mesh(ctx, args) -> list[str]:
         worst = max(worst, rel)
         if not rel <= args.tol:
             failures.append(f"grad {name}: max |diff| / max |ref| = {rel:.2e} > {args.tol:g}")
-    _log(ctx, f"mesh: worst gradient max |diff| / max |ref| {worst:.2e}")
+    _log(ctx, f"mesh ({plant}): worst gradient max |diff| / max |ref| {worst:.2e}")
     return failures
 
 
@@ -400,6 +423,11 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lowp-bound", type=float, default=0.05)
     p.add_argument("--plant", choices=("none", "local-shift", "no-sp-sum"), default="none")
+    p.add_argument(
+        "--check-plants",
+        action="store_true",
+        help="mesh: also run each planted fault, which must be detected",
+    )
     p.add_argument("--timeout-s", type=float, default=300)
     args = p.parse_args(argv)
 
