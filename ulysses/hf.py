@@ -111,16 +111,16 @@ def register(
     AttentionInterface.register(name, functools.partial(attention_forward, settings=settings))
     # transformers builds masks per implementation and passes none to one it does not know,
     # dropping a padding mask silently: this one checks the mask and builds none
-    AttentionMaskInterface.register(name, _mask)
+    AttentionMaskInterface.register(name, functools.partial(_mask, group=group))
     return name
 
 
-def _mask(*args, attention_mask=None, **kwargs):
+def _mask(*args, group=None, attention_mask=None, **kwargs):
     """transformers' mask function for the registered name: no mask (the attention is
     causal by itself, padding and documents come as ``used_sequence`` / ``document_ids``);
-    a padding mask raises ValueError."""
+    a padding mask raises ValueError on every rank."""
     if attention_mask is not None:
-        _check_no_padding(attention_mask)
+        _check_no_padding(attention_mask, group)
     return None
 
 
@@ -173,8 +173,9 @@ def attention_forward(
             f"{tuple(getattr(attention_mask, 'shape', ()))}; call the model without "
             "attention_mask and with ulysses.batch.shard_batch(...).model_inputs()"
         )
-    if position_ids is not None and document_ids is None:
-        _check_positions(position_ids, query.shape[2], group, query.device)
+    if position_ids is not None:
+        _check_positions(position_ids, document_ids is not None, query.shape[2], group,
+                         query.device)  # fmt: skip
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     attn_kwargs = {}
     if dropout:
@@ -206,41 +207,65 @@ def _seen(kind: str, x: torch.Tensor) -> bool:
     return False
 
 
-def _check_no_padding(mask) -> None:
+def _agree(values: list[int], group, device) -> torch.Tensor:
+    """Every rank's ``values`` ``[P, n]`` (one small all_gather; none at P = 1), so that a
+    check raises on every rank or on none: a rank that raised alone would leave the others
+    waiting in the attention's all_to_all."""
+    pg, _, P = _comm.resolve_group(group, device)
+    payload = torch.tensor(values, dtype=torch.int64, device=device)
+    return _comm.all_gather(payload, pg, P).cpu()
+
+
+def _check_no_padding(mask, group) -> None:
     if not isinstance(mask, torch.Tensor) or _seen("mask", mask):
         return
-    if not bool(mask.bool().all()):
+    padded = _agree([int(not bool(mask.bool().all()))], group, mask.device)[:, 0]
+    if bool(padded.any()):
         _CHECKED.pop("mask", None)
+        ranks = padded.nonzero().flatten().tolist()
         raise ValueError(
-            "attention_mask has padding, which a mask of one rank's rows cannot express under "
-            "Ulysses: call the model without attention_mask and pass used_sequence= (from "
-            "ulysses.batch.shard_batch(...).model_inputs())"
+            f"attention_mask has padding (on ranks {ranks}), which a mask of one rank's rows "
+            "cannot express under Ulysses: call the model without attention_mask and pass "
+            "used_sequence= (from ulysses.batch.shard_batch(...).model_inputs())"
         )
 
 
-def _check_positions(position_ids, L: int, group, device) -> None:
+def _check_positions(position_ids, documents: bool, L: int, group, device) -> None:
     if not isinstance(position_ids, torch.Tensor) or _seen("positions", position_ids):
         return
-    _, rank, P = _comm.resolve_group(group, device)
-    first = rank * L
-    pos = position_ids.long()
-    restarts = bool((pos[:, 1:] != pos[:, :-1] + 1).any()) if pos.shape[-1] > 1 else False
-    if restarts:
+    pos = position_ids.long().reshape(-1, position_ids.shape[-1])
+    restarts = int(bool((pos[:, 1:] != pos[:, :-1] + 1).any())) if pos.shape[-1] > 1 else 0
+    starts = pos[:, 0]
+    first, last = int(starts.min()), int(starts.max())
+    seen = _agree([restarts, first, last, int(documents)], group, device)
+    P = seen.shape[0]
+    if bool(seen[:, 3].any()) and not bool(seen[:, 3].all()):
         _CHECKED.pop("positions", None)
+        ranks = seen[:, 3].nonzero().flatten().tolist()
         raise ValueError(
-            "position_ids restart inside this rank's rows (packed documents), but no "
+            f"document_ids reached the attention on ranks {ranks} only: pass them on every "
+            "rank (each rank its own rows)"
+        )
+    if documents:
+        return
+    if bool(seen[:, 0].any()):
+        _CHECKED.pop("positions", None)
+        ranks = seen[:, 0].nonzero().flatten().tolist()
+        raise ValueError(
+            f"position_ids restart inside the rows of ranks {ranks} (packed documents), but no "
             "document_ids reached the attention: pass document_ids= to the model call "
             "(ulysses.batch.shard_batch(...).model_inputs() does), else attention crosses "
             "documents"
         )
-    if P > 1 and bool((pos[..., 0] != first).any()):
-        _CHECKED.pop("positions", None)
-        raise ValueError(
-            f"position_ids of rank {rank} start at {int(pos.reshape(-1, pos.shape[-1])[0, 0])}, "
-            f"but its rows are global rows [{first}, {first + L}): pass the global positions "
-            "(position_ids= from ulysses.batch.shard_batch(...).model_inputs()); transformers "
-            "numbers each rank's rows from 0 when position_ids are left out"
-        )
+    for r in range(P):
+        if int(seen[r, 1]) != r * L or int(seen[r, 2]) != r * L:
+            _CHECKED.pop("positions", None)
+            raise ValueError(
+                f"position_ids of rank {r} start at {int(seen[r, 1])}, but its rows are global "
+                f"rows [{r * L}, {(r + 1) * L}): pass the global positions (position_ids= from "
+                "ulysses.batch.shard_batch(...).model_inputs()); transformers numbers each "
+                "rank's rows from 0 when position_ids are left out"
+            )
 
 
 def _attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
