@@ -358,14 +358,22 @@ def _case_hf(ctx, args) -> list[str]:
             failures.append(f"hf {what}: loss {float(loss)} != one device's {float(ref_loss)}")
         if not worst <= args.tol:
             failures.append(f"hf {what}: gradient {worst_name} off by {worst:.2e} > {args.tol:g}")
-    # a padding mask cannot reach the registered attention: the model call raises
-    try:
-        batch = _hf_batches()[0][1]
-        model(input_ids=batch["input_ids"][:, :16], attention_mask=batch["attention_mask"][:, -16:])
-        failures.append("hf: a padding attention_mask did not raise")
-    except ValueError as e:
-        if "used_sequence" not in str(e):
-            failures.append(f"hf: padding mask error does not name used_sequence: {e}")
+    # bad input that one rank alone sees: every rank must raise (none left waiting)
+    ids = _hf_batches()[0][1]["input_ids"][:, :16]
+    mask = torch.ones_like(ids)
+    if ctx.rank == ctx.world_size - 1:
+        mask[:, -3:] = 0
+    bad_calls = {
+        "a padding attention_mask on the last rank": (dict(attention_mask=mask), "used_sequence"),
+        "no position_ids (transformers numbers rows from 0)": ({}, "position_ids of rank 1"),
+    }
+    for what, (kwargs, pattern) in bad_calls.items():
+        try:
+            model(input_ids=ids, **kwargs)
+            failures.append(f"hf: {what}: nothing raised")
+        except ValueError as e:
+            if pattern not in str(e):
+                failures.append(f"hf: {what}: the error does not name {pattern!r}: {e}")
     return failures
 
 
