@@ -112,3 +112,27 @@ def test_hf_llama_lowp_tracks_one_device_20_steps():
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     found = re.search(r"max \|loss - one device's\| over 20 steps (\S+)", proc.stdout)
     assert found is not None and float(found.group(1)) <= LOWP_BOUND, proc.stdout
+
+
+@needs_hf
+@pytest.mark.dist
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_hf_llama_example_trains_and_writes_the_curve(tmp_path):
+    script = ROOT / "examples" / "train_hf_llama.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(script), "--steps", "3", "--every", "1", "--backend", "gloo"]
+    cmd += ["--plot", str(tmp_path / "loss.png"), "--csv", str(tmp_path / "loss.csv")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ULYSSES_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "dp 1 x sp 2, comm bf16, fp32" in proc.stdout, proc.stdout
+    rows = (tmp_path / "loss.csv").read_text().split()
+    assert rows[0] == "step,loss" and [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3"]
+    first = float(rows[1].split(",")[1])
+    assert abs(first - 4.159) < 0.5, first  # about ln(64) at the start
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "loss.png").stat().st_size > 1000
+    else:
+        assert "matplotlib is not installed" in proc.stdout
