@@ -4,9 +4,9 @@
 
 A small Llama (randomly initialised from a config: nothing is downloaded) trains on generated
 packed documents, each an arithmetic run of tokens (a random start and stride), predictable
-only by attending to the tokens before it in the same document, across rank boundaries. The W processes form a
-(dp, sp) device mesh: Ulysses runs over "sp" (each batch's sequence cut into sp shards), and
-each "dp" replica draws its own batches. The steps:
+only by attending to the tokens before it in the same document, across rank boundaries. The
+W processes form a (dp, sp) device mesh: Ulysses runs over "sp" (each batch's sequence cut
+into sp shards), and each "dp" replica draws its own batches. The steps:
 
     ulysses.hf.register("ulysses", comm=..., group=(mesh, "sp"))  # before the model exists
     model = LlamaForCausalLM(config); model.set_attn_implementation("ulysses")
