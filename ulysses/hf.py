@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from . import comm as _comm
+from . import mesh as _mesh
 from .attention import ulysses_attention
 
 try:
@@ -82,7 +83,7 @@ def register(
             or one the model call sets (``causal``, ``scale``, ``used_sequence``,
             ``document_ids``, ``layout``, ``attn_kwargs``).
         ValueError: ``name`` one of transformers' own implementations ("eager", "sdpa",
-            "flash_attention_2", ...).
+            "flash_attention_2", ...); what ``ulysses.mesh`` rejects of a mesh ``group``.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
@@ -106,6 +107,8 @@ def register(
                 f"register got an unexpected keyword argument {key!r}; it takes comm, "
                 f"backward_comm, head_chunks, group and {', '.join(allowed)}"
             )
+    if _mesh.is_mesh_group(group):  # that dimension's process group, resolved once
+        group = _mesh.mesh_group(group)
     settings = dict(comm=comm, backward_comm=backward_comm, head_chunks=head_chunks,
                     group=group, **options)  # fmt: skip
     AttentionInterface.register(name, functools.partial(attention_forward, settings=settings))
