@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--sp", type=int, default=0, help="Ulysses group size (default: all ranks)")
     p.add_argument("--comm", choices=("bf16", "lowp"), default="bf16")
     p.add_argument("--backward-comm", choices=("bf16", "lowp"), default="bf16")
+    p.add_argument("--head-chunks", default="1", help='an int or "auto" (overlap, §13)')
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
@@ -86,8 +87,9 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
+    chunks = args.head_chunks if args.head_chunks == "auto" else int(args.head_chunks)
     name = ulysses.hf.register("ulysses", comm=args.comm, backward_comm=args.backward_comm,
-                               group=(mesh, "sp"))  # fmt: skip
+                               head_chunks=chunks, group=(mesh, "sp"))  # fmt: skip
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * args.seq,
