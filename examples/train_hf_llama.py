@@ -16,8 +16,11 @@ into sp shards), and each "dp" replica draws its own batches. The steps:
     loss.backward(); gradients summed over sp, averaged over dp; optimizer step
 
 Rank 0 prints the loss every --every steps and writes the curve to --plot (a PNG when
-matplotlib is installed) and to --csv. CPU (gloo) and CUDA (NCCL, one GPU per rank) both work;
-``--comm lowp`` needs ``--dtype bf16``.
+matplotlib is installed) and to --csv. CPU (gloo) and CUDA (NCCL, one GPU per rank; gloo when
+ranks share a GPU) both work; ``--comm lowp`` needs ``--dtype bf16``. On one GPU:
+
+    torchrun --standalone --nproc-per-node 4 examples/train_hf_llama.py --sp 4 --device cuda \
+        --comm lowp --dtype bf16 --steps 200
 """
 
 from __future__ import annotations
@@ -69,22 +72,30 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (before padding)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: NCCL with one GPU per rank, else gloo (also for ranks that "
+                        "share a GPU)")  # fmt: skip
     p.add_argument("--plot", default="hf_llama_loss.png")
     p.add_argument("--csv", default="hf_llama_loss.csv")
     args = p.parse_args()
 
-    cuda = torch.cuda.is_available() and args.backend != "gloo"
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    local_rank, local_world = (int(os.environ.get(k, d)) for k, d in
+                               (("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", 1)))  # fmt: skip
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if cuda and local_world <= torch.cuda.device_count() else "gloo"
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend)
     world, rank = dist.get_world_size(), dist.get_rank()
     sp = args.sp or world
     if world % sp:
         raise SystemExit(f"--sp {sp} must divide the number of processes {world}")
     dp = world // sp
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (dp, sp), mesh_dim_names=("dp", "sp"))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (dp, sp), mesh_dim_names=("dp", "sp"))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
     chunks = args.head_chunks if args.head_chunks == "auto" else int(args.head_chunks)
