@@ -151,6 +151,8 @@ def _case_mesh(ctx, args) -> list[str]:
     import ulysses
 
     failures = []
+    if ctx.device.type != "cpu":
+        raise _dist.SetupError("the mesh case runs on CPU tensors: --backend gloo-cpu")
     if ctx.world_size % args.sp:
         raise _dist.SetupError(f"world size {ctx.world_size} is not a multiple of --sp {args.sp}")
     dp = ctx.world_size // args.sp
@@ -265,7 +267,7 @@ def _mesh_step(ctx, args, mesh, model, ref_model, ref_loss, plant: str) -> list[
 # ---- Hugging Face ------------------------------------------------------------------------------
 
 
-def _llama(dtype, attn: str, seed: int = 0):
+def _llama(dtype, attn: str, device, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -276,10 +278,10 @@ def _llama(dtype, attn: str, seed: int = 0):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.set_attn_implementation(attn)
-    return model.to(dtype)
+    return model.to(device=device, dtype=dtype)
 
 
-def _hf_batches(B=2, S0=64, V=96):
+def _hf_batches(device, B=2, S0=64, V=96):
     """(name, batch for the sharded model, the segments ``(b, s, e)`` the one-device model
     runs one by one): right padding, then packed documents in transformers' format
     (positions restart at 0 at each document)."""
@@ -299,6 +301,7 @@ def _hf_batches(B=2, S0=64, V=96):
             pos[b, s:e] = torch.arange(e - s)
             docs.append((b, s, e))
     packed = {"input_ids": ids, "labels": ids, "position_ids": pos}
+    padding, packed = ({k: v.to(device) for k, v in d.items()} for d in (padding, packed))
     return [
         ("padding", padding, [(b, 0, u) for b, u in enumerate(used)]),
         ("packed", packed, docs),
@@ -323,10 +326,10 @@ def _case_hf(ctx, args) -> list[str]:
 
     failures = []
     name = ulysses.hf.register("ulysses", comm="bf16")
-    model = _llama(torch.float32, name)
+    model = _llama(torch.float32, name, ctx.device)
     ulysses.hf.check_model(model, name)
-    ref = _llama(torch.float32, "sdpa")
-    for what, batch, segments in _hf_batches():
+    ref = _llama(torch.float32, "sdpa", ctx.device)
+    for what, batch, segments in _hf_batches(ctx.device):
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
         ref_loss = _ref_loss(ref, batch["input_ids"], segments)
@@ -359,7 +362,7 @@ def _case_hf(ctx, args) -> list[str]:
         if not worst <= args.tol:
             failures.append(f"hf {what}: gradient {worst_name} off by {worst:.2e} > {args.tol:g}")
     # bad input that one rank alone sees: every rank must raise (none left waiting)
-    ids = _hf_batches()[0][1]["input_ids"][:, :16]
+    ids = _hf_batches(ctx.device)[0][1]["input_ids"][:, :16]
     mask = torch.ones_like(ids)
     if ctx.rank == ctx.world_size - 1:
         mask[:, -3:] = 0
@@ -382,9 +385,9 @@ def _case_hf_lowp(ctx, args) -> list[str]:
     import ulysses.hf
 
     name = ulysses.hf.register("ulysses_lowp", comm="lowp")
-    model = _llama(torch.bfloat16, name)
-    ref = _llama(torch.bfloat16, "sdpa")
-    _, batch, segments = _hf_batches()[1]  # packed documents
+    model = _llama(torch.bfloat16, name, ctx.device)
+    ref = _llama(torch.bfloat16, "sdpa", ctx.device)
+    _, batch, segments = _hf_batches(ctx.device)[1]  # packed documents
     shard = ulysses.batch.shard_batch(batch)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
@@ -437,6 +440,8 @@ def main(argv=None) -> int:
         help="mesh: also run each planted fault, which must be detected",
     )
     p.add_argument("--timeout-s", type=float, default=300)
+    p.add_argument("--backend", choices=_dist.BACKENDS, default="gloo-cpu",
+                   help="hf cases: gloo-cuda / nccl run the models on GPUs")  # fmt: skip
     args = p.parse_args(argv)
 
     def body(ctx) -> int:
@@ -455,7 +460,7 @@ def main(argv=None) -> int:
         _log(ctx, f"training {args.case}: PASSED")
         return 0
 
-    return _dist.run_session("training", "gloo-cpu", args.timeout_s, body)
+    return _dist.run_session("training", args.backend, args.timeout_s, body)
 
 
 if __name__ == "__main__":
