@@ -1,7 +1,8 @@
 """Training-loop checks under torchrun on CPU (gloo): ulysses/dist_tests/training.py.
 
 * SP 2 x DP 2 on a DeviceMesh: loss and gradients after the sums over sp and dp equal one
-  device's, with the mesh errors, and both planted faults detected in the same run.
+  device's, with the mesh errors, and both planted faults detected in the same run (slow
+  tier: SP 3 x DP 2, SP 4 x DP 2, SP 2 x DP 4).
 * A tiny randomly initialised Llama through ``ulysses.hf`` at P = 2 and 4: loss and gradients
   equal transformers' own attention on one process (fp32); errors raise on every rank.
 * The same model in bf16 with comm "lowp": the loss tracks one device's over the steps.
@@ -45,6 +46,19 @@ def test_mesh_sp2_dp2_gradients_equal_one_device():
     assert "mesh (none) dp 2 x sp 2" in proc.stdout
     assert "planted fault 'local-shift' detected" in proc.stdout
     assert "planted fault 'no-sp-sum' detected" in proc.stdout
+    assert "training mesh: PASSED" in proc.stdout
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+@pytest.mark.parametrize(
+    "world, sp", [(6, 3), (8, 4), (8, 2)], ids=["sp3xdp2", "sp4xdp2", "sp2xdp4"]
+)
+def test_mesh_other_shapes(world, sp):
+    proc = _run(world, "--case", "mesh", "--sp", str(sp))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert f"mesh (none) dp {world // sp} x sp {sp}" in proc.stdout
     assert "training mesh: PASSED" in proc.stdout
 
 
