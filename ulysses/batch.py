@@ -21,7 +21,7 @@ Three steps of a training loop under Ulysses, each a plain function:
 * :func:`document_position_ids`: RoPE positions that restart at 0 at each packed document,
   from ``document_ids`` or flash-attn's ``cu_seqlens``.
 * :func:`causal_lm_loss`: the cross entropy summed over this rank's live targets, divided by
-  the count over every rank (one all_gather of two numbers): the value is the mean over the
+  the count over every rank (one all_gather of three numbers): the value is the mean over the
   whole batch on every rank; the gradient reaches this rank's logits only, so the gradients of
   weights that every rank holds are summed over the Ulysses group afterwards (as for any
   weight used on several ranks' rows).
@@ -417,15 +417,16 @@ def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNO
     shifted over the whole sequence). Targets equal to ``ignore_index`` do not count.
 
     The value: the sum over every rank's live targets divided by their count, the same on
-    every rank (the two sums travel in one all_gather of two float64 numbers and are added
-    in rank order). The gradient: ``d loss / d logits`` of this rank's rows, i.e. each row's
+    every rank (the two sums travel in one all_gather of three float64 numbers, beside a
+    shape-error flag, and are added in rank order). The gradient: ``d loss / d logits`` of this rank's rows, i.e. each row's
     cross entropy gradient over the global count. A weight every rank holds gets only its own
     rows' part: sum its gradient over the Ulysses group (and average over data parallel), as
     for any replicated weight. A batch with no live target gives 0 (and zero gradients).
 
     Raises:
         TypeError: ``logits`` not a floating tensor; ``shift_labels`` not an integer tensor.
-        ValueError: ``logits`` not 3-D; ``shift_labels`` not ``[B, L]`` of the logits.
+        ValueError: ``logits`` not 3-D; ``shift_labels`` not ``[B, L]`` of the logits (on
+            every rank when any rank's are not).
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         what = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -440,20 +441,32 @@ def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNO
             else type(shift_labels).__name__
         )
         raise TypeError(f"shift_labels must be an integer tensor [B, L], got {what}")
-    if tuple(shift_labels.shape) != (B, L):
-        raise ValueError(
-            f"shift_labels must be [B, L] = [{B}, {L}] like the logits' rows, got "
-            f"{tuple(shift_labels.shape)} (labels of another length: shard the labels with "
-            "the inputs, ulysses.batch.shard_batch)"
+    pg, rank, P = comm.resolve_group(group, logits.device)
+    # A shape error on one rank travels in the all_gather (a flag), so that every rank
+    # raises it together instead of the others waiting in the collective.
+    bad = tuple(shift_labels.shape) != (B, L)
+    if bad:
+        local_sum = logits.new_zeros((), dtype=torch.float32)
+        local_count = torch.zeros((), dtype=torch.long, device=logits.device)
+    else:
+        target = shift_labels.long().reshape(-1)
+        local_sum = F.cross_entropy(
+            logits.reshape(-1, V).float(), target, ignore_index=ignore_index, reduction="sum"
         )
-    pg, _, P = comm.resolve_group(group, logits.device)
-    target = shift_labels.long().reshape(-1)
-    local_sum = F.cross_entropy(
-        logits.reshape(-1, V).float(), target, ignore_index=ignore_index, reduction="sum"
-    )
-    local_count = (target != ignore_index).sum()
-    payload = torch.stack([local_sum.detach().double(), local_count.double()])
-    totals = comm.all_gather(payload, pg, P).sum(dim=0)  # rank order: same bits
+        local_count = (target != ignore_index).sum()
+    flag = torch.full((), float(bad), dtype=torch.float64, device=logits.device)
+    payload = torch.stack([local_sum.detach().double(), local_count.double(), flag])
+    gathered = comm.all_gather(payload, pg, P)
+    bad_ranks = gathered[:, 2].nonzero().flatten().tolist()
+    if bad_ranks:
+        where = f"rank {rank}" if bad else f"ranks {bad_ranks}"
+        got = f"got {tuple(shift_labels.shape)}" if bad else "(on another rank)"
+        raise ValueError(
+            f"shift_labels must be [B, L] = [{B}, {L}] like the logits' rows on every rank; "
+            f"{where} {got} (labels of another length: shard the labels with the inputs, "
+            "ulysses.batch.shard_batch)"
+        )
+    totals = gathered[:, :2].sum(dim=0)  # rank order: the same bits on every rank
     total_sum, total_count = totals[0].float(), totals[1].float()
     if float(total_count) == 0:
         return local_sum * 0
