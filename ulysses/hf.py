@@ -7,7 +7,7 @@ key/value heads, D head dim.
     returned output      [B, L, Hq, D]   what transformers expects back, with None weights
 
 Models that look their attention up in ``transformers.ALL_ATTENTION_FUNCTIONS`` by
-``config._attn_implementation`` (Llama, Mistral, Qwen2/3, Gemma, ... in transformers >= 4.48)
+``config._attn_implementation`` (Llama, Mistral, Qwen2/3, Gemma, ...; tested with transformers 5)
 train with Ulysses without edits:
 
     import ulysses.hf
@@ -341,6 +341,6 @@ def _after(module, args, output, *, path: str):
             "registered with transformers: its forward does not look its attention up in "
             "transformers' ALL_ATTENTION_FUNCTIONS by config._attn_implementation, so under "
             "Ulysses it would attend over this rank's rows only. Use a model class whose "
-            "attention does (transformers >= 4.48 Llama, Mistral, Qwen2, ...), or call "
+            "attention does (Llama, Mistral, Qwen2, ... in transformers 5), or call "
             "ulysses.ulysses_attention from this module's forward"
         )

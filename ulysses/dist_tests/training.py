@@ -175,6 +175,15 @@ def _case_mesh(ctx, args) -> list[str]:
     first_two = DeviceMesh("cpu", torch.arange(2))  # every rank builds it; ranks >= 2 are not in it
     if ctx.rank >= 2:
         expect(ValueError, "does not contain this process's rank", first_two)
+    # labels of another length on one rank of each sp group: every rank raises, none waits
+    width = 3 if mesh.get_local_rank("sp") == 0 else 2
+    try:
+        ulysses.batch.causal_lm_loss(torch.zeros(1, 2, 3), torch.zeros(1, width, dtype=torch.long),
+                                     group=(mesh, "sp"))  # fmt: skip
+        failures.append("loss: labels of another length on one rank did not raise")
+    except ValueError as e:
+        if "shift_labels must be [B, L] = [1, 2]" not in str(e):
+            failures.append(f"loss: labels of another length: {e}")
 
     torch.manual_seed(0)
     model = _Toy()
