@@ -448,8 +448,9 @@ def ulysses_attention(
       ``amax/448`` per (head, channel)) or "int8" (V as int8 codes, scale ``amax/127`` per
       (head, channel), the amax over the whole live sequence: the same bytes, an error of
       at most ``amax/254`` a value before the rounding to the dtype).
-    * ``group``: the Ulysses process group (default: the world group; with torch.distributed
-      not initialized, a world of one). P = 1 runs no collective.
+    * ``group``: the Ulysses process group, a 1-D DeviceMesh or ``(mesh, dim)``
+      (``ulysses.mesh``; default: the world group; with torch.distributed not initialized, a
+      world of one). P = 1 runs no collective.
 
     Ranks must agree on B, L, Hq, Hkv, D, dtype, ``comm``, ``used_sequence`` and the shape
     and dtype of ``document_ids``: the first call of each such signature checks it (one small
