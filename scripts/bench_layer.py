@@ -9,7 +9,8 @@
 torch's fake process group (rank 1 of P) stands in for the P ranks: its collectives move no
 data between ranks, so what is timed is the layer's own host and device work at any P. Per
 shape (B, H, D; L = S / P rows a rank) and mode (``bf16``; ``lowp``; ``lowp-int8out``:
-``int8_output=True``; ``lowp-bwdlowp``: ``backward_comm="lowp"``, where the layer has it),
+``int8_output=True``; ``lowp-bwdlowp``: ``backward_comm="lowp"``, where the layer has it;
+``lowp-sdpa``: ``attn="sdpa"``, the dequantized path, where ``lowp`` attends on the codes),
 eager and ``torch.compile(fullgraph=True, dynamic=False)``:
 
 * ``fwd``: one call under ``torch.no_grad()``; ``fwd+bwd``: the call, then
@@ -70,6 +71,7 @@ MODES = {
     "lowp": dict(comm="lowp"),
     "lowp-int8out": dict(comm="lowp", int8_output=True),
     "lowp-bwdlowp": dict(comm="lowp", backward_comm="lowp"),
+    "lowp-sdpa": dict(comm="lowp", attn="sdpa"),
 }
 PATHS = ("eager", "compiled")
 KINDS = ("fwd", "train")  # train: forward + backward

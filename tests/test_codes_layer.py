@@ -345,12 +345,13 @@ def _fake_q(device, D=64, dtype=DT):
 
 
 def test_default_rule():
-    """attn=None with comm="lowp": the codes on CUDA where the kernel runs the call, the
-    dequantized path on CPU, with a custom attention, an option or head chunks."""
+    """attn=None with comm="lowp": the dequantized path everywhere (the codes are opt-in);
+    attn="codes": the codes wherever the kernel runs the call."""
     use = codes.use_codes
     kw = {"custom": False, "options": {}, "chunks": 1}
-    assert use(None, comm="lowp", q=_fake_q("cuda"), **kw)
-    assert use(None, comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw)
+    assert not use(None, comm="lowp", q=_fake_q("cuda"), **kw)
+    assert not use(None, comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw)
+    assert use("codes", comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw)
     assert not use(None, comm="bf16", q=_fake_q("cuda"), **kw)
     assert not use(None, comm="lowp", q=_fake_q("cpu"), **kw)
     assert not use("sdpa", comm="lowp", q=_fake_q("cuda"), **kw)
@@ -360,7 +361,7 @@ def test_default_rule():
     assert not use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "chunks": 2})
     for opt in ({"window_size": (4, 0)}, {"softcap": 5.0}, {"dropout_p": 0.1}):
         assert not use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "options": opt})
-    assert use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "options": {"dropout_p": 0.0}})
+    assert use("codes", comm="lowp", q=_fake_q("cuda"), **{**kw, "options": {"dropout_p": 0.0}})
 
 
 def test_cpu_default_is_the_dequantized_path():
@@ -433,18 +434,19 @@ def test_flash_backward_equals_blockwise_cuda(causal, used, Hkv):
 
 
 @pytest.mark.skipif(not _CUDA, reason="needs CUDA")
-def test_cuda_default_is_codes_and_within_bound():
-    """On CUDA comm="lowp" attends on the codes by default (attn="codes"'s bits), within the
-    kernel's bound of fp32 attention of the dequantized values."""
+def test_cuda_codes_within_bound_and_default_dequantized():
+    """On CUDA attn="codes" is within the kernel's bound of fp32 attention of the dequantized
+    values; the default (attn=None) gives attn="sdpa"'s bits."""
     B, S, Hq, Hkv, D = 1, 1024, 4, 2, 128
     q, k, v = (x.cuda() for x in _qkv(B, S, Hq, Hkv, D, seed=71, kind="smooth"))
     default = ulysses.ulysses_attention(q, k, v, comm="lowp", causal=True)
+    sdpa = ulysses.ulysses_attention(q, k, v, comm="lowp", attn="sdpa", causal=True)
     on_codes = ulysses.ulysses_attention(q, k, v, comm="lowp", attn="codes", causal=True)
-    assert torch.equal(default, on_codes)
+    assert torch.equal(default, sdpa)
     ref, vf, _ = _fp32_codes_reference(q.cpu(), k.cpu(), v.cpu(), causal=True, used=None,
                                        ids=None, v_format="fp8")  # fmt: skip
     bound = _bound(ref, vf, Hq, causal=True, used=None, ids=None, rel_p=2.0**-4, dtype=DT)
-    assert bool(((default.cpu().float() - ref).abs() <= bound).all())
+    assert bool(((on_codes.cpu().float() - ref).abs() <= bound).all())
 
 
 @pytest.mark.skipif(not _CUDA, reason="needs CUDA")
@@ -472,6 +474,29 @@ def test_codes_cuda_graph():
     torch.cuda.synchronize()
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not _CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cudnn_backward_matches_flash(causal):
+    """cuDNN's fused backward from the same out and lse gives flash's gradients (bf16
+    tolerance), GQA included."""
+    g = torch.Generator(device="cuda").manual_seed(91)
+    B, S, hq, hkv, D = 1, 512, 4, 2, 128
+    q = torch.randn(B, S, hq, D, generator=g, device="cuda").to(DT)
+    k, v = (torch.randn(B, S, hkv, D, generator=g, device="cuda").to(DT) for _ in range(2))
+    rep = hq // hkv
+    qt, kt, vt = (
+        x.transpose(1, 2) for x in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2))
+    )
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal)[:2]
+    out, lse = out.transpose(1, 2).contiguous(), lse.contiguous()
+    dout = torch.randn(B, S, hq, D, generator=g, device="cuda").to(DT)
+    want = codes._flash_backward(dout, q, k, v, out, lse, causal=causal, scale=None)
+    got = codes._cudnn_backward(dout, q, k, v, out, lse, causal=causal, scale=None)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        err = (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
+        assert err < 2e-2, f"d{name}: {err}"
 
 
 # ---- the op and the per-chunk piece -----------------------------------------------------------

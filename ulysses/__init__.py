@@ -3,7 +3,7 @@
 The contract is docs/CONTRACT.md; the module map and data flow are in docs/DESIGN.md.
 """
 
-from . import documents, lowp, reference, testing
+from . import batch, documents, lowp, mesh, reference, testing
 from .amax import k_grouped_amax
 from .attention import UlyssesAttention, heads_to_seq, seq_to_heads, ulysses_attention
 from .grid import group_first, group_last, slots, touched
@@ -24,6 +24,8 @@ __all__ = [
     "group_last",
     "touched",
     "documents",
+    "batch",
+    "mesh",
     "reference",
     "testing",
     "lowp",

@@ -374,16 +374,15 @@ def ulysses_attention(
       attention of the gathered sequence (bit for bit where ``attn`` treats heads
       independently, as torch's CPU SDPA does).
     * ``comm="lowp"``: q, k, v travel as INT8 Q/K and FP8 V with scales from global
-      statistics (``ulysses.lowp.exchange_qkv``: bf16/fp16 inputs, D in 16..256). On CUDA
-      the default attention runs on those codes where they land (``ulysses.codes``: INT8
-      Q.K, P.V in FP8, no dequantize pass), wherever the codes kernel supports the call (head
-      dim 64 or 128, no ``attn_kwargs`` window, soft cap or dropout, one head chunk); its
+      statistics (``ulysses.lowp.exchange_qkv``: bf16/fp16 inputs, D in 16..256), are
+      dequantized (K centred, which attention ignores) and the default attention (or
+      ``attn``) runs on the values. ``attn="codes"`` attends on the codes where they land
+      instead (``ulysses.codes``: INT8 Q.K, P.V in FP8, no dequantize pass; head dim 64 or
+      128 on CUDA, no ``attn_kwargs`` window, soft cap or dropout, one head chunk): its
       output is within ``2**-4 * max|v|`` (over the keys a row attends, per channel) of fp32
-      attention of the dequantized values, plus the rounding to the dtype. Every other call,
-      and every call on CPU, dequantizes (K centred, which attention ignores) and runs the
-      default attention (or ``attn``) on the values. Backward is straight-through in the
-      input dtype (on the codes: from the forward's output and log-sum-exp, no second
-      forward). ``q_group``, ``k_group``: rows per scale.
+      attention of the dequantized values, plus the rounding to the dtype. Backward is
+      straight-through in the input dtype (on the codes: from the forward's output and
+      log-sum-exp, no second forward). ``q_group``, ``k_group``: rows per scale.
     * ``int8_output=True`` (with "lowp" only): the output returns as INT8 codes with one fp32
       scale per (row, head), ``D + 4`` bytes instead of ``2 D``; it adds at most ``amax / 254``
       of its (row, head) to the error, then the rounding to the dtype. Default: the input
@@ -449,8 +448,9 @@ def ulysses_attention(
       ``amax/448`` per (head, channel)) or "int8" (V as int8 codes, scale ``amax/127`` per
       (head, channel), the amax over the whole live sequence: the same bytes, an error of
       at most ``amax/254`` a value before the rounding to the dtype).
-    * ``group``: the Ulysses process group (default: the world group; with torch.distributed
-      not initialized, a world of one). P = 1 runs no collective.
+    * ``group``: the Ulysses process group, a 1-D DeviceMesh or ``(mesh, dim)``
+      (``ulysses.mesh``; default: the world group; with torch.distributed not initialized, a
+      world of one). P = 1 runs no collective.
 
     Ranks must agree on B, L, Hq, Hkv, D, dtype, ``comm``, ``used_sequence`` and the shape
     and dtype of ``document_ids``: the first call of each such signature checks it (one small

@@ -29,8 +29,8 @@ forward: the codes are dequantized once (``LowpQKV.dequantize``), then
   inside ``sdpa_kernel([SDPBackend.MATH])``, which asks for deterministic bits), every row live
   or one live count for all batch rows, no documents: torch's flash attention backward
   (``aten._scaled_dot_product_flash_attention_backward``, which takes the output and the
-  log-sum-exp) on the live rows; K/V heads repeated per query head and their gradients
-  summed (GQA);
+  log-sum-exp; cuDNN's with ``FUSED_BACKWARD = "cudnn"`` on Hopper) on the live rows; K/V
+  heads repeated per query head and their gradients summed (GQA);
 * otherwise (CPU, per-row live counts, documents): :func:`blockwise_backward`, in fp32, one
   block of query rows at a time: ``P = exp(s - lse)`` on the allowed keys, ``dV = P^T dO``,
   ``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ = dS K * scale``, ``dK = dS^T Q * scale``.
@@ -39,12 +39,12 @@ The head shards' gradients then go back exactly as the dequantized path's do
 (``_heads.grads_to_seq``: one all_to_all, in the input dtype or with ``backward_comm="lowp"``
 as INT8 codes).
 
-Which calls run here (:func:`use_codes`): with ``comm="lowp"`` and ``attn`` None, every call
-the kernel supports on CUDA (head dim 64 or 128, bf16/fp16, the default attention without a
-window, soft cap or dropout, one head chunk); everything else, and every CPU call, attends
-over the dequantized values (the Triton interpreter runs the kernel on CPU, slowly).
-``attn="codes"`` asks for this path (on CPU: the interpreter) and raises ValueError naming the
-reason where the kernel cannot run the call; ``attn="sdpa"`` keeps the dequantized path.
+Which calls run here (:func:`use_codes`): those that pass ``attn="codes"`` with
+``comm="lowp"`` (on CPU: Triton's interpreter, slowly); a call the kernel cannot run (head dim
+other than 64 or 128 on CUDA, a window, soft cap or dropout, several head chunks) raises
+ValueError naming the reason. ``attn=None`` (the default) and ``attn="sdpa"`` attend over the
+dequantized values: measured on an H100 the kernel is not yet faster than torch's cuDNN
+attention at every shape (docs/BENCHMARKS.md), so it is not the default.
 """
 
 from __future__ import annotations
@@ -105,15 +105,12 @@ def unsupported_reason(q: torch.Tensor, *, options: dict, chunks: int) -> str | 
 def use_codes(mode: str | None, *, comm: str, q: torch.Tensor, custom: bool, options: dict,
               chunks: int) -> bool:  # fmt: skip
     """Whether a call attends on the codes: ``mode`` "codes" (raises ValueError naming why a
-    call cannot), "sdpa" (never) or None (the default: ``comm="lowp"`` on CUDA with the
-    default attention, wherever the kernel supports the call). ``chunks``: the head chunks the
-    call asked for (``"auto"`` resolved)."""
-    if mode == "sdpa":
+    call cannot), "sdpa" or None (the default: never; the dequantized path). ``chunks``: the
+    head chunks the call asked for (``"auto"`` resolved)."""
+    if mode is None or mode == "sdpa":
+        # The default stays the dequantized path: on an H100 the kernel measured 0.82-1.13x
+        # torch's cuDNN attention and its training step slower (docs/BENCHMARKS.md)
         return False
-    if mode is None:
-        if comm != "lowp" or custom or q.device.type != "cuda":
-            return False
-        return unsupported_reason(q, options=options, chunks=chunks) is None
     assert mode == "codes", mode
     if comm != "lowp":
         raise ValueError(
@@ -257,6 +254,47 @@ def _flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | Non
     return dq, dk, dv
 
 
+def _cudnn_fits(q: torch.Tensor) -> bool:
+    """torch's cuDNN attention backward is there and enabled for ``q``'s device (Hopper)."""
+    return (
+        torch.backends.cuda.cudnn_sdp_enabled()
+        and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
+        and torch.cuda.get_device_capability(q.device)[0] == 9
+    )
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None):
+    """``aten._scaled_dot_product_cudnn_attention_backward`` on [B, S, h, D] tensors (every row
+    live): cuDNN's fused backward takes the forward's output and its log-sum-exp ([B, h, S, 1],
+    natural log, what the codes kernel writes); GQA as :func:`_flash_backward`."""
+    B, S, hq, D = q.shape
+    g = hq // k.shape[2]
+    if g > 1:
+        k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
+    seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out.transpose(1, 2), lse.unsqueeze(-1), seed, offset, None, None, None, S, S, 0.0,
+        causal, scale=scale,
+    )  # fmt: skip
+    dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+    if g > 1:
+        dk, dv = (x.unflatten(2, (-1, g)).float().sum(3).to(q.dtype) for x in (dk, dv))
+    return dq, dk, dv
+
+
+# The fused backward of the codes path on CUDA: "flash" (torch's flash attention backward), or
+# "cudnn" (cuDNN's, which torch's own SDPA backward runs on Hopper; checked against flash in
+# tests/test_codes_layer.py on a GPU).
+FUSED_BACKWARD = "flash"
+
+
+def _fused_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None):
+    if FUSED_BACKWARD == "cudnn" and _cudnn_fits(q):
+        return _cudnn_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    return _flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+
+
 def blockwise_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None,
                        document_ids=None, live_rows: int | None = None):  # fmt: skip
     """The attention backward from the forward's output and log-sum-exp, in fp32, one block
@@ -313,10 +351,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | 
     dout = dout.contiguous()
     if _flash_fits(q, used, document_ids):
         if used is None:
-            return _flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+            return _fused_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
         n, S = used, q.shape[1]
-        got = _flash_backward(dout[:, :n], q[:, :n], k[:, :n], v[:, :n], out[:, :n],
-                              lse[:, :, :n], causal=causal, scale=scale)  # fmt: skip
+        got = _fused_backward(dout[:, :n], q[:, :n], k[:, :n], v[:, :n], out[:, :n],
+                              lse[:, :, :n].contiguous(), causal=causal, scale=scale)  # fmt: skip
         return tuple(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, S - n)) for x in got)
     live_rows = None if used is None else max(used) if isinstance(used, tuple) else used
     return blockwise_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,

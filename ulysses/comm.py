@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
-from . import _ops
+from . import _ops, mesh
 from .kernels._runtime import workspace
 
 __all__ = [
@@ -133,9 +133,12 @@ def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
     ``init_process_group``, and raises ValueError. A CPU tensor on an NCCL-only group raises
     ValueError."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
-        )
+        if not mesh.is_mesh_group(group):
+            raise TypeError(
+                "group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, a "
+                f"(DeviceMesh, dim) pair or None, got {type(group).__name__}"
+            )
+        group = mesh.mesh_group(group)  # ulysses/mesh.py: that dimension's process group
     if not (dist.is_available() and dist.is_initialized()):
         if group is None and _launched_world_size() <= 1:
             return None, 0, 1

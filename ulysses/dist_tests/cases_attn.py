@@ -43,8 +43,7 @@ A case id reads ``{comm}-L{L}-hq{hq}-{kv}-D{D}-{dtype}-{causal|full}-used_{kind}
 Every rank builds the same global q [B, S, Hq, D], k, v [B, S, Hkv, D] and output gradient
 [B, S, Hq, D] with ``ulysses.testing.make_k_full`` (seed: crc32 of the case id plus --seed;
 q, v and the gradient standard normal; k with channel means 4x its spread, as K has), rows
-[used, S) of q, k, v zero, and takes its rows as its shard. On a GPU the "lowp" cases without
-``codes`` run the layer's default attention, which there is the codes path too.
+[used, S) of q, k, v zero, and takes its rows as its shard.
 """
 
 from __future__ import annotations

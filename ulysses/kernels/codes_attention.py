@@ -76,7 +76,7 @@ def _key_block(
     start_n, o_m, o_n, o_d, lo, hi_k, k_group, n_kg, k_shift,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
     KS_BLOCK: tl.constexpr, PV_FP8: tl.constexpr, V_T: tl.constexpr, V_INT8: tl.constexpr,
-    HW_ROUND: tl.constexpr,
+    HW_ROUND: tl.constexpr, OPT: tl.constexpr,
 ):  # fmt: skip
     """One key block ``[start_n, start_n + BN)`` folded into the running ``acc`` [BM, D],
     ``l_i``, ``m_i`` [BM] (log2 units). ``MASKED``: keys outside ``[lo, hi_k)``, after the
@@ -87,39 +87,73 @@ def _key_block(
                       mask=(o_c < hi_k)[:, None], other=0)  # fmt: skip
     else:
         b_k = tl.load(k_src + o_c[:, None].to(tl.int64) * stride_ks + o_d[None, :])
-    b_x = _scores(b_q, b_k)  # [BM, BN]
-    if KS_BLOCK:
+    # OPT bits (launch variants the benchmark sweeps): 1 the int32 accumulator starts at the
+    # bits of 1.5 * 2^23 (the conversion is free, the max is an integer max, the exponent one
+    # FMA); 2 exp2 in packed fp16 (two a MUFU op); 4 the accumulator is rescaled only when
+    # a row's max grew
+    if (not MASKED) and KS_BLOCK and (OPT & 1) != 0:
+        b_init = tl.full([b_q.shape[0], BLOCK_N], 0x4B400000, tl.int32)
+        b_bits = tl.dot(b_q, tl.trans(b_k), b_init, out_dtype=tl.int32)  # bits of 1.5 2^23 + q.k
         b_ab = b_a * tl.load(ks_base + start_n // k_group)  # [BM] one K group a block
-    else:
-        b_ks = tl.load(ks_base + tl.minimum((o_c + k_shift) // k_group, n_kg - 1))  # [BN]
-        b_x = b_x * b_ks[None, :]
-        b_ab = b_a
-    if MASKED:
-        m_valid = ((o_c >= lo) & (o_c < hi_k))[None, :]
-        if CAUSAL:
-            m_valid = m_valid & (o_c[None, :] <= o_m[:, None])
-        if DOCS:
-            b_dk = tl.load(doc_base + o_c, mask=o_c < hi_k, other=-1)
-            m_valid = m_valid & (b_dk[None, :] == b_dq[:, None])
-        b_x = tl.where(m_valid, b_x, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_x, 1) * b_ab)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key so far
-    else:
-        m_new = tl.maximum(m_i, tl.max(b_x, 1) * b_ab)
+        b_mx = tl.max(b_bits, 1).to(tl.float32, bitcast=True) - 12582912.0  # [BM]
+        m_new = tl.maximum(m_i, b_mx * b_ab)
         m_use = m_new
-    alpha = tl.math.exp2(m_i - m_use)
-    if PV_FP8:  # P * 2^8: e4m3's range, folded into the exponent
-        b_p = tl.math.exp2(tl.fma(b_x, b_ab[:, None], 8.0 - m_use[:, None]))
+        # 2^(x * a - m): x = bits - 1.5 * 2^23, the constant folded into the addend
+        if PV_FP8:
+            b_c = 8.0 - m_use - 12582912.0 * b_ab
+        else:
+            b_c = -m_use - 12582912.0 * b_ab
+        b_arg = tl.fma(b_bits.to(tl.float32, bitcast=True), b_ab[:, None], b_c[:, None])
     else:
-        b_p = tl.math.exp2(tl.fma(b_x, b_ab[:, None], -m_use[:, None]))
-    l_i = l_i * alpha + tl.sum(b_p, 1)
-    acc = acc * alpha[:, None]
+        b_x = _scores(b_q, b_k)  # [BM, BN]
+        if KS_BLOCK:
+            b_ab = b_a * tl.load(ks_base + start_n // k_group)  # [BM] one K group a block
+        else:
+            b_ks = tl.load(ks_base + tl.minimum((o_c + k_shift) // k_group, n_kg - 1))  # [BN]
+            b_x = b_x * b_ks[None, :]
+            b_ab = b_a
+        if MASKED:
+            m_valid = ((o_c >= lo) & (o_c < hi_k))[None, :]
+            if CAUSAL:
+                m_valid = m_valid & (o_c[None, :] <= o_m[:, None])
+            if DOCS:
+                b_dk = tl.load(doc_base + o_c, mask=o_c < hi_k, other=-1)
+                m_valid = m_valid & (b_dk[None, :] == b_dq[:, None])
+            b_x = tl.where(m_valid, b_x, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(b_x, 1) * b_ab)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key so far
+        else:
+            m_new = tl.maximum(m_i, tl.max(b_x, 1) * b_ab)
+            m_use = m_new
+        if PV_FP8:  # P * 2^8: e4m3's range, folded into the exponent
+            b_arg = tl.fma(b_x, b_ab[:, None], 8.0 - m_use[:, None])
+        else:
+            b_arg = tl.fma(b_x, b_ab[:, None], -m_use[:, None])
+    if (OPT & 4) != 0 and not MASKED:
+        if tl.max(m_new - m_i, 0) > 0.0:  # some row's max grew (or the first block)
+            alpha = tl.math.exp2(m_i - m_use)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+    else:
+        alpha = tl.math.exp2(m_i - m_use)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+    if (OPT & 2) != 0 and HW_ROUND and PV_FP8:
+        b_p16 = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r",
+                                          [b_arg.to(tl.float16)], dtype=tl.float16,
+                                          is_pure=True, pack=2)  # fmt: skip
+        l_i = l_i + tl.sum(b_p16.to(tl.float32), 1)
+        b_p8 = b_p16.to(tl.float8e4nv)
+    else:
+        b_p = tl.math.exp2(b_arg)
+        l_i = l_i + tl.sum(b_p, 1)
     if PV_FP8:
-        if HW_ROUND:
-            b_p8 = b_p.to(tl.float8e4nv)
-        else:  # the interpreter rounds e4m3 subnormals wrongly: round on the bits
-            b_keep = tl.full(b_p.shape, 255, tl.uint8)
-            b_p8 = e4m3_code(b_p, 1.0, b_keep, False).to(tl.float8e4nv, bitcast=True)
+        if not ((OPT & 2) != 0 and HW_ROUND):
+            if HW_ROUND:
+                b_p8 = b_p.to(tl.float8e4nv)
+            else:  # the interpreter rounds e4m3 subnormals wrongly: round on the bits
+                b_keep = tl.full(b_p.shape, 255, tl.uint8)
+                b_p8 = e4m3_code(b_p, 1.0, b_keep, False).to(tl.float8e4nv, bitcast=True)
         if V_T:  # v_src is V^T [D, S_pad]: columns past used are +0
             b_vt = tl.load(v_src + o_d[:, None] * stride_vd + o_c[None, :])  # [D, BN]
             acc = tl.dot(b_p8, tl.trans(b_vt), acc)
@@ -157,7 +191,7 @@ def _codes_attn_fwd_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_USED: tl.constexpr, DOCS: tl.constexpr, KS_BLOCK: tl.constexpr,
     PV_FP8: tl.constexpr, V_T: tl.constexpr, V_INT8: tl.constexpr,
-    NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr,
+    NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr, OPT: tl.constexpr,
 ):  # fmt: skip
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: the grid's tail is short blocks
@@ -231,21 +265,22 @@ def _codes_attn_fwd_kernel(
                     acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                     stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
                     k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, PV_FP8,
-                    V_T, V_INT8, HW_ROUND,
+                    V_T, V_INT8, HW_ROUND, OPT,
                 )  # fmt: skip
-        for start_n in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
+        for start_n in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES,
+                                warp_specialize=(OPT & 8) != 0):  # fmt: skip
             acc, l_i, m_i = _key_block(
                 acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                 stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
                 k_group, n_kg, k_shift, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK, PV_FP8, V_T,
-                V_INT8, HW_ROUND,
+                V_INT8, HW_ROUND, OPT,
             )  # fmt: skip
         for start_n in tl.range(tail, hi, BLOCK_N):
             acc, l_i, m_i = _key_block(
                 acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                 stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
                 k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, PV_FP8, V_T,
-                V_INT8, HW_ROUND,
+                V_INT8, HW_ROUND, OPT,
             )  # fmt: skip
         b_vs = tl.load(v_scale_ptr + (i_b * HKV + i_hk) * D + o_d)  # [D]
         live = o_m < used
@@ -312,14 +347,15 @@ def transpose_v(v: torch.Tensor, used: torch.Tensor | None = None) -> torch.Tens
 
 
 class CodesConfig(tuple):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages, pv): one launch configuration. ``pv``:
-    "fp8t" (fp8 P·V on a transposed V copy), "fp8" (fp8 P·V on V as it lies) or "fp16"."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, pv, opt): one launch configuration. ``pv``:
+    "fp8t" (fp8 P·V on a transposed V copy), "fp8" (fp8 P·V on V as it lies) or "fp16";
+    ``opt``: the kernel's OPT bits (see ``_key_block``)."""
 
     __slots__ = ()
 
-    def __new__(cls, block_m, block_n, num_warps, num_stages, pv="fp8t"):
-        assert pv in ("fp8t", "fp8", "fp16")
-        return super().__new__(cls, (block_m, block_n, num_warps, num_stages, pv))
+    def __new__(cls, block_m, block_n, num_warps, num_stages, pv="fp8t", opt=0):
+        assert pv in ("fp8t", "fp8", "fp16") and 0 <= opt < 16
+        return super().__new__(cls, (block_m, block_n, num_warps, num_stages, pv, opt))
 
     def __getnewargs__(self):
         return tuple(self)
@@ -329,15 +365,18 @@ class CodesConfig(tuple):
     num_warps = property(lambda self: self[2])
     num_stages = property(lambda self: self[3])
     pv = property(lambda self: self[4])
+    opt = property(lambda self: self[5])
 
     def __repr__(self) -> str:
-        return f"M{self[0]}-N{self[1]}-w{self[2]}-s{self[3]}-{self[4]}"
+        return f"M{self[0]}-N{self[1]}-w{self[2]}-s{self[3]}-{self[4]}-o{self[5]}"
 
 
-# On CUDA: the configuration of the fastest measured Hopper sweep (scripts/bench_codes.py
-# --sweep keeps the table); on CPU (the interpreter): small one-warp tiles.
-GPU_DEFAULT = CodesConfig(128, 64, 8, 3, "fp8t")
-_CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t")
+# On CUDA: the fastest configuration of the Hopper sweep in docs/BENCHMARKS.md
+# (scripts/bench_codes.py --sweep): one warpgroup on 128 query rows, 64-key blocks (one K group
+# a block, so the K scale folds into the row factor), three stages, the biased accumulator.
+# On CPU (the interpreter): small one-warp tiles, the same code path.
+GPU_DEFAULT = CodesConfig(128, 64, 4, 3, "fp8t", 1)
+_CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t", 1)
 _CUDA_D = (64, 128)
 
 
@@ -470,5 +509,6 @@ def codes_attention(
         V_INT8=v_int8,
         NUM_STAGES=cfg.num_stages,
         HW_ROUND=gpu,
+        OPT=cfg.opt,
     )
     return out, lse

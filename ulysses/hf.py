@@ -1,0 +1,346 @@
+"""Hugging Face transformers: Ulysses attention as an attention implementation.
+
+Shape legend: B batch, L this rank's rows, S = L * P the global rows, Hq query heads, Hkv
+key/value heads, D head dim.
+    query                [B, Hq, L, D]   what transformers passes (after RoPE)
+    key, value           [B, Hkv, L, D]
+    returned output      [B, L, Hq, D]   what transformers expects back, with None weights
+
+Models that look their attention up in ``transformers.ALL_ATTENTION_FUNCTIONS`` by
+``config._attn_implementation`` (Llama, Mistral, Qwen2/3, Gemma, ...; tested with transformers 5)
+train with Ulysses without edits:
+
+    import ulysses.hf
+    ulysses.hf.register("ulysses", comm="lowp", group=sp_group)     # once, before the model
+    model = LlamaForCausalLM(config, attn_implementation="ulysses")  # or from_pretrained(...)
+    ulysses.hf.check_model(model, "ulysses")                         # optional: fail early
+    shard = ulysses.batch.shard_batch(batch, group=sp_group)
+    logits = model(**shard.model_inputs()).logits                   # [B, L, V]
+    loss = ulysses.batch.causal_lm_loss(logits, shard["shift_labels"], group=sp_group)
+
+What the model call must carry (``shard.model_inputs()`` does): this rank's rows of
+``input_ids``, the **global** ``position_ids`` (transformers would number each rank's rows
+from 0), ``used_sequence`` for padding at the end of the rows and ``document_ids`` for packed
+documents; these two reach the attention as keyword arguments. No ``attention_mask``: a
+padding mask of one rank's rows cannot say which global rows are live.
+
+Needs ``pip install ulysses-lowp[hf]`` (transformers); importing this module without it
+raises ImportError naming the extra.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from . import comm as _comm
+from . import mesh as _mesh
+from .attention import ulysses_attention
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # pragma: no cover - the extra is not installed
+    raise ImportError(
+        "ulysses.hf needs Hugging Face transformers: pip install 'ulysses-lowp[hf]' "
+        "(or pip install transformers)"
+    ) from e
+
+__all__ = ["register", "check_model", "attention_forward", "calls"]
+
+# Attention calls made through a registered implementation, per process: check_model's hooks
+# compare it before and after each attention module's forward.
+_CALLS = [0]
+
+
+def calls() -> int:
+    """How many attention calls went through a registered Ulysses implementation so far."""
+    return _CALLS[0]
+
+
+def register(
+    name: str = "ulysses",
+    *,
+    comm: str = "bf16",
+    backward_comm: str = "bf16",
+    head_chunks: int | str = 1,
+    group=None,
+    **options,
+) -> str:
+    """Register Ulysses attention as transformers' attention implementation ``name``.
+
+    A model created with ``attn_implementation=name`` (or switched with
+    ``model.set_attn_implementation(name)``) runs :func:`ulysses.ulysses_attention` in every
+    attention layer with these settings: ``comm``, ``backward_comm``, ``head_chunks``, ``group``
+    (a process group, a 1-D DeviceMesh or ``(mesh, dim)``) and any other keyword argument of
+    ``ulysses_attention`` (``q_group``, ``k_group``, ``v_format``, ``int8_output``, ``attn``).
+    Registering a name again replaces its settings. Returns ``name``.
+
+    Raises:
+        TypeError: ``name`` not a non-empty str; an option ``ulysses_attention`` does not take,
+            or one the model call sets (``causal``, ``scale``, ``used_sequence``,
+            ``document_ids``, ``layout``, ``attn_kwargs``).
+        ValueError: ``name`` one of transformers' own implementations ("eager", "sdpa",
+            "flash_attention_2", ...); what ``ulysses.mesh`` rejects of a mesh ``group``.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    builtin = ("eager", "sdpa", "flex_attention", "paged|eager")
+    if name in builtin or name.startswith(("flash_attention", "paged|")):
+        raise ValueError(
+            f"name={name!r} is one of transformers' own attention implementations; pick "
+            "another (e.g. 'ulysses')"
+        )
+    per_call = ("causal", "scale", "used_sequence", "document_ids", "layout", "attn_kwargs")
+    allowed = ("q_group", "k_group", "v_format", "int8_output", "attn")
+    for key in options:
+        if key in per_call:
+            raise TypeError(
+                f"register: {key}= is set per call from the model (causal and scale from the "
+                "attention module, used_sequence and document_ids from the model call's "
+                "keyword arguments), not at registration"
+            )
+        if key not in allowed:
+            raise TypeError(
+                f"register got an unexpected keyword argument {key!r}; it takes comm, "
+                f"backward_comm, head_chunks, group and {', '.join(allowed)}"
+            )
+    if _mesh.is_mesh_group(group):  # that dimension's process group, resolved once
+        group = _mesh.mesh_group(group)
+    settings = dict(comm=comm, backward_comm=backward_comm, head_chunks=head_chunks,
+                    group=group, **options)  # fmt: skip
+    AttentionInterface.register(name, functools.partial(attention_forward, settings=settings))
+    # transformers builds masks per implementation and passes none to one it does not know,
+    # dropping a padding mask silently: this one checks the mask and builds none
+    AttentionMaskInterface.register(name, functools.partial(_mask, group=group))
+    return name
+
+
+def _mask(*args, group=None, attention_mask=None, **kwargs):
+    """transformers' mask function for the registered name: no mask (the attention is
+    causal by itself, padding and documents come as ``used_sequence`` / ``document_ids``);
+    a padding mask raises ValueError on every rank."""
+    if attention_mask is not None:
+        _check_no_padding(attention_mask, group)
+    return None
+
+
+def attention_forward(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask=None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    *,
+    settings: dict,
+    used_sequence=None,
+    document_ids=None,
+    position_ids=None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    """transformers' attention-function signature -> :func:`ulysses.ulysses_attention`.
+
+    ``query`` [B, Hq, L, D], ``key``/``value`` [B, Hkv, L, D]: this rank's rows. Causal unless
+    ``is_causal`` (or the module's ``is_causal``) is False; ``scaling`` is the softmax
+    scale; ``dropout`` > 0 (training), ``sliding_window`` (transformers' convention) and
+    ``softcap`` pass to the attention. Returns (output
+    [B, L, Hq, D], None). Other keyword arguments transformers passes along (``use_cache``,
+    ``output_attentions``, ...) are ignored.
+
+    Raises:
+        ValueError: keys of another length than the queries (a KV cache: train with
+            ``use_cache=False``); an ``attention_mask`` (transformers passes none for a 2-D
+            mask without padding; one with padding raises when the model builds its mask:
+            pass ``used_sequence``);
+            ``position_ids`` that number this rank's rows from 0 on a rank > 0, or that
+            restart (packed documents) without ``document_ids``; what ``ulysses_attention``
+            rejects.
+    """
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"Ulysses attention needs keys for the same rows as the queries, got {query.shape[2]} "
+            f"query rows and {key.shape[2]} key rows (a KV cache?): train with use_cache=False"
+        )
+    group = settings["group"]
+    if attention_mask is not None:
+        raise ValueError(
+            "attention_mask: Ulysses attention builds its own mask (causal, with padding as "
+            "used_sequence= and packed documents as document_ids=), got a mask of shape "
+            f"{tuple(getattr(attention_mask, 'shape', ()))}; call the model without "
+            "attention_mask and with ulysses.batch.shard_batch(...).model_inputs()"
+        )
+    if position_ids is not None:
+        _check_positions(position_ids, document_ids is not None, query.shape[2], group,
+                         query.device)  # fmt: skip
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    attn_kwargs = {}
+    if dropout:
+        attn_kwargs["dropout_p"] = float(dropout)
+    if sliding_window is not None:
+        # transformers' masks: causal keys (i - w, i], bidirectional |i - j| <= w
+        w = int(sliding_window)
+        attn_kwargs["window_size"] = (w - 1, 0) if causal else (w, w)
+    if softcap is not None:
+        attn_kwargs["softcap"] = float(softcap)
+    _CALLS[0] += 1
+    out = ulysses_attention(
+        query, key, value, causal=bool(causal), scale=scaling, used_sequence=used_sequence,
+        document_ids=document_ids, layout="bhsd", attn_kwargs=attn_kwargs or None, **settings,
+    )  # fmt: skip
+    return out.transpose(1, 2), None
+
+
+# Checks that read tensors back to the host run once per tensor (every layer gets the same
+# attention_mask and position_ids objects in one forward).
+_CHECKED: dict[str, weakref.ref] = {}
+
+
+def _seen(kind: str, x: torch.Tensor) -> bool:
+    ref = _CHECKED.get(kind)
+    if ref is not None and ref() is x:
+        return True
+    _CHECKED[kind] = weakref.ref(x)
+    return False
+
+
+def _agree(values: list[int], group, device) -> torch.Tensor:
+    """Every rank's ``values`` ``[P, n]`` (one small all_gather; none at P = 1), so that a
+    check raises on every rank or on none: a rank that raised alone would leave the others
+    waiting in the attention's all_to_all."""
+    pg, _, P = _comm.resolve_group(group, device)
+    payload = torch.tensor(values, dtype=torch.int64, device=device)
+    return _comm.all_gather(payload, pg, P).cpu()
+
+
+def _check_no_padding(mask, group) -> None:
+    if not isinstance(mask, torch.Tensor) or _seen("mask", mask):
+        return
+    padded = _agree([int(not bool(mask.bool().all()))], group, mask.device)[:, 0]
+    if bool(padded.any()):
+        _CHECKED.pop("mask", None)
+        ranks = padded.nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask has padding (on ranks {ranks}), which a mask of one rank's rows "
+            "cannot express under Ulysses: call the model without attention_mask and pass "
+            "used_sequence= (from ulysses.batch.shard_batch(...).model_inputs())"
+        )
+
+
+def _check_positions(position_ids, documents: bool, L: int, group, device) -> None:
+    if not isinstance(position_ids, torch.Tensor) or _seen("positions", position_ids):
+        return
+    pos = position_ids.long().reshape(-1, position_ids.shape[-1])
+    restarts = int(bool((pos[:, 1:] != pos[:, :-1] + 1).any())) if pos.shape[-1] > 1 else 0
+    starts = pos[:, 0]
+    first, last = int(starts.min()), int(starts.max())
+    seen = _agree([restarts, first, last, int(documents)], group, device)
+    P = seen.shape[0]
+    if bool(seen[:, 3].any()) and not bool(seen[:, 3].all()):
+        _CHECKED.pop("positions", None)
+        ranks = seen[:, 3].nonzero().flatten().tolist()
+        raise ValueError(
+            f"document_ids reached the attention on ranks {ranks} only: pass them on every "
+            "rank (each rank its own rows)"
+        )
+    if documents:
+        return
+    if bool(seen[:, 0].any()):
+        _CHECKED.pop("positions", None)
+        ranks = seen[:, 0].nonzero().flatten().tolist()
+        raise ValueError(
+            f"position_ids restart inside the rows of ranks {ranks} (packed documents), but no "
+            "document_ids reached the attention: pass document_ids= to the model call "
+            "(ulysses.batch.shard_batch(...).model_inputs() does), else attention crosses "
+            "documents"
+        )
+    for r in range(P):
+        if int(seen[r, 1]) != r * L or int(seen[r, 2]) != r * L:
+            _CHECKED.pop("positions", None)
+            raise ValueError(
+                f"position_ids of rank {r} start at {int(seen[r, 1])}, but its rows are global "
+                f"rows [{r * L}, {(r + 1) * L}): pass the global positions (position_ids= from "
+                "ulysses.batch.shard_batch(...).model_inputs()); transformers numbers each "
+                "rank's rows from 0 when position_ids are left out"
+            )
+
+
+def _attention_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """Modules whose class name ends in 'Attention' and that hold no such module inside."""
+    found = []
+    for path, m in model.named_modules():
+        if not type(m).__name__.endswith("Attention"):
+            continue
+        inner = any(type(c).__name__.endswith("Attention") for c in m.modules() if c is not m)
+        if not inner:
+            found.append((path, m))
+    return found
+
+
+def check_model(model, name: str = "ulysses") -> None:
+    """Check that ``model`` runs its attention through the implementation ``name``, and make
+    every later forward check it too.
+
+    Now: ``name`` is registered and is the model's ``config._attn_implementation``. At each
+    forward (hooks on the attention modules, classes whose name ends in "Attention"): an
+    attention module that returns without having called the registered function raises
+    RuntimeError naming it — under Ulysses such a module would attend over this rank's rows
+    only, a silently wrong model.
+
+    Raises:
+        ValueError: ``name`` not registered (call :func:`register`); the model's config asks
+            for another implementation (create the model with ``attn_implementation=name``
+            or call ``model.set_attn_implementation(name)``); no attention module found.
+        RuntimeError (at forward): an attention module whose forward does not look up
+            ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"attention implementation {name!r} is not registered: call "
+            f"ulysses.hf.register({name!r}, ...) before creating the model"
+        )
+    config = getattr(model, "config", None)
+    got = getattr(config, "_attn_implementation", None)
+    if got != name:
+        raise ValueError(
+            f"the model's attention implementation is {got!r}, not {name!r}: create it with "
+            f"attn_implementation={name!r} (from_pretrained/from_config/the model class) or call "
+            f"model.set_attn_implementation({name!r})"
+        )
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"found no attention module in {type(model).__name__} (a submodule class named "
+            "'...Attention'): Ulysses cannot tell whether its attention uses "
+            f"ALL_ATTENTION_FUNCTIONS[{name!r}]"
+        )
+    for path, m in modules:
+        if getattr(m, "_ulysses_hf_checked", False):
+            continue
+        m._ulysses_hf_checked = True
+        m.register_forward_pre_hook(_before)
+        m.register_forward_hook(functools.partial(_after, path=path or type(model).__name__))
+
+
+def _before(module, args):
+    module._ulysses_hf_calls = _CALLS[0]
+
+
+def _after(module, args, output, *, path: str):
+    if _CALLS[0] == getattr(module, "_ulysses_hf_calls", _CALLS[0]):
+        raise RuntimeError(
+            f"{path} ({type(module).__name__}) ran without calling the Ulysses attention "
+            "registered with transformers: its forward does not look its attention up in "
+            "transformers' ALL_ATTENTION_FUNCTIONS by config._attn_implementation, so under "
+            "Ulysses it would attend over this rank's rows only. Use a model class whose "
+            "attention does (Llama, Mistral, Qwen2, ... in transformers 5), or call "
+            "ulysses.ulysses_attention from this module's forward"
+        )
