@@ -17,7 +17,7 @@
 #           (smooth_k, lowp), best backend: NCCL when there is a GPU per rank, else gloo on
 #           CUDA tensors; the world sizes run at the same time
 #   lane 3  (c) dist_tests.compile_check --cuda-graph at P = 2 (NCCL with two GPUs);
-#           (d) opcheck (tests/test_ops.py -k opcheck, ULYSSES_TEST_DEVICE=cuda);
+#           (d) opcheck (tests/unit/test_ops.py -k opcheck, ULYSSES_TEST_DEVICE=cuda);
 #           (e) scripts/gpu_reliability.py (on GPU 0);
 #           (f) examples/ulysses_int8_attention.py --device cuda under torchrun at P = 2;
 #           (g) examples/ulysses_lowp_attention.py --device cuda under torchrun at P = 2 (the
@@ -148,7 +148,7 @@ UNIT_CUDA_MARKERS="not dist"
 lane_unit() {
     if [ "$quick" = 1 ]; then
         run_check 1 unit_tests "cpu (quick: test_grid.py)" "$(limit_for 300)" \
-            "$PY" -m pytest -q -p no:cacheprovider tests/test_grid.py
+            "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_grid.py
     elif [ "$ngpu" -gt 0 ]; then
         local gpu=$((ngpu - 1))
         echo "[gpu_check] unit_tests_cuda: -m '$UNIT_CUDA_MARKERS' (the tests that start" \
@@ -219,7 +219,7 @@ crashes in torch); run it on a 2-GPU machine"
     fi
     if [ "$ngpu" -gt 0 ]; then
         ULYSSES_TEST_DEVICE=cuda run_check 32 opcheck_cuda cuda "$(limit_for 90)" \
-            "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py -k opcheck
+            "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_ops.py -k opcheck
         CUDA_VISIBLE_DEVICES=0 run_check 33 gpu_reliability cuda:0 "$(limit_for 150)" \
             "$PY" scripts/gpu_reliability.py
         run_check 34 example_int8_attention "$(backend_for 2)" "$(limit_for 90)" \
@@ -229,9 +229,9 @@ crashes in torch); run it on a 2-GPU machine"
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
             examples/ulysses_lowp_attention.py --device cuda
     else
-        skip 31 compile_check_cuda_graph - "no GPU: CUDA graphs need CUDA (the CPU compile path runs in tests/test_ops.py)"
+        skip 31 compile_check_cuda_graph - "no GPU: CUDA graphs need CUDA (the CPU compile path runs in tests/unit/test_ops.py)"
         run_check 32 opcheck cpu "$(limit_for 200)" \
-            "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py -k opcheck
+            "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_ops.py -k opcheck
         skip 33 gpu_reliability - "no GPU: the script allocates multi-GB CUDA tensors"
         run_check 34 example_int8_attention gloo-cpu "$(limit_for 200)" \
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
