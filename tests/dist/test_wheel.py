@@ -83,6 +83,8 @@ def test_wheel_in_a_fresh_venv(tmp_path):
         entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
     assert "ulysses/kernels/grouped_amax.py" in names
     assert "ulysses/dist_tests/harness.py" in names
+    assert not [n for n in names if n.startswith("ulysses/experimental/")], "experimental shipped"
+
     assert not [n for n in names if n.split("/")[0] in ("kernels", "dist_tests", "tests")]
     assert f"{dist_info}/licenses/LICENSE" in names
     assert "License-Expression: Apache-2.0" in metadata

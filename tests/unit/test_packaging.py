@@ -66,10 +66,21 @@ def test_urls_and_classifiers():
 def test_kernels_and_harness_are_folders_of_the_package():
     setuptools_cfg = _pyproject()["tool"]["setuptools"]
     packages = setuptools_cfg["packages"]
-    assert packages == ["ulysses", "ulysses.kernels", "ulysses.dist_tests", "ulysses.experimental"]
+    assert packages == ["ulysses", "ulysses.kernels", "ulysses.dist_tests"]
     assert "package-dir" not in setuptools_cfg  # each package is the folder of its name
     for name in packages:
         assert (ROOT / name.replace(".", "/") / "__init__.py").exists(), name
+    # Experimental code is no part of the wheel, and nothing the wheel holds imports it.
+    assert (ROOT / "ulysses" / "experimental" / "__init__.py").exists()
+    shipped = [ROOT / name.replace(".", "/") for name in packages]
+    importers = [
+        str(path.relative_to(ROOT))
+        for folder in shipped
+        for path in folder.glob("*.py")
+        if "ulysses.experimental" in path.read_text()
+        or "from . import experimental" in path.read_text()
+    ]
+    assert not importers, importers
     # Never a top-level `kernels` (another PyPI package owns that import name).
     assert not (ROOT / "kernels").exists() and not (ROOT / "dist_tests").exists()
 
