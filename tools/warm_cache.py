@@ -14,8 +14,8 @@ How:
 1. Record (CPU tensors, nothing executes; ``tools/compile_sm90.py``'s recorder): the kernel
    test files (compile_sm90's ``DRIVERS``), the harness's default and sweep cases at each
    world size of the check (torchrun, gloo on CPU), and the public calls at the benchmark
-   shapes, at the same time, each cut off at ``--record-s``. What a recorder found before its
-   cut-off is kept.
+   shapes (each part optional), at the same time, each cut off at ``--record-s``. What a
+   recorder found before its cut-off is kept.
 2. Compile: each distinct specialization goes through Triton's own JIT (``warmup``: compile
    and cache, no launch) with arguments of its types, divisibility and constexprs and the
    options every launch of the package takes, so its cache key is the one a real launch
@@ -149,22 +149,26 @@ def warm_one(spec: dict) -> dict:
         return {"ok": False, "seconds": time.perf_counter() - t0, "error": f"{e!r}"[:2000]}
 
 
-def _recorders(tmp: str, world_sizes: list[int], suites: list[str] | None) -> list[tuple]:
+def _recorders(
+    tmp: str, world_sizes: list[int], suites: list[str] | None, drivers: list[str], shapes: bool
+) -> list[tuple]:
     """(name, command, output prefix) of each recorder."""
     me = [sys.executable, str(Path(__file__).resolve())]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    drivers = [str(ROOT / d) for d in compile_sm90.DRIVERS]
-    out = [("pytest", [*me, "--record-pytest", f"{tmp}/pytest", "--", *drivers], f"{tmp}/pytest")]
+    out = []
+    if drivers:
+        prefix = f"{tmp}/pytest"
+        out.append(("pytest", [*me, "--record-pytest", prefix, "--", *drivers], prefix))
     suite_args = ["--suite", *suites] if suites else []
     for P in world_sizes:
         prefix = f"{tmp}/harness{P}"
         harness_args = ["--backend", "gloo-cpu", "--sweep", "--timeout-s", "3600", *suite_args]
-        out.append((f"harness P{P}", [*torchrun, str(P), *me, "--record-harness", prefix, "--",
+        out.append((f"harness P{P}", [*torchrun, str(P), me[1], "--record-harness", prefix, "--",
                                       *harness_args], prefix))  # fmt: skip
-    for P, shapes in compile_sm90.SHAPES.items():
+    for P, per_rank in (compile_sm90.SHAPES if shapes else {}).items():
         prefix = f"{tmp}/shapes{P}"
         cmd = [*torchrun, str(P), str(ROOT / "tools" / "compile_sm90.py"), "--record-rank", prefix]
-        out.append((f"shapes P{P}", cmd + ["--shape=" + ",".join(map(str, s)) for s in shapes],
+        out.append((f"shapes P{P}", cmd + ["--shape=" + ",".join(map(str, s)) for s in per_rank],
                     prefix))  # fmt: skip
     return out
 
@@ -191,7 +195,14 @@ def _read(prefix: str) -> list[dict]:
     return found
 
 
-def record_all(world_sizes: list[int], suites: list[str] | None, limit_s: float, log: str | None):
+def record_all(
+    world_sizes: list[int],
+    suites: list[str] | None,
+    limit_s: float,
+    log: str | None,
+    drivers: list[str],
+    shapes: bool = True,
+):
     """Every recorder at once, each ended at ``limit_s``: (distinct specs, {recorder: count
     or a note})."""
     env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
@@ -203,7 +214,7 @@ def record_all(world_sizes: list[int], suites: list[str] | None, limit_s: float,
     with tempfile.TemporaryDirectory() as tmp:
         sink = open(log, "a") if log else subprocess.DEVNULL  # noqa: SIM115
         procs = []
-        for name, cmd, prefix in _recorders(tmp, world_sizes, suites):
+        for name, cmd, prefix in _recorders(tmp, world_sizes, suites, drivers, shapes):
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=sink,
                                     start_new_session=True)  # fmt: skip
             procs.append((name, proc, prefix))
@@ -250,7 +261,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--record-s", type=float, default=90.0, help="each recorder's limit")
     parser.add_argument("--compile-s", type=float, default=150.0, help="the compile step's limit")
-    parser.add_argument("--world-sizes", default="2", help="the harness's, space separated")
+    parser.add_argument(
+        "--world-sizes", default="2", help="the harness's, space separated ('' for none)"
+    )
+    parser.add_argument(
+        "--drivers",
+        nargs="*",
+        default=list(compile_sm90.DRIVERS),
+        help="test files whose launches to record (default: compile_sm90's DRIVERS; none: "
+        "leave the kernel tests' specializations to the test run)",
+    )
+    parser.add_argument(
+        "--no-shapes", action="store_true", help="skip the public calls at the benchmark shapes"
+    )
     parser.add_argument("--suite", nargs="+", default=None, help="the harness's (default: all)")
     parser.add_argument("--json", help="write the specializations and results here")
     parser.add_argument("--log", help="append the recorders' output here")
@@ -267,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     world_sizes = [int(p) for p in args.world_sizes.split()]
-    specs, notes = record_all(world_sizes, args.suite, args.record_s, args.log)
+    drivers = [str(ROOT / d) for d in args.drivers]
+    specs, notes = record_all(
+        world_sizes, args.suite, args.record_s, args.log, drivers, not args.no_shapes
+    )
     recorded_s = time.perf_counter() - t0
     by = ", ".join(f"{k} {v}" for k, v in notes.items())
     print(f"warm_cache: {len(specs)} specializations recorded in {recorded_s:.0f} s ({by})")
