@@ -66,17 +66,16 @@ class _Stream(dict):
 
 
 def _install(path: str) -> None:
-    """compile_sm90's recorder in this process, streaming to ``path``, with this machine's
-    multiprocessor count where it has a GPU (the tile choices read it)."""
+    """compile_sm90's recorder in this process, streaming to ``path``, with the GPU's
+    multiprocessor count (``$ULYSSES_WARM_SM_COUNT``, which main() reads from the GPU: the
+    recorders see no GPU) where known: the tile choices read it."""
     import pkgutil
-
-    import torch
 
     from ulysses import kernels
 
     compile_sm90._install_recorder(_Stream(path))
-    if torch.cuda.is_available():
-        n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    n_sm = int(os.environ.get("ULYSSES_WARM_SM_COUNT", "0"))
+    if n_sm > 0:
         for info in pkgutil.iter_modules(kernels.__path__):
             module = importlib.import_module(f"ulysses.kernels.{info.name}")
             if "sm_count" in vars(module):
@@ -195,6 +194,17 @@ def _read(prefix: str) -> list[dict]:
     return found
 
 
+def _sm_count() -> int:
+    """GPU 0's multiprocessor count, 0 without a GPU."""
+    import torch
+
+    return (
+        torch.cuda.get_device_properties(0).multi_processor_count
+        if torch.cuda.is_available()
+        else 0
+    )
+
+
 def record_all(
     world_sizes: list[int],
     suites: list[str] | None,
@@ -207,6 +217,7 @@ def record_all(
     or a note})."""
     env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["ULYSSES_WARM_SM_COUNT"] = str(_sm_count())
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tensors, gloo: the recorders never touch the GPU
     env["OMP_NUM_THREADS"] = "1"
     specs: dict[str, dict] = {}
