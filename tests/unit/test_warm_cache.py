@@ -1,7 +1,7 @@
 """tools/warm_cache.py on CPU: the arguments it builds for a recorded specialization specialize
 the kernel as recorded (what makes the warm-up's cache key the one a real launch computes),
 and the recorders' files are read back, a line cut short included. The recording itself:
-tests/dist/test_warm_cache_record.py; the compile step needs a GPU (`make gpu-check`)."""
+tests/slow/test_warm_cache_record.py; the compile step needs a GPU (`make gpu-check`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """tools/warm_cache.py's recorders in their own processes (CPU, nothing compiled: --dry-run):
 a kernel test file under pytest and the harness under torchrun each record specializations,
-and a recorder cut off by --record-s keeps what it found."""
+and a recorder cut off by --record-s keeps what it found. Slow tier: the GPU check is its only
+user, and the recorder is compile_sm90's (tests/slow/test_compile_sm90_all.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def _counts(out: str) -> tuple[int, dict[str, tuple[int, str]]]:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_pytest_and_harness_recorders(tmp_path):
     out = _run("--drivers", "tests/unit/test_block_stats.py", "--world-sizes", "2",
                "--suite", "smooth_k", "--no-shapes", "--record-s", "400")  # fmt: skip
@@ -51,6 +53,7 @@ def test_pytest_and_harness_recorders(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_a_recorder_cut_off_keeps_what_it_found():
     out = _run("--drivers", "--world-sizes", "2", "--no-shapes", "--record-s", "25")
     _, parts = _counts(out)
