@@ -75,3 +75,16 @@ def test_the_figure_pattern_sees_timings_and_dates():
         assert _FIGURE.search(line), line
     for line in ("# the bus width", "# 128 rows", "# usage: 3 ms_per", "# thus"):
         assert not _FIGURE.search(line), line
+
+
+def test_validation_counts_the_harness_cases_it_runs():
+    """docs/VALIDATION.md's suite table gives each suite's cases without and with --large as
+    the harness selects them."""
+    from ulysses.dist_tests import harness
+
+    text = (ROOT / "docs" / "VALIDATION.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \(§[^|]*\|[^|]*\| (\d+) \| (\d+) \|$", text, re.M)
+    assert {name for name, _, _ in rows} == set(harness.SUITES), rows
+    for name, default, large in rows:
+        got = [len(harness.select([name], big, False, None)) for big in (False, True)]
+        assert got == [int(default), int(large)], (name, got)
