@@ -48,7 +48,10 @@
 #                          only). A run with it set is a partial check: its table says so.
 #   GPU_CHECK_LARGE        which world sizes take the harness's --large cases: auto (default:
 #                          those with a GPU per rank, and the smallest), all, none
-#   GPU_CHECK_WARM_S       the warm-up's limit (default 180 s; 0: no warm-up)
+#   GPU_CHECK_LARGE_MIN_S  --large only if the harness starts with at least this much of the
+#                          budget left (default 300 s); else the default cases, and the row
+#                          says so
+#   GPU_CHECK_WARM_S       the warm-up's limit (default 150 s; 0: no warm-up)
 #   GPU_CHECK_CACHE_OUT    a folder: after the run, Triton's compile cache is saved there as
 #                          triton_cache.tgz.part00, part01, ... (15 MiB each)
 #   GPU_CHECK_CACHE_IN     a folder holding such parts: restored before the run. A cold
@@ -68,7 +71,8 @@ quick=${GPU_CHECK_QUICK:-0}
 budget=${GPU_CHECK_BUDGET_S:-540}
 if [ "$quick" = 1 ]; then world_sizes=${GPU_CHECK_WORLD_SIZES:-2}; else world_sizes=${GPU_CHECK_WORLD_SIZES:-"2 4 6 8"}; fi
 large_policy=${GPU_CHECK_LARGE:-auto}
-warm_s=${GPU_CHECK_WARM_S:-180}
+large_min_s=${GPU_CHECK_LARGE_MIN_S:-300}
+warm_s=${GPU_CHECK_WARM_S:-150}
 case $large_policy in auto | all | none) ;; *)
     echo "gpu_check: GPU_CHECK_LARGE=$large_policy: expected auto, all or none" >&2
     exit 2
@@ -179,9 +183,11 @@ lane_unit() {
     fi
 }
 
-# the harness's --large cases at world size P? (GPU_CHECK_LARGE; $2: the smallest world size)
+# the harness's --large cases at world size P? (GPU_CHECK_LARGE; $2: the smallest world size;
+# none when less than GPU_CHECK_LARGE_MIN_S of the budget is left)
 large_for() {
     if [ "$ngpu" -eq 0 ] || [ "$large_policy" = none ]; then return 1; fi
+    if [ "$(limit_for 100000)" -lt "$large_min_s" ]; then return 1; fi
     if [ "$large_policy" = all ] || [ "$ngpu" -ge "$1" ] || [ "$1" = "$2" ]; then return 0; fi
     return 1
 }
