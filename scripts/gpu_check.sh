@@ -31,8 +31,8 @@
 # Each check's output goes to OUTDIR/<check>.log (the harness also keeps its JSON summaries
 # and per-rank logs under OUTDIR/harness_P<P>/); the table is printed and written to
 # OUTDIR/gpu_check_table.md. Every row says what ran: PASS / FAIL / TIMEOUT with what the
-# check got through (tests passed and failed of those collected; harness cases done of those
-# selected, which cases, the checks) or SKIP with its reason. Exit status 0 only if no check
+# check got through (pytest's closing line, or the tests done of those collected; the
+# harness's cases and checks, or the cases done of those selected) or SKIP with its reason. Exit status 0 only if no check
 # failed or timed out; a skipped row does not fail the run.
 #
 # Without a GPU the script still runs, to test its plumbing: GPU-only rows are skipped with
