@@ -281,7 +281,7 @@ crashes in torch); run it on a 2-GPU machine"
     fi
     if [ "$ngpu" -gt 0 ]; then
         ULYSSES_TEST_DEVICE=cuda run_check 32 opcheck_cuda cuda "$(limit_for 180)" \
-            "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_ops.py -k opcheck
+            "$PY" -m pytest -v -p no:cacheprovider tests/unit/test_ops.py -k opcheck
         CUDA_VISIBLE_DEVICES=0 run_check 33 gpu_reliability cuda:0 "$(limit_for 150)" \
             "$PY" scripts/gpu_reliability.py
         run_check 34 example_int8_attention "$(backend_for 2)" "$(limit_for 90)" \
@@ -293,7 +293,7 @@ crashes in torch); run it on a 2-GPU machine"
     else
         skip 31 compile_check_cuda_graph - "no GPU: CUDA graphs need CUDA (the CPU compile path runs in tests/unit/test_ops.py)"
         run_check 32 opcheck cpu "$(limit_for 200)" \
-            "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_ops.py -k opcheck
+            "$PY" -m pytest -v -p no:cacheprovider tests/unit/test_ops.py -k opcheck
         skip 33 gpu_reliability - "no GPU: the script allocates multi-GB CUDA tensors"
         run_check 34 example_int8_attention gloo-cpu "$(limit_for 200)" \
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
