@@ -111,12 +111,14 @@ install: setup
 clean-venv:
 	rm -rf "$(VENV)"
 
-# The test tiers (pytest markers in pyproject.toml; README "Tests"):
-#   test       in-process unit tests at small shapes (Triton's interpreter on CPU)
-#   test-dist  tests that start processes: torchrun runs (the planted faults in one run, the
-#              watchdog, P = 3), the examples, scripts, a fresh interpreter
-#   test-slow  interpreter sweeps of launch tiles, P = 16, the harness under pytest at
-#              2/4/6/8 (what `make validate` runs), every kernel compiled for sm90
+# The test tiers, one folder each (README "Tests"). The pytest markers of pyproject.toml select
+# them; every target collects all of tests/, so tests/conftest.py sees every test and fails one
+# whose folder and markers disagree.
+#   test       tests/unit/: in-process unit tests at small shapes (Triton's interpreter on CPU)
+#   test-dist  tests/dist/ (marker dist): tests that start processes: torchrun runs (the planted
+#              faults in one run, the watchdog, P = 3), the examples, scripts, a fresh interpreter
+#   test-slow  tests/slow/ (marker slow): interpreter sweeps of launch tiles, P = 16, the harness
+#              under pytest at 2/4/6/8 (what `make validate` runs), every kernel compiled for sm90
 #   test-all   all three
 test: $(READY)
 	"$(PYTHON)" -m pytest -n $(XDIST) -m "not dist and not slow" tests
@@ -146,7 +148,7 @@ gpu-check:
 
 # Compile every kernel for sm90 with the installed Triton, no GPU needed: the specializations
 # that the kernel tests and the public calls at the benchmark shapes make the package launch
-# with its compiled settings (tools/compile_sm90.py; tests/test_compile_sm90.py runs it in
+# with its compiled settings (tools/compile_sm90.py; tests/unit/test_compile_sm90.py runs it in
 # `make test`). Prints registers and local memory a kernel; fails on a compile error or a
 # spill. --fusion-diff compiles each one again with FP fusion on: what pinning it off costs.
 COMPILE_CHECK_ARGS ?= --shapes --fusion-diff
@@ -154,11 +156,11 @@ compile-check: $(READY)
 	"$(PYTHON)" tools/compile_sm90.py $(COMPILE_CHECK_ARGS)
 
 # Build a wheel, install it with $(TORCH_SPEC) into a new venv outside the clone, run a first
-# CPU call there (tests/test_packaging.py, the test that `make test` skips).
+# CPU call there (tests/dist/test_wheel.py, the test that `make test-dist` skips).
 wheel-check: $(READY)
 	ULYSSES_TEST_WHEEL=1 ULYSSES_WHEEL_TORCH_SPEC="$(TORCH_SPEC)" \
 		ULYSSES_WHEEL_TORCH_INDEX_URL="$(TORCH_INDEX_URL)" \
-		"$(PYTHON)" -m pytest -p no:cacheprovider tests/test_packaging.py
+		"$(PYTHON)" -m pytest -p no:cacheprovider tests/dist/test_wheel.py
 
 # ruff lint and format check.
 lint: $(READY)

@@ -6,7 +6,7 @@
 
 torch's fake process group (rank 1 of P) stands in for the ranks: its collectives move no
 data, so what is timed is the library's own work. Both paths run the same Triton kernels in
-the same order (tests/test_plans.py checks the launches); torch.compile adds its graph's
+the same order (tests/unit/test_plans.py checks the launches); torch.compile adds its graph's
 own host work around them. Per shape and P, for each call:
 
 * ``eager µs``: wall time per call of 100 back-to-back calls (best of 5), measured before

@@ -13,19 +13,27 @@
 #   lane 1  (a) the unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 -m "not dist"
 #           tests, 200 s a test (on the last GPU): the tests that start processes would
 #           inherit the CUDA switch, and the harness rows run their suites on the GPUs
-#   lane 2  (b) the harness --large at P = 2, 4, 6, 8 (dist_tests.validate), every suite
-#           (smooth_k, lowp), best backend: NCCL when there is a GPU per rank, else gloo on
-#           CUDA tensors; the world sizes run at the same time
+#   lane 2  (w) warm_cache: tools/warm_cache.py records the kernel specializations of the
+#           harness's cases and of the public calls at the benchmark shapes (CPU, nothing
+#           runs) and compiles each once, in a process pool, into the Triton cache the ranks
+#           share; then (b) the harness at P = 2, 4, 6, 8 (dist_tests.validate), every suite,
+#           best backend: NCCL when there is a GPU per rank, else gloo on CUDA tensors; the
+#           world sizes run at the same time. --large (the GPU-sized and sweep cases) is
+#           sized to the machine (GPU_CHECK_LARGE): by default every world size with a GPU
+#           per rank takes it, and on fewer GPUs only the smallest one does, the others
+#           running the default cases
 #   lane 3  (c) dist_tests.compile_check --cuda-graph at P = 2 (NCCL with two GPUs);
-#           (d) opcheck (tests/test_ops.py -k opcheck, ULYSSES_TEST_DEVICE=cuda);
+#           (d) opcheck (tests/unit/test_ops.py -k opcheck, ULYSSES_TEST_DEVICE=cuda);
 #           (e) scripts/gpu_reliability.py (on GPU 0);
 #           (f) examples/ulysses_int8_attention.py --device cuda under torchrun at P = 2;
 #           (g) examples/ulysses_lowp_attention.py --device cuda under torchrun at P = 2 (the
 #           attention step with the low-precision exchange vs the bf16 step, error bound)
 # Each check's output goes to OUTDIR/<check>.log (the harness also keeps its JSON summaries
 # and per-rank logs under OUTDIR/harness_P<P>/); the table is printed and written to
-# OUTDIR/gpu_check_table.md. Exit status 0 only if no check failed or timed out; a skipped
-# row (printed with its reason) does not fail the run.
+# OUTDIR/gpu_check_table.md. Every row says what ran: PASS / FAIL / TIMEOUT with what the
+# check got through (pytest's closing line, or the tests done of those collected; the
+# harness's cases and checks, or the cases done of those selected) or SKIP with its reason. Exit status 0 only if no check
+# failed or timed out; a skipped row does not fail the run.
 #
 # Without a GPU the script still runs, to test its plumbing: GPU-only rows are skipped with
 # the reason, the others run on CPU (gloo, Triton interpreter), without --large.
@@ -38,6 +46,12 @@
 #   GPU_CHECK_WORLD_SIZES  harness world sizes (default "2 4 6 8"; quick: "2")
 #   GPU_CHECK_SUITES       harness suites (default: all; e.g. "lowp" to recheck the exchange
 #                          only). A run with it set is a partial check: its table says so.
+#   GPU_CHECK_LARGE        which world sizes take the harness's --large cases: auto (default:
+#                          those with a GPU per rank, and the smallest), all, none
+#   GPU_CHECK_LARGE_MIN_S  --large only if the harness starts with at least this much of the
+#                          budget left (default 300 s); else the default cases, and the row
+#                          says so
+#   GPU_CHECK_WARM_S       the warm-up's limit (default 150 s; 0: no warm-up)
 #   GPU_CHECK_CACHE_OUT    a folder: after the run, Triton's compile cache is saved there as
 #                          triton_cache.tgz.part00, part01, ... (15 MiB each)
 #   GPU_CHECK_CACHE_IN     a folder holding such parts: restored before the run. A cold
@@ -56,6 +70,14 @@ export PYTHONUNBUFFERED=1
 quick=${GPU_CHECK_QUICK:-0}
 budget=${GPU_CHECK_BUDGET_S:-540}
 if [ "$quick" = 1 ]; then world_sizes=${GPU_CHECK_WORLD_SIZES:-2}; else world_sizes=${GPU_CHECK_WORLD_SIZES:-"2 4 6 8"}; fi
+large_policy=${GPU_CHECK_LARGE:-auto}
+large_min_s=${GPU_CHECK_LARGE_MIN_S:-300}
+warm_s=${GPU_CHECK_WARM_S:-150}
+case $large_policy in auto | all | none) ;; *)
+    echo "gpu_check: GPU_CHECK_LARGE=$large_policy: expected auto, all or none" >&2
+    exit 2
+    ;;
+esac
 start=$(date +%s)
 deadline=$((start + budget - 10)) # room for the table
 rows="$out/.rows"
@@ -148,23 +170,33 @@ UNIT_CUDA_MARKERS="not dist"
 lane_unit() {
     if [ "$quick" = 1 ]; then
         run_check 1 unit_tests "cpu (quick: test_grid.py)" "$(limit_for 300)" \
-            "$PY" -m pytest -q -p no:cacheprovider tests/test_grid.py
+            "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_grid.py
     elif [ "$ngpu" -gt 0 ]; then
         local gpu=$((ngpu - 1))
         echo "[gpu_check] unit_tests_cuda: -m '$UNIT_CUDA_MARKERS' (the tests that start" \
             "processes would inherit ULYSSES_TEST_DEVICE=cuda; the harness rows run their suites)"
         CUDA_VISIBLE_DEVICES=$gpu ULYSSES_TEST_DEVICE=cuda run_check 1 unit_tests_cuda "cuda:$gpu" \
-            "$(limit_for 480)" "$PY" -m pytest -n 8 -rfEs -p no:cacheprovider --timeout 200 -o timeout_method=thread --durations 25 -m "$UNIT_CUDA_MARKERS" tests
+            "$(limit_for 480)" "$PY" -m pytest -n 8 -v -rfEs -p no:cacheprovider --timeout 200 -o timeout_method=thread --durations 25 -m "$UNIT_CUDA_MARKERS" tests
     else
         run_check 1 unit_tests "cpu" "$(limit_for 480)" \
-            "$PY" -m pytest -n auto -p no:cacheprovider -m "not dist and not slow" tests
+            "$PY" -m pytest -n auto -v -p no:cacheprovider -m "not dist and not slow" tests
     fi
 }
 
+# the harness's --large cases at world size P? (GPU_CHECK_LARGE; $2: the smallest world size;
+# none when less than GPU_CHECK_LARGE_MIN_S of the budget is left)
+large_for() {
+    if [ "$ngpu" -eq 0 ] || [ "$large_policy" = none ]; then return 1; fi
+    if [ "$(limit_for 100000)" -lt "$large_min_s" ]; then return 1; fi
+    if [ "$large_policy" = all ] || [ "$ngpu" -ge "$1" ] || [ "$1" = "$2" ]; then return 0; fi
+    return 1
+}
+
 # one world size of the harness: run_check, then put the backend the harness really used
-# (from its JSON summary) in the row
+# (from its JSON summary) in the row. The cases it selected go to harness_P<P>/selected.txt
+# (the table counts those done when a world size runs out of time).
 harness_one() {
-    local i=$1 P=$2 limit backend summary
+    local i=$1 P=$2 limit backend summary dir="$out/harness_P$2"
     shift 2
     limit=$(limit_for 480)
     backend=$(backend_for "$P")
@@ -172,10 +204,12 @@ harness_one() {
         skip "2$i" "harness_P$P" "$backend" "${limit} s left of the ${budget} s budget (a world size needs more; raise GPU_CHECK_BUDGET_S or run it alone with GPU_CHECK_WORLD_SIZES=$P)"
         return
     fi
+    mkdir -p "$dir"
+    "$PY" -m ulysses.dist_tests.harness --list "$@" >"$dir/selected.txt" 2>/dev/null
     run_check "2$i" "harness_P$P" "$backend" "$limit" \
-        "$PY" -m ulysses.dist_tests.validate --world-sizes "$P" --out-dir "$out/harness_P$P" \
+        "$PY" -m ulysses.dist_tests.validate --world-sizes "$P" --out-dir "$dir" \
         --timeout-s $((limit - 20)) --outer-timeout-s $((limit - 5)) "$@"
-    summary="$out/harness_P$P/ws$P.json"
+    summary="$dir/ws$P.json"
     if [ -f "$summary" ] && [ -f "$rows/2$i" ]; then
         backend=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['backend'])" "$summary")
         awk -F'|' -v b="$backend" 'BEGIN { OFS = "|" } { $2 = b; print }' "$rows/2$i" >"$rows/.tmp$i" &&
@@ -183,20 +217,48 @@ harness_one() {
     fi
 }
 
-# The world sizes need the same compilations (the kernels' mask-bounding ints are not
-# specialized). With 32 or more cores every world size runs at once (each rank compiles
-# what it needs); with fewer, the first world size runs alone and fills Triton's disk cache,
-# then the others run at once and load from it (compilation is CPU bound: 20 ranks
-# compiling at once on 16 cores took longer than one world size followed by three).
+# The kernels every world size needs, compiled once before the harness starts
+# (tools/warm_cache.py): the recorders run on CPU beside the unit lane, the compile pool takes
+# half the cores. Without a GPU there is nothing to compile (the interpreter runs the kernels).
+warm_cache() {
+    if [ "$ngpu" -eq 0 ]; then
+        skip 20 warm_cache - "no GPU: Triton's interpreter compiles nothing"
+        return
+    fi
+    if [ "$warm_s" -eq 0 ]; then
+        skip 20 warm_cache - "GPU_CHECK_WARM_S=0"
+        return
+    fi
+    local limit jobs sizes smallest largest
+    limit=$(limit_for "$warm_s")
+    jobs=$(($(nproc) / 2 > 0 ? $(nproc) / 2 : 1))
+    smallest=${world_sizes%% *}
+    largest=${world_sizes##* }
+    sizes=$smallest
+    if [ "$largest" != "$smallest" ]; then sizes="$smallest $largest"; fi
+    # shellcheck disable=SC2086 # the suite names are words
+    run_check 20 warm_cache "cuda ($jobs processes)" "$limit" \
+        "$PY" tools/warm_cache.py --jobs "$jobs" --record-s $((limit * 2 / 5)) \
+        --compile-s $((limit * 3 / 5 - 10)) --world-sizes "$sizes" --drivers \
+        --log "$out/warm_cache_recorders.log" ${GPU_CHECK_SUITES:+--suite $GPU_CHECK_SUITES}
+}
+
+# After the warm-up every world size runs at once and loads its kernels from the cache. With
+# no warm-up and fewer than 32 cores, the first world size runs alone and fills the cache,
+# then the others run at once (compilation is CPU bound: 20 ranks compiling at once on 16
+# cores took longer than one world size followed by three).
 lane_harness() {
-    local i=0 P extra=() first=1
-    if [ "$ngpu" -gt 0 ]; then extra=(--large); fi
-    if [ "$quick" = 1 ]; then extra+=(--cases smooth_k/L1-H3-D128,lowp/L1-); fi
-    # shellcheck disable=SC2206 # the suite names are words
-    if [ -n "${GPU_CHECK_SUITES:-}" ]; then extra+=(--suite ${GPU_CHECK_SUITES}); fi
+    local i=0 P extra first=1 smallest=${world_sizes%% *} warmed=0
+    warm_cache
+    if [ -f "$rows/20" ] && grep -q '|PASS|' "$rows/20"; then warmed=1; fi
     for P in $world_sizes; do
         i=$((i + 1))
-        if [ "$first" = 1 ] && [ "$(nproc)" -lt 32 ]; then
+        extra=()
+        if large_for "$P" "$smallest"; then extra=(--large); fi
+        if [ "$quick" = 1 ]; then extra+=(--cases smooth_k/L1-H3-D128,lowp/L1-); fi
+        # shellcheck disable=SC2206 # the suite names are words
+        if [ -n "${GPU_CHECK_SUITES:-}" ]; then extra+=(--suite ${GPU_CHECK_SUITES}); fi
+        if [ "$first" = 1 ] && [ "$warmed" = 0 ] && [ "$(nproc)" -lt 32 ]; then
             harness_one "$i" "$P" ${extra[@]+"${extra[@]}"}
         else
             harness_one "$i" "$P" ${extra[@]+"${extra[@]}"} &
@@ -218,8 +280,8 @@ crashes in torch); run it on a 2-GPU machine"
             -m ulysses.dist_tests.compile_check --cuda-graph --timeout-s 140
     fi
     if [ "$ngpu" -gt 0 ]; then
-        ULYSSES_TEST_DEVICE=cuda run_check 32 opcheck_cuda cuda "$(limit_for 90)" \
-            "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py -k opcheck
+        ULYSSES_TEST_DEVICE=cuda run_check 32 opcheck_cuda cuda "$(limit_for 180)" \
+            "$PY" -m pytest -v -p no:cacheprovider tests/unit/test_ops.py -k opcheck
         CUDA_VISIBLE_DEVICES=0 run_check 33 gpu_reliability cuda:0 "$(limit_for 150)" \
             "$PY" scripts/gpu_reliability.py
         run_check 34 example_int8_attention "$(backend_for 2)" "$(limit_for 90)" \
@@ -229,9 +291,9 @@ crashes in torch); run it on a 2-GPU machine"
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
             examples/ulysses_lowp_attention.py --device cuda
     else
-        skip 31 compile_check_cuda_graph - "no GPU: CUDA graphs need CUDA (the CPU compile path runs in tests/test_ops.py)"
+        skip 31 compile_check_cuda_graph - "no GPU: CUDA graphs need CUDA (the CPU compile path runs in tests/unit/test_ops.py)"
         run_check 32 opcheck cpu "$(limit_for 200)" \
-            "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py -k opcheck
+            "$PY" -m pytest -v -p no:cacheprovider tests/unit/test_ops.py -k opcheck
         skip 33 gpu_reliability - "no GPU: the script allocates multi-GB CUDA tensors"
         run_check 34 example_int8_attention gloo-cpu "$(limit_for 200)" \
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
@@ -247,44 +309,7 @@ lane_harness &
 lane_programs &
 wait
 
-"$PY" - "$rows" "$out/gpu_check_table.md" "$device" "$versions" "$commit" "$(($(date +%s) - start))" "$out" <<'EOF'
-import os
-import re
-import sys
-
-rows_dir, table_path, device, versions, commit, wall, out = sys.argv[1:]
-rows = [open(os.path.join(rows_dir, name)).read().strip().split("|") for name in sorted(os.listdir(rows_dir))]
-header = ["check", "backend", "result", "seconds"]
-widths = [max(len(r[i]) for r in [header] + rows) for i in range(4)]
-lines = [
-    f"gpu_check: {device}; {versions}; commit {commit}; {wall} s wall",
-    "",
-    *("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
-      for r in [header, ["-" * w for w in widths]] + rows),
-]
-failed = [r[0] for r in rows if not (r[2] == "PASS" or r[2].startswith("SKIP"))]
-lines += ["", "gpu_check: " + ("FAILED: " + ", ".join(failed) if failed else "ALL PASSED")]
-# what failed or was skipped, from each check's log: pytest's short summary (FAILED / ERROR /
-# SKIPPED lines with their reasons) and the harness's failing cases
-pattern = re.compile(
-    r"^(\[default\d+\]:)?(FAILED |ERROR |SKIPPED \[|  \[FAIL\] |harness summary:|.*Error: )"
-)
-for r in rows:
-    log = os.path.join(out, r[0] + ".log")
-    if not os.path.exists(log) or (r[2] == "PASS" and not r[0].startswith(("unit", "harness"))):
-        continue
-    with open(log, errors="replace") as f:
-        found = [line.rstrip()[:300] for line in f if pattern.match(line)]
-    if found:
-        lines += ["", f"{r[0]} ({len(found)} lines from {r[0]}.log):"]
-        lines += ["    " + line for line in found[:40]]
-        lines += [f"    ... {len(found) - 40} more"] if len(found) > 40 else []
-text = "\n".join(lines)
-print("\n" + text)
-with open(table_path, "w") as f:
-    f.write(text + "\n")
-sys.exit(1 if failed or not rows else 0)
-EOF
+"$PY" scripts/gpu_check_table.py "$rows" "$out/gpu_check_table.md" "$device" "$versions" "$commit" "$(($(date +%s) - start))" "$out"
 status=$?
 entries_after=$(cache_entries)
 echo "gpu_check: Triton cache: $entries_before compiled kernels at the start, $entries_after at the" \

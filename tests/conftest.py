@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 import torch
+from _tiers import tier_problem
 
 from ulysses.reference import bitwise_diff
 from ulysses.testing import make_k_full as make_k_full_impl
@@ -116,3 +117,16 @@ def _processes_only_in_the_dist_tier(request, monkeypatch):
         _REAL_POPEN_INIT(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded_init)
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    wrong = []
+    for item in items:
+        path = os.path.relpath(str(item.path), here)
+        dist = item.get_closest_marker("dist") is not None
+        why = tier_problem(path, dist, item.get_closest_marker("slow") is not None)
+        if why:
+            wrong.append(f"{item.nodeid}: {why}")
+    if wrong:
+        raise pytest.UsageError("tests in the wrong tier folder:\n" + "\n".join(wrong[:20]))

@@ -71,7 +71,12 @@ KERNELS = (
     ("lowp_finish", "_post_gather_kernel"),
     ("lowp_scales", "_gather_scales_kernel"),
 )
-DRIVERS = ("tests/test_amax.py", "tests/test_block_stats.py", "tests/test_lowp_kernels.py")
+DRIVERS = (
+    "tests/unit/test_amax.py",
+    "tests/unit/test_block_stats.py",
+    "tests/unit/test_lowp_kernels.py",
+    "tests/slow/test_tile_sweeps.py",  # the long cases of the two above
+)
 _TYPES = {
     "bfloat16": "bf16",
     "float16": "fp16",

@@ -1,5 +1,5 @@
 """A stand-in for the network, for measuring the overlap of communication and attention on ONE
-device (``scripts/bench_overlap.py``, ``tests/test_overlap.py``). Never used in training.
+device (``scripts/bench_overlap.py``, ``tests/unit/test_overlap.py``). Never used in training.
 
 Shape legend: P world size of the modelled group (this process plays rank 1 of P); a send
 buffer holds P equal chunks, chunk p for rank p; an all_gather payload is [N].

@@ -69,10 +69,10 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
     hang            ulysses.testing.make_k_full     hook: blocks forever on the last rank
 
 Every grid fault (all but the attention faults, ``error`` and ``hang``) must produce
-mismatches; ``tests/test_planted_faults.py`` names the smallest cases that show each one. The
-attention faults must make the ``attention`` suite fail (``tests/test_dist_harness.py``). ``error``
-must fail every case on every rank with no rank left waiting; ``hang`` must be ended by the
-watchdog (exit code 3).
+mismatches; ``tests/unit/test_planted_faults.py`` names the smallest cases that show each
+one. The attention faults must make the ``attention`` suite fail
+(``tests/dist/test_planted_faults_run.py``). ``error`` must fail every case on every rank with
+no rank left waiting; ``hang`` must be ended by the watchdog (exit code 3).
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ _PADRANK = "L20-H3-D128-bf16-G64-used_padrank-smooth"
 _ATTN_TAIL = "bf16-L40-hq2-mha-D64-bf16-full-used_tail"
 _ATTN_LOWPBW = "lowpbw-L40-hq2-mha-D64-bf16-full-used_tail"
 
-# What ``harness --fault-sweep`` runs (tests/test_planted_faults.py checks that every fault
+# What ``harness --fault-sweep`` runs (tests/unit/test_planted_faults.py checks that every fault
 # but ``error`` and ``hang`` appears): each grid fault on the smooth_k suite, the ones that
 # reach the exchange on the lowp suite, the attention faults on the attention suite.
 SHOWCASE: tuple[Showcase, ...] = (

@@ -7,8 +7,8 @@ that reads Triton's and torch's private launch API. Where it knows the installed
 (3.6, whose launcher was read and run on an H200), a kernel that Triton has compiled and
 launched for a pattern of slot alignments is called, from the second call of that pattern on,
 through the compiled kernel's C launch function with the addresses as ints. That skips
-Triton's per-call argument binding (tens of microseconds a launch on an H200 host); the C
-function takes about 5 us (``scripts/bench_amax.py --host-parts``). On any other Triton
+Triton's per-call argument binding, most of a launch's host cost; ``scripts/bench_amax.py
+--host-parts`` times the parts. On any other Triton
 version every launch is ``kernel[grid](...)``: the same compiled kernels, the same bits,
 Triton's host cost.
 """
@@ -330,7 +330,7 @@ class Views:
 
 # One-shot launches (``launch``) of a configuration seen before reuse its Launch, so that from
 # the second call on they take the fast path too (a new Launch each call went through Triton's
-# own dispatch every time: ~100 us of host time for the dequantize on an H200 host).
+# own dispatch every time, several times the host cost of the fast path).
 _LAUNCHES: dict[tuple, tuple[Launch, tuple[str, ...]]] = {}  # -> (Launch, slot names)
 _MAX_LAUNCHES = 512
 
@@ -353,7 +353,7 @@ def launch(
     config = [
         (v.dtype, v.device) if isinstance(v, Tensor) else (type(v), v) for v in kwargs.values()
     ]
-    # the kernel by id (a JITFunction hashes in Python: ~1 us; the kept Launch holds it, so the
+    # the kernel by id (a JITFunction hashes in Python, slowly; the kept Launch holds it, so the
     # id stays its own), the names in order, each value's type and value (a tensor: dtype, device)
     try:
         found = _LAUNCHES.get(key := (id(kernel), tuple(grid), device, num_warps, use_pdl,

@@ -22,7 +22,7 @@ __all__ = [
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceil division on the host (``triton.cdiv`` is a jit function: ~40 us a call here)."""
+    """Ceil division on the host (``triton.cdiv`` is a jit function, slow to call here)."""
     return -(-a // b)
 
 
@@ -47,7 +47,7 @@ def stream_key(device: torch.device) -> tuple:
     if device.type != "cuda":
         return (device.type, None, 0)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if _RAW_STREAM is not None:  # the same int as current_stream(index).cuda_stream, ~1 us less
+    if _RAW_STREAM is not None:  # the same int as current_stream(index).cuda_stream, cheaper
         return ("cuda", index, _RAW_STREAM(index))
     return ("cuda", index, torch.cuda.current_stream(index).cuda_stream)
 
@@ -95,7 +95,7 @@ def output_template(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
     """A one-element tensor expanded to ``shape`` (one small allocator block held, whatever
     the shape): a plan keeps it, and ``torch.empty_like(template)`` then allocates a new
     contiguous output of that shape, dtype and device from one argument instead of three
-    keywords (measured on an H200 host: 3.8 against 6.6 us). An expanded tensor
+    keywords (about half the host time). An expanded tensor
     overlaps itself, so ``empty_like`` does not copy its strides; it lays the output out
     contiguously (with every dim of size 1, strides of 1: still contiguous)."""
     return torch.empty(1, dtype=dtype, device=device).expand(shape)
@@ -154,9 +154,8 @@ def tile(
     whose grid is ``programs_per_hblock * cdiv(H, BLOCK_H)`` programs. The one tile rule of
     the package, from cold (L2-flushed) tile sweeps on an H200:
 
-    * CUDA: ``elems`` elements a tile (128 for the amax kernel: 24.7 us with one 128-wide head
-      and 2 warps against 31.4 us with 512-element tiles at 68 MB, ``scripts/bench_amax.py
-      --sweep``; 256 for the block-stats kernel, which keeps four
+    * CUDA: ``elems`` elements a tile (128 for the amax kernel, faster than 512-element tiles
+      in ``scripts/bench_amax.py --sweep``; 256 for the block-stats kernel, which keeps four
       accumulators an element), one warp per 64 elements up to ``max_warps``; with
       ``warps_per_sm`` set, BLOCK_H halves on small grids until about that many warps per SM
       are resident (D=64, L=8190, H=24: 29% -> 62% of the read ceiling).

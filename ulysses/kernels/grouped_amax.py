@@ -179,18 +179,16 @@ def _grouped_amax_aligned_kernel(
     tl.store(p_out + n_touched, 0.0, mask=i_s == n_touched - 1)
 
 
-# Streaming hint and tile rule of the amax kernel on CUDA, from cold (L2-flushed) timings on
-# an H200 (``scripts/bench_amax.py --sweep`` times the tiles):
-# * evict_first on K's loads: 21.3 against 25.0 us at 68 MB, 9.3 against 9.9 at 17 MB, +-1% at
-#   268 MB and 2% slower at 336 MB (88.0 against 86.2), so only up to 256 MiB of K;
+# Streaming hint and tile rule of the amax kernel on CUDA, from cold (L2-flushed) timings
+# (``scripts/bench_amax.py --sweep`` times the tiles; docs/BENCHMARKS.md has the current ones):
+# * evict_first on K's loads: faster up to 268 MB, slower above, so only up to 256 MiB of K;
 # * one-warp programs reading whole rows, 32 elements a thread a trip (8 rows at D = 128);
 # * grids of fewer one-warp programs than 16 per SM (B1 L8192 H8 D128: 1040 programs) spread
-#   16 rows a load over the warps instead: 8.1 against 9.3 us.
+#   16 rows a load over the warps instead;
 # * a shard aligned to the grid with whole groups takes the model-specialized kernel from
 #   1 MiB of K (a compilation per H, D, G, dtype and row / head stride, shared by every
-#   sequence length; smaller shards stay on the generic kernel): 16 rows a load,
-#   one warp per 128 elements of it (18.3 against 21.2 us at 68 MB,
-#   64.3 against 70.7 at 268 MB, 80.1 against 86.3 at 336 MB, 6.9 against 9.1 at 17 MB).
+#   sequence length; smaller shards stay on the generic kernel): 16 rows a load, one warp per
+#   128 elements of it, faster than the generic kernel at every size measured.
 EVICT_MAX_BYTES = 256 << 20
 SMALL_GRID_WARPS_PER_SM = 16
 ALIGNED_MIN_BYTES = 1 << 20

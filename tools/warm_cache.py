@@ -1,0 +1,332 @@
+"""Fill Triton's disk cache before a GPU check: every kernel specialization the check will
+launch, compiled once, in parallel, by processes that share the cache.
+
+    python tools/warm_cache.py [--jobs N] [--record-s S] [--compile-s S] [--world-sizes "2 4"]
+                               [--suite NAME ...] [--json FILE]
+
+Why: on a cold machine each process of a check compiles what it launches, one kernel at a
+time, and the processes compile the same kernels side by side (a harness rank, a pytest
+worker, an example); a cold one-GPU check once spent most of its nine minutes compiling. Here
+each specialization is compiled once, by one of ``--jobs`` processes, into the
+``TRITON_CACHE_DIR`` that the check's processes then read.
+
+How:
+1. Record (CPU tensors, nothing executes; ``tools/compile_sm90.py``'s recorder): the kernel
+   test files (compile_sm90's ``DRIVERS``), the harness's default and sweep cases at each
+   world size of the check (torchrun, gloo on CPU), and the public calls at the benchmark
+   shapes (each part optional), at the same time, each cut off at ``--record-s``. What a
+   recorder found before its cut-off is kept.
+2. Compile: each distinct specialization goes through Triton's own JIT (``warmup``: compile
+   and cache, no launch) with arguments of its types, divisibility and constexprs and the
+   options every launch of the package takes, so its cache key is the one a real launch
+   computes. Work not started by ``--compile-s`` is left to the check.
+
+The harness's GPU-sized cases (``--large``) are not recorded (the harness refuses them on
+CPU): their kernels compile in the check, as before. Prints one summary line; exit status 0
+when every recorded specialization compiled, 1 when one failed (its error is printed), 2 when
+nothing could be recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("compile_sm90", ROOT / "tools" / "compile_sm90.py")
+compile_sm90 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compile_sm90)
+
+# Triton's type names (compile_sm90's recorded signatures) -> torch dtypes
+_DTYPES = {v: k for k, v in compile_sm90._TYPES.items()}
+
+
+class _Stream(dict):
+    """The recorder's ``seen`` dict, each new specialization also written to a file as one
+    JSON line at once: a recorder cut off by the deadline keeps what it found."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process
+
+    def setdefault(self, key, value):
+        if key not in self:
+            self._file.write(key + "\n")
+        return super().setdefault(key, value)
+
+
+def _install(path: str) -> None:
+    """compile_sm90's recorder in this process, streaming to ``path``, with the GPU's
+    multiprocessor count (``$ULYSSES_WARM_SM_COUNT``, which main() reads from the GPU: the
+    recorders see no GPU) where known: the tile choices read it."""
+    import pkgutil
+
+    from ulysses import kernels
+
+    compile_sm90._install_recorder(_Stream(path))
+    n_sm = int(os.environ.get("ULYSSES_WARM_SM_COUNT", "0"))
+    if n_sm > 0:
+        for info in pkgutil.iter_modules(kernels.__path__):
+            module = importlib.import_module(f"ulysses.kernels.{info.name}")
+            if "sm_count" in vars(module):
+                module.sm_count = lambda device, n=n_sm: n
+
+
+def record_pytest(path: str, pytest_args: list[str]) -> int:
+    """pytest on ``pytest_args`` with every launch recorded to ``path`` (one process)."""
+    import pytest
+
+    class Recorder:
+        def pytest_configure(self, config):
+            _install(path)
+
+    args = [*pytest_args, "-q", "--tb=no", "--no-header", "-p", "no:cacheprovider", "-rN"]
+    code = pytest.main([*args, "-W", "ignore"], plugins=[Recorder()])
+    return 0 if code in (0, 1) else int(code)  # 1: the tests' checks fail, as expected
+
+
+def record_harness(path: str, harness_args: list[str]) -> None:
+    """One rank of the harness (under torchrun) with every launch recorded to
+    ``path.rank<r>``."""
+    from ulysses.dist_tests import _dist, harness
+
+    _install(f"{path}.rank{os.environ.get('RANK', '0')}")
+    _dist.run_main(lambda: harness.main(harness_args))
+
+
+def arguments(spec: dict, device: str = "cuda") -> dict:
+    """Keyword arguments that specialize ``spec``'s kernel as recorded: tensors of each
+    pointer's dtype (16-byte aligned or not), ints with the recorded divisibility by 16 (never
+    1 unless recorded as the constant 1), the recorded constexprs."""
+    import torch
+
+    fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+    constexprs = {i: v for i, v in spec["constexprs"]}
+    divisible = set(spec["divisible"])
+    kwargs = {}
+    for i, (name, kind) in enumerate(zip(fn.arg_names, spec["signature"], strict=True)):
+        if i in constexprs:
+            kwargs[name] = constexprs[i]
+        elif kind.startswith("*"):
+            base = torch.zeros(64, dtype=getattr(torch, _DTYPES[kind[1:]]), device=device)
+            kwargs[name] = base if i in divisible else base[1:]  # one element off: misaligned
+        elif kind == "i1":
+            kwargs[name] = True
+        elif kind in ("i32", "i64"):
+            kwargs[name] = (2**32 if kind == "i64" else 0) + (16 if i in divisible else 17)
+        elif kind == "fp32":
+            kwargs[name] = 1.0
+        else:
+            raise ValueError(f"{spec['kernel']}: argument {name} of unknown type {kind}")
+    return kwargs
+
+
+def warm_one(spec: dict) -> dict:
+    """Compile one specialization through Triton's JIT on GPU 0 (``warmup``: into the disk
+    cache, no launch), with the options ``ulysses/kernels/_launch.py`` launches with."""
+    t0 = time.perf_counter()
+    try:
+        from ulysses.kernels import _runtime
+
+        fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
+        kwargs = arguments(spec)
+        extra = {"launch_pdl": True} if kwargs.get("USE_PDL") is True else {}
+        fn.warmup(grid=(1,), num_warps=spec["num_warps"], **_runtime.COMPILE_OPTIONS, **extra,
+                  **kwargs)  # fmt: skip
+        return {"ok": True, "seconds": time.perf_counter() - t0, "error": None}
+    except Exception as e:  # reported with the spec; the others go on
+        return {"ok": False, "seconds": time.perf_counter() - t0, "error": f"{e!r}"[:2000]}
+
+
+def _recorders(
+    tmp: str, world_sizes: list[int], suites: list[str] | None, drivers: list[str], shapes: bool
+) -> list[tuple]:
+    """(name, command, output prefix) of each recorder."""
+    me = [sys.executable, str(Path(__file__).resolve())]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    out = []
+    if drivers:
+        prefix = f"{tmp}/pytest"
+        out.append(("pytest", [*me, "--record-pytest", prefix, "--", *drivers], prefix))
+    suite_args = ["--suite", *suites] if suites else []
+    for P in world_sizes:
+        prefix = f"{tmp}/harness{P}"
+        harness_args = ["--backend", "gloo-cpu", "--sweep", "--timeout-s", "3600", *suite_args]
+        out.append((f"harness P{P}", [*torchrun, str(P), me[1], "--record-harness", prefix, "--",
+                                      *harness_args], prefix))  # fmt: skip
+    for P, per_rank in (compile_sm90.SHAPES if shapes else {}).items():
+        prefix = f"{tmp}/shapes{P}"
+        cmd = [*torchrun, str(P), str(ROOT / "tools" / "compile_sm90.py"), "--record-rank", prefix]
+        out.append((f"shapes P{P}", cmd + ["--shape=" + ",".join(map(str, s)) for s in per_rank],
+                    prefix))  # fmt: skip
+    return out
+
+
+def _read(prefix: str) -> list[dict]:
+    """The specializations a recorder wrote: JSON lines (``prefix``, ``prefix.rank<r>``) or
+    compile_sm90's per-rank JSON (``{"specs": [...]}``); a line cut short is skipped."""
+    found = []
+    folder, stem = os.path.split(prefix)
+    for name in sorted(os.listdir(folder)):
+        if name != stem and not name.startswith(stem + ".rank"):
+            continue
+        text = Path(folder, name).read_text()
+        try:
+            found += json.loads(text)["specs"]
+            continue
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+        for line in text.splitlines():
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return found
+
+
+def _sm_count() -> int:
+    """GPU 0's multiprocessor count, 0 without a GPU."""
+    import torch
+
+    return (
+        torch.cuda.get_device_properties(0).multi_processor_count
+        if torch.cuda.is_available()
+        else 0
+    )
+
+
+def record_all(
+    world_sizes: list[int],
+    suites: list[str] | None,
+    limit_s: float,
+    log: str | None,
+    drivers: list[str],
+    shapes: bool = True,
+):
+    """Every recorder at once, each ended at ``limit_s``: (distinct specs, {recorder: count
+    or a note})."""
+    env = {k: v for k, v in os.environ.items() if k != "ULYSSES_TEST_DEVICE"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["ULYSSES_WARM_SM_COUNT"] = str(_sm_count())
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tensors, gloo: the recorders never touch the GPU
+    env["OMP_NUM_THREADS"] = "1"
+    specs: dict[str, dict] = {}
+    notes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        sink = open(log, "a") if log else subprocess.DEVNULL  # noqa: SIM115
+        procs = []
+        for name, cmd, prefix in _recorders(tmp, world_sizes, suites, drivers, shapes):
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=sink,
+                                    start_new_session=True)  # fmt: skip
+            procs.append((name, proc, prefix))
+        deadline = time.monotonic() + limit_s
+        for name, proc, prefix in procs:
+            try:
+                rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                note = "" if rc in (0, 1) else f" (exit {rc})"  # 1: the checks fail, as expected
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                note = f" (cut off at {limit_s:.0f} s)"
+            got = _read(prefix)
+            for spec in got:
+                specs.setdefault(json.dumps(spec, sort_keys=True), spec)
+            notes[name] = f"{len({json.dumps(s, sort_keys=True) for s in got})}{note}"
+        if log:
+            sink.close()
+    return list(specs.values()), notes
+
+
+def compile_all(specs: list[dict], jobs: int, limit_s: float) -> list[dict | None]:
+    """:func:`warm_one` for each spec in ``jobs`` fresh processes sharing this process's
+    ``TRITON_CACHE_DIR``; None for a spec not started within ``limit_s``."""
+    import multiprocessing
+
+    results: list[dict | None] = [None] * len(specs)
+    ctx = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=ctx)
+    futures = {pool.submit(warm_one, spec): i for i, spec in enumerate(specs)}
+    try:
+        for future in concurrent.futures.as_completed(futures, timeout=limit_s):
+            results[futures[future]] = future.result()
+    except concurrent.futures.TimeoutError:
+        pass
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in list(getattr(pool, "_processes", {}).values()):  # a compile still running
+        proc.kill()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--record-s", type=float, default=90.0, help="each recorder's limit")
+    parser.add_argument("--compile-s", type=float, default=150.0, help="the compile step's limit")
+    parser.add_argument(
+        "--world-sizes", default="2", help="the harness's, space separated ('' for none)"
+    )
+    parser.add_argument(
+        "--drivers",
+        nargs="*",
+        default=list(compile_sm90.DRIVERS),
+        help="test files whose launches to record (default: compile_sm90's DRIVERS; none: "
+        "leave the kernel tests' specializations to the test run)",
+    )
+    parser.add_argument(
+        "--no-shapes", action="store_true", help="skip the public calls at the benchmark shapes"
+    )
+    parser.add_argument("--suite", nargs="+", default=None, help="the harness's (default: all)")
+    parser.add_argument("--json", help="write the specializations and results here")
+    parser.add_argument("--log", help="append the recorders' output here")
+    parser.add_argument("--dry-run", action="store_true", help="record only; compile nothing")
+    parser.add_argument("--record-pytest", help=argparse.SUPPRESS)
+    parser.add_argument("--record-harness", help=argparse.SUPPRESS)
+    parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.record_pytest:
+        return record_pytest(args.record_pytest, args.rest)
+    if args.record_harness:
+        record_harness(args.record_harness, args.rest)
+        return 0
+    t0 = time.perf_counter()
+    world_sizes = [int(p) for p in args.world_sizes.split()]
+    drivers = [str(ROOT / d) for d in args.drivers]
+    specs, notes = record_all(
+        world_sizes, args.suite, args.record_s, args.log, drivers, not args.no_shapes
+    )
+    recorded_s = time.perf_counter() - t0
+    by = ", ".join(f"{k} {v}" for k, v in notes.items())
+    print(f"warm_cache: {len(specs)} specializations recorded in {recorded_s:.0f} s ({by})")
+    if not specs:
+        return 2
+    if args.dry_run:
+        results: list[dict | None] = [None] * len(specs)
+    else:
+        results = compile_all(specs, args.jobs, args.compile_s)
+    done = [r for r in results if r is not None]
+    failed = [(s, r) for s, r in zip(specs, results, strict=True) if r and not r["ok"]]
+    for spec, res in failed[:10]:
+        print(f"warm_cache: {spec['kernel']} {spec['constexprs']} did not compile: {res['error']}")
+    print(
+        f"warm_cache: {len(done) - len(failed)} compiled, {len(failed)} failed, "
+        f"{len(specs) - len(done)} not reached, in {time.perf_counter() - t0 - recorded_s:.0f} s "
+        f"({args.jobs} processes; {time.perf_counter() - t0:.0f} s in all)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"specs": specs, "results": results}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
