@@ -285,7 +285,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | Non
 
 # The fused backward of the codes path on CUDA: "flash" (torch's flash attention backward), or
 # "cudnn" (cuDNN's, which torch's own SDPA backward runs on Hopper; checked against flash in
-# tests/test_codes_layer.py on a GPU).
+# tests/unit/test_codes_layer.py on a GPU).
 FUSED_BACKWARD = "flash"
 
 
