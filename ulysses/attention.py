@@ -66,6 +66,7 @@ from ._batch import (
     _document_plan,
     _used_values,
     _verify_batch,
+    _verify_reshard,
 )
 from ._heads import (
     _head_ranges,
@@ -121,6 +122,7 @@ def seq_to_heads(x: torch.Tensor, *, group=None) -> torch.Tensor:
     H = x.shape[2]
     if P == 1:
         return x
+    _verify_reshard("seq_to_heads", x, pg, rank, P)
     if H % P == 0:
         return _Reshard.apply(x, P, pg, True)
     if H < P:
@@ -146,6 +148,8 @@ def heads_to_seq(x: torch.Tensor, *, group=None, num_heads: int | None = None) -
     if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int)):
         raise TypeError(f"num_heads must be None or an int, got {type(num_heads).__name__}")
     pg, rank, P = _resolve(group, x.device)
+    if P > 1:  # the ranks agree (or all raise) before any rank-dependent check
+        _verify_reshard("heads_to_seq", x, pg, rank, P, num_heads)
     if x.shape[1] % P:
         raise ValueError(
             f"x sequence length S must be divisible by the world size P={P}, got shape "
@@ -459,7 +463,8 @@ def ulysses_attention(
         "head_chunks": 0 if head_chunks == "auto" else head_chunks,
         "v_format": lowp.V_FORMATS.index(v_format),
     }  # fmt: skip
-    _verify_batch(pg, P, q, k, wire, used, document_ids)
+    _verify_batch(pg, P, q, k, wire, used, document_ids, causal=causal, scale=scale,
+                  options=options, groups=(q_group, k_group))  # fmt: skip
     hd = _heads(Hq, k.shape[2], P, comm)
     S = L * P
     used = _check_used(used, B, S, comm)

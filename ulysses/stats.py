@@ -106,6 +106,7 @@ class KStatsPart:
         self.method = method
         self.use_pdl = use_pdl
         self.tag = tag
+        self.check = None  # (fn, world size, device, signature fields): set by the validation
         self.layout = grid.layout(rank, L, world_size, group_size, used_sequence)
         self.minmax_mode = (
             MINMAX_NONE if method is None else MINMAX_ALL if method == "fused" else MINMAX_BOUNDARY
@@ -145,6 +146,7 @@ class _StatsPlan:
         B, _, H, D = k.shape
         numel, n_mm = part.numel, (lay.n_slots if part.minmax_mode == MINMAX_ALL else 0)
         self.method, self.lay, self.device, self.dtype = part.method, lay, device, k.dtype
+        self.check = part.check
         self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay.n_slots)
         # the outputs' templates: torch.empty_like of them is the cheapest allocation
         self.mean_out = output_template(self.mean_shape, k.dtype, device)
@@ -230,6 +232,7 @@ def _plan(fn, k, group, used_sequence, enable_pdl, group_size, method, check_con
     except TypeError:
         key = plan = None
     if plan is not None and check_consistency is False and not k.data_ptr() & 15:
+        recheck(plan.check, pg)
         return plan, pg
     part, pg, world_size = _validated_part(
         k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
@@ -322,15 +325,8 @@ def _validated_part(
     used_sequence = grid.one_count(used_sequence)  # rows that agree: the single-count path
     if not _ops.is_compiling():
         v.check_alignment(k)
-    tag = comm.verify_call(
-        pg,
-        world_size,
-        k.device,
-        fn,
-        check_consistency,
-        **_signature(k, used_sequence, group_size, method),
-        **(extra or {}),
-    )
+    fields = {**_signature(k, used_sequence, group_size, method), **(extra or {})}
+    tag = comm.verify_call(pg, world_size, k.device, fn, check_consistency, **fields)
     part = KStatsPart(
         k,
         rank=rank,
@@ -341,7 +337,16 @@ def _validated_part(
         method=method,
         tag=tag,
     )
+    part.check = (fn, world_size, k.device, fields)
     return part, pg, world_size
+
+
+def recheck(check: tuple, pg) -> None:
+    """The rank check of a call that reuses a cached plan (``check``: a part's
+    ``(fn, world size, device, fields)``), so that every call checks, plan or no plan."""
+    fn, world_size, device, fields = check
+    if world_size > 1:
+        comm.verify_call(pg, world_size, device, fn, False, **fields)
 
 
 def k_stats_part(k, *, group, used_sequence, enable_pdl, group_size, caller, extra) -> tuple:
