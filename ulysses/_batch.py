@@ -151,6 +151,52 @@ def _check_attn_output(out, shape, dtype) -> None:
 
 _USED_TYPES = "None, an int, a sequence of B ints or a 1-D integer tensor [B]"
 
+# ---- torch.compile: arguments a trace cannot read --------------------------------------------
+
+_UNTRACEABLE = {
+    "used_sequence": (
+        "used_sequence as a tensor cannot be traced by torch.compile: the layer reads the counts "
+        "on the host (they set the rows each rank attends and, in 'lowp', the statistics' row "
+        "ranges); pass an int or a list of B Python ints (docs/CONTRACT.md §12: how they "
+        "compile)"
+    ),
+    "document_ids": (
+        "document_ids as a tensor of this rank's ids cannot be traced by torch.compile (the "
+        "layer gathers them and reads the document boundaries on the host); pass a "
+        "DocumentPlan built outside the compiled region: document_ids="
+        "ulysses.documents.plan_documents(ids), ids the global ids [B, S] (every rank's "
+        "[B, L] rows in rank order, the same on every rank)"
+    ),
+}
+
+
+def _raise_invalid(x: torch.Tensor, *, message: str) -> torch.Tensor:
+    raise ValueError(message)
+
+
+# a node of a compiled graph that raises when the graph runs (see _traceable)
+_invalid_op = _ops.define_op(
+    "invalid_argument", _raise_invalid, lambda x, *, message: torch.empty_like(x)
+)
+
+
+def _traceable(q, used_sequence, document_ids):
+    """Under torch.compile: an argument the trace cannot read (a tensor whose values the layer
+    reads on the host) becomes a node before every collective that raises ValueError naming
+    the traceable alternative when the graph runs (a raise while tracing would reach the
+    caller as Dynamo's ``Unsupported``, not as the ValueError), and the trace goes on without
+    it. Returns ``(q, used_sequence, document_ids)``; eager calls get them unchanged."""
+    if not _ops.is_compiling():
+        return q, used_sequence, document_ids
+    message = None
+    if isinstance(document_ids, torch.Tensor):
+        message, document_ids = _UNTRACEABLE["document_ids"], None
+    if isinstance(used_sequence, torch.Tensor):
+        message, used_sequence = _UNTRACEABLE["used_sequence"], None
+    if message is not None:
+        q = _invalid_op(x=q, message=message)
+    return q, used_sequence, document_ids
+
 
 def _used_values(used_sequence):
     """``used_sequence`` as given -> None, an int, or a tuple of ints (per batch row). Reads a
@@ -182,7 +228,7 @@ def _check_used(used, B: int, S: int, comm_mode: str):
                 f"used_sequence must hold one live-row count per batch row (B = {B}), got "
                 f"{len(used)} counts: {list(used)}"
             )
-        if len(set(used)) == 1:
+        if all(u == used[0] for u in used[1:]):  # (no set: torch.compile keeps the ints symbolic)
             used = used[0]
     counts = (used,) if isinstance(used, int) else used or ()
     for u in counts:

@@ -64,6 +64,7 @@ from ._batch import (
     _check_used,
     _check_v_format,
     _document_plan,
+    _traceable,
     _used_values,
     _verify_batch,
     _verify_reshard,
@@ -446,6 +447,7 @@ def ulysses_attention(
         out = ulysses.ulysses_attention(q, k, v, causal=True, document_ids=ids)  # ids [B, L]
     """
     _check_call(q, k, v, comm, layout, causal, scale, attn)
+    q, used_sequence, document_ids = _traceable(q, used_sequence, document_ids)
     options = _check_attn_kwargs(attn_kwargs, custom=attn is not None)
     _check_int8_output(int8_output, comm)
     _check_backward_comm(backward_comm, comm)
