@@ -415,10 +415,12 @@ def ulysses_attention(
     * ``group``: the Ulysses process group (default: the world group; with torch.distributed
       not initialized, a world of one). P = 1 runs no collective.
 
-    Ranks must agree on B, L, Hq, Hkv, D, dtype, ``comm``, ``used_sequence`` and the shape
-    and dtype of ``document_ids``: the first call of each such signature checks it (one small
-    all_gather; skipped while compiling or capturing a CUDA graph), and a difference raises
-    the same ValueError on every rank, naming the field and the per-rank values.
+    Ranks must agree on every argument but ``group``, ``attn`` and ``layout`` (sizes, dtype,
+    options, live counts, documents: docs/CONTRACT.md §12): every call checks it (one
+    all_gather of an 8-byte digest; skipped while compiling or capturing a CUDA graph), and
+    a difference raises the same ValueError on every rank, naming the field and the per-rank
+    values; a rank left waiting raises ``ulysses.comm.CollectiveTimeout`` after
+    ``ulysses.comm.watchdog_timeout()`` seconds.
 
     Raises:
         TypeError: a tensor that is not floating (bf16/fp16 for "lowp") or whose dtype differs

@@ -516,14 +516,22 @@ def _wait(work, what: str, start: float | None = None) -> None:
     """``work.wait`` bounded by the watchdog; a timeout or a lost peer -> CollectiveTimeout."""
     start = time.monotonic() if start is None else start
     try:
-        work.wait(datetime.timedelta(seconds=_WATCHDOG_S))
+        # gloo: blocks this thread up to the timeout; NCCL with a timeout waits on the host
+        done = work.wait(datetime.timedelta(seconds=_WATCHDOG_S))
     except RuntimeError as exc:  # DistBackendError and gloo's timeouts are RuntimeErrors
-        waited = time.monotonic() - start
-        raise CollectiveTimeout(
-            f"{what}: the collective did not complete after {waited:.1f} s (watchdog "
-            f"{_WATCHDOG_S:g} s, ulysses.comm.set_watchdog_timeout); {_HANG_CAUSE}. "
-            f"Backend: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"
-        ) from exc
+        backend = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise CollectiveTimeout(_timeout_message(what, start, backend)) from exc
+    if done is False:  # a backend that reports the timeout instead of raising
+        raise CollectiveTimeout(_timeout_message(what, start, "wait() timed out"))
+
+
+def _timeout_message(what: str, start: float, backend: str) -> str:
+    waited = time.monotonic() - start
+    return (
+        f"{what}: the collective did not complete after {waited:.1f} s (watchdog "
+        f"{_WATCHDOG_S:g} s, ulysses.comm.set_watchdog_timeout); {_HANG_CAUSE}. Backend: "
+        f"{backend}"
+    )
 
 
 def _cpu_wait(work, device: torch.device, what: str) -> None:

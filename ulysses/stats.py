@@ -381,8 +381,8 @@ def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = No
     S); the fp32 sum has the fixed association of docs/DESIGN.md ("Mean"), so every rank and
     every run holds the same bits whatever the collective's algorithm. Rows at global index
     >= used are excluded. One ``all_gather`` on ``group`` (default: the world group; NCCL on
-    CUDA, gloo on CPU or CUDA). No autograd history. The first call of each argument signature
-    checks that all ranks agree (ValueError naming the argument otherwise).
+    CUDA, gloo on CPU or CUDA). No autograd history. Every call first checks that all ranks
+    agree (one all_gather of an 8-byte digest; ValueError naming the argument otherwise).
 
     Any group size P >= 1 works. At P = 1 (a group of one rank, or ``group=None`` while
     torch.distributed is not initialized in a process not started by a launcher with
@@ -423,11 +423,12 @@ def smooth_k_stats(
     ``method="two_pass"`` reads K a second time with the ``k_grouped_amax`` kernel. Both give
     identical bits. ``used_sequence`` is a GLOBAL live-row count.
 
-    Ranks that disagree: the first call of each argument signature per process group checks,
-    with one small all_gather, that every rank passed the same shape, dtype, used_sequence,
-    group_size and method, and raises ValueError on every rank otherwise (naming the argument
-    and the per-rank values); ``check_consistency=True`` repeats the check on every call.
-    A disagreement the check does not see turns every output NaN. No autograd history.
+    Ranks that disagree: every call checks, with one small all_gather before its collective,
+    that every rank passed the same shape, dtype, used_sequence, group_size and method
+    (docs/CONTRACT.md §12), and raises ValueError on every rank otherwise (naming the argument
+    and the per-rank values); ``check_consistency=True`` compares every argument on every
+    call. A disagreement the check does not see (under torch.compile or CUDA graph capture)
+    turns every output NaN. No autograd history.
 
     Raises: as :func:`global_k_mean` and :func:`ulysses.k_grouped_amax`; ValueError for an
     unknown ``method``.

@@ -268,9 +268,10 @@ def _broken_all_gather(*args, **kwargs):
 
 
 def _planted_collective_error(active: bool):
-    """The raise_inside fault: the library's collective raises (on this rank only)."""
+    """The raise_inside fault: the library's first collective of the call (the ranks' check)
+    raises (on this rank only)."""
     if active:
-        return mock.patch("ulysses.comm.all_gather", _broken_all_gather)
+        return mock.patch("ulysses.comm._gather_digests", _broken_all_gather)
     return contextlib.nullcontext()
 
 
