@@ -676,7 +676,7 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
     :class:`CollectiveTimeout`). Never while compiling or capturing a CUDA graph, nor inside a
     caller that checked the call (:class:`checked`).
     """
-    key = (fn, *fields.items())
+    key = (fn, *fields.values())  # (each function passes the same names in the same order)
     state = None if world_size == 1 or _ops.is_compiling() else _state(pg)
     found = None if state is None else state.verified.get(key)
     if found is None:
