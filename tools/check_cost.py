@@ -1,9 +1,14 @@
-"""Host cost of the ranks' per-call check (docs/CONTRACT.md §12), on CPU.
+"""What the ranks' per-call check costs (docs/CONTRACT.md §12): host time on CPU, wall time on GPUs.
 
     python tools/check_cost.py [--calls 2000] [--rounds 5]
         # torch's fake process group (rank 1 of 8): the library's own host time
     torchrun --standalone --nproc-per-node 2 tools/check_cost.py
         # gloo between processes: with the round trip of the 8-byte all_gather
+    torchrun --standalone --nproc-per-node 2 tools/check_cost.py --backend nccl \
+        --rows 4096 --heads 32 --head-dim 128 --calls 50
+        # one GPU per rank: the layer's wall time a call with the check and without it
+        # (NCCL alone: the check's all_gather runs on the GPU and the host waits for it;
+        # --backend cpu:gloo,cuda:nccl: on the CPU)
 
 Prints, per call (best of ``--rounds`` rounds of ``--calls`` calls):
 
@@ -48,11 +53,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--backend", default="gloo", help="under torchrun: gloo, nccl, ...")
+    ap.add_argument("--rows", type=int, default=16, help="L, this rank's rows")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    device = torch.device("cpu")
     if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-        where = f"gloo, P = {dist.get_world_size()} processes"
+        if "nccl" in args.backend:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group(args.backend)
+        where = f"{args.backend}, P = {dist.get_world_size()} processes, {device.type} tensors"
     else:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -60,21 +73,28 @@ def main() -> int:
         where = "torch's fake group, rank 1 of 8"
     pg, P = dist.group.WORLD, dist.get_world_size()
     printer = dist.get_rank() == 0 or "RANK" not in os.environ
-    barrier = dist.barrier if "RANK" in os.environ else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def barrier():
+        sync()
+        if "RANK" in os.environ:
+            dist.barrier()
+
     fields = {f"f{i}": i for i in range(24)}
-    cpu = torch.device("cpu")
 
     def verify():
-        comm.verify_call(pg, P, cpu, "ulysses_attention", False, **fields)
+        comm.verify_call(pg, P, device, "ulysses_attention", False, **fields)
 
-    q = torch.randn(1, 16, 8, 16).bfloat16()
+    q = torch.randn(1, args.rows, args.heads, args.head_dim).bfloat16().to(device)
 
     def layer():
         with torch.no_grad():
             ulysses.ulysses_attention(q, q, q)
+        sync()  # the figure is the wall time of a call, its device work included
 
     rows = []
-    for name, fn in (("verify_call", verify), ("ulysses_attention bf16", layer)):
+    shape = f"L {args.rows} H {args.heads} D {args.head_dim}"
+    for name, fn in (("verify_call", verify), (f"layer bf16 {shape}", layer)):
         figures = {}
         for every in (True, False):
             comm.set_check_every_call(every)
@@ -84,10 +104,10 @@ def main() -> int:
         rows.append((name, figures[True], figures[False]))
     comm.set_check_every_call(True)
     if printer:
-        print(f"host time per call, us ({where}; torch {torch.__version__}, CPU)")
-        print(f"{'call':<26}{'every call':>12}{'new only':>12}{'check':>10}")
+        print(f"time per call, us ({where}; torch {torch.__version__})")
+        print(f"{'call':<34}{'every call':>12}{'new only':>12}{'check':>10}")
         for name, on, off in rows:
-            print(f"{name:<26}{on:>12.1f}{off:>12.1f}{on - off:>10.1f}")
+            print(f"{name:<34}{on:>12.1f}{off:>12.1f}{on - off:>10.1f}")
     dist.destroy_process_group()
     return 0
 
