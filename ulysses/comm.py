@@ -483,6 +483,7 @@ def _env_timeout() -> float:
 
 
 _WATCHDOG_S = _env_timeout()
+_WATCHDOG_TD = datetime.timedelta(seconds=_WATCHDOG_S)
 
 
 def watchdog_timeout() -> float:
@@ -498,10 +499,11 @@ def set_watchdog_timeout(seconds: float) -> float:
     collective on NCCL is bounded by the process group's own timeout
     (``init_process_group(timeout=...)``). After a timeout the group is unusable: end the
     job."""
-    global _WATCHDOG_S
+    global _WATCHDOG_S, _WATCHDOG_TD
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
         raise ValueError(f"seconds must be a number > 0, got {seconds!r}")
     previous, _WATCHDOG_S = _WATCHDOG_S, float(seconds)
+    _WATCHDOG_TD = datetime.timedelta(seconds=_WATCHDOG_S)
     return previous
 
 
@@ -517,7 +519,7 @@ def _wait(work, what: str, start: float | None = None) -> None:
     start = time.monotonic() if start is None else start
     try:
         # gloo: blocks this thread up to the timeout; NCCL with a timeout waits on the host
-        done = work.wait(datetime.timedelta(seconds=_WATCHDOG_S))
+        done = work.wait(_WATCHDOG_TD)
     except RuntimeError as exc:  # DistBackendError and gloo's timeouts are RuntimeErrors
         backend = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise CollectiveTimeout(_timeout_message(what, start, backend)) from exc
