@@ -673,7 +673,8 @@ def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool,
     pass at the cost of that one small collective (on the CPU for a group that takes CPU
     tensors); ranks that differ then all_gather the full signature (a fixed number of ints,
     so it cannot hang) and every rank raises the same ValueError naming the field and the
-    per-rank values. ``force`` compares the full signature on every call. The check waits at
+    per-rank values. With the per-call check off, only a signature new to this rank is
+    checked (the full signature), or every call with ``force``. The check waits at
     most :func:`watchdog_timeout` seconds for the other ranks (a rank that skipped the call:
     :class:`CollectiveTimeout`). Never while compiling or capturing a CUDA graph, nor inside a
     caller that checked the call (:class:`checked`).
