@@ -4,18 +4,22 @@
   ``causal``, ``scale``, ``attn``), :func:`_check_attn_kwargs`, ``_check_int8_output``,
   ``_check_backward_comm``, ``_check_v_format``, :func:`_used_values` and, after the ranks
   agreed, :func:`_check_used`;
-* the signature: :func:`_verify_batch` (one all_gather of ``comm.SIGNATURE_FIELDS`` ints on
-  the first call of a signature, ``comm.verify_call``) and its readable error;
+* the signature: :func:`_verify_batch` (``comm.verify_call``: every call one all_gather of
+  an 8-byte digest; ranks that differ: one all_gather of the full signature and the same
+  readable ValueError on every rank); :func:`_verify_reshard` for ``seq_to_heads`` and
+  ``heads_to_seq``;
 * ``document_ids``: :func:`_document_plan` (one all_gather of the ids -> a DocumentPlan).
 """
 
 from __future__ import annotations
 
+import ast
 import math
+import re
 
 import torch
 
-from . import _validate, comm, documents, lowp
+from . import _ops, _validate, comm, documents, lowp
 
 COMM_MODES = ("bf16", "lowp")
 BACKWARD_COMMS = ("bf16", "lowp")
@@ -147,6 +151,52 @@ def _check_attn_output(out, shape, dtype) -> None:
 
 _USED_TYPES = "None, an int, a sequence of B ints or a 1-D integer tensor [B]"
 
+# ---- torch.compile: arguments a trace cannot read --------------------------------------------
+
+_UNTRACEABLE = {
+    "used_sequence": (
+        "used_sequence as a tensor cannot be traced by torch.compile: the layer reads the counts "
+        "on the host (they set the rows each rank attends and, in 'lowp', the statistics' row "
+        "ranges); pass an int or a list of B Python ints (docs/CONTRACT.md §12: how they "
+        "compile)"
+    ),
+    "document_ids": (
+        "document_ids as a tensor of this rank's ids cannot be traced by torch.compile (the "
+        "layer gathers them and reads the document boundaries on the host); pass a "
+        "DocumentPlan built outside the compiled region: document_ids="
+        "ulysses.documents.plan_documents(ids), ids the global ids [B, S] (every rank's "
+        "[B, L] rows in rank order, the same on every rank)"
+    ),
+}
+
+
+def _raise_invalid(x: torch.Tensor, *, message: str) -> torch.Tensor:
+    raise ValueError(message)
+
+
+# a node of a compiled graph that raises when the graph runs (see _traceable)
+_invalid_op = _ops.define_op(
+    "invalid_argument", _raise_invalid, lambda x, *, message: torch.empty_like(x)
+)
+
+
+def _traceable(q, used_sequence, document_ids):
+    """Under torch.compile: an argument the trace cannot read (a tensor whose values the layer
+    reads on the host) becomes a node before every collective that raises ValueError naming
+    the traceable alternative when the graph runs (a raise while tracing would reach the
+    caller as Dynamo's ``Unsupported``, not as the ValueError), and the trace goes on without
+    it. Returns ``(q, used_sequence, document_ids)``; eager calls get them unchanged."""
+    if not _ops.is_compiling():
+        return q, used_sequence, document_ids
+    message = None
+    if isinstance(document_ids, torch.Tensor):
+        message, document_ids = _UNTRACEABLE["document_ids"], None
+    if isinstance(used_sequence, torch.Tensor):
+        message, used_sequence = _UNTRACEABLE["used_sequence"], None
+    if message is not None:
+        q = _invalid_op(x=q, message=message)
+    return q, used_sequence, document_ids
+
 
 def _used_values(used_sequence):
     """``used_sequence`` as given -> None, an int, or a tuple of ints (per batch row). Reads a
@@ -178,7 +228,7 @@ def _check_used(used, B: int, S: int, comm_mode: str):
                 f"used_sequence must hold one live-row count per batch row (B = {B}), got "
                 f"{len(used)} counts: {list(used)}"
             )
-        if len(set(used)) == 1:
+        if all(u == used[0] for u in used[1:]):  # (no set: torch.compile keeps the ints symbolic)
             used = used[0]
     counts = (used,) if isinstance(used, int) else used or ()
     for u in counts:
@@ -235,18 +285,48 @@ def _ids_fields(document_ids) -> dict:
     }
 
 
-def _verify_batch(pg, P: int, q, k, wire: dict, used, document_ids) -> None:
+def _options_fields(options: dict) -> dict:
+    """The signature fields of the attention options (the default attention's three; a
+    custom ``attn``'s others are its own business)."""
+    w = options.get("window_size")
+    if isinstance(w, tuple | list) and len(w) == 2 and all(type(x) is int for x in w):
+        left, right = w
+    else:
+        left = right = None if w is None else -3
+    number = (int, float)
+    c, p = options.get("softcap"), options.get("dropout_p")
+    return {
+        "window_left": left, "window_right": right,
+        "softcap": comm.float_field(c) if isinstance(c, number) else None,
+        "dropout_p": comm.float_field(p) if isinstance(p, number) and p else None,
+    }  # fmt: skip
+
+
+def _plan_field(document_ids) -> int | None:
+    """A DocumentPlan's digest (its documents); None for local ids (gathered: the same plan
+    on every rank by construction) or no ids."""
+    if isinstance(document_ids, documents.DocumentPlan):
+        return documents.plan_digest(document_ids)
+    return None
+
+
+def _verify_batch(pg, P: int, q, k, wire: dict, used, document_ids, *, causal=False,
+                  scale=None, options=None, groups=(32, 64)) -> None:  # fmt: skip
     """Every rank must call with the same sizes, dtype, wire (``comm``, ``int8_output``,
-    ``backward_comm``, ``head_chunks``), live counts and document-id shape: checked on the
-    first call of each signature (one all_gather of ``comm.SIGNATURE_FIELDS`` ints), so that a
-    rank that differs gets the same ValueError on every rank instead of a backend abort, a
-    hang or silently wrong rows."""
-    if P == 1:
+    ``backward_comm``, ``head_chunks``, ``v_format``, ``q_group``, ``k_group``), live counts,
+    document-id shape, DocumentPlan, ``causal``, ``scale`` and attention options (window,
+    soft cap, dropout): checked on every call (``comm.verify_call``), so that a rank that
+    differs gets the same ValueError on every rank instead of a backend abort, a hang or
+    silently wrong rows. Not under torch.compile (the watchdog bounds what that leaves)."""
+    if P == 1 or _ops.is_compiling():
         return
     B, L, Hq, D = q.shape
     fields = {
         "B": B, "L": L, "Hq": Hq, "Hkv": k.shape[2], "D": D, "dtype": _DTYPE_CODES[q.dtype],
         **wire, "used_sequence": _used_field(used, L * P), **_ids_fields(document_ids),
+        "document_plan": _plan_field(document_ids), "causal": int(causal),
+        "scale": comm.float_field(scale), **_options_fields(options or {}),
+        "q_group": groups[0], "k_group": groups[1],
     }  # fmt: skip
     try:
         comm.verify_call(pg, P, q.device, "ulysses_attention", False, **fields)
@@ -254,12 +334,52 @@ def _verify_batch(pg, P: int, q, k, wire: dict, used, document_ids) -> None:
         raise _readable_disagreement(exc, pg, P, q.device, used, B) from None
 
 
+def _verify_reshard(fn: str, x, pg, rank: int, P: int, num_heads=None) -> None:
+    """The rank check of ``seq_to_heads`` / ``heads_to_seq`` (every call, as the layer's):
+    B, rows, D, dtype and the head counts. ``heads_to_seq`` without ``num_heads`` needs every
+    rank to hold the same head count (H = h * P); with it, each rank's share; the error
+    names ``num_heads`` on every rank."""
+    if _ops.is_compiling():  # as the layer's: no check while tracing
+        return
+    B, rows, h, D = x.shape
+    given = -1 if num_heads is None else num_heads
+    fields = {"B": B, "rows": rows, "D": D, "dtype": _DTYPE_CODES.get(x.dtype, -4)}
+    if fn == "seq_to_heads":
+        fields["H"] = h
+    else:  # each rank's heads: its share of num_heads (uneven splits differ by rank)
+        fields["num_heads"] = given
+        fields["heads"] = h if num_heads is None else _share_error(h, num_heads, rank, P)
+    try:
+        comm.verify_call(pg, P, x.device, fn, False, **fields)
+    except ValueError as exc:
+        found = re.search(r"disagree on heads in heads_to_seq: per-rank values (\[.*?\])",
+                          str(exc))  # fmt: skip
+        if found is None:
+            raise
+        values = ast.literal_eval(found.group(1))
+        if num_heads is None:
+            raise ValueError(
+                f"heads_to_seq: the ranks hold different head counts {values} (per rank) and "
+                f"num_heads is None; pass num_heads=H, the total head count (the same on every "
+                f"rank: seq_to_heads split H over P={P} ranks, the first H % P one more)"
+            ) from None
+        raise ValueError(
+            f"heads_to_seq: x must hold this rank's share of num_heads={num_heads} heads over "
+            f"P={P} ranks on every rank; per-rank heads held minus share {values} (0: right)"
+        ) from None
+
+
+def _share_error(h: int, H: int, rank: int, P: int) -> int:
+    """Heads held minus this rank's share of H (0 when right; -h - 1 when H < P)."""
+    if H < P:
+        return -h - 1
+    share = H // P + (1 if rank < H % P else 0)
+    return h - share
+
+
 def _readable_disagreement(exc: ValueError, pg, P: int, device, used, B: int) -> ValueError:
     """The signature check's error with dtype names and per-row counts spelled out (every
     rank holds the same error, so every rank takes the same branch here)."""
-    import ast
-    import re
-
     found = re.search(r"disagree on (\w+) in ulysses_attention: per-rank values (\[.*?\])",
                       str(exc))  # fmt: skip
     if found is None:
@@ -268,7 +388,7 @@ def _readable_disagreement(exc: ValueError, pg, P: int, device, used, B: int) ->
     names = {code: str(dt).removeprefix("torch.") for dt, code in _DTYPE_CODES.items()}
     hint = ""
     if name in ("dtype", "document_ids_dtype"):
-        values = [names.get(x, "none" if x == -1 else "not a tensor") for x in values]
+        values = [names.get(x, "none" if x in (-1, None) else "not a tensor") for x in values]
     elif name == "comm":
         values = [COMM_MODES[x] for x in values]
     elif name == "backward_comm":
@@ -279,6 +399,13 @@ def _readable_disagreement(exc: ValueError, pg, P: int, device, used, B: int) ->
         values = ["auto" if x == 0 else x for x in values]
     elif name == "v_format":
         values = [lowp.V_FORMATS[x] for x in values]
+    elif name in ("scale", "softcap", "dropout_p"):
+        values = [None if x is None else comm.field_float(x) for x in values]
+    elif name == "causal":
+        values = [bool(x) for x in values]
+    elif name == "document_plan":
+        hint = (" (a DocumentPlan of the same global ids [B, S] on every rank: the ranks "
+                "passed plans of different documents)")  # fmt: skip
     elif name == "used_sequence":
         if any(x is not None and x < -1 for x in values):  # some rank passed per-row counts
             mine = list(used) if isinstance(used, tuple) else [used] * B

@@ -245,10 +245,12 @@ class _LowpToHeads(torch.autograd.Function):
     def forward(ctx, q, k, v, hd, pg, used_sequence, q_group, k_group, lowp_backward, v_format):
         ctx.hd, ctx.pg, ctx.lowp_backward = hd, pg, lowp_backward
         # exchange_qkv(...).dequantize(); under torch.compile one op running that eager call
-        return lowp.exchange_to_heads(
-            q, k, v, group=pg, used_sequence=used_sequence, q_group=q_group, k_group=k_group,
-            v_format=v_format,
-        )  # fmt: skip
+        kwargs = dict(group=pg, used_sequence=used_sequence, q_group=q_group, k_group=k_group,
+                      v_format=v_format)  # fmt: skip
+        if _ops.is_compiling() or pg is None:  # (a compiled graph's op checks at run time)
+            return lowp.exchange_to_heads(q, k, v, **kwargs)
+        with comm.checked(pg):  # the layer checked this call's signature on every rank
+            return lowp.exchange_to_heads(q, k, v, **kwargs)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):

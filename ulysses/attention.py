@@ -64,8 +64,10 @@ from ._batch import (
     _check_used,
     _check_v_format,
     _document_plan,
+    _traceable,
     _used_values,
     _verify_batch,
+    _verify_reshard,
 )
 from ._heads import (
     _head_ranges,
@@ -124,6 +126,7 @@ def seq_to_heads(x: torch.Tensor, *, group=None) -> torch.Tensor:
     H = x.shape[2]
     if P == 1:
         return x
+    _verify_reshard("seq_to_heads", x, pg, rank, P)
     if H % P == 0:
         return _Reshard.apply(x, P, pg, True)
     if H < P:
@@ -149,6 +152,8 @@ def heads_to_seq(x: torch.Tensor, *, group=None, num_heads: int | None = None) -
     if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int)):
         raise TypeError(f"num_heads must be None or an int, got {type(num_heads).__name__}")
     pg, rank, P = _resolve(group, x.device)
+    if P > 1:  # the ranks agree (or all raise) before any rank-dependent check
+        _verify_reshard("heads_to_seq", x, pg, rank, P, num_heads)
     if x.shape[1] % P:
         raise ValueError(
             f"x sequence length S must be divisible by the world size P={P}, got shape "
@@ -452,10 +457,12 @@ def ulysses_attention(
       (``ulysses.mesh``; default: the world group; with torch.distributed not initialized, a
       world of one). P = 1 runs no collective.
 
-    Ranks must agree on B, L, Hq, Hkv, D, dtype, ``comm``, ``used_sequence`` and the shape
-    and dtype of ``document_ids``: the first call of each such signature checks it (one small
-    all_gather; skipped while compiling or capturing a CUDA graph), and a difference raises
-    the same ValueError on every rank, naming the field and the per-rank values.
+    Ranks must agree on every argument but ``group``, ``attn`` and ``layout`` (sizes, dtype,
+    options, live counts, documents: docs/CONTRACT.md §12): every call checks it (one
+    all_gather of an 8-byte digest; skipped while compiling or capturing a CUDA graph), and
+    a difference raises the same ValueError on every rank, naming the field and the per-rank
+    values; a rank left waiting raises ``ulysses.comm.CollectiveTimeout`` after
+    ``ulysses.comm.watchdog_timeout()`` seconds.
 
     Raises:
         TypeError: a tensor that is not floating (bf16/fp16 for "lowp") or whose dtype differs
@@ -490,6 +497,7 @@ def ulysses_attention(
     """
     mode, attn = _attn_mode(attn)
     _check_call(q, k, v, comm, layout, causal, scale, attn)
+    q, used_sequence, document_ids = _traceable(q, used_sequence, document_ids)
     options = _check_attn_kwargs(attn_kwargs, custom=attn is not None)
     _check_int8_output(int8_output, comm)
     _check_backward_comm(backward_comm, comm)
@@ -507,7 +515,8 @@ def ulysses_attention(
         "head_chunks": 0 if head_chunks == "auto" else head_chunks,
         "v_format": lowp.V_FORMATS.index(v_format),
     }  # fmt: skip
-    _verify_batch(pg, P, q, k, wire, used, document_ids)
+    _verify_batch(pg, P, q, k, wire, used, document_ids, causal=causal, scale=scale,
+                  options=options, groups=(q_group, k_group))  # fmt: skip
     hd = _heads(Hq, k.shape[2], P, comm)
     S = L * P
     used = _check_used(used, B, S, comm)

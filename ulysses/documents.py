@@ -295,6 +295,17 @@ class DocumentPlan:
         return self._masks[key]
 
 
+def plan_digest(plan: DocumentPlan) -> int:
+    """A 62-bit digest of a plan's documents (its shape and each row's runs: what the
+    attention's mask depends on), for the ranks' signature check; computed once per plan
+    (host data only, no device read)."""
+    found = plan.__dict__.get("_digest")
+    if found is None:
+        found = hash((plan.shape, plan.runs)) & 0x3FFFFFFFFFFFFFFF  # ints: the same every run
+        object.__setattr__(plan, "_digest", found)
+    return found
+
+
 _SINGLE_PLANS: dict = {}  # (B, S, device) -> DocumentPlan, the last few shapes
 
 

@@ -862,9 +862,11 @@ def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format=
     except TypeError:
         key = plan = None
     if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        stats.recheck(plan.check, pg)  # the ranks' check, every call
         return plan, pg
     c = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format)
     plan = _ExchangePlan(c)
+    plan.check = c.part.check
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     if key is not None:

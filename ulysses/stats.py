@@ -106,6 +106,7 @@ class KStatsPart:
         self.method = method
         self.use_pdl = use_pdl
         self.tag = tag
+        self.check = None  # (fn, world size, device, signature fields): set by the validation
         self.layout = grid.layout(rank, L, world_size, group_size, used_sequence)
         self.minmax_mode = (
             MINMAX_NONE if method is None else MINMAX_ALL if method == "fused" else MINMAX_BOUNDARY
@@ -145,6 +146,7 @@ class _StatsPlan:
         B, _, H, D = k.shape
         numel, n_mm = part.numel, (lay.n_slots if part.minmax_mode == MINMAX_ALL else 0)
         self.method, self.lay, self.device, self.dtype = part.method, lay, device, k.dtype
+        self.check = part.check
         self.mean_shape, self.amax_shape = (B, H, D), (B, H, lay.n_slots)
         # the outputs' templates: torch.empty_like of them is the cheapest allocation
         self.mean_out = output_template(self.mean_shape, k.dtype, device)
@@ -230,6 +232,7 @@ def _plan(fn, k, group, used_sequence, enable_pdl, group_size, method, check_con
     except TypeError:
         key = plan = None
     if plan is not None and check_consistency is False and not k.data_ptr() & 15:
+        recheck(plan.check, pg)
         return plan, pg
     part, pg, world_size = _validated_part(
         k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
@@ -322,15 +325,8 @@ def _validated_part(
     used_sequence = grid.one_count(used_sequence)  # rows that agree: the single-count path
     if not _ops.is_compiling():
         v.check_alignment(k)
-    tag = comm.verify_call(
-        pg,
-        world_size,
-        k.device,
-        fn,
-        check_consistency,
-        **_signature(k, used_sequence, group_size, method),
-        **(extra or {}),
-    )
+    fields = {**_signature(k, used_sequence, group_size, method), **(extra or {})}
+    tag = comm.verify_call(pg, world_size, k.device, fn, check_consistency, **fields)
     part = KStatsPart(
         k,
         rank=rank,
@@ -341,7 +337,16 @@ def _validated_part(
         method=method,
         tag=tag,
     )
+    part.check = (fn, world_size, k.device, fields)
     return part, pg, world_size
+
+
+def recheck(check: tuple, pg) -> None:
+    """The rank check of a call that reuses a cached plan (``check``: a part's
+    ``(fn, world size, device, fields)``), so that every call checks, plan or no plan."""
+    fn, world_size, device, fields = check
+    if world_size > 1:
+        comm.verify_call(pg, world_size, device, fn, False, **fields)
 
 
 def k_stats_part(k, *, group, used_sequence, enable_pdl, group_size, caller, extra) -> tuple:
@@ -376,8 +381,8 @@ def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = No
     S); the fp32 sum has the fixed association of docs/DESIGN.md ("Mean"), so every rank and
     every run holds the same bits whatever the collective's algorithm. Rows at global index
     >= used are excluded. One ``all_gather`` on ``group`` (default: the world group; NCCL on
-    CUDA, gloo on CPU or CUDA). No autograd history. The first call of each argument signature
-    checks that all ranks agree (ValueError naming the argument otherwise).
+    CUDA, gloo on CPU or CUDA). No autograd history. Every call first checks that all ranks
+    agree (one all_gather of an 8-byte digest; ValueError naming the argument otherwise).
 
     Any group size P >= 1 works. At P = 1 (a group of one rank, or ``group=None`` while
     torch.distributed is not initialized in a process not started by a launcher with
@@ -418,11 +423,12 @@ def smooth_k_stats(
     ``method="two_pass"`` reads K a second time with the ``k_grouped_amax`` kernel. Both give
     identical bits. ``used_sequence`` is a GLOBAL live-row count.
 
-    Ranks that disagree: the first call of each argument signature per process group checks,
-    with one small all_gather, that every rank passed the same shape, dtype, used_sequence,
-    group_size and method, and raises ValueError on every rank otherwise (naming the argument
-    and the per-rank values); ``check_consistency=True`` repeats the check on every call.
-    A disagreement the check does not see turns every output NaN. No autograd history.
+    Ranks that disagree: every call checks, with one small all_gather before its collective,
+    that every rank passed the same shape, dtype, used_sequence, group_size and method
+    (docs/CONTRACT.md §12), and raises ValueError on every rank otherwise (naming the argument
+    and the per-rank values); ``check_consistency=True`` compares every argument on every
+    call. A disagreement the check does not see (under torch.compile or CUDA graph capture)
+    turns every output NaN. No autograd history.
 
     Raises: as :func:`global_k_mean` and :func:`ulysses.k_grouped_amax`; ValueError for an
     unknown ``method``.

@@ -2,9 +2,10 @@
 bounded time, and no rank reports a normal result. See ulysses/dist_tests/rank_faults.py. (Planted
 library faults, which the distributed harness must catch: tests/unit/test_planted_faults.py.)
 
-The ``disagree_*`` modes rely on the library's consistency check on the first call of each
-argument signature: every rank must raise ``ValueError`` naming the
-argument and the per-rank values, seconds after the call, never hang or return numbers.
+The ``disagree_*`` modes rely on the library's consistency check, which runs on every call:
+every rank must raise ``ValueError`` naming the argument and the per-rank values, seconds
+after the call, never hang or return numbers. (Ranks that drift apart after calls they agreed
+on, and a skipped call: tests/dist/test_drift_faults.py.)
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def test_pending_joins_its_work_once():
     class Work:
         waits = 0
 
-        def wait(self):
+        def wait(self, timeout=None):  # (a CPU work's wait is bounded by the watchdog)
             Work.waits += 1
 
     result = torch.zeros(2)

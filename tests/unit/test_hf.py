@@ -1,6 +1,6 @@
 """ulysses.hf in one process (P = 1): the registered attention against transformers' own,
 each document run alone; the model checks and the bad input. Multi-rank runs:
-tests/test_training_dist.py."""
+tests/dist/test_training_dist.py."""
 
 from __future__ import annotations
 

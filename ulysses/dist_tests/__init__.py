@@ -12,7 +12,8 @@ Modules:
     checks         ``CaseRun`` (shared bookkeeping), ulp/bitwise comparisons, the ``smooth_k``
                    run of one case
     faults         planted library faults (``--fault``), a table of mock.patch targets
-    rank_faults    faulty or disagreeing ranks must all end non-zero, quickly
+    rank_faults    faulty, disagreeing or drifting ranks: every rank ends with one clear
+                   error, the same on every rank, quickly (a skipped call: the watchdog)
     compile_check  torch.compile / CUDA graph vs eager
     _dist          the one process-group setup: backend, device, timeouts, watchdog, teardown
 
