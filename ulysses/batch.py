@@ -416,12 +416,13 @@ def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNO
     ``shift_labels`` ``[B, L]``: this rank's rows (from :func:`shard_batch`, targets already
     shifted over the whole sequence). Targets equal to ``ignore_index`` do not count.
 
-    The value: the sum over every rank's live targets divided by their count, the same on
-    every rank (the two sums travel in one all_gather of three float64 numbers, beside a
-    shape-error flag, and are added in rank order). The gradient: ``d loss / d logits`` of this rank's rows, i.e. each row's
-    cross entropy gradient over the global count. A weight every rank holds gets only its own
-    rows' part: sum its gradient over the Ulysses group (and average over data parallel), as
-    for any replicated weight. A batch with no live target gives 0 (and zero gradients).
+    The value: the sum over every rank's live targets divided by their count, the same on every
+    rank (the two sums travel in one all_gather of three float64 numbers, beside a shape-error
+    flag, and are added in rank order). The gradient: ``d loss / d logits`` of this rank's rows,
+    i.e. each row's cross entropy gradient over the global count. A weight every rank holds gets
+    only its own rows' part: sum its gradient over the Ulysses group (and average over data
+    parallel), as for any replicated weight. A batch with no live target gives 0 (and zero
+    gradients).
 
     Raises:
         TypeError: ``logits`` not a floating tensor; ``shift_labels`` not an integer tensor.
