@@ -199,11 +199,16 @@ def test_kv_once_collectives_and_sizes(fake_link):
     assert log == fwd + bwd, log
 
 
-@pytest.mark.parametrize("mode", ["lowp", "lowp-int8out-bwdlowp"])
-def test_kv_once_lowp(mode, fake_link):
-    """comm="lowp" with the K/V heads once: the output and dq bit for bit with one chunk;
-    or, where the exchange cannot pack K/V once, a ValueError that says so."""
-    P, L, Hq, Hkv, D = 4, 8, 16, 4, 16
+@pytest.mark.parametrize(
+    "mode, Hq, Hkv",
+    [("lowp", 16, 4), ("lowp-int8out-bwdlowp", 16, 4), ("lowp", 8, 2)],  # P = Hkv; rep 2
+)
+def test_kv_once_lowp(mode, Hq, Hkv, fake_link):
+    """comm="lowp" with the K/V heads once (P 4: one K/V head a rank, sharded or repeated to
+    2 ranks): the output and dq bit for bit with one chunk (the chunks' codes and scales are
+    the one-chunk exchange's), dk and dv within a rounding; or, where the exchange cannot
+    pack K/V once, a ValueError that says so."""
+    P, L, D = 4, 8, 16
     link = fake_link(P)
     inputs = make_inputs(1, L, Hq, Hkv, D, seed=6)
     with link:

@@ -317,12 +317,6 @@ def resolve_head_chunks(
 # ---- layouts of one chunk (views, or one copy into a send buffer) ------------------------------
 
 
-def _heads_of(x: torch.Tensor, P: int, h: int, c: int, hc: int) -> torch.Tensor:
-    """[B, L, P*h, D] -> [P, B, L, hc, D] view: block p holds rank p's heads c*hc..(c+1)*hc."""
-    B, L, _, D = x.shape
-    return x.view(B, L, P, h, D)[:, :, :, c * hc : (c + 1) * hc].permute(2, 0, 1, 3, 4)
-
-
 def _chunk_heads(x: torch.Tensor, P: int, h: int, c: int, hc: int) -> torch.Tensor:
     """[B, L, P*h, D] -> [B, L, P*hc, D] contiguous: chunk c of every rank's heads."""
     B, L, _, D = x.shape
@@ -335,10 +329,33 @@ def _place_heads(dst: torch.Tensor, src: torch.Tensor, P: int, h: int, c: int, h
     dst.view(B, L, P, h, D)[:, :, :, c * hc : (c + 1) * hc] = src
 
 
+def _join_chunks(parts: list) -> torch.Tensor:
+    """Chunks [B, L, P, hc, D] (chunk c: heads c*hc..(c+1)*hc of every rank) -> [B, L, P, n,
+    hc, D], contiguous: the heads of rank p in order, ``view(B, L, P*n*hc, D)`` away."""
+    return torch.stack(parts, dim=3)
+
+
 def _rows_of(x: torch.Tensor, P: int) -> torch.Tensor:
     """[B, P*L, h, D] -> [P, B, L, h, D] view (block p: rows of rank p)."""
     B, S, h, D = x.shape
     return x.view(B, P, S // P, h, D).transpose(0, 1)
+
+
+def _to_send(x: torch.Tensor, P: int) -> torch.Tensor:
+    """[B, P*L, h, D] -> contiguous [P, B, L, h, D] (block p: rows of rank p): at B = 1 the
+    rows are already in rank order: no transpose."""
+    B, S, h, D = x.shape
+    if B == 1:
+        return x.view(P, 1, S // P, h, D).contiguous()
+    return _rows_of(x, P).contiguous()
+
+
+def _from_recv(recv: torch.Tensor) -> torch.Tensor:
+    """[P, B, L, h, D] (block p: rows of rank p) -> [B, P*L, h, D], a view at B = 1."""
+    P, B, L, h, D = recv.shape
+    if B == 1:
+        return recv.view(1, P * L, h, D)
+    return recv.transpose(0, 1).reshape(B, P * L, h, D)
 
 
 def _kv_to_ranks(x: torch.Tensor, hd) -> torch.Tensor:
@@ -410,29 +427,38 @@ class _Run:
                                q_group=self.q_group, k_group=self.k_group,
                                v_format=self.v_format)  # fmt: skip
 
-    def start_in(self, q, k, v, c: int, stats=None):
+    def sends(self, q, k, v) -> tuple:
+        """``comm="bf16"``: every chunk's send buffer, made before ``in 0`` by one copy
+        (two with ``kv_once``): [n, P, B, L, hqc + 2*hkc, D] (block [c, p]: chunk c's heads
+        of rank p, q|k|v), or with ``kv_once`` (chunk 0's q|k|v [P, B, L, hqc + 2*hkv, D],
+        every chunk's q [n, P, B, L, hqc, D])."""
+        hd, P, n, hqc = self.hd, self.hd.P, self.n, self.hqc
+        B, L, _, D = q.shape
+        q_all = q.view(B, L, P, n, hqc, D).permute(3, 2, 0, 1, 4, 5)
+        if not self.kv_once:
+            hkc = self.hkc
+            k_all, v_all = (x.view(B, L, P, n, hkc, D).permute(3, 2, 0, 1, 4, 5) for x in (k, v))
+            return (torch.cat((q_all, k_all, v_all), dim=4),)
+        q_all = q_all.contiguous()
+        return torch.cat((q_all[0], _kv_to_ranks(k, hd), _kv_to_ranks(v, hd)), dim=3), q_all
+
+    def start_in(self, q, k, v, c: int, stats=None, sends=None):
         """Chunk c's q, k, v to head shards; ``wait()`` -> (q_h, k_h, v_h), k_h and v_h None
-        for a chunk without K/V (``kv_once``, c > 0). ``comm="lowp"``: the pack of chunk c's
-        heads now, its all_to_all started (``stats``: of :meth:`start_stats`)."""
-        hd, P, hqc, hkc = self.hd, self.hd.P, self.hqc, self.hkc
+        for a chunk without K/V (``kv_once``, c > 0). ``comm="bf16"``: the chunk's buffer of
+        :meth:`sends`; ``comm="lowp"``: the pack of chunk c's heads now, its all_to_all
+        started (``stats``: of :meth:`start_stats`)."""
         if self.lowp:
             return lowp.exchange_heads(stats, q, k, v, c, self.n, start=_all_to_all_start,
                                        **({"kv_once": True} if self.kv_once else {}))  # fmt: skip
-        q_c = _heads_of(q, P, hd.hq, c, hqc)
-        if self.kv_once:
-            if c > 0:
-                return _all_to_all_start(q_c.contiguous(), self.pg, P)
-            k_c, v_c = _kv_to_ranks(k, hd), _kv_to_ranks(v, hd)
-        else:
-            k_c, v_c = _heads_of(k, P, hd.hkv, c, hkc), _heads_of(v, P, hd.hkv, c, hkc)
-        return _all_to_all_start(torch.cat((q_c, k_c, v_c), dim=3), self.pg, P)
+        send = sends[0][c] if len(sends) == 1 else sends[0] if c == 0 else sends[1][c]
+        return _all_to_all_start(send, self.pg, self.hd.P)
 
     def finish_in(self, pending) -> tuple:
         got = pending.wait()
         if self.lowp:  # the dequantize: the chunk's head shards
             return got
         P, B, L, W, D = got.shape
-        merged = got.transpose(0, 1).reshape(B, P * L, W, D)  # a view at B = 1
+        merged = _from_recv(got)
         if W == self.hqc:  # a chunk without K/V
             return merged, None, None
         return merged.split((self.hqc, self.hkc, self.hkc), dim=2)
@@ -442,7 +468,7 @@ class _Run:
         if self.int8_output:
             send = rowwire.out_quant_op(x=out_h, world_size=P)
         else:
-            send = _rows_of(out_h, P).contiguous()
+            send = _to_send(out_h, P)
         return _all_to_all_start(send, self.pg, P)
 
     def finish_out(self, pending: comm.Pending, out: torch.Tensor, c: int) -> None:
@@ -464,7 +490,8 @@ class _Run:
         out = q.new_empty(B, L, Hq, D)
         saved, outs = [], []
         stats = self.start_stats(q, k, v) if self.lowp else None
-        pending_in = self.start_in(q, k, v, 0, stats)
+        sends = None if self.lowp else self.sends(q, k, v)
+        pending_in = self.start_in(q, k, v, 0, stats, sends)
         kv = None
         for c in range(self.n):
             heads = self.finish_in(pending_in)
@@ -472,7 +499,7 @@ class _Run:
                 kv = kv or heads[1:]
                 heads = (heads[0], *self.kv_slice(*kv, c))
             if c + 1 < self.n:  # the next chunk's exchange runs beside this chunk's attention
-                pending_in = self.start_in(q, k, v, c + 1, stats)
+                pending_in = self.start_in(q, k, v, c + 1, stats, sends)
             if track:
                 with torch.enable_grad():
                     leaves = tuple(x.detach().requires_grad_() for x in heads)
@@ -480,7 +507,7 @@ class _Run:
                 saved.append((leaves, out_h))
             else:
                 out_h = self.attend(*heads)
-            outs.append(self.start_out(out_h.detach()))
+            outs.append(self.start_out(out_h.detach() if track else out_h))
         for c, pending in enumerate(outs):
             self.finish_out(pending, out, c)
         return out, saved
@@ -510,7 +537,7 @@ class _Run:
         recv = pending.wait()
         B, L, _, D = dout.shape
         if not self.lowp_backward:
-            return recv.transpose(0, 1).reshape(B, self.hd.P * L, self.hqc, D)
+            return _from_recv(recv)
         return rowwire.dout_dequant_op(recv=recv, B=B, L=L, h=self.hqc, D=D,
                                        world_size=self.hd.P, dtype=dout.dtype)  # fmt: skip
 
@@ -525,46 +552,47 @@ class _Run:
                 send = rowwire.grads_quant_op(dq=_unit_last(dq), dk=_unit_last(dk),
                                               dv=_unit_last(dv), world_size=P)  # fmt: skip
         elif dk is None:
-            send = _rows_of(dq, P).contiguous()
+            send = _to_send(dq, P)
         else:
-            send = torch.cat((_rows_of(dq, P), _rows_of(dk, P), _rows_of(dv, P)), dim=3)
+            send = _to_send(torch.cat((dq, dk, dv), dim=2), P)
         return _all_to_all_start(send, self.pg, P)
 
-    def finish_grads(self, pending: comm.Pending, grads: tuple, c: int) -> None:
-        """Chunk c's gradients into ``grads`` (dq [B, L, Hq, D], dk, dv [B, L, Hkv, D])."""
+    def finish_grads(self, pending: comm.Pending, dq_like: torch.Tensor, c: int) -> tuple:
+        """Chunk c's gradients as [B, L, P, h, D] views (h = hqc, hkc; dq alone for a
+        ``kv_once`` chunk but the last)."""
         recv = pending.wait()
-        hd, P, hqc, hkc = self.hd, self.hd.P, self.hqc, self.hkc
-        dq, dk, dv = grads
-        B, L, _, D = dq.shape
+        P, hqc, hkc = self.hd.P, self.hqc, self.hkc
+        B, L, _, D = dq_like.shape
         with_kv = not self.kv_once or c == self.n - 1
         if self.lowp_backward:
             if with_kv:
                 got = rowwire.grads_dequant_op(recv=recv, B=B, L=L, hq=hqc, hkv=hkc, D=D,
-                                               world_size=P, dtype=dq.dtype)  # fmt: skip
+                                               world_size=P, dtype=dq_like.dtype)  # fmt: skip
             else:
                 got = (rowwire.out_dequant_op(recv=recv, B=B, L=L, h=hqc, D=D, world_size=P,
-                                              dtype=dq.dtype),)  # fmt: skip
-            got = [g.view(B, L, P, -1, D) for g in got]
-        else:
-            both = recv.permute(1, 2, 0, 3, 4)  # [B, L, P, hqc (+ 2*hkc), D]
-            got = [both[..., :hqc, :]]
-            if with_kv:
-                got += [both[..., hqc : hqc + hkc, :], both[..., hqc + hkc :, :]]
-        _place_heads(dq, got[0], P, hd.hq, c, hqc)
+                                              dtype=dq_like.dtype),)  # fmt: skip
+            return tuple(g.view(B, L, P, -1, D) for g in got)
+        both = recv.permute(1, 2, 0, 3, 4)  # [B, L, P, hqc (+ 2*hkc), D]
         if not with_kv:
-            return
-        if self.kv_once:  # every K/V head of the rank, in one piece
-            for dst, g in zip((dk, dv), got[1:], strict=True):
-                if hd.rep == 1:
-                    dst.copy_(g.reshape(B, L, hd.Hkv, D))
-                else:  # a K/V head sent to ``rep`` ranks: the sum of their partials
-                    dst.copy_(_heads._sum_partials(g.reshape(B, L, P, D), hd))
-            return
-        _place_heads(dk, got[1], P, hd.hkv, c, hkc)
-        _place_heads(dv, got[2], P, hd.hkv, c, hkc)
+            return (both[..., :hqc, :],)
+        return both[..., :hqc, :], both[..., hqc : hqc + hkc, :], both[..., hqc + hkc :, :]
+
+    def join_grads(self, parts: list, shapes: tuple) -> tuple:
+        """dq [B, L, Hq, D], dk, dv [B, L, Hkv, D] from every chunk's :meth:`finish_grads`
+        (one copy each: chunk c of rank p's heads lands at ``p*h + c*h/n``)."""
+        hd, P = self.hd, self.hd.P
+        dq = _join_chunks([g[0] for g in parts]).view(shapes[0])
+        if not self.kv_once:
+            dk, dv = (_join_chunks([g[i] for g in parts]).view(shapes[i]) for i in (1, 2))
+            return dq, dk, dv
+        B, L, _, D = dq.shape
+        last = parts[-1]
+        if hd.rep == 1:  # every K/V head of the rank, in one piece
+            return dq, last[1].reshape(shapes[1]), last[2].reshape(shapes[2])
+        # a K/V head sent to ``rep`` ranks: the sum of their partials, in fp32, in rank order
+        return (dq, *(_heads._sum_partials(g.reshape(B, L, P, D), hd) for g in last[1:]))
 
     def backward(self, dout: torch.Tensor, saved: list, shapes: tuple) -> tuple:
-        grads = tuple(dout.new_empty(s) for s in shapes)
         outs = []
         douts = self.douts(dout)
         pending = self.start_dout(douts, 0)
@@ -592,9 +620,8 @@ class _Run:
             dk, dv = (torch.cat(acc[i * hkv : (i + 1) * hkv], dim=2).to(dq.dtype)
                       for i in range(2))  # fmt: skip
             outs.append(self.start_grads(dq, dk, dv))
-        for c, p in enumerate(outs):
-            self.finish_grads(p, grads, c)
-        return grads
+        parts = [self.finish_grads(p, dout, c) for c, p in enumerate(outs)]
+        return self.join_grads(parts, shapes)
 
 
 class _Pipeline(torch.autograd.Function):
