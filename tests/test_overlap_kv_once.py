@@ -312,7 +312,7 @@ def test_ranks_kv_once_bit_for_bit(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={P}", os.path.abspath(__file__), "--worker"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_ROOT)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=_ROOT, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=_ROOT, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert out.count("OK kv_once") == P, out[-4000:]
@@ -320,8 +320,9 @@ def test_ranks_kv_once_bit_for_bit(tmp_path):
 
 def _worker() -> int:
     """One rank of 4: Hq 8 with Hkv 4 (P = Hkv) and Hkv 1 (MQA), 2 chunks, the exact
-    attention in fp32 (every tensor bit for bit) and SDPA in bf16 (out and dq bit for bit);
-    a failure on any rank fails every rank."""
+    attention in fp32 (every tensor bit for bit) and SDPA in bf16 (out and dq bit for bit),
+    and at Hkv 4 comm="lowp" with the INT8 output and gradient wires (out and dq bit for
+    bit, where the exchange packs K/V once); a failure on any rank fails every rank."""
     dist.init_process_group("gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
     L, D, n = 8, 16, 2
@@ -339,6 +340,15 @@ def _worker() -> int:
                              for d in differences(got, exp, names)]  # fmt: skip
                 if attn is None and not all(close(got[x], exp[x]) for x in ("dk", "dv")):
                     failures.append(f"rank {rank} Hkv {Hkv}: dk/dv not within 2e-2")
+        if LOWP_KV_ONCE:
+            mode = "lowp-int8out-bwdlowp"
+            full = make_inputs(1, L * P, 8, 4, D, seed=3)
+            shard = [x[:, rank * L : (rank + 1) * L].contiguous() for x in full]
+            exp = run(shard, n=1, mode=mode)
+            got = run(shard, n=n, mode=mode)
+            failures += [f"rank {rank} {mode}: {d}" for d in differences(got, exp, ("out", "dq"))]
+            if not all(close(got[x], exp[x]) for x in ("dk", "dv")):
+                failures.append(f"rank {rank} {mode}: dk/dv not within 2e-2")
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         failures.append(f"rank {rank}: {type(e).__name__}: {e}")
     flag = torch.tensor([len(failures)])

@@ -632,14 +632,14 @@ def _send_side(
     c, n = chunk
     B, L, Hq, D = s.shape
     dev, P = s.device, s.P
-    k_first = c * (s.Hkv // n)  # the chunk's first K/V head of the rank's
     if kv_once:
         whole = _wire(B, L, Hq, D, P, s.q_group, s.k_group, s.Hkv)
         hkv = whole.hkv if c == 0 else 0
         w = _wire_heads(B, L, whole.h // n, hkv, whole.kv_rep, D, P, s.q_group, s.k_group)
-        k_first = 0
+        k_first = 0  # the chunk's first K/V head of those a rank receives
     else:
         w = _wire(B, L, Hq // n, D, P, s.q_group, s.k_group, s.Hkv // n)
+        k_first = c * w.hkv
     pack = prepare_pack(
         s.shape, s.strides, dev, send, world_size=P, row0=s.rank * L, q_group=s.q_group,
         k_group=s.k_group, n_sq=s.n_sq, n_sk=s.n_sk, row_bytes=w.row_bytes,
