@@ -644,8 +644,7 @@ def _send_side(
         s.shape, s.strides, dev, send, world_size=P, row0=s.rank * L, q_group=s.q_group,
         k_group=s.k_group, n_sq=s.n_sq, n_sk=s.n_sk, row_bytes=w.row_bytes,
         scale_bytes=w.scale_bytes, use_pdl=s.use_pdl, kv_heads=s.Hkv, q_once=s.q_once,
-        chunk=chunk, v_int8=s.v_format == "int8", **s.pack_tiles,
-        **({"kv_once": True} if kv_once else {}),
+        chunk=chunk, kv_once=kv_once, v_int8=s.v_format == "int8", **s.pack_tiles,
     )  # fmt: skip
     o = _out_layout(w, B, s.Hkv // n, D, s.dtype.itemsize, s.q_group, s.k_group, s.rank)
     index = _scale_index(w, B, s.q_group, s.k_group, dev)

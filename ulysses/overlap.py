@@ -30,7 +30,8 @@ back to sequence shards; a step in brackets runs while the attention beside it r
 q alone after), or with ``comm="lowp"`` the
 pack of chunk c's heads and one all_to_all of its uint8 codes and scales, the statistics of
 all heads computed once before ``in 0`` (``lowp.exchange_stats``: one launch, ONE all_gather,
-one launch; ``lowp.exchange_heads`` for each chunk); ``out c`` one
+one launch; ``lowp.exchange_heads`` for each chunk, ``kv_once=True``: K/V codes with chunk 0
+only); ``out c`` one
 all_to_all of the output, in the input dtype or as INT8 with one scale per (row, head)
 (``int8_output``); ``dO c`` and ``grads c`` the same in backward (``backward_comm="lowp"``:
 INT8 with one scale per (row, head); ``kv_once``: ``grads c`` is dq alone but for the last).
