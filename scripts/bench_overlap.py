@@ -602,7 +602,7 @@ def parse_args(argv):
     args.comms = args.comms.split(",")
     args.kinds = args.kinds.split(",")
     args.rounds = args.rounds or (3 if args.quick or args.llama else 5)
-    budget = 75.0 if args.quick else 900.0 if args.llama else 270.0
+    budget = 75.0 if args.quick else 480.0 if args.llama else 270.0
     args.budget = args.budget if args.budget is not None else budget
     return args
 
