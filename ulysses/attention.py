@@ -443,12 +443,14 @@ def ulysses_attention(
       backward. The same values, bit for bit, as one chunk where ``attn`` treats heads
       independently ("lowp": each chunk's exchange computes its own heads' statistics, the
       values one exchange of all heads computes). ``attn`` is called once per chunk with
-      that chunk's heads. n must divide the K/V heads a rank receives (a chunk holds whole
-      GQA groups), with the heads split evenly and K/V heads not repeated over ranks;
-      ``"auto"`` picks n from the shape (``ulysses.overlap.auto_head_chunks``; 1 where
-      chunks would not pay). Under torch.compile the call runs as one chunk. With "lowp",
-      more than one chunk (asked, or from ``"auto"``) dequantizes each chunk and runs the
-      default attention on the values, compiled or not (the codes path runs one chunk).
+      that chunk's heads. n must divide the query heads a rank attends and divide the K/V
+      heads it receives (a chunk holds whole GQA groups) or be a multiple of them (the K/V
+      heads travel once, with the first chunk: GQA at P = Hkv, MQA; dk and dv then sum the
+      chunks' partials in fp32), with the heads split evenly; ``"auto"`` picks n from the
+      shape and the link (``ulysses.overlap.auto_head_chunks``, ``comm.set_link_gbps``; 1
+      where chunks would not pay). Under torch.compile the call runs as one chunk. With "lowp",
+      more than one chunk dequantizes each chunk and runs the default attention on the
+      values (``attn="codes"`` runs one chunk).
     * ``v_format`` (with "lowp" only): "fp8" (default: V as float8_e4m3fn codes, scale
       ``amax/448`` per (head, channel)) or "int8" (V as int8 codes, scale ``amax/127`` per
       (head, channel), the amax over the whole live sequence: the same bytes, an error of
@@ -481,11 +483,11 @@ def ulysses_attention(
             ``v_format`` other than "fp8" or "int8"; with "lowp" a head dim D that is not a
             multiple of 16 up to 256; what ``exchange_qkv`` rejects
             for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``;
-            ``head_chunks`` < 1, not dividing the K/V heads a rank receives, or > 1 with an
-            uneven head split or repeated K/V heads (the message names the head counts);
-            ``attn`` a string other than "sdpa" or "codes"; ``attn="codes"`` without
-            ``comm="lowp"`` or on a call the codes kernel cannot run (a head dim, dtype,
-            attention option or ``head_chunks`` > 1: the message names it and the fallback).
+            ``head_chunks`` < 1, not fitting the heads of a rank (see above), or > 1 with
+            an uneven head split (the message names the head counts); ``attn`` a string
+            other than "sdpa" or "codes"; ``attn="codes"`` without ``comm="lowp"`` or on a
+            call the codes kernel cannot run (a head dim, dtype, attention option or
+            ``head_chunks`` > 1: the message names it and the fallback).
 
     Example (under torchrun, one process per GPU)::
 
@@ -512,7 +514,7 @@ def ulysses_attention(
     wire = {
         "comm": COMM_MODES.index(comm), "int8_output": int(int8_output),
         "backward_comm": BACKWARD_COMMS.index(backward_comm),
-        "head_chunks": 0 if head_chunks == "auto" else head_chunks,
+        "head_chunks": overlap.wire_code(head_chunks),
         "v_format": lowp.V_FORMATS.index(v_format),
     }  # fmt: skip
     _verify_batch(pg, P, q, k, wire, used, document_ids, causal=causal, scale=scale,
@@ -521,7 +523,11 @@ def ulysses_attention(
     S = L * P
     used = _check_used(used, B, S, comm)
     plan = _document_plan(document_ids, B, L, P, pg, q.device)
-    chunks = overlap.resolve_head_chunks(head_chunks, B=B, S=S, hd=hd, D=D, causal=causal)
+    chunks = overlap.resolve_head_chunks(
+        head_chunks, B=B, S=S, hd=hd, D=D, causal=causal, pg=pg, device=q.device,
+        lowp=comm == "lowp", int8_output=int8_output, lowp_backward=lowp_backward,
+        training=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
+    )  # fmt: skip
     on_codes = codes.use_codes(
         mode, comm=comm, q=q, custom=attn is not None, options=options,
         chunks=_chunks_asked(head_chunks, chunks, hd, B, S, D, causal),

@@ -69,6 +69,8 @@ __all__ = [
     "watchdog_timeout",
     "set_check_every_call",
     "float_field",
+    "set_link_gbps",
+    "link_gbps",
 ]
 
 # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
@@ -753,3 +755,32 @@ def _full_check(pg, world_size: int, device: torch.device, fn: str, fields: dict
         f"ranks disagree on the signature of {fn} (digests differ, fields agree); every rank "
         f"of the group must call {fn} with the same arguments"
     )
+
+
+# ---- the link speed hint (head_chunks="auto") --------------------------------------------------
+
+_LINK_GBPS = None
+
+
+def set_link_gbps(gbps: float | None) -> float | None:
+    """Tell ``head_chunks="auto"`` (``ulysses.overlap``) the speed of this rank's link, GB/s
+    one direction (e.g. 50 for 400 Gb/s InfiniBand, 450 for NVLink 4); None forgets it, and
+    "auto" then times the first exchange of each call size once (one extra all_to_all pair
+    and one all_gather). Set the same value on every rank: it decides the chunk count, and
+    the ranks' signature check raises where it differs. Returns the previous value.
+
+    Raises TypeError/ValueError: not a real number > 0 (or None)."""
+    global _LINK_GBPS
+    if gbps is not None:
+        if isinstance(gbps, bool) or not isinstance(gbps, (int, float)):
+            raise TypeError(f"gbps must be a number of GB/s or None, got {type(gbps).__name__}")
+        if not 0 < gbps < float("inf"):
+            raise ValueError(f"gbps must be a finite number of GB/s > 0, got {gbps}")
+        gbps = float(gbps)
+    previous, _LINK_GBPS = _LINK_GBPS, gbps
+    return previous
+
+
+def link_gbps() -> float | None:
+    """The link speed set by :func:`set_link_gbps` (None: not set)."""
+    return _LINK_GBPS

@@ -159,6 +159,12 @@ def _wire(
 ) -> _Wire:
     h = H // P
     hkv, kv_rep = grid.kv_split(H, H if kv_heads is None else kv_heads, P)
+    return _wire_heads(B, L, h, hkv, kv_rep, D, P, q_group, k_group)
+
+
+def _wire_heads(B, L, h, hkv, kv_rep, D, P, q_group, k_group) -> _Wire:
+    """The wire of ``h`` query and ``hkv`` K/V heads a rank (hkv may be 0: a head chunk
+    without K/V, ``exchange_heads(kv_once=True)``)."""
     n_sq = (L + 2 * q_group - 2) // q_group
     n_sk = (L + 2 * k_group - 2) // k_group
     code_bytes = B * (h + 2 * hkv) * D
@@ -616,19 +622,29 @@ class _Side:
     dequant_at: object
 
 
-def _send_side(s: _SendConfig, chunk: tuple[int, int], send: torch.Tensor | None) -> _Side:
+def _send_side(
+    s: _SendConfig, chunk: tuple[int, int], send: torch.Tensor | None, kv_once: bool = False
+) -> _Side:
     """The send side of head chunk ``chunk = (c, n)`` (``(0, 1)``: the whole exchange) bound to
     ``send`` (None: the call passes a send buffer). The one builder of the pack, the scale
-    gather and the dequantize launches."""
+    gather and the dequantize launches. ``kv_once``: the rank's K/V heads all with chunk 0,
+    none with the others (:func:`exchange_heads`)."""
     c, n = chunk
     B, L, Hq, D = s.shape
     dev, P = s.device, s.P
-    w = _wire(B, L, Hq // n, D, P, s.q_group, s.k_group, s.Hkv // n)
+    if kv_once:
+        whole = _wire(B, L, Hq, D, P, s.q_group, s.k_group, s.Hkv)
+        hkv = whole.hkv if c == 0 else 0
+        w = _wire_heads(B, L, whole.h // n, hkv, whole.kv_rep, D, P, s.q_group, s.k_group)
+        k_first = 0  # the chunk's first K/V head of those a rank receives
+    else:
+        w = _wire(B, L, Hq // n, D, P, s.q_group, s.k_group, s.Hkv // n)
+        k_first = c * w.hkv
     pack = prepare_pack(
         s.shape, s.strides, dev, send, world_size=P, row0=s.rank * L, q_group=s.q_group,
         k_group=s.k_group, n_sq=s.n_sq, n_sk=s.n_sk, row_bytes=w.row_bytes,
         scale_bytes=w.scale_bytes, use_pdl=s.use_pdl, kv_heads=s.Hkv, q_once=s.q_once,
-        chunk=chunk, v_int8=s.v_format == "int8", **s.pack_tiles,
+        chunk=chunk, kv_once=kv_once, v_int8=s.v_format == "int8", **s.pack_tiles,
     )  # fmt: skip
     o = _out_layout(w, B, s.Hkv // n, D, s.dtype.itemsize, s.q_group, s.k_group, s.rank)
     index = _scale_index(w, B, s.q_group, s.k_group, dev)
@@ -651,7 +667,7 @@ def _send_side(s: _SendConfig, chunk: tuple[int, int], send: torch.Tensor | None
         (0, torch.int8, o.size_q, o.stride, o.offsets[0]),
         (0, torch.int8, o.size_kv, o.stride, o.offsets[1]),
         (0, _V_CODES[s.v_format], o.size_kv, o.stride, o.offsets[2]),
-        recv_words, recv_words, (1, FP32, o.v_scale[0], vs_stride, vs_at + c * w.hkv * D),
+        recv_words, recv_words, (1, FP32, o.v_scale[0], vs_stride, vs_at + k_first * D),
         2, 3, 4,
     ))  # fmt: skip
     return _Side(
@@ -739,7 +755,7 @@ class _ExchangePlan:
             n_sq=lay_q.n_slots, n_sk=lay_k.n_slots, use_pdl=c.use_pdl, q_once=q_once,
             dtype=k.dtype, pack_tiles=tiles.get("pack", {}), v_format=c.v_format,
         )  # fmt: skip
-        self._chunks: dict[int, tuple[_Side, ...]] = {}
+        self._chunks: dict[tuple, tuple[_Side, ...]] = {}
         # at P = 1 the send buffer is the receive buffer: a new one each call
         send = None if P == 1 else workspace("lowp_send", w.nbytes, torch.uint8, dev)[: w.nbytes]
         whole = _send_side(self.send_config, (0, 1), send)
@@ -799,12 +815,12 @@ class _ExchangePlan:
         out = self._stats(q, k, v, pg)
         return out, out.view(self.dtype).as_strided(*self.mean_view)
 
-    def chunk_sides(self, n: int) -> tuple[_Side, ...]:
+    def chunk_sides(self, n: int, kv_once: bool = False) -> tuple[_Side, ...]:
         """The send sides of the ``n`` head chunks (built once, by :func:`_send_side`)."""
-        sides = self._chunks.get(n)
+        sides = self._chunks.get((n, kv_once))
         if sides is None:
-            sides = tuple(_send_side(self.send_config, (i, n), None) for i in range(n))
-            self._chunks[n] = sides
+            sides = tuple(_send_side(self.send_config, (i, n), None, kv_once) for i in range(n))
+            self._chunks[(n, kv_once)] = sides
         return sides
 
     def run(
@@ -950,6 +966,7 @@ def exchange_heads(
     n_chunks: int,
     *,
     start=None,
+    kv_once: bool = False,
 ) -> _HeadsPending:
     """Head chunk ``chunk`` of ``n_chunks`` of the exchange whose statistics ``stats`` holds
     (the same q, k, v): the pack of query heads ``r*h + [c*h/n, (c+1)*h/n)`` of every rank r
@@ -958,9 +975,11 @@ def exchange_heads(
     asynchronous); ``wait()`` of the result runs the dequantize and returns the chunk's q_h
     [B, S, h/n, D], k_h (centred) and v_h [B, S, hkv/n, D]. Codes and scales have the bits
     of the same heads of the one-chunk exchange. K/V heads sharded (``Hkv % P == 0``) and
-    ``n_chunks`` dividing the K/V heads a rank receives."""
+    ``n_chunks`` dividing the K/V heads a rank receives; or ``kv_once``: ``n_chunks`` dividing
+    the query heads a rank attends, the rank's K/V heads (sharded or repeated) all with chunk
+    0, and k_h, v_h of the other chunks [B, S, 0, D]."""
     plan = stats.plan
-    side = plan.chunk_sides(n_chunks)[chunk]
+    side = plan.chunk_sides(n_chunks, kv_once)[chunk]
     send = torch.empty_like(side.recv_out)
     side.pack(q, k, v, plan.amax_q, plan.final, stats.mean, plan.amax_v, send, send.view(FP32))
     pending = (start or comm.all_to_all_start)(send, stats.pg, plan.P)

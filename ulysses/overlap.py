@@ -3,13 +3,21 @@ of another runs (``ulysses_attention(..., head_chunks=n)``).
 
 Shape legend: B batch, L local rows, P world size, S = L * P global rows, D head dim,
 Hq / Hkv query / key-value heads, hq = Hq / P query heads a rank attends, hkv key/value heads
-a rank receives, n chunks, hqc = hq / n and hkc = hkv / n heads of one chunk. Chunk c of
-rank r holds query heads ``r*hq + [c*hqc, (c+1)*hqc)`` and the key/value heads they use,
-``r*hkv + [c*hkc, (c+1)*hkc)`` (whole GQA groups).
+a rank receives, n chunks, hqc = hq / n query heads of one chunk. Chunk c of rank r holds
+query heads ``r*hq + [c*hqc, (c+1)*hqc)`` and the key/value heads they use:
+
+* n divides hkv: ``hkc = hkv / n`` K/V heads ``r*hkv + [c*hkc, (c+1)*hkc)`` (whole GQA
+  groups), exchanged with the chunk's query heads;
+* n a multiple of hkv (``kv_once``: Llama-style GQA at P = Hkv, hkv = 1; MQA and any
+  ``P % Hkv == 0``, K/V heads repeated over ranks): the rank's hkv K/V heads travel ONCE,
+  with chunk 0, and chunk c attends K/V head ``c // (n / hkv)`` of them; in backward each
+  chunk's partial of that head's dk, dv is summed in fp32 in chunk order, and dk|dv travel
+  once, with the last chunk.
+
     q                  [B, L, Hq, D]    this rank's rows
     k, v               [B, L, Hkv, D]
     q_h[c]             [B, S, hqc, D]   every row, chunk c's query heads
-    k_h[c], v_h[c]     [B, S, hkc, D]
+    k_h[c], v_h[c]     [B, S, hkc, D]   (kv_once: [B, S, 1, D], a view of chunk 0's)
     out                [B, L, Hq, D]    q.dtype
 
 The pipeline of one call (``in c``: chunk c's heads to head shards, ``out c``: its output
@@ -18,13 +26,16 @@ back to sequence shards; a step in brackets runs while the attention beside it r
     forward:   in 0 | attn 0 [in 1] | attn 1 [out 0, in 2] | ... | attn n-1 [out n-2] | out n-1
     backward:  dO 0 | bwd 0 [dO 1]  | bwd 1 [grads 0, dO 2] | ... | bwd n-1 [grads n-2] | grads n-1
 
-``in c`` is one all_to_all of chunk c's q|k|v (``comm="bf16"``), or with ``comm="lowp"`` the
+``in c`` is one all_to_all of chunk c's q|k|v (``comm="bf16"``; ``kv_once``: q|k|v for c = 0,
+q alone after), or with ``comm="lowp"`` the
 pack of chunk c's heads and one all_to_all of its uint8 codes and scales, the statistics of
 all heads computed once before ``in 0`` (``lowp.exchange_stats``: one launch, ONE all_gather,
-one launch; ``lowp.exchange_heads`` for each chunk); ``out c`` one
+one launch; ``lowp.exchange_heads`` for each chunk, ``kv_once=True``: K/V codes with chunk 0
+only); ``out c`` one
 all_to_all of the output, in the input dtype or as INT8 with one scale per (row, head)
 (``int8_output``); ``dO c`` and ``grads c`` the same in backward (``backward_comm="lowp"``:
-INT8 with one scale per (row, head)).
+INT8 with one scale per (row, head); ``kv_once``: ``grads c`` is dq alone but for the last).
+Every chunk's dO send is made by one copy before ``dO 0``.
 
 Order. The whole call is ONE autograd node (:class:`_Pipeline`): its forward runs the
 attention of each chunk on detached head shards with autograd on, keeps each chunk's graph,
@@ -45,7 +56,15 @@ whole GQA groups, so each key/value head's gradient sums over the same query hea
 left is the attention itself: torch's CPU SDPA treats heads independently, so on the CPU the
 chunked call gives the same bits; a GPU kernel may split the keys differently when it sees
 fewer heads, and its backward may accumulate in a nondeterministic order with or without
-chunks (``scripts/bench_overlap.py`` compares on the GPU).
+chunks (``scripts/bench_overlap.py`` compares on the GPU). With ``kv_once`` a K/V head's
+gradient is a sum over chunks: the output and dq keep the bits of one chunk, while dk and dv
+are the fp32 sum of the chunks' partials rounded once, which differs from an attention that
+sums the whole GQA group inside its kernel (SDPA) by a rounding of the partials (equal bits
+where the attention's sums are exact).
+
+"auto" (:func:`auto_head_chunks`) picks from the shape and, where it knows it, the link's
+speed (``comm.set_link_gbps``, or timed once by the first call of a size: :func:`_probe_gbps`):
+1 where the chunks' fixed cost exceeds what they would hide.
 
 Under ``torch.compile`` the call runs as one chunk (the same bits).
 """
@@ -53,17 +72,21 @@ Under ``torch.compile`` the call runs as one chunk (the same bits).
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import time
 from collections.abc import Callable
 
 import torch
 
-from . import _ops, comm, lowp, rowwire
+from . import _heads, _ops, comm, lowp, rowwire
 
 __all__ = [
     "pipelined_attention",
     "resolve_head_chunks",
     "check_head_chunks",
     "auto_head_chunks",
+    "kv_once",
+    "wire_code",
     "AUTO",
 ]
 
@@ -72,6 +95,13 @@ AUTO_MAX_CHUNKS = 4
 AUTO_MIN_TILES = 512  # B * (query heads of a chunk) * ceil(S / 128): about 4 waves of 132 SMs
 AUTO_MIN_WORK = 5e10  # B * (query heads of a chunk) * S**2 * D (causal: half): 4x that in
 # forward flops, about 0.5 ms of an H200
+# the link-aware part of "auto" (auto_head_chunks with a link speed): a modelled call
+AUTO_ATTN_FLOPS = 3.0e14  # attention flop/s of one GPU, forward and backward (an H100's SDPA)
+AUTO_CHUNK_COST = 60e-6  # seconds each chunk beyond the first adds to a forward (2x backward)
+AUTO_MIN_GAIN = 0.03  # chunks only where the model saves at least this share of the call
+
+# whether lowp.exchange_heads packs the K/V heads once (kv_once=True)
+_LOWP_KV_ONCE = "kv_once" in inspect.signature(lowp.exchange_heads).parameters
 
 # the collective seams (a test or the harness may wrap them to log the calls)
 _all_to_all_start = comm.all_to_all_start
@@ -96,9 +126,64 @@ def check_head_chunks(head_chunks) -> None:
         raise ValueError(f"head_chunks must be a positive int or {AUTO!r}, got {head_chunks}")
 
 
-def auto_head_chunks(B: int, S: int, hd, *, D: int = 128, causal: bool = False) -> int:
-    """The ``"auto"`` rule, from the shape alone (so every rank picks the same): the largest
-    n <= 4 that divides the key/value heads a rank receives and leaves each chunk
+def wire_code(head_chunks) -> int:
+    """``head_chunks`` as the int the ranks' signature check compares: n, 0 for ``"auto"``,
+    ``-round(GB/s)`` for ``"auto"`` with a link hint (``comm.set_link_gbps``), so that ranks
+    with different hints (which could pick different chunk counts) raise instead of hang."""
+    if head_chunks != AUTO:
+        return head_chunks
+    gbps = comm.link_gbps()
+    return 0 if gbps is None else -max(1, round(gbps))
+
+
+def _chunks_fit(n: int, hd) -> bool:
+    """n chunks of the rank's heads: n divides the query heads, and either the K/V heads
+    (whole GQA groups a chunk) or n is a multiple of them (``kv_once``: a chunk's query
+    heads all use one K/V head)."""
+    return hd.hq % n == 0 and (hd.hkv % n == 0 or n % hd.hkv == 0)
+
+
+def _call_seconds(B, S, hd, *, D, causal, gbps, n, lowp, int8_output, lowp_backward,
+                  training) -> float:  # fmt: skip
+    """The modelled time of a call at n chunks over a link of ``gbps`` GB/s a rank: the
+    pipeline's bound ``max(attn + wire/n, wire + attn/n)`` plus ``AUTO_CHUNK_COST`` for each
+    chunk beyond the first (forward; with ``training`` the backward's too, its attention
+    2.5x the forward's and its fixed cost 2x)."""
+    P, L = hd.P, S // hd.P
+    hq_all, hkv_all = hd.P * hd.hq, hd.P * hd.hkv  # heads a rank sends (K/V: repeats included)
+    elems_in, elems_out = B * L * (hq_all + 2 * hkv_all) * D, B * L * hq_all * D
+    row8 = (D + 4) / D  # the INT8 wire: one fp32 scale per (row, head)
+    b_in = elems_in * (1.03 if lowp else 2.0)
+    b_out = elems_out * (row8 if int8_output else 2.0)
+    other = (P - 1) / P  # what crosses the link: the blocks of the other ranks
+    wire = (b_in + b_out) * other / (gbps * 1e9)
+    attn = 4 * B * hd.hq * S * S * D * (0.5 if causal else 1.0) / AUTO_ATTN_FLOPS
+    fixed = (n - 1) * AUTO_CHUNK_COST
+    if training:
+        row = row8 if lowp_backward else 2.0
+        wire_b = (elems_out + elems_in) * row * other / (gbps * 1e9)
+        t = max(attn + wire / n, wire + attn / n) + (n - 1) * AUTO_CHUNK_COST
+        a_b = 2.5 * attn
+        return t + max(a_b + wire_b / n, wire_b + a_b / n) + 2 * fixed
+    return max(attn + wire / n, wire + attn / n) + fixed
+
+
+def auto_head_chunks(
+    B: int,
+    S: int,
+    hd,
+    *,
+    D: int = 128,
+    causal: bool = False,
+    gbps: float | None = None,
+    lowp: bool = False,
+    int8_output: bool = False,
+    lowp_backward: bool = False,
+    training: bool = False,
+) -> int:
+    """The ``"auto"`` rule (every rank picks the same: shapes and the link speed agree).
+    From the shape, the largest n <= 4 that fits the heads (:func:`resolve_head_chunks`) and
+    leaves each chunk
 
     * at least 512 query tiles of 128 rows (``B * hq / n * ceil(S / 128)``, a few waves of a
       GPU's SMs: fewer heads a launch would leave SMs idle), and
@@ -106,52 +191,126 @@ def auto_head_chunks(B: int, S: int, hd, *, D: int = 128, causal: bool = False) 
       flops, about 0.5 ms of an H200), so that the per-chunk host and launch costs stay small
       beside the chunk's attention;
 
-    1 at P = 1 (nothing to hide) and when the key/value heads are repeated to several ranks
-    (``P % Hkv == 0``: one head a rank)."""
-    if hd.P == 1 or hd.rep != 1:
+    1 at P = 1 (nothing to hide). With the link speed ``gbps`` (GB/s a rank, one direction)
+    known, among those n and 1 the one whose modelled call (:func:`_call_seconds`: the
+    all-to-alls' bytes at that speed, the attention at ``AUTO_ATTN_FLOPS``, each extra chunk
+    ``AUTO_CHUNK_COST``) is fastest, and 1 unless chunks save at least ``AUTO_MIN_GAIN`` of
+    the call (a fast link leaves nothing worth hiding)."""
+    if hd.P == 1:
         return 1
     tiles = B * hd.hq * -(-S // 128)
     work = B * hd.hq * S * S * D * (0.5 if causal else 1.0)
-    for n in range(min(AUTO_MAX_CHUNKS, hd.hkv), 1, -1):
-        if hd.hkv % n == 0 and tiles // n >= AUTO_MIN_TILES and work / n >= AUTO_MIN_WORK:
-            return n
-    return 1
+    fits = [n for n in range(min(AUTO_MAX_CHUNKS, hd.hq), 1, -1)
+            if _chunks_fit(n, hd) and not (lowp and kv_once(n, hd) and not _LOWP_KV_ONCE)
+            and tiles // n >= AUTO_MIN_TILES
+            and work / n >= AUTO_MIN_WORK]  # fmt: skip
+    if not fits or gbps is None:
+        return fits[0] if fits else 1
+    model = dict(D=D, causal=causal, gbps=gbps, lowp=lowp, int8_output=int8_output,
+                 lowp_backward=lowp_backward, training=training)  # fmt: skip
+    one = _call_seconds(B, S, hd, n=1, **model)
+    best = min(fits, key=lambda n: _call_seconds(B, S, hd, n=n, **model))
+    return best if _call_seconds(B, S, hd, n=best, **model) <= one * (1 - AUTO_MIN_GAIN) else 1
+
+
+# the link speed measured per (group, device, bytes) by the first "auto" call without a hint
+_PROBED: dict = {}
+
+
+def _probe_gbps(pg, P: int, device: torch.device, nbytes: int) -> float:
+    """The link speed of ``pg`` for an all_to_all of ``nbytes`` a rank (GB/s of what a rank
+    receives from the others): one untimed and one timed all_to_all of zeros, the slowest
+    rank's time (one all_gather), so that every rank gets the same figure. Cached."""
+    key = (comm.group_key(pg), str(device), nbytes)
+    gbps = _PROBED.get(key)
+    if gbps is not None:
+        return gbps
+    send = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    comm.all_to_all(send, pg, P)
+    sync()
+    began = time.perf_counter()
+    comm.all_to_all(send, pg, P)
+    sync()
+    mine = torch.tensor([time.perf_counter() - began], dtype=torch.float64, device=device)
+    seconds = float(comm.all_gather(mine, pg, P).max())
+    gbps = _PROBED[key] = nbytes * (P - 1) / P / max(seconds, 1e-9) / 1e9
+    return gbps
 
 
 def resolve_head_chunks(
-    head_chunks, *, B: int, S: int, hd, D: int = 128, causal: bool = False
+    head_chunks,
+    *,
+    B: int,
+    S: int,
+    hd,
+    D: int = 128,
+    causal: bool = False,
+    pg=None,
+    device: torch.device | None = None,
+    lowp: bool = False,
+    int8_output: bool = False,
+    lowp_backward: bool = False,
+    training: bool = False,
 ) -> int:
     """The chunk count of a call: ``head_chunks`` checked against the heads (``hd``: P, Hq,
     Hkv, hq, hkv, rep as ``ulysses.attention`` splits them; a split without ``rep`` is an
     uneven one, ranks holding different head counts), ``"auto"`` resolved by
-    :func:`auto_head_chunks`; 1 under ``torch.compile`` (the same bits).
+    :func:`auto_head_chunks` with the link speed of ``comm.set_link_gbps`` or, without one,
+    measured once (``pg`` on ``device``: :func:`_probe_gbps`, skipped while compiling or
+    capturing a CUDA graph); 1 under ``torch.compile`` (the same bits).
 
-    Raises TypeError/ValueError: not a positive int or ``"auto"``; a count that does not
-    divide the key/value heads a rank receives (``hkv``; a chunk holds whole GQA groups, so
-    it also divides ``hq``); more than one chunk when K/V heads are repeated (``P % Hkv ==
-    0`` with Hkv < P) or the heads split unevenly. The message names the head counts."""
+    A count n fits when it divides the query heads a rank attends (``hq``) and either
+    divides the K/V heads it receives (``hkv``: each chunk holds whole GQA groups) or is a
+    multiple of them (each chunk's query heads use one K/V head: the K/V heads travel once,
+    with the first chunk; with K/V heads repeated over ranks, ``P % Hkv == 0``, always so).
+
+    Raises TypeError/ValueError: not a positive int or ``"auto"``; a count that does not fit
+    the heads, or more than one chunk when the heads split unevenly. The message names the
+    head counts."""
     check_head_chunks(head_chunks)
     uneven = not hasattr(hd, "rep")
     if head_chunks == AUTO:
-        n = 1 if uneven else auto_head_chunks(B, S, hd, D=D, causal=causal)
+        if uneven:
+            return 1
+        gbps = comm.link_gbps()
+        shape = dict(D=D, causal=causal, lowp=lowp, int8_output=int8_output,
+                     lowp_backward=lowp_backward, training=training)  # fmt: skip
+        n = auto_head_chunks(B, S, hd, **shape)
+        probe = (gbps is None and n > 1 and pg is not None and device is not None
+                 and not _ops.is_compiling() and not comm._capturing(device))  # fmt: skip
+        if probe:
+            nbytes = B * (S // hd.P) * hd.P * (hd.hq + 2 * hd.hkv) * D * 2
+            gbps = _probe_gbps(pg, hd.P, device, nbytes)
+        if gbps is not None:
+            n = auto_head_chunks(B, S, hd, gbps=gbps, **shape)
     else:
         n = head_chunks
         if n > 1 and uneven:
             raise ValueError(
                 f"head_chunks={n} is not allowed: the heads split unevenly over the ranks "
                 f"(Hq={hd.Hq}, Hkv={hd.Hkv}, P={hd.P}); head_chunks > 1 needs Hq % P == 0 and "
-                f"Hkv % P == 0"
+                f"Hkv % P == 0 or P % Hkv == 0"
             )
-        if n > 1 and (hd.rep != 1 or hd.hkv % n):
+        if n > 1 and lowp and kv_once(n, hd) and not _LOWP_KV_ONCE:
+            raise ValueError(
+                f"head_chunks={n} is not allowed with comm='lowp' here: the K/V heads would "
+                f"travel once (hkv={hd.hkv} K/V heads a rank, rep={hd.rep}), which this "
+                f"exchange does not support; use a count that divides hkv={hd.hkv}, or "
+                f"comm='bf16'"
+            )
+        if n > 1 and not _chunks_fit(n, hd):
             why = (
-                f"the K/V heads are repeated to {hd.rep} ranks (one K/V head a rank)"
-                if hd.rep != 1
-                else f"it does not divide the {hd.hkv} K/V heads a rank receives"
+                f"it does not divide the {hd.hq} query heads a rank attends"
+                if hd.hq % n
+                else f"it neither divides nor is a multiple of the {hd.hkv} K/V heads a rank "
+                f"receives"
             )
             raise ValueError(
-                f"head_chunks={n} is not allowed: {why}; a chunk holds whole GQA groups, so "
-                f"head_chunks must divide hkv={hd.hkv} (heads: Hq={hd.Hq}, Hkv={hd.Hkv}, "
-                f"P={hd.P}, per rank hq={hd.hq}, hkv={hd.hkv})"
+                f"head_chunks={n} is not allowed: {why}; head_chunks must divide hq={hd.hq} "
+                f"and divide hkv={hd.hkv} (whole GQA groups a chunk) or be a multiple of it "
+                f"(the K/V heads travel once) (heads: Hq={hd.Hq}, Hkv={hd.Hkv}, P={hd.P}, per "
+                f"rank hq={hd.hq}, hkv={hd.hkv})"
             )
     return 1 if _ops.is_compiling() else n
 
@@ -159,35 +318,65 @@ def resolve_head_chunks(
 # ---- layouts of one chunk (views, or one copy into a send buffer) ------------------------------
 
 
-def _heads_of(x: torch.Tensor, P: int, h: int, c: int, hc: int) -> torch.Tensor:
-    """[B, L, P*h, D] -> [P, B, L, hc, D] view: block p holds rank p's heads c*hc..(c+1)*hc."""
-    return x.unflatten(2, (P, h))[:, :, :, c * hc : (c + 1) * hc].permute(2, 0, 1, 3, 4)
-
-
 def _chunk_heads(x: torch.Tensor, P: int, h: int, c: int, hc: int) -> torch.Tensor:
     """[B, L, P*h, D] -> [B, L, P*hc, D] contiguous: chunk c of every rank's heads."""
     B, L, _, D = x.shape
-    return x.unflatten(2, (P, h))[:, :, :, c * hc : (c + 1) * hc].reshape(B, L, P * hc, D)
+    return x.view(B, L, P, h, D)[:, :, :, c * hc : (c + 1) * hc].reshape(B, L, P * hc, D)
 
 
 def _place_heads(dst: torch.Tensor, src: torch.Tensor, P: int, h: int, c: int, hc: int) -> None:
     """``dst`` [B, L, P*h, D] takes ``src`` [B, L, P, hc, D] as chunk c of every rank's heads."""
-    dst.unflatten(2, (P, h))[:, :, :, c * hc : (c + 1) * hc] = src
+    B, L, _, D = dst.shape
+    dst.view(B, L, P, h, D)[:, :, :, c * hc : (c + 1) * hc] = src
 
 
-def _merge_rows(recv: torch.Tensor) -> torch.Tensor:
-    """[P, B, L, h, D] (block p: rows of rank p) -> [B, P*L, h, D]."""
+def _join_chunks(parts: list) -> torch.Tensor:
+    """Chunks [B, L, P, hc, D] (chunk c: heads c*hc..(c+1)*hc of every rank) -> [B, L, P, n,
+    hc, D], contiguous: the heads of rank p in order, ``view(B, L, P*n*hc, D)`` away."""
+    return torch.stack(parts, dim=3)
+
+
+def _rows_of(x: torch.Tensor, P: int) -> torch.Tensor:
+    """[B, P*L, h, D] -> [P, B, L, h, D] view (block p: rows of rank p)."""
+    B, S, h, D = x.shape
+    return x.view(B, P, S // P, h, D).transpose(0, 1)
+
+
+def _to_send(x: torch.Tensor, P: int) -> torch.Tensor:
+    """[B, P*L, h, D] -> contiguous [P, B, L, h, D] (block p: rows of rank p): at B = 1 the
+    rows are already in rank order: no transpose."""
+    B, S, h, D = x.shape
+    if B == 1:
+        return x.view(P, 1, S // P, h, D).contiguous()
+    return _rows_of(x, P).contiguous()
+
+
+def _from_recv(recv: torch.Tensor) -> torch.Tensor:
+    """[P, B, L, h, D] (block p: rows of rank p) -> [B, P*L, h, D], a view at B = 1."""
     P, B, L, h, D = recv.shape
+    if B == 1:
+        return recv.view(1, P * L, h, D)
     return recv.transpose(0, 1).reshape(B, P * L, h, D)
 
 
-def _split_rows(x: torch.Tensor, P: int) -> torch.Tensor:
-    """[B, P*L, h, D] -> [P, B, L, h, D] view (block p: rows of rank p)."""
-    return x.unflatten(1, (P, -1)).transpose(0, 1)
+def _kv_to_ranks(x: torch.Tensor, hd) -> torch.Tensor:
+    """k or v [B, L, Hkv, D] -> [P, B, L, hkv, D]: block p holds the K/V heads rank p
+    attends (``hd.rep`` ranks share one head when Hkv < P: a copy)."""
+    if hd.rep != 1:
+        x = x.repeat_interleave(hd.rep, dim=2)  # [B, L, P, D]: rank p's head p // rep
+    B, L, _, D = x.shape
+    return x.view(B, L, hd.P, hd.hkv, D).permute(2, 0, 1, 3, 4)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def kv_once(n: int, hd) -> bool:
+    """Whether ``n`` chunks carry the K/V heads once, with the first chunk (a rank holds
+    fewer K/V heads than chunks, or the K/V heads are repeated over ranks), rather than
+    ``hkv / n`` of them with each chunk."""
+    return n > 1 and (hd.rep != 1 or hd.hkv % n != 0)
 
 
 # ---- one call ---------------------------------------------------------------------------------
@@ -214,8 +403,22 @@ class _Run:
         return self.hd.hq // self.n
 
     @property
+    def kv_once(self) -> bool:
+        return kv_once(self.n, self.hd)
+
+    @property
     def hkc(self) -> int:
-        return self.hd.hkv // self.n
+        """K/V heads a rank receives with a chunk that carries K/V (every chunk, or the
+        first with ``kv_once``)."""
+        return self.hd.hkv if self.kv_once else self.hd.hkv // self.n
+
+    def kv_slice(self, k_h, v_h, c: int) -> tuple:
+        """``kv_once``: the one K/V head chunk c's query heads use (``n / hkv`` chunks a
+        K/V head), of the K/V heads the first chunk brought."""
+        if self.hd.hkv == 1:
+            return k_h, v_h
+        j = c // (self.n // self.hd.hkv)
+        return k_h[:, :, j : j + 1], v_h[:, :, j : j + 1]
 
     # -- forward steps --
 
@@ -225,44 +428,58 @@ class _Run:
                                q_group=self.q_group, k_group=self.k_group,
                                v_format=self.v_format)  # fmt: skip
 
-    def start_in(self, q, k, v, c: int, stats=None):
-        """Chunk c's q, k, v to head shards; ``wait()`` -> (q_h, k_h, v_h). ``comm="lowp"``:
-        the pack of chunk c's heads now, its all_to_all started (``stats``: of
-        :meth:`start_stats`)."""
-        hd, P, hqc, hkc = self.hd, self.hd.P, self.hqc, self.hkc
-        if self.lowp:
-            return lowp.exchange_heads(stats, q, k, v, c, self.n, start=_all_to_all_start)
+    def sends(self, q, k, v) -> tuple:
+        """``comm="bf16"``: every chunk's send buffer, made before ``in 0`` by one copy
+        (two with ``kv_once``): [n, P, B, L, hqc + 2*hkc, D] (block [c, p]: chunk c's heads
+        of rank p, q|k|v), or with ``kv_once`` (chunk 0's q|k|v [P, B, L, hqc + 2*hkv, D],
+        every chunk's q [n, P, B, L, hqc, D])."""
+        hd, P, n, hqc = self.hd, self.hd.P, self.n, self.hqc
         B, L, _, D = q.shape
-        send = q.new_empty(P, B, L, hqc + 2 * hkc, D)
-        send[:, :, :, :hqc] = _heads_of(q, P, hd.hq, c, hqc)
-        send[:, :, :, hqc : hqc + hkc] = _heads_of(k, P, hd.hkv, c, hkc)
-        send[:, :, :, hqc + hkc :] = _heads_of(v, P, hd.hkv, c, hkc)
-        return _all_to_all_start(send, self.pg, P)
+        q_all = q.view(B, L, P, n, hqc, D).permute(3, 2, 0, 1, 4, 5)
+        if not self.kv_once:
+            hkc = self.hkc
+            k_all, v_all = (x.view(B, L, P, n, hkc, D).permute(3, 2, 0, 1, 4, 5) for x in (k, v))
+            return (torch.cat((q_all, k_all, v_all), dim=4),)
+        q_all = q_all.contiguous()
+        return torch.cat((q_all[0], _kv_to_ranks(k, hd), _kv_to_ranks(v, hd)), dim=3), q_all
+
+    def start_in(self, q, k, v, c: int, stats=None, sends=None):
+        """Chunk c's q, k, v to head shards; ``wait()`` -> (q_h, k_h, v_h), k_h and v_h None
+        for a chunk without K/V (``kv_once``, c > 0). ``comm="bf16"``: the chunk's buffer of
+        :meth:`sends`; ``comm="lowp"``: the pack of chunk c's heads now, its all_to_all
+        started (``stats``: of :meth:`start_stats`)."""
+        if self.lowp:
+            return lowp.exchange_heads(stats, q, k, v, c, self.n, start=_all_to_all_start,
+                                       **({"kv_once": True} if self.kv_once else {}))  # fmt: skip
+        send = sends[0][c] if len(sends) == 1 else sends[0] if c == 0 else sends[1][c]
+        return _all_to_all_start(send, self.pg, self.hd.P)
 
     def finish_in(self, pending) -> tuple:
         got = pending.wait()
         if self.lowp:  # the dequantize: the chunk's head shards
             return got
-        hqc, hkc = self.hqc, self.hkc
-        return (_merge_rows(got[:, :, :, :hqc]), _merge_rows(got[:, :, :, hqc : hqc + hkc]),
-                _merge_rows(got[:, :, :, hqc + hkc :]))  # fmt: skip
+        P, B, L, W, D = got.shape
+        merged = _from_recv(got)
+        if W == self.hqc:  # a chunk without K/V
+            return merged, None, None
+        return merged.split((self.hqc, self.hkc, self.hkc), dim=2)
 
     def start_out(self, out_h: torch.Tensor) -> comm.Pending:
         P = self.hd.P
         if self.int8_output:
             send = rowwire.out_quant_op(x=out_h, world_size=P)
         else:
-            send = _split_rows(out_h, P).contiguous()
+            send = _to_send(out_h, P)
         return _all_to_all_start(send, self.pg, P)
 
     def finish_out(self, pending: comm.Pending, out: torch.Tensor, c: int) -> None:
         """Chunk c's output [B, L, P*hqc, D] into ``out`` [B, L, Hq, D]."""
         recv = pending.wait()
         P, hqc = self.hd.P, self.hqc
+        B, L, _, D = out.shape
         if self.int8_output:
-            B, L, _, D = out.shape
             got = rowwire.out_dequant_op(recv=recv, B=B, L=L, h=hqc, D=D, world_size=P,
-                                         dtype=out.dtype).unflatten(2, (P, hqc))  # fmt: skip
+                                         dtype=out.dtype).view(B, L, P, hqc, D)  # fmt: skip
         else:
             got = recv.permute(1, 2, 0, 3, 4)  # [B, L, P, hqc, D]
         _place_heads(out, got, P, self.hd.hq, c, hqc)
@@ -274,11 +491,16 @@ class _Run:
         out = q.new_empty(B, L, Hq, D)
         saved, outs = [], []
         stats = self.start_stats(q, k, v) if self.lowp else None
-        pending_in = self.start_in(q, k, v, 0, stats)
+        sends = None if self.lowp else self.sends(q, k, v)
+        pending_in = self.start_in(q, k, v, 0, stats, sends)
+        kv = None
         for c in range(self.n):
             heads = self.finish_in(pending_in)
+            if self.kv_once:  # the first chunk brought every K/V head of the rank
+                kv = kv or heads[1:]
+                heads = (heads[0], *self.kv_slice(*kv, c))
             if c + 1 < self.n:  # the next chunk's exchange runs beside this chunk's attention
-                pending_in = self.start_in(q, k, v, c + 1, stats)
+                pending_in = self.start_in(q, k, v, c + 1, stats, sends)
             if track:
                 with torch.enable_grad():
                     leaves = tuple(x.detach().requires_grad_() for x in heads)
@@ -286,76 +508,121 @@ class _Run:
                 saved.append((leaves, out_h))
             else:
                 out_h = self.attend(*heads)
-            outs.append(self.start_out(out_h.detach()))
+            outs.append(self.start_out(out_h.detach() if track else out_h))
         for c, pending in enumerate(outs):
             self.finish_out(pending, out, c)
         return out, saved
 
     # -- backward steps --
 
-    def start_dout(self, dout: torch.Tensor, c: int) -> comm.Pending:
-        hd, P, hqc = self.hd, self.hd.P, self.hqc
+    def douts(self, dout: torch.Tensor) -> torch.Tensor:
+        """Every chunk's dO send, one copy: [n, P, B, L, hqc, D] (block [c, p]: rank p's
+        heads of chunk c), or with ``lowp_backward`` [n, B, L, P*hqc, D] (the INT8 wire's
+        input)."""
+        P, n, hqc = self.hd.P, self.n, self.hqc
+        B, L, _, D = dout.shape
+        parts = dout.view(B, L, P, n, hqc, D)
         if self.lowp_backward:
-            send = rowwire.dout_quant_op(x=_chunk_heads(dout, P, hd.hq, c, hqc), world_size=P)
+            return parts.permute(3, 0, 1, 2, 4, 5).reshape(n, B, L, P * hqc, D)
+        return parts.permute(3, 2, 0, 1, 4, 5).contiguous()
+
+    def start_dout(self, douts: torch.Tensor, c: int) -> comm.Pending:
+        P = self.hd.P
+        if self.lowp_backward:
+            send = rowwire.dout_quant_op(x=douts[c], world_size=P)
         else:
-            send = _heads_of(dout, P, hd.hq, c, hqc).contiguous()
+            send = douts[c]
         return _all_to_all_start(send, self.pg, P)
 
     def finish_dout(self, pending: comm.Pending, dout: torch.Tensor) -> torch.Tensor:
         recv = pending.wait()
-        if not self.lowp_backward:
-            return _merge_rows(recv)
         B, L, _, D = dout.shape
+        if not self.lowp_backward:
+            return _from_recv(recv)
         return rowwire.dout_dequant_op(recv=recv, B=B, L=L, h=self.hqc, D=D,
                                        world_size=self.hd.P, dtype=dout.dtype)  # fmt: skip
 
-    def start_grads(self, dq, dk, dv) -> comm.Pending:
-        P, hqc, hkc = self.hd.P, self.hqc, self.hkc
+    def start_grads(self, dq, dk=None, dv=None) -> comm.Pending:
+        """A chunk's gradients to sequence shards: dq|dk|dv, or dq alone (``kv_once``: the
+        K/V gradients travel once, with the last chunk)."""
+        P = self.hd.P
         if self.lowp_backward:
-            send = rowwire.grads_quant_op(dq=_unit_last(dq), dk=_unit_last(dk),
-                                          dv=_unit_last(dv), world_size=P)  # fmt: skip
+            if dk is None:
+                send = rowwire.out_quant_op(x=_unit_last(dq), world_size=P)
+            else:
+                send = rowwire.grads_quant_op(dq=_unit_last(dq), dk=_unit_last(dk),
+                                              dv=_unit_last(dv), world_size=P)  # fmt: skip
+        elif dk is None:
+            send = _to_send(dq, P)
         else:
-            B, S, _, D = dq.shape
-            send = dq.new_empty(P, B, S // P, hqc + 2 * hkc, D)
-            send[:, :, :, :hqc] = _split_rows(dq, P)
-            send[:, :, :, hqc : hqc + hkc] = _split_rows(dk, P)
-            send[:, :, :, hqc + hkc :] = _split_rows(dv, P)
+            send = _to_send(torch.cat((dq, dk, dv), dim=2), P)
         return _all_to_all_start(send, self.pg, P)
 
-    def finish_grads(self, pending: comm.Pending, grads: tuple, c: int) -> None:
-        """Chunk c's gradients into ``grads`` (dq [B, L, Hq, D], dk, dv [B, L, Hkv, D])."""
+    def finish_grads(self, pending: comm.Pending, dq_like: torch.Tensor, c: int) -> tuple:
+        """Chunk c's gradients as [B, L, P, h, D] views (h = hqc, hkc; dq alone for a
+        ``kv_once`` chunk but the last)."""
         recv = pending.wait()
-        hd, P, hqc, hkc = self.hd, self.hd.P, self.hqc, self.hkc
-        dq, dk, dv = grads
+        P, hqc, hkc = self.hd.P, self.hqc, self.hkc
+        B, L, _, D = dq_like.shape
+        with_kv = not self.kv_once or c == self.n - 1
         if self.lowp_backward:
-            B, L, _, D = dq.shape
-            got = rowwire.grads_dequant_op(recv=recv, B=B, L=L, hq=hqc, hkv=hkc, D=D,
-                                           world_size=P, dtype=dq.dtype)  # fmt: skip
-            got = [g.unflatten(2, (P, -1)) for g in got]
-        else:
-            both = recv.permute(1, 2, 0, 3, 4)  # [B, L, P, hqc + 2*hkc, D]
-            got = [both[..., :hqc, :], both[..., hqc : hqc + hkc, :], both[..., hqc + hkc :, :]]
-        _place_heads(dq, got[0], P, hd.hq, c, hqc)
-        _place_heads(dk, got[1], P, hd.hkv, c, hkc)
-        _place_heads(dv, got[2], P, hd.hkv, c, hkc)
+            if with_kv:
+                got = rowwire.grads_dequant_op(recv=recv, B=B, L=L, hq=hqc, hkv=hkc, D=D,
+                                               world_size=P, dtype=dq_like.dtype)  # fmt: skip
+            else:
+                got = (rowwire.out_dequant_op(recv=recv, B=B, L=L, h=hqc, D=D, world_size=P,
+                                              dtype=dq_like.dtype),)  # fmt: skip
+            return tuple(g.view(B, L, P, -1, D) for g in got)
+        both = recv.permute(1, 2, 0, 3, 4)  # [B, L, P, hqc (+ 2*hkc), D]
+        if not with_kv:
+            return (both[..., :hqc, :],)
+        return both[..., :hqc, :], both[..., hqc : hqc + hkc, :], both[..., hqc + hkc :, :]
+
+    def join_grads(self, parts: list, shapes: tuple) -> tuple:
+        """dq [B, L, Hq, D], dk, dv [B, L, Hkv, D] from every chunk's :meth:`finish_grads`
+        (one copy each: chunk c of rank p's heads lands at ``p*h + c*h/n``)."""
+        hd, P = self.hd, self.hd.P
+        dq = _join_chunks([g[0] for g in parts]).view(shapes[0])
+        if not self.kv_once:
+            dk, dv = (_join_chunks([g[i] for g in parts]).view(shapes[i]) for i in (1, 2))
+            return dq, dk, dv
+        B, L, _, D = dq.shape
+        last = parts[-1]
+        if hd.rep == 1:  # every K/V head of the rank, in one piece
+            return dq, last[1].reshape(shapes[1]), last[2].reshape(shapes[2])
+        # a K/V head sent to ``rep`` ranks: the sum of their partials, in fp32, in rank order
+        return (dq, *(_heads._sum_partials(g.reshape(B, L, P, D), hd) for g in last[1:]))
 
     def backward(self, dout: torch.Tensor, saved: list, shapes: tuple) -> tuple:
-        grads = tuple(dout.new_empty(s) for s in shapes)
         outs = []
-        pending = self.start_dout(dout, 0)
+        douts = self.douts(dout)
+        pending = self.start_dout(douts, 0)
+        acc: list = [None] * (2 * self.hd.hkv)  # kv_once: fp32 sums of dk, dv per K/V head
         for c in range(self.n):
             dout_h = self.finish_dout(pending, dout)
             if c + 1 < self.n:
-                pending = self.start_dout(dout, c + 1)
+                pending = self.start_dout(douts, c + 1)
             leaves, out_h = saved[c]
             saved[c] = None  # the chunk's graph goes as soon as its gradients exist
             got = torch.autograd.grad(out_h, leaves, dout_h, allow_unused=True)
             dq, dk, dv = (torch.zeros_like(x) if g is None else g
                           for g, x in zip(got, leaves, strict=True))  # fmt: skip
+            if not self.kv_once:
+                outs.append(self.start_grads(dq, dk, dv))
+                continue
+            # the chunk's partial of its K/V head's gradients, summed in fp32 in chunk order
+            j = 0 if self.hd.hkv == 1 else c // (self.n // self.hd.hkv)
+            for i, g in ((j, dk), (self.hd.hkv + j, dv)):
+                acc[i] = g.float() if acc[i] is None else acc[i].add_(g)
+            if c + 1 < self.n:
+                outs.append(self.start_grads(dq))
+                continue
+            hkv = self.hd.hkv
+            dk, dv = (torch.cat(acc[i * hkv : (i + 1) * hkv], dim=2).to(dq.dtype)
+                      for i in range(2))  # fmt: skip
             outs.append(self.start_grads(dq, dk, dv))
-        for c, p in enumerate(outs):
-            self.finish_grads(p, grads, c)
-        return grads
+        parts = [self.finish_grads(p, dout, c) for c, p in enumerate(outs)]
+        return self.join_grads(parts, shapes)
 
 
 class _Pipeline(torch.autograd.Function):
@@ -410,7 +677,7 @@ def pipelined_attention(
     ``q_group``, ``k_group``, ``v_format``);
     ``int8_output`` and ``lowp_backward`` as in ``ulysses_attention``.
     Same values, bit for bit, as one chunk where ``attn`` treats heads independently."""
-    assert chunks >= 1 and hd.hkv % chunks == 0 and hd.rep == 1, (chunks, hd)
+    assert chunks >= 1 and _chunks_fit(chunks, hd), (chunks, hd)
     run = _Run(hd=hd, pg=pg, n=chunks, attend=attend, used_sequence=used_sequence, lowp=lowp,
                q_group=q_group, k_group=k_group, int8_output=int8_output,
                lowp_backward=lowp_backward, v_format=v_format)  # fmt: skip

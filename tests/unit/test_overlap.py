@@ -281,17 +281,24 @@ def test_head_chunks_type_and_sign(bad):
         overlap.resolve_head_chunks(bad, B=1, S=64, hd=hd)
 
 
-def test_head_chunks_must_divide_the_kv_heads_of_a_rank():
+def test_head_chunks_must_fit_the_heads_of_a_rank():
+    """n divides the query heads a rank attends, and divides the K/V heads it receives (whole
+    GQA groups a chunk) or is a multiple of them (the K/V heads travel once)."""
     hd = split(16, 8, 2)  # hq 8, hkv 4
     assert overlap.resolve_head_chunks(4, B=1, S=64, hd=hd) == 4
-    with pytest.raises(ValueError, match=r"head_chunks=8 .*hkv=4.*Hq=16, Hkv=8, P=2"):
-        overlap.resolve_head_chunks(8, B=1, S=64, hd=hd)
-    with pytest.raises(ValueError, match="head_chunks=3"):
+    assert overlap.resolve_head_chunks(8, B=1, S=64, hd=hd) == 8  # K/V once
+    with pytest.raises(ValueError, match=r"head_chunks=3 .*divide the 8 query heads"):
         overlap.resolve_head_chunks(3, B=1, S=64, hd=hd)
+    with pytest.raises(ValueError, match=r"head_chunks=16 .*hq=8.*Hq=16, Hkv=8, P=2"):
+        overlap.resolve_head_chunks(16, B=1, S=64, hd=hd)
+    odd = split(24, 8, 2)  # hq 12, hkv 4: 6 neither divides 4 nor is a multiple of it
+    with pytest.raises(ValueError, match=r"head_chunks=6 .*neither divides nor is a multiple"):
+        overlap.resolve_head_chunks(6, B=1, S=64, hd=odd)
     repeated = types.SimpleNamespace(P=8, Hq=16, Hkv=2, hq=2, hkv=1, rep=4)
-    with pytest.raises(ValueError, match="repeated to 4 ranks"):
-        overlap.resolve_head_chunks(2, B=1, S=64, hd=repeated)
+    assert overlap.resolve_head_chunks(2, B=1, S=64, hd=repeated) == 2  # K/V once
     assert overlap.resolve_head_chunks(1, B=1, S=64, hd=repeated) == 1
+    with pytest.raises(ValueError, match=r"head_chunks=4 .*divide the 2 query heads"):
+        overlap.resolve_head_chunks(4, B=1, S=64, hd=repeated)
     uneven = types.SimpleNamespace(P=4, Hq=6, Hkv=6)  # ulysses.attention's uneven split
     with pytest.raises(ValueError, match=r"head_chunks=2 .*unevenly.*Hq=6, Hkv=6, P=4"):
         overlap.resolve_head_chunks(2, B=1, S=64, hd=uneven)
@@ -340,8 +347,8 @@ def test_layer_head_chunks_bits(mode, fake_link):
 def test_layer_head_chunks_errors(fake_link):
     fake_link(2)
     q, k, v, _ = make_inputs(1, 8, 8, 4, 16)
-    with pytest.raises(ValueError, match=r"head_chunks=4.*hkv=2"):
-        ulysses.ulysses_attention(q, k, v, head_chunks=4)
+    with pytest.raises(ValueError, match=r"head_chunks=3.*hq=4"):
+        ulysses.ulysses_attention(q, k, v, head_chunks=3)
     with pytest.raises((TypeError, ValueError), match="head_chunks"):
         ulysses.ulysses_attention(q, k, v, head_chunks=0)
     with pytest.raises((TypeError, ValueError), match="head_chunks"):

@@ -280,6 +280,7 @@ def _pack_kernel(
         gq_first = row0 // GQ
         gk_first = row0 // GK
         W_H = h + 2 * hkv  # heads of one batch in a destination row
+        hkv_d = tl.maximum(hkv, 1)  # a divisor: a chunk without K/V (hkv 0) has no K/V lane
 
         o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] lanes: Q heads and K/V lanes
         o_d = tl.arange(0, DB)  # [DB]: channels [D, DB) masked off
@@ -288,11 +289,11 @@ def _pack_kernel(
         m_e = o_h < HE  # K/V lanes: (destination, K/V head) pairs
         m_qd = m_h[:, None] & (o_d[None, :] < D)  # [BH, D]
         m_ed = m_e[:, None] & (o_d[None, :] < D)  # [BH, D]
-        i_c = _source_head(o_h // kv_rep, hkv, hkv_src, k_off)  # K/V head each lane reads
+        i_c = _source_head(o_h // kv_rep, hkv_d, hkv_src, k_off)  # K/V head each lane reads
         i_qs = _source_head(o_h, h, h_src, q_off)  # Q head of each lane
         o_cd = i_c[:, None] * D + o_d[None, :]  # [BH, D] in a contiguous [HKS, D] plane
         i_j = o_h // h  # destination rank of each Q head
-        i_je = o_h // hkv  # destination rank of each K/V lane
+        i_je = o_h // hkv_d  # destination rank of each K/V lane
         # byte offset of (destination, row 0, batch, tensor, local head, d)
         o_dq = (i_j * L * ROW + (i_b * W_H + o_h - i_j * h) * D)[:, None] + o_d[None, :]
         o_dk = (i_je * L * ROW + (i_b * W_H + h + o_h - i_je * hkv) * D)[:, None] + o_d[None, :]
@@ -408,6 +409,7 @@ def _pack_kernel(
         # no byte of the send buffer is left uninitialized (stale memory never crosses ranks).
         nf_q = B * h * n_slots_q
         nf = nf_q + B * hkv * n_slots_k
+        hkv_d = tl.maximum(hkv, 1)  # a divisor (hkv 0: every used slot is Q's)
         o_m = (i_pid - n_code - n_qcode) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         m_m = o_m < n_scales
         i_j_s = o_m // (L * E4)
@@ -415,11 +417,11 @@ def _pack_kernel(
         m_used = tl.where(i_n < nf, m_m, False)
         is_q = i_n < nf_q
         i_nk = i_n - nf_q
-        i_b_s = tl.where(is_q, i_n // (h * n_slots_q), i_nk // (hkv * n_slots_k))
-        i_hl = tl.where(is_q, (i_n // n_slots_q) % h, (i_nk // n_slots_k) % hkv)
+        i_b_s = tl.where(is_q, i_n // (h * n_slots_q), i_nk // (hkv_d * n_slots_k))
+        i_hl = tl.where(is_q, (i_n // n_slots_q) % h, (i_nk // n_slots_k) % hkv_d)
         i_s = tl.where(is_q, i_n % n_slots_q, i_nk % n_slots_k)
         i_hq = _source_head(i_j_s * h + i_hl, h, h_src, q_off)  # Q head
-        i_hk = _source_head((i_j_s * hkv + i_hl) // kv_rep, hkv, hkv_src, k_off)  # K head
+        i_hk = _source_head((i_j_s * hkv + i_hl) // kv_rep, hkv_d, hkv_src, k_off)  # K head
         b_aq = tl.load(
             amax_q_ptr + (i_b_s * HS + i_hq) * n_slots_q + i_s,
             mask=tl.where(is_q, m_used, False),
@@ -458,6 +460,7 @@ def prepare_pack(
     kv_heads: int | None = None,
     q_once: QOnce | None = None,
     chunk: tuple[int, int] = (0, 1),
+    kv_once: bool = False,
     block_l: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
@@ -482,7 +485,10 @@ def prepare_pack(
     of every destination j, laid out as a send buffer of ``h/n`` and ``hkv/n`` heads a
     destination (``row_bytes`` and ``scale_bytes`` of that wire); q, k, v and the statistics
     keep all their heads (the same call arguments), and each code and scale has the bits of
-    the same head in the one-chunk pack. ``v_int8``: V as int8 codes of ``127 / amax_v``
+    the same head in the one-chunk pack. ``kv_once``: the query heads chunked as above, the
+    K/V heads a destination receives all with chunk 0 and none with the others (a rank with
+    fewer K/V heads than chunks; K/V heads sharded or repeated), each code and scale again
+    with the one-chunk pack's bits. ``v_int8``: V as int8 codes of ``127 / amax_v``
     (``v_format="int8"``), else e4m3 of ``448 / amax_v``."""
     B, L, H_src, D = shape
     P = world_size
@@ -494,10 +500,17 @@ def prepare_pack(
     h_src = H_src // P
     i_chunk, n_chunks = chunk
     assert 0 <= i_chunk < n_chunks
-    assert n_chunks == 1 or (kv_rep == 1 and hkv_src % n_chunks == 0 and h_src % n_chunks == 0)
     # the packed heads: h query and hkv K/V heads a destination, H and HK in all
-    h, hkv = h_src // n_chunks, hkv_src // n_chunks
-    H, HK = H_src // n_chunks, HK_src // n_chunks
+    if kv_once:  # K/V once, with chunk 0 (hkv 0 after: no K/V lane)
+        assert h_src % n_chunks == 0
+        h, H = h_src // n_chunks, H_src // n_chunks
+        hkv, HK = (hkv_src, HK_src) if i_chunk == 0 else (0, 0)
+        k_off = 0
+    else:
+        assert n_chunks == 1 or (kv_rep == 1 and hkv_src % n_chunks == 0 and h_src % n_chunks == 0)
+        h, hkv = h_src // n_chunks, hkv_src // n_chunks
+        H, HK = H_src // n_chunks, HK_src // n_chunks
+        k_off = i_chunk * hkv
     cb = B * (h + 2 * hkv) * D
     assert all(s[3] == 1 for s in strides)
     assert row_bytes == cb + scale_bytes and scale_bytes % 16 == 0
@@ -595,7 +608,7 @@ def prepare_pack(
         h_src=h_src,
         hkv_src=hkv_src,
         q_off=i_chunk * h,
-        k_off=i_chunk * hkv,
+        k_off=k_off,
         HS=H_src,
         HKS=HK_src,
         # per-row counts (``QOnce.per_row``): read at each batch row by the Q_ONCE programs
