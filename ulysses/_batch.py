@@ -272,7 +272,7 @@ def _used_field(used, S: int) -> int | None:
 def _ids_fields(document_ids) -> dict:
     """The signature fields of ``document_ids``: its batch, row count and dtype (-1: none)."""
     if document_ids is None:
-        return {"document_ids_batch": -1, "document_ids_rows": -1, "document_ids_dtype": -1}
+        return _NO_IDS
     if isinstance(document_ids, documents.DocumentPlan):
         document_ids = document_ids.ids
     if not isinstance(document_ids, torch.Tensor):
@@ -285,9 +285,15 @@ def _ids_fields(document_ids) -> dict:
     }
 
 
+_NO_OPTIONS = {"window_left": None, "window_right": None, "softcap": None, "dropout_p": None}
+_NO_IDS = {"document_ids_batch": -1, "document_ids_rows": -1, "document_ids_dtype": -1}
+
+
 def _options_fields(options: dict) -> dict:
     """The signature fields of the attention options (the default attention's three; a
     custom ``attn``'s others are its own business)."""
+    if not options:
+        return _NO_OPTIONS
     w = options.get("window_size")
     if isinstance(w, tuple | list) and len(w) == 2 and all(type(x) is int for x in w):
         left, right = w
@@ -324,8 +330,9 @@ def _verify_batch(pg, P: int, q, k, wire: dict, used, document_ids, *, causal=Fa
     fields = {
         "B": B, "L": L, "Hq": Hq, "Hkv": k.shape[2], "D": D, "dtype": _DTYPE_CODES[q.dtype],
         **wire, "used_sequence": _used_field(used, L * P), **_ids_fields(document_ids),
-        "document_plan": _plan_field(document_ids), "causal": int(causal),
-        "scale": comm.float_field(scale), **_options_fields(options or {}),
+        "document_plan": None if document_ids is None else _plan_field(document_ids),
+        "causal": int(causal), "scale": None if scale is None else comm.float_field(scale),
+        **_options_fields(options),
         "q_group": groups[0], "k_group": groups[1],
     }  # fmt: skip
     try:

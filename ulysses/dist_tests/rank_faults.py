@@ -135,6 +135,11 @@ def _drift_case(name: str, faulty: bool, P: int) -> None:
         share = H // P + (1 if _RANK[0] < H % P else 0)
         x = torch.randn(B, S, share, ATTN_BASE["D"]).to(torch.bfloat16)
         ulysses.heads_to_seq(x)
+    elif name == "heads_to_seq_share":  # num_heads given, one rank holds another share
+        H = P + 1
+        share = H // P + (1 if _RANK[0] < H % P else 0) + (1 if odd else 0)
+        x = torch.randn(B, S, share, ATTN_BASE["D"]).to(torch.bfloat16)
+        ulysses.heads_to_seq(x, num_heads=H)
     elif name == "smooth_k_stats":
         k = torch.randn(1, 70, 3, 64).to(torch.bfloat16)
         ulysses.smooth_k_stats(k)
@@ -155,6 +160,7 @@ DRIFT_CASES = {
     "softcap": "softcap", "dropout": "dropout_p", "document_plan": "document_plan",
     "v_format": "v_format", "backward_comm": "backward_comm", "int8_output": "int8_output",
     "head_chunks": "head_chunks", "seq_to_heads": "rows", "heads_to_seq_uneven": "num_heads",
+    "heads_to_seq_share": "num_heads",
     "smooth_k_stats": "L", "exchange_qkv": "L",
 }  # fmt: skip
 _RANK = [0]
