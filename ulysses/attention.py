@@ -382,8 +382,8 @@ def ulysses_attention(
       statistics (``ulysses.lowp.exchange_qkv``: bf16/fp16 inputs, D in 16..256), are
       dequantized (K centred, which attention ignores) and the default attention (or
       ``attn``) runs on the values. ``attn="codes"`` attends on the codes where they land
-      instead (``ulysses.codes``: INT8 Q.K, P.V in FP8, no dequantize pass; head dim 64 or
-      128 on CUDA, no ``attn_kwargs`` window, soft cap or dropout, one head chunk): its
+      instead (``ulysses.codes``: INT8 Q.K, P.V in FP8, no dequantize pass; head dim 32, 64
+      or 128 on CUDA, no ``attn_kwargs`` window, soft cap or dropout, one head chunk): its
       output is within ``2**-4 * max|v|`` (over the keys a row attends, per channel) of fp32
       attention of the dequantized values, plus the rounding to the dtype. Backward is
       straight-through in the input dtype (on the codes: from the forward's output and

@@ -41,7 +41,7 @@ as INT8 codes).
 
 Which calls run here (:func:`use_codes`): those that pass ``attn="codes"`` with
 ``comm="lowp"`` (on CPU: Triton's interpreter, slowly); a call the kernel cannot run (head dim
-other than 64 or 128 on CUDA, a window, soft cap or dropout, several head chunks) raises
+other than 32, 64 or 128 on CUDA, a window, soft cap or dropout, several head chunks) raises
 ValueError naming the reason. ``attn=None`` (the default) and ``attn="sdpa"`` attend over the
 dequantized values: measured on an H100 the kernel is not yet faster than torch's cuDNN
 attention at every shape (docs/BENCHMARKS.md), so it is not the default.

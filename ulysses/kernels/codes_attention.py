@@ -377,7 +377,7 @@ class CodesConfig(tuple):
 # On CPU (the interpreter): small one-warp tiles, the same code path.
 GPU_DEFAULT = CodesConfig(128, 64, 4, 3, "fp8t", 1)
 _CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t", 1)
-_CUDA_D = (64, 128)
+_CUDA_D = (32, 64, 128)  # compiled and tested; 64 and 128 measured (docs/BENCHMARKS.md)
 
 
 def codes_supported(device: torch.device, D: int, dtype: torch.dtype) -> str | None:
@@ -390,8 +390,8 @@ def codes_supported(device: torch.device, D: int, dtype: torch.dtype) -> str | N
             return f"the codes kernel runs head dims {_CUDA_D} on CUDA, got D={D}"
         return None
     if device.type == "cpu":
-        if D & (D - 1) or not 16 <= D <= 256:
-            return f"the codes kernel needs a power-of-two head dim in 16..256, got D={D}"
+        if D & (D - 1) or not 32 <= D <= 256:  # an int8 dot needs 32 channels
+            return f"the codes kernel needs a power-of-two head dim in 32..256, got D={D}"
         return None
     return f"the codes kernel runs on CUDA (or CPU through Triton's interpreter), not {device.type}"
 
