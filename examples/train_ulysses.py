@@ -71,12 +71,14 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, seq_len, *, comm, backward_comm, group, attn_dtype, d_model=256,
-                 n_layers=2, n_heads=4, n_kv=2):  # fmt: skip
+    def __init__(self, seq_len, *, comm, backward_comm, group, attn_dtype, lowp_attn=None,
+                 d_model=256, n_layers=2, n_heads=4, n_kv=2):  # fmt: skip
         super().__init__()
         self.tok = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        attention = ulysses.UlyssesAttention(group=group, comm=comm, backward_comm=backward_comm)
+        attn = lowp_attn if comm == "lowp" else None  # "codes": attend on the 8-bit codes
+        attention = ulysses.UlyssesAttention(attn, group=group, comm=comm,
+                                             backward_comm=backward_comm)  # fmt: skip
         self.blocks = nn.ModuleList(
             Block(d_model, n_heads, n_kv, attention, attn_dtype) for _ in range(n_layers)
         )
@@ -103,7 +105,7 @@ def train(name, group, comm, backward_comm, args, device) -> list[float]:
     torch.manual_seed(0)  # the same initial model in every configuration
     attn_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.attn_dtype]
     model = TinyLM(S, comm=comm, backward_comm=backward_comm, group=group,
-                   attn_dtype=attn_dtype).to(device)  # fmt: skip
+                   attn_dtype=attn_dtype, lowp_attn=args.lowp_attn).to(device)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rows = slice(rank * L, (rank + 1) * L)
     positions = torch.arange(S, device=device)[rows].expand(args.batch, L)
@@ -174,6 +176,11 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--no-lowp", action="store_true", help="skip the low-precision runs")
     p.add_argument(
+        "--lowp-attn", choices=("sdpa", "codes"), default=None,
+        help="attn of the low-precision runs: codes (the 8-bit attention on the exchange's "
+        "codes) or sdpa (dequantize, then the default attention; the default)",
+    )  # fmt: skip
+    p.add_argument(
         "--backward-comm", choices=("bf16", "lowp", "both"), default="both",
         help="backward_comm of the low-precision runs: bf16 (straight-through, 'lowp P=W'), "
         "lowp (INT8 gradients, 'lowp+bw P=W') or both runs (default)",
@@ -216,7 +223,8 @@ def main() -> None:
     if rank == 0:
         print(
             f"train_ulysses: world {W}, {backend}, device {device}, S={args.seq}, "
-            f"B={args.batch}, attention in {args.attn_dtype} (lowp runs: bf16), "
+            f"B={args.batch}, attention in {args.attn_dtype} (lowp runs: bf16, "
+            f"attn {args.lowp_attn or 'sdpa'}), "
             f"torch {torch.__version__}"
         )
     curves = {name: train(name, g, c, bc, args, device) for name, g, c, bc in runs}
