@@ -280,17 +280,18 @@ def test_fast_path_only_where_the_launcher_is_known(monkeypatch, version, scratc
     assert (direct is not None) == known
     if not known:
         return
-    assert direct((5, 3, 1), 0, ["a0", 7]) is True
+    c_launch, argv = direct((5, 3, 1), 0, ["a0", 7])
+    c_launch(*argv)  # the caller makes the call (Launch.__call__, in its own frame)
     assert run.calls == [
         (5, 3, 1, 1000, "function", False, True, None, None, (4, 1, 0), None, None, None)
         + ("a0", 7)
     ]
     # it declines, launching nothing, where Triton's own path must take the call
-    assert direct((5, 3, 1), 1, ["a0", 7]) is False  # device 1 is not current
+    assert direct((5, 3, 1), 1, ["a0", 7]) is None  # device 1 is not current
     from triton import knobs
 
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *args: None)
-    assert direct((5, 3, 1), 0, ["a0", 7]) is False  # a launch hook (a profiler) is set
+    assert direct((5, 3, 1), 0, ["a0", 7]) is None  # a launch hook (a profiler) is set
     assert len(run.calls) == 1
 
 
@@ -633,9 +634,8 @@ def _stand_in_cuda(monkeypatch):
 
         def direct(grid, index, args):
             if record["declines"]:
-                return False
-            record["direct"].append((compiled, grid, index, list(args)))
-            return True
+                return None
+            return record["direct"].append, ((compiled, grid, index, list(args)),)
 
         return direct
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, grid
+from .._plans import PlanCache
 from ..kernels._runtime import output_template, stream_key, workspace
 from ..kernels.block_stats import LocalStats
 from ..kernels.finalize_stats import MODE_FUSED, prepare_finalize
@@ -264,8 +265,14 @@ class _ExchangePlan:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(receive buffer, result bytes) of one call: the kernels and collectives in order.
         New buffers, or with ``scratch`` the plan's scratch ones (valid until its next call).
-        ``scales=False``: no scale gather (the result bytes then hold no q_scale, k_scale)."""
-        out = self._stats(q, k, v, pg, self.scratch_out if scratch else None)
+        ``scales=False``: no scale gather (the result bytes then hold no q_scale, k_scale).
+        Every launch is made from this frame (the chain from the layer stays short: DESIGN)."""
+        self.k_stats(k)
+        self.qv(q, v)
+        if self.gather is not None:
+            self.gather(pg)
+        out = self.scratch_out if scratch else torch.empty_like(self.out_bytes)
+        self.post_at(out, self.part, self.final)
         if self.a2a is not None:
             self.pack_at(q, k, v, self.amax_q, self.final, out, self.amax_v)
             recv = (self.a2a_scratch if scratch else self.a2a)(pg)
@@ -284,7 +291,11 @@ class _ExchangePlan:
         """``self(q, k, v, pg).dequantize()`` without the LowpQKV: the same launches but the
         scale gather (the dequantize reads Q's and K's scales from the receive buffer), the
         same bits."""
-        recv, out = self.run(q, k, v, pg, scratch=True, scales=False)
+        return self.dequantize(*self.run(q, k, v, pg, scratch=True, scales=False))
+
+    def dequantize(self, recv, out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head shards of a call's receive buffer and result bytes, new tensors: one
+        launch reading Q's and K's scales in ``recv`` (no scale gather)."""
         heads = (torch.empty_like(self.heads_q), torch.empty_like(self.heads_kv),
                  torch.empty_like(self.heads_kv))  # fmt: skip
         self.dequant_at(recv, out, *heads)
@@ -293,8 +304,8 @@ class _ExchangePlan:
 
 # Plans by call signature: shapes, strides, dtypes, devices, the group, every argument with its
 # type, and the stream (the scratch buffers are per stream). The one cache of the exchange.
-_PLANS: dict[tuple, _ExchangePlan] = {}
-_MAX_PLANS = 64
+_PLANS = PlanCache(max_plans=64)
+clear_plans = _PLANS.clear  # after a rule of ``ulysses.grid`` changed
 
 
 def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format="fp8") -> tuple:
@@ -316,14 +327,4 @@ def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format=
     if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         return plan, pg
     c = _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format)
-    plan = _ExchangePlan(c)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    if key is not None:
-        _PLANS[key] = plan
-    return plan, c.pg
-
-
-def clear_plans() -> None:
-    """Forget the exchange's plans (after a rule of ``ulysses.grid`` changed)."""
-    _PLANS.clear()
+    return _PLANS.put(key, _ExchangePlan(c)), c.pg
