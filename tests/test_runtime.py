@@ -742,8 +742,8 @@ def test_views_launch_passes_the_views_addresses(monkeypatch):
         scratch_ptr=fixed, n=7, BLOCK=16,
     )  # fmt: skip
     record["positions"][_fake_launch_kernel] = step.positions
-    spec = ((0, torch.float32, (2, 3), (5, 1), 4), 1)
-    at = step.views(spec)
+    slots = {"x_ptr": _launch.View("buf", torch.float32, (2, 3), (5, 1), 4), "out_ptr": "out"}
+    at = step.bind(("buf", "out"), **slots)
     buf, out = torch.zeros(64, dtype=torch.uint8), torch.zeros(8)
     at(buf, out)
     at(buf, out)
@@ -758,18 +758,23 @@ def test_views_launch_passes_the_views_addresses(monkeypatch):
     assert args[step.names.index("x_ptr")] == buf.data_ptr() + 16
     assert args[step.names.index("out_ptr")] == out.data_ptr()
     assert args[step.names.index("scratch_ptr")] == fixed.data_ptr()
-    step.views(((0, torch.float32, (2,), (1,), 1), 1))(buf, out)  # 4 bytes off: another pattern
+    x_off = _launch.View("buf", torch.float32, (2,), (1,), 1)  # 4 bytes off: another pattern
+    step.bind(("buf", "out"), x_ptr=x_off, out_ptr="out")(buf, out)
     assert len(record["jit"]) == 2 and sorted(step.direct) == [0b01, 0b11]
     monkeypatch.undo()
     cpu = _launch.Launch(_fake_launch_kernel, (1,), torch.device("cpu"),
                          slots=("x_ptr", "out_ptr"), scratch_ptr=fixed, n=7, BLOCK=16)  # fmt: skip
     called = []
     monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *t: called.append(t))
-    cpu.views(spec)(buf, out)
-    cpu.views(spec)(buf[16:], out)  # a buffer that does not start its storage
+    cpu.bind(("buf", "out"), **slots)(buf, out)
+    cpu.bind(("buf", "out"), **slots)(buf[16:], out)  # a buffer that does not start its storage
     (x, o), (x2, _) = called
     assert x.data_ptr() == buf.data_ptr() + 16 and x.stride() == (5, 1) and o is out
     assert x2.data_ptr() == buf.data_ptr() + 32 and x2.shape == (2, 3)
+    with pytest.raises(AssertionError):  # every slot named, no other name
+        cpu.bind(("buf", "out"), x_ptr="buf")
+    with pytest.raises(AssertionError):
+        cpu.bind(("buf", "out"), **slots, n="buf")
 
 
 @triton.jit

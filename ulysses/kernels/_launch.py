@@ -27,6 +27,7 @@ from . import _interp
 __all__ = [
     "COMPILE_OPTIONS",
     "Launch",
+    "View",
     "Views",
     "compiled_for_gpu",
     "first_launch_stats",
@@ -283,9 +284,19 @@ class Launch:
         if bits not in self.direct:
             self.direct[bits] = None if compiled is None else _direct_launcher(compiled)
 
-    def views(self, spec: tuple) -> Views:
-        """This launch called with views of a call's buffers: see :class:`Views`."""
-        return Views(self, spec)
+    def bind(self, buffers: tuple[str, ...], **slots: str | View) -> Views:
+        """This launch called with a call's ``buffers``, named here and passed positionally
+        in this order: each slot (a kernel parameter) names the buffer it is, as it is, or a
+        :class:`View` of one, fixed once (see :class:`Views`). Every slot is named."""
+        assert set(slots) == {self.names[p] for p in self.positions}, (slots, self.positions)
+        spec = []
+        for p in self.positions:
+            s = slots[self.names[p]]
+            if isinstance(s, View):
+                spec.append((buffers.index(s.buffer), s.dtype, s.size, s.stride, s.offset))
+            else:
+                spec.append(buffers.index(s))
+        return Views(self, tuple(spec))
 
     def _cpu_kwargs(self, tensors) -> dict:
         args = self.args.copy()
@@ -301,11 +312,23 @@ class Launch:
             _interp.run(self.kernel, self.grid, kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A slot of :meth:`Launch.bind`: the call's buffer named ``buffer`` viewed as ``dtype``,
+    strided as ``size``, ``stride`` from its element ``offset`` (elements of ``dtype``)."""
+
+    buffer: str
+    dtype: torch.dtype
+    size: tuple
+    stride: tuple
+    offset: int
+
+
 class Views:
     """A :class:`Launch` whose slots are views of the buffers a call passes, each view fixed
-    once: ``spec[i]`` is ``j`` (slot i is the call's buffer j as it is) or
-    ``(j, dtype, size, stride, offset)`` (slot i is ``buffers[j].view(dtype)`` strided as
-    ``size``, ``stride`` from its element ``offset``). On CUDA the fast path takes the views'
+    once (built by :meth:`Launch.bind`, which names them): ``spec[i]`` is ``j`` (slot i is the
+    call's buffer j as it is) or ``(j, dtype, size, stride, offset)`` (slot i is
+    ``buffers[j].view(dtype)`` strided as ``size``, ``stride`` from its element ``offset``). On CUDA the fast path takes the views'
     addresses from the buffers' (no view is made: each costs an aten op of host time);
     Triton's dispatch gets the views themselves, and on the CPU the Launch is called with
     them. The same kernels, arguments and bits as calling the Launch with the views."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .. import comm, grid
 from .._plans import PlanCache
+from ..kernels._launch import View
 from ..kernels._runtime import output_template, stream_key, workspace
 from ..kernels.block_stats import LocalStats
 from ..kernels.finalize_stats import MODE_FUSED, prepare_finalize
@@ -99,14 +100,19 @@ def _send_side(s: _SendConfig, chunk: tuple[int, int], send: torch.Tensor | None
         dtype=s.dtype, v_int8=s.v_format == "int8", v_scale_stride=vs_stride[0],
         scale_index=(index[:n_q], index[o.n_index - n_k :]),
     )  # fmt: skip
-    recv_words = (0, FP32, (w.nbytes // 4,), (1,), 0)
-    dequant_at = dequant.views((
-        (0, torch.int8, o.size_q, o.stride, o.offsets[0]),
-        (0, torch.int8, o.size_kv, o.stride, o.offsets[1]),
-        (0, _V_CODES[s.v_format], o.size_kv, o.stride, o.offsets[2]),
-        recv_words, recv_words, (1, FP32, o.v_scale[0], vs_stride, vs_at + c * w.hkv * D),
-        2, 3, 4,
-    ))  # fmt: skip
+    recv_words = View("recv", FP32, (w.nbytes // 4,), (1,), 0)
+    dequant_at = dequant.bind(
+        ("recv", "out", "q_out", "k_out", "v_out"),
+        q_ptr=View("recv", torch.int8, o.size_q, o.stride, o.offsets[0]),
+        k_ptr=View("recv", torch.int8, o.size_kv, o.stride, o.offsets[1]),
+        v_ptr=View("recv", _V_CODES[s.v_format], o.size_kv, o.stride, o.offsets[2]),
+        q_scale_ptr=recv_words,  # Q's and K's scales where they arrived (the gather's index)
+        k_scale_ptr=recv_words,
+        v_scale_ptr=View("out", FP32, o.v_scale[0], vs_stride, vs_at + c * w.hkv * D),
+        q_out_ptr="q_out",
+        k_out_ptr="k_out",
+        v_out_ptr="v_out",
+    )
     return _Side(
         chunk=c, n=n, wire=w, out=o, pack=pack, gather_scales=gather, dequant=dequant,
         recv_out=output_template((w.nbytes,), torch.uint8, dev),
@@ -215,14 +221,23 @@ class _ExchangePlan:
         self.v_code = _V_CODES[c.v_format]
         # a call's launches on views of its buffers, the views fixed here: on CUDA no view is
         # made per call (kernels/_launch.Views). Buffers: out = the result bytes, recv
-        words = (FP32, (o.nbytes // 4,), (1,), 0)
-        mean_at, v_scale_at = (0, k.dtype, *o.mean), (0, FP32, *o.v_scale)
-        self.post_at = self.post.views((mean_at, 1, 2, v_scale_at))  # (out, part, final)
-        # (q, k, v, amax_q, final, out, amax_v[, recv])
-        send_at = () if P > 1 else (7, (7, FP32, (w.nbytes // 4,), (1,), 0))
-        self.pack_at = self.pack.views((0, 1, 2, 3, 4, (5, k.dtype, *o.mean), 6, *send_at))
-        recv_words = (0, FP32, (w.nbytes // 4,), (1,), 0)
-        self.gather_at = self.gather_scales.views((recv_words, (1, *words)))  # (recv, out)
+        mean_at = View("out", k.dtype, *o.mean)
+        self.post_at = self.post.bind(
+            ("out", "part", "final"), mean_ptr=mean_at, part_ptr="part", final_ptr="final",
+            v_scale_ptr=View("out", FP32, *o.v_scale),
+        )  # fmt: skip
+        recv_words = View("recv", FP32, (w.nbytes // 4,), (1,), 0)
+        # at P = 1 the pack writes the receive buffer itself (a new one a call)
+        send_at = {} if P > 1 else {"send_ptr": "recv", "send_f32_ptr": recv_words}
+        self.pack_at = self.pack.bind(
+            ("q", "k", "v", "amax_q", "amax_k", "out", "amax_v", *(("recv",) if send_at else ())),
+            q_ptr="q", k_ptr="k", v_ptr="v", amax_q_ptr="amax_q", amax_k_ptr="amax_k",
+            mean_ptr=mean_at, amax_v_ptr="amax_v", **send_at,
+        )  # fmt: skip
+        self.gather_at = self.gather_scales.bind(
+            ("recv", "out"), recv_ptr=recv_words,
+            out_ptr=View("out", FP32, (o.nbytes // 4,), (1,), 0),
+        )  # fmt: skip
         # (recv, out, q_out, k_out, v_out): Q's and K's scales read from recv (no gather)
         self.dequant_at = whole.dequant_at
         self.k_stats = self.k_local.stats
