@@ -109,3 +109,21 @@ def test_first_launch_on_the_gpu_is_at_most_seven_frames_from_the_layer(grad):
         sys.setprofile(None)
     (first,) = found
     assert len(first) <= MAX_FRAMES, f"{len(first)} frames: " + " -> ".join(first)
+
+
+# Parameters of each kernel (pointers, strides, ints, constexprs): a fused kernel takes its
+# grid values as one int32 table. The pack keeps its strides and row layout specialized (their
+# alignment vectorizes its loads and stores) and its 15 constexprs: a ceiling it must not pass.
+MAX_PARAMS = 25
+PARAMS_CEILING = {"_pack_kernel": 39}
+
+
+def test_fused_kernels_take_their_grid_values_as_one_table():
+    from ulysses.kernels import lowp_finish, lowp_pack
+
+    for kernel in (lowp_finish._post_gather_kernel, lowp_pack._pack_kernel):
+        name = kernel.fn.__name__
+        n = len(kernel.params)
+        assert n <= PARAMS_CEILING.get(name, MAX_PARAMS), f"{name}: {n} parameters"
+        assert "values_ptr" in kernel.arg_names, name
+        assert not kernel.do_not_specialize, f"{name}: unspecialized ints belong in the table"
