@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ulysses import comm, lowp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for _bench
+import lowp_steps  # noqa: E402
 from _bench import git_commit  # noqa: E402
 
 from ulysses.testing import make_k_full
@@ -107,20 +108,20 @@ def bench_shape(B, L, H, D, timer: Timer, dev, P, rank, profiled: bool = False) 
     r["exchange (cold)"] = timer(lambda: lowp.exchange_qkv(q, k, v), cold=True)
 
     call = lowp._prepare(q, k, v, None, None, 32, 64, None)
-    payload, amax_q, minmax = lowp._local_stats(call)
+    payload, amax_q, minmax = lowp_steps.local_stats(call)
     gathered = comm.all_gather(payload, call.pg, P)
-    k_stats, amax_q, amax_v, v_scale = lowp._finish_stats(call, gathered, amax_q, minmax)
-    send = lowp._pack(call, k_stats, amax_q, amax_v)
+    k_stats, amax_q, amax_v, v_scale = lowp_steps.finish_stats(call, gathered, amax_q, minmax)
+    send = lowp_steps.pack(call, k_stats, amax_q, amax_v)
     recv = comm.all_to_all(send, call.pg)
     # the full path's steps (the ones torch.compile runs), each a fresh allocation a call
-    r["stats local"] = timer(lambda: lowp._local_stats(call), cold=True)
+    r["stats local"] = timer(lambda: lowp_steps.local_stats(call), cold=True)
     r["stats all_gather"] = timer(lambda: comm.all_gather(payload, call.pg, P))
     r["stats finish"] = timer(
-        lambda: lowp._finish_stats(call, gathered, amax_q, minmax), cold=True
+        lambda: lowp_steps.finish_stats(call, gathered, amax_q, minmax), cold=True
     )  # re-merging the boundary slots in place gives the same bits
-    r["pack"] = timer(lambda: lowp._pack(call, k_stats, amax_q, amax_v), cold=True)
+    r["pack"] = timer(lambda: lowp_steps.pack(call, k_stats, amax_q, amax_v), cold=True)
     r["a2a uint8"] = timer(lambda: comm.all_to_all(send, call.pg))
-    r["unpack"] = timer(lambda: lowp._unpack(call, recv, k_stats, v_scale), cold=True)
+    r["unpack"] = timer(lambda: lowp_steps.unpack(call, recv, k_stats, v_scale), cold=True)
     r["local work"] = r["stats local"] + r["stats finish"] + r["pack"] + r["unpack"]
     r["cold read q,k,v"] = timer(lambda: (q.sum(), k.sum(), v.sum()), cold=True)
     if timer.cuda:

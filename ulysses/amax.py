@@ -13,6 +13,7 @@ import torch
 
 from . import _ops, grid
 from . import _validate as v
+from ._plans import PlanCache
 from .kernels._runtime import output_template
 from .kernels.grouped_amax import prepare_grouped_amax
 
@@ -39,13 +40,8 @@ class _AmaxPlan:
 # Plans by call signature: shapes, strides, dtypes and devices of both tensors and every other
 # argument with its type (the 16-byte alignment of k's data pointer, the one rule a signature
 # cannot carry, is checked each call). The one cache of this function.
-_PLANS: dict[tuple, _AmaxPlan] = {}
-_MAX_PLANS = 256
-
-
-def clear_plans() -> None:
-    """Forget the plans (after a rule of ``ulysses.grid`` changed)."""
-    _PLANS.clear()
+_PLANS = PlanCache(max_plans=256)
+clear_plans = _PLANS.clear
 
 
 def k_grouped_amax(
@@ -145,9 +141,7 @@ def _amax(
                 k.shape, k.stride(), k.device, use_pdl=use_pdl, **lay.amax_args()
             )
             plan = _AmaxPlan(launch, (k.shape[0], k.shape[2], lay.n_slots), k.device)
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            _PLANS.put(key, plan)
     return plan(k, k_mean)
 
 

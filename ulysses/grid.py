@@ -18,6 +18,8 @@ import dataclasses
 
 import torch
 
+from . import _plans
+
 # rows per block of the mean's fixed association (independent of G), blocks per superblock
 # (1024 global rows): the block-stats kernel's order, docs/DESIGN.md "Mean"
 from .kernels.block_stats import SUM_BLOCK, SUPER_BLOCK
@@ -376,10 +378,7 @@ def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
 
 def clear_caches() -> None:
     """Forget cached layouts and every call plan built from them (after patching a rule here,
-    e.g. a planted fault): each module that caches plans owns its cache and its
-    ``clear_plans``."""
-    from . import amax, lowp, stats  # they import this module
-
+    e.g. a planted fault): the plan caches of ``stats``, ``amax`` and ``lowp``
+    (``ulysses._plans``)."""
     layout.cache_clear()
-    for module in (amax, lowp, stats):
-        module.clear_plans()
+    _plans.clear_all()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from . import _ops, comm, grid
 from . import _validate as v
+from ._plans import PlanCache
 from .kernels._runtime import output_template, stream_key, workspace
 from .kernels.block_stats import (
     MINMAX_ALL,
@@ -208,13 +209,8 @@ class _StatsPlan:
 
 # Plans by call signature (shape, strides, dtype, device, the group, every argument with its
 # type, and the stream: the scratch buffers are per stream). The one cache of the statistics.
-_PLANS: dict[tuple, _StatsPlan] = {}
-_MAX_PLANS = 256
-
-
-def clear_plans() -> None:
-    """Forget the statistics' plans (after a rule of ``ulysses.grid`` changed)."""
-    _PLANS.clear()
+_PLANS = PlanCache(max_plans=256)
+clear_plans = _PLANS.clear
 
 
 def _plan(fn, k, group, used_sequence, enable_pdl, group_size, method, check_consistency):
@@ -238,11 +234,7 @@ def _plan(fn, k, group, used_sequence, enable_pdl, group_size, method, check_con
         k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn
     )
     if plan is None:
-        plan = _StatsPlan(part, world_size)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        if key is not None:
-            _PLANS[key] = plan
+        plan = _PLANS.put(key, _StatsPlan(part, world_size))
     return plan, pg
 
 

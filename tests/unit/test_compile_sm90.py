@@ -199,16 +199,16 @@ def test_specialization_follows_triton():
     divisibility attribute, and a do_not_specialize int gets neither."""
     import torch
 
-    from ulysses.kernels.lowp_finish import _post_gather_kernel
+    from ulysses.kernels.finalize_stats import _finalize_kernel
 
-    names = _post_gather_kernel.arg_names
+    names = _finalize_kernel.arg_names
 
     def spec_with(**values):
         kwargs = {n: 32 for n in names}
         kwargs.update({n: torch.zeros(8) for n in names if n.endswith("_ptr")})
         kwargs.update(FLOOR=1e-7, D=16, BLOCK_H=16, BLOCK_P=8, MODE=1, USE_PDL=False)
         kwargs.update(N_CODES=4, BLOCK=1024, divisor=3.0, **values)
-        spec = compile_sm90.specialization(_post_gather_kernel, 4, kwargs)
+        spec = compile_sm90.specialization(_finalize_kernel, 4, kwargs)
         sig = dict(zip(names, spec["signature"], strict=True))
         return (
             sig,
@@ -219,7 +219,7 @@ def test_specialization_follows_triton():
     sig, constexprs, divisible = spec_with(tag=1, n_chunks=1)
     assert sig["gathered_ptr"] == "*fp32" and "gathered_ptr" in divisible
     assert sig["divisor"] == "fp32"
-    assert constexprs["BLOCK"] == 1024 and constexprs["USE_PDL"] is False
+    assert constexprs["BLOCK_H"] == 16 and constexprs["USE_PDL"] is False
     assert sig["tag"] == "constexpr" and constexprs["tag"] == 1  # specialized, equal to 1
     assert sig["n_chunks"] == "i32" and "n_chunks" not in divisible  # do_not_specialize
     assert sig["N"] == "i32" and "N" not in divisible  # do_not_specialize, 32

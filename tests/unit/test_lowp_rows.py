@@ -13,6 +13,9 @@ one exchange per batch row with that row's single count.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +26,18 @@ from ulysses import reference as ref
 from ulysses.dist_tests import faults
 from ulysses.dist_tests.checks_lowp import FIELDS, compare_fields
 from ulysses.testing import make_k_full
+
+
+def _load_steps():
+    """scripts/lowp_steps.py: one exchange call's steps, each run on its own."""
+    root = next(p for p in Path(__file__).resolve().parents if (p / "scripts").is_dir())
+    spec = importlib.util.spec_from_file_location("lowp_steps", root / "scripts" / "lowp_steps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+lowp_steps = _load_steps()
 
 pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value):RuntimeWarning")
 
@@ -194,20 +209,20 @@ def _exchange_by_hand(q, k, v, P: int, used, Gq: int, Gk: int) -> list:
         return lowp._prepare(*shards[r], None, used, Gq, Gk, None)
 
     try:
-        payloads = [lowp._local_stats(call(r))[0].clone() for r in range(P)]
+        payloads = [lowp_steps.local_stats(call(r))[0].clone() for r in range(P)]
         gathered = torch.stack(payloads)
         sends, v_scales = [], []
         for r in range(P):
             c = call(r)
-            _, amax_q, minmax = lowp._local_stats(c)  # this rank's scratch, again
-            k_stats, amax_q, amax_v, v_scale = lowp._finish_stats(c, gathered, amax_q, minmax)
-            sends.append(lowp._pack(c, k_stats, amax_q, amax_v).clone().view(P, -1))
+            _, amax_q, minmax = lowp_steps.local_stats(c)  # this rank's scratch, again
+            k_stats, amax_q, amax_v, v_scale = lowp_steps.finish_stats(c, gathered, amax_q, minmax)
+            sends.append(lowp_steps.pack(c, k_stats, amax_q, amax_v).clone().view(P, -1))
             v_scales.append(v_scale)
         out = []
         for r in range(P):
             c = call(r)
             recv = torch.cat([sends[p][r] for p in range(P)])
-            out.append(lowp._unpack(c, recv, None, v_scales[r]))
+            out.append(lowp_steps.unpack(c, recv, None, v_scales[r]))
         return out
     finally:
         dist.destroy_process_group()

@@ -280,17 +280,18 @@ def test_fast_path_only_where_the_launcher_is_known(monkeypatch, version, scratc
     assert (direct is not None) == known
     if not known:
         return
-    assert direct((5, 3, 1), 0, ["a0", 7]) is True
+    c_launch, argv = direct((5, 3, 1), 0, ["a0", 7])
+    c_launch(*argv)  # the caller makes the call (Launch.__call__, in its own frame)
     assert run.calls == [
         (5, 3, 1, 1000, "function", False, True, None, None, (4, 1, 0), None, None, None)
         + ("a0", 7)
     ]
     # it declines, launching nothing, where Triton's own path must take the call
-    assert direct((5, 3, 1), 1, ["a0", 7]) is False  # device 1 is not current
+    assert direct((5, 3, 1), 1, ["a0", 7]) is None  # device 1 is not current
     from triton import knobs
 
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *args: None)
-    assert direct((5, 3, 1), 0, ["a0", 7]) is False  # a launch hook (a profiler) is set
+    assert direct((5, 3, 1), 0, ["a0", 7]) is None  # a launch hook (a profiler) is set
     assert len(run.calls) == 1
 
 
@@ -633,9 +634,8 @@ def _stand_in_cuda(monkeypatch):
 
         def direct(grid, index, args):
             if record["declines"]:
-                return False
-            record["direct"].append((compiled, grid, index, list(args)))
-            return True
+                return None
+            return record["direct"].append, ((compiled, grid, index, list(args)),)
 
         return direct
 
@@ -742,8 +742,8 @@ def test_views_launch_passes_the_views_addresses(monkeypatch):
         scratch_ptr=fixed, n=7, BLOCK=16,
     )  # fmt: skip
     record["positions"][_fake_launch_kernel] = step.positions
-    spec = ((0, torch.float32, (2, 3), (5, 1), 4), 1)
-    at = step.views(spec)
+    slots = {"x_ptr": _launch.View("buf", torch.float32, (2, 3), (5, 1), 4), "out_ptr": "out"}
+    at = step.bind(("buf", "out"), **slots)
     buf, out = torch.zeros(64, dtype=torch.uint8), torch.zeros(8)
     at(buf, out)
     at(buf, out)
@@ -758,18 +758,23 @@ def test_views_launch_passes_the_views_addresses(monkeypatch):
     assert args[step.names.index("x_ptr")] == buf.data_ptr() + 16
     assert args[step.names.index("out_ptr")] == out.data_ptr()
     assert args[step.names.index("scratch_ptr")] == fixed.data_ptr()
-    step.views(((0, torch.float32, (2,), (1,), 1), 1))(buf, out)  # 4 bytes off: another pattern
+    x_off = _launch.View("buf", torch.float32, (2,), (1,), 1)  # 4 bytes off: another pattern
+    step.bind(("buf", "out"), x_ptr=x_off, out_ptr="out")(buf, out)
     assert len(record["jit"]) == 2 and sorted(step.direct) == [0b01, 0b11]
     monkeypatch.undo()
     cpu = _launch.Launch(_fake_launch_kernel, (1,), torch.device("cpu"),
                          slots=("x_ptr", "out_ptr"), scratch_ptr=fixed, n=7, BLOCK=16)  # fmt: skip
     called = []
     monkeypatch.setattr(_launch.Launch, "__call__", lambda self, *t: called.append(t))
-    cpu.views(spec)(buf, out)
-    cpu.views(spec)(buf[16:], out)  # a buffer that does not start its storage
+    cpu.bind(("buf", "out"), **slots)(buf, out)
+    cpu.bind(("buf", "out"), **slots)(buf[16:], out)  # a buffer that does not start its storage
     (x, o), (x2, _) = called
     assert x.data_ptr() == buf.data_ptr() + 16 and x.stride() == (5, 1) and o is out
     assert x2.data_ptr() == buf.data_ptr() + 32 and x2.shape == (2, 3)
+    with pytest.raises(AssertionError):  # every slot named, no other name
+        cpu.bind(("buf", "out"), x_ptr="buf")
+    with pytest.raises(AssertionError):
+        cpu.bind(("buf", "out"), **slots, n="buf")
 
 
 @triton.jit

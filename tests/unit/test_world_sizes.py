@@ -9,6 +9,9 @@ h = Hq / P, hkv the K/V heads a rank receives, D head dim, G / Gq / Gk group siz
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +23,18 @@ from ulysses.dist_tests import cases, cases_lowp
 from ulysses.dist_tests.checks_lowp import gqa_reference, kv_heads_received
 from ulysses.kernels.lowp_pack import pack_qkv
 from ulysses.testing import make_k_full, make_qkv_full
+
+
+def _load_steps():
+    """scripts/lowp_steps.py: one exchange call's steps, each run on its own."""
+    root = next(p for p in Path(__file__).resolve().parents if (p / "scripts").is_dir())
+    spec = importlib.util.spec_from_file_location("lowp_steps", root / "scripts" / "lowp_steps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+lowp_steps = _load_steps()
 
 # numpy (the interpreter) warns about 448 / 0 and NaN products: intended inputs here
 pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value):RuntimeWarning")
@@ -299,7 +314,7 @@ def test_exchange_at_world_size_one(no_collectives, Hq, Hkv):
     first = ulysses.exchange_qkv(q, k, v, **kw)
     copies = [torch.empty_like(t).copy_(t) for t in (q, k, v)]
     with pytest.MonkeyPatch.context() as mp:  # the second call runs the cached plan
-        mp.setattr(lowp, "_prepare", None)
+        mp.setattr(lowp.plan, "_prepare", None)
         second = ulysses.exchange_qkv(*copies, **kw)
     assert first.q.data_ptr() != second.q.data_ptr()
     _assert_fields(first, want, "planned")
@@ -307,11 +322,11 @@ def test_exchange_at_world_size_one(no_collectives, Hq, Hkv):
     # the steps of the full path (the one torch.compile traces)
     c = lowp._prepare(q, k, v, None, used, 16, 32, None)
     assert (c.rank, c.P, c.pg) == (0, 1, None)
-    payload, amax_q, minmax = lowp._local_stats(c)
+    payload, amax_q, minmax = lowp_steps.local_stats(c)
     gathered = comm.all_gather(payload, c.pg, c.P)
-    k_stats, amax_q, amax_v, v_scale = lowp._finish_stats(c, gathered, amax_q, minmax)
-    send = lowp._pack(c, k_stats, amax_q, amax_v)
-    full = lowp._unpack(c, comm.all_to_all(send, c.pg, c.P), k_stats, v_scale)
+    k_stats, amax_q, amax_v, v_scale = lowp_steps.finish_stats(c, gathered, amax_q, minmax)
+    send = lowp_steps.pack(c, k_stats, amax_q, amax_v)
+    full = lowp_steps.unpack(c, comm.all_to_all(send, c.pg, c.P), k_stats, v_scale)
     _assert_fields(full, want, "full path")
 
 

@@ -56,7 +56,7 @@ here runs unless a fault is named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=N
                     channel_block                   of two: the pack's tile rounded down to one
                                                     (80 -> 64), so channels past it never reach
                                                     the wire (a channel mask bound wrong)
-    v_int8_scale    ulysses.lowp._V_MAX             v_format="int8": V's scale amax / 128 while
+    v_int8_scale    ulysses.lowp.plan._V_MAX        v_format="int8": V's scale amax / 128 while
                                                     its codes use 127 / amax
     grad_scales     ulysses.rowwire.                backward_comm="lowp": dq|dk|dv dequantized
                     grads_dequant_op (hook)         with the previous rank's scales
@@ -287,7 +287,7 @@ FAULTS: dict[str, tuple[tuple[str, object], ...]] = {
     "compiled_a2a": (("ulysses.comm._compiled_all_to_all", Hook(_chunks_rotated)),),
     "compiled_a2a_twice": (("ulysses.comm._compiled_all_to_all", Hook(_made_twice)),),
     "channel_block": (("ulysses.kernels.lowp_pack.channel_block", _channel_block_rounded_down),),
-    "v_int8_scale": (("ulysses.lowp._V_MAX", {"fp8": 448.0, "int8": 128.0}),),
+    "v_int8_scale": (("ulysses.lowp.plan._V_MAX", {"fp8": 448.0, "int8": 128.0}),),
     "grad_scales": (
         (
             "ulysses.rowwire.grads_dequant_op",

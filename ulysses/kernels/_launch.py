@@ -27,6 +27,7 @@ from . import _interp
 __all__ = [
     "COMPILE_OPTIONS",
     "Launch",
+    "View",
     "Views",
     "compiled_for_gpu",
     "first_launch_stats",
@@ -116,14 +117,16 @@ _DIRECT_VERSIONS = ("3.6.",)
 
 
 def _direct_launcher(compiled):
-    """The fast path: ``direct(grid, index, args) -> bool`` launching ``compiled`` through
-    Triton's C launch function, or None where that is not known to be right (a Triton version
-    not in ``_DIRECT_VERSIONS``, a kernel with scratch memory, a launcher or torch without the
-    expected attributes). ``grid`` has three ints; ``args`` are the kernel's arguments in order,
-    pointers as device addresses (ints: the C function does not check them, given a tensor
-    it would ask the driver; the caller guarantees the device). ``direct`` launches nothing and
-    returns False when launch hooks are set (profilers: Triton must call them) or device
-    ``index`` is not current (Triton's path switches it)."""
+    """The fast path: ``direct(grid, index, args) -> (c_launch, argv) | None``, the call of
+    ``compiled``'s C launch function (``c_launch(*argv)``, made by the caller, so that the
+    launch is one frame below the library's call), or None from ``_direct_launcher`` where
+    that is not known to be right (a Triton version not in ``_DIRECT_VERSIONS``, a kernel with
+    scratch memory, a launcher or torch without the expected attributes). ``grid`` has three
+    ints; ``args`` are the kernel's arguments in order, pointers as device addresses (ints:
+    the C function does not check them, given a tensor it would ask the driver; the caller
+    guarantees the device). ``direct`` gives None (launch through Triton) when launch hooks
+    are set (profilers: Triton must call them) or device ``index`` is not current (Triton's
+    path switches it)."""
     import triton
 
     if not triton.__version__.startswith(_DIRECT_VERSIONS):
@@ -157,15 +160,14 @@ def _direct_launcher(compiled):
         None,  # exit hook
     )
 
-    def direct(grid: tuple, index: int, args: list) -> bool:
+    def direct(grid: tuple, index: int, args: list) -> tuple | None:
         if (
             current_device() != index
             or _hook_set(hooks.launch_enter_hook)
             or _hook_set(hooks.launch_exit_hook)
         ):
-            return False
-        c_launch(*grid, raw_stream(index), *prefix, *args)
-        return True
+            return None
+        return c_launch, (*grid, raw_stream(index), *prefix, *args)
 
     return direct
 
@@ -239,20 +241,30 @@ class Launch:
         self.direct: dict[int, object] = {}  # alignment pattern -> fast path (or None)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
+        # the launch itself is made here, in this frame (the fast path's C function, or the
+        # interpreter): the library's call chain to a kernel stays short
         if self.index is None:
-            self._launch_cpu(tensors)
-        elif not self._direct([t.data_ptr() for t in tensors]):
+            if _MIRROR_TO_CUDA:
+                self._launch_cpu(tensors)
+            else:
+                _interp.run(self.kernel, self.grid, self._cpu_kwargs(tensors))
+            return
+        fast = self._direct([t.data_ptr() for t in tensors])
+        if fast is None:
             self._launch_jit(tensors)
+        else:
+            fast[0](*fast[1])
 
-    def _direct(self, ptrs: list) -> bool:
-        """Launch with the slots at addresses ``ptrs`` through the fast path of their
-        alignment pattern; False where there is none (yet)."""
+    def _direct(self, ptrs: list) -> tuple | None:
+        """(C launch function, its arguments) of the fast path of the slots' alignment
+        pattern at addresses ``ptrs``, for the caller to call; None where there is none (yet)
+        or it declines."""
         bits = 0
         for ptr in ptrs:  # the first slot is the pattern's high bit
             bits = (bits << 1) | ((ptr & 15) == 0)
         direct = self.direct.get(bits)
         if direct is None:
-            return False
+            return None
         args = self.addresses.copy()
         for p, ptr in zip(self.positions, ptrs, strict=True):
             args[p] = ptr
@@ -272,26 +284,51 @@ class Launch:
         if bits not in self.direct:
             self.direct[bits] = None if compiled is None else _direct_launcher(compiled)
 
-    def views(self, spec: tuple) -> Views:
-        """This launch called with views of a call's buffers: see :class:`Views`."""
-        return Views(self, spec)
+    def bind(self, buffers: tuple[str, ...], **slots: str | View) -> Views:
+        """This launch called with a call's ``buffers``, named here and passed positionally
+        in this order: each slot (a kernel parameter) names the buffer it is, as it is, or a
+        :class:`View` of one, fixed once (see :class:`Views`). Every slot is named."""
+        assert set(slots) == {self.names[p] for p in self.positions}, (slots, self.positions)
+        spec = []
+        for p in self.positions:
+            s = slots[self.names[p]]
+            if isinstance(s, View):
+                spec.append((buffers.index(s.buffer), s.dtype, s.size, s.stride, s.offset))
+            else:
+                spec.append(buffers.index(s))
+        return Views(self, tuple(spec))
 
-    def _launch_cpu(self, tensors) -> None:
+    def _cpu_kwargs(self, tensors) -> dict:
         args = self.args.copy()
         for p, t in zip(self.positions, tensors, strict=True):
             args[p] = t
-        kwargs = dict(zip(self.names, args, strict=True))
+        return dict(zip(self.names, args, strict=True))
+
+    def _launch_cpu(self, tensors) -> None:
+        kwargs = self._cpu_kwargs(tensors)
         if _MIRROR_TO_CUDA:
             _launch_mirrored(self.kernel, self.grid, self.num_warps, kwargs)
         else:
             _interp.run(self.kernel, self.grid, kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A slot of :meth:`Launch.bind`: the call's buffer named ``buffer`` viewed as ``dtype``,
+    strided as ``size``, ``stride`` from its element ``offset`` (elements of ``dtype``)."""
+
+    buffer: str
+    dtype: torch.dtype
+    size: tuple
+    stride: tuple
+    offset: int
+
+
 class Views:
     """A :class:`Launch` whose slots are views of the buffers a call passes, each view fixed
-    once: ``spec[i]`` is ``j`` (slot i is the call's buffer j as it is) or
-    ``(j, dtype, size, stride, offset)`` (slot i is ``buffers[j].view(dtype)`` strided as
-    ``size``, ``stride`` from its element ``offset``). On CUDA the fast path takes the views'
+    once (built by :meth:`Launch.bind`, which names them): ``spec[i]`` is ``j`` (slot i is the
+    call's buffer j as it is) or ``(j, dtype, size, stride, offset)`` (slot i is
+    ``buffers[j].view(dtype)`` strided as ``size``, ``stride`` from its element ``offset``). On CUDA the fast path takes the views'
     addresses from the buffers' (no view is made: each costs an aten op of host time);
     Triton's dispatch gets the views themselves, and on the CPU the Launch is called with
     them. The same kernels, arguments and bits as calling the Launch with the views."""
@@ -319,13 +356,15 @@ class Views:
 
     def __call__(self, *buffers: torch.Tensor) -> None:
         launch = self.launch
-        if launch.index is not None:
-            bases = [b.data_ptr() for b in buffers]
-            if launch._direct([bases[j] + off for j, off in self.offsets]):
-                return
-            launch._launch_jit(self.tensors(buffers))
+        if launch.index is None:  # the interpreter
+            launch(*self.tensors(buffers))
             return
-        launch(*self.tensors(buffers))
+        bases = [b.data_ptr() for b in buffers]
+        fast = launch._direct([bases[j] + off for j, off in self.offsets])
+        if fast is None:
+            launch._launch_jit(self.tensors(buffers))
+        else:
+            fast[0](*fast[1])
 
 
 # One-shot launches (``launch``) of a configuration seen before reuse its Launch, so that from

@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, compiled_for_gpu, gdc_wait, next_pow2
-from .finalize_stats import _NOT_SPECIALIZED as _FIN_NOT_SPECIALIZED
+from ._runtime import Launch, cdiv, compiled_for_gpu, device_constant, gdc_wait, next_pow2
 from .finalize_stats import MODE_FUSED, _finalize_kernel
 
 __all__ = ["prepare_lowp_finish", "prepare_post_gather", "finish_tile", "source_range"]
@@ -131,26 +130,18 @@ def _lowp_finish_kernel(
         tl.store(amax_q_ptr + o_e * n_slots + slot, b_m.to(tl.float32, bitcast=True), mask=m_q)
 
 
-_FUSED_NOT_SPECIALIZED = _FIN_NOT_SPECIALIZED + [
-    "n_fin",
-    "first_q0",
-    "first_e0",
-    "first_n",
-    "last_q0",
-    "last_e0",
-    "last_n",
-    "lf_n_bhd",
-    "lf_n_bh",
-    "lf_n_slots",
-    "lf_n_touched",
-    "h",
-    "head0",
-    "q_off",
-    "v_off",
-]
+# The post-gather launch's grid values, in the order of its int32 table (``values_ptr``): the
+# finalize's (kernels/finalize_stats.py), then the finish's (``lf_``: the names they share
+# with the finalize), one table instead of a parameter each
+POST_GATHER_VALUES = (
+    "n_fin", "N", "stride_p", "H", "P", "bhd", "n_slots", "n_touched", "n_hblocks", "n_chunks",
+    "slots_per_program", "n_src_first", "n_src_last", "divisor", "first_q0", "first_e0",
+    "first_n", "last_q0", "last_e0", "last_n", "lf_n_bhd", "lf_n_bh", "lf_n_slots",
+    "lf_n_touched", "h", "head0", "q_off", "v_off",
+)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=_FUSED_NOT_SPECIALIZED)
+@triton.jit
 def _post_gather_kernel(
     gathered_ptr,
     mm_ptr,
@@ -159,39 +150,12 @@ def _post_gather_kernel(
     part_ptr,
     final_ptr,
     src_ptr,
-    N,
-    stride_p,
-    tag,
-    H,
-    P,
-    bhd,
-    n_slots,
-    n_touched,
-    n_hblocks,
-    n_chunks,
-    slots_per_program,
-    n_src_first,
-    n_src_last,
-    divisor,
     rows_ptr,
-    n_fin,
-    first_q0,
-    first_e0,
-    first_n,
-    last_q0,
-    last_e0,
-    last_n,
     amax_q_ptr,
     amax_v_ptr,
     v_scale_ptr,
-    lf_n_bhd,
-    lf_n_bh,
-    lf_n_slots,
-    lf_n_touched,
-    h,
-    head0,
-    q_off,
-    v_off,
+    values_ptr,  # int32 [len(POST_GATHER_VALUES)]
+    tag,
     FLOOR: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -207,8 +171,13 @@ def _post_gather_kernel(
     (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. Small launches
     after a collective are bound by their cold latency, not their bytes: as two launches they
     cost 6.7 + 7.2 us at 68 MB (one H200); one launch runs both sets of programs
-    at once."""
+    at once. The grid values are loaded from ``values_ptr`` (indices of
+    ``POST_GATHER_VALUES``): int32 as the unspecialized int parameters they replace."""
     i_pid = tl.program_id(0)
+    n_fin = tl.load(values_ptr + 0)
+    stride_p = tl.load(values_ptr + 2)
+    H = tl.load(values_ptr + 3)
+    P = tl.load(values_ptr + 4)
     if i_pid < n_fin:
         _finalize_kernel(
             gathered_ptr,
@@ -218,20 +187,20 @@ def _post_gather_kernel(
             part_ptr,
             final_ptr,
             src_ptr,
-            N,
+            tl.load(values_ptr + 1),  # N
             stride_p,
             tag,
             H,
             P,
-            bhd,
-            n_slots,
-            n_touched,
-            n_hblocks,
-            n_chunks,
-            slots_per_program,
-            n_src_first,
-            n_src_last,
-            divisor,
+            tl.load(values_ptr + 5),  # bhd
+            tl.load(values_ptr + 6),  # n_slots
+            tl.load(values_ptr + 7),  # n_touched
+            tl.load(values_ptr + 8),  # n_hblocks
+            tl.load(values_ptr + 9),  # n_chunks
+            tl.load(values_ptr + 10),  # slots_per_program
+            tl.load(values_ptr + 11),  # n_src_first
+            tl.load(values_ptr + 12),  # n_src_last
+            tl.load(values_ptr + 13),  # divisor
             rows_ptr,
             FLOOR,
             D,
@@ -247,24 +216,24 @@ def _post_gather_kernel(
         _lowp_finish_kernel(
             gathered_ptr,
             stride_p,
-            first_q0,
-            first_e0,
-            first_n,
-            last_q0,
-            last_e0,
-            last_n,
+            tl.load(values_ptr + 14),  # first_q0
+            tl.load(values_ptr + 15),  # first_e0
+            tl.load(values_ptr + 16),  # first_n
+            tl.load(values_ptr + 17),  # last_q0
+            tl.load(values_ptr + 18),  # last_e0
+            tl.load(values_ptr + 19),  # last_n
             amax_q_ptr,
             amax_v_ptr,
             v_scale_ptr,
-            lf_n_bhd,
-            lf_n_bh,
-            lf_n_slots,
-            lf_n_touched,
+            tl.load(values_ptr + 20),  # lf_n_bhd
+            tl.load(values_ptr + 21),  # lf_n_bh
+            tl.load(values_ptr + 22),  # lf_n_slots
+            tl.load(values_ptr + 23),  # lf_n_touched
             H,
-            h,
-            head0,
-            q_off,
-            v_off,
+            tl.load(values_ptr + 24),  # h
+            tl.load(values_ptr + 25),  # head0
+            tl.load(values_ptr + 26),  # q_off
+            tl.load(values_ptr + 27),  # v_off
             P,
             D,
             n_fin,
@@ -296,6 +265,10 @@ def prepare_post_gather(finalize: Launch, finish: Launch) -> Launch:
         if name in _SHARED or name in ("v_scale_ptr", "prog0"):
             continue
         fixed[_RENAMED.get(name, name)] = value
+    fixed["n_fin"] = finalize.grid[0]
+    values = [fixed.pop(name) for name in POST_GATHER_VALUES]
+    assert all(type(x) is int and -(2**31) <= x < 2**31 for x in values), values
+    table = device_constant(torch.tensor(values, dtype=torch.int32), finalize.device)
     return Launch(
         _post_gather_kernel,
         (finalize.grid[0] + finish.grid[0],),
@@ -303,7 +276,7 @@ def prepare_post_gather(finalize: Launch, finish: Launch) -> Launch:
         num_warps=max(finalize.num_warps, finish.num_warps),
         use_pdl=finalize.use_pdl,
         slots=("mean_ptr", "part_ptr", "final_ptr", "v_scale_ptr"),
-        n_fin=finalize.grid[0],
+        values_ptr=table,
         **fixed,
     )
 

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import View
 from ._quant import canonical_nan_bits, int8_code
 from ._runtime import Launch, cdiv, channel_block, compiled_for_gpu
 from .lowp_dequant import round_to
@@ -220,7 +221,8 @@ def _quantize(x, send, *, P, L, h, stride_xp, stride_xs, HT, h_off, chunk) -> No
             stride_xp=stride_xp, stride_xs=stride_xs, stride_xh=x.stride(2), S=P * L,
             FLOOR=FLOOR, **_wire_args(B, L, h, HT, h_off, chunk, D, block_s, x.device),
         )  # fmt: skip
-        return step.views((0, 1, (1, torch.float32, (send.numel() // 4,), (1,), 0)))
+        send_words = View("send", torch.float32, (send.numel() // 4,), (1,), 0)
+        return step.bind(("x", "send"), x_ptr="x", send_ptr="send", scale_ptr=send_words)
 
     key = (0, x.shape, x.stride(), x.dtype, x.device, compiled_for_gpu(x.device), P, L, h,
            stride_xp, stride_xs, HT, h_off, chunk)  # fmt: skip
@@ -240,7 +242,8 @@ def _dequantize(recv, out, *, P, B, L, h, D, HT, h_off, chunk, strides) -> None:
             stride_op=stride_op, stride_oh=stride_oh,
             **_wire_args(B, L, h, HT, h_off, chunk, D, block_s, recv.device),
         )  # fmt: skip
-        return step.views((0, (0, torch.float32, (recv.numel() // 4,), (1,), 0), 1))
+        recv_words = View("recv", torch.float32, (recv.numel() // 4,), (1,), 0)
+        return step.bind(("recv", "out"), recv_ptr="recv", scale_ptr=recv_words, out_ptr="out")
 
     key = (1, recv.device, compiled_for_gpu(recv.device), recv.numel(), out.dtype, P, B, L, h, D,
            HT, h_off, chunk, strides)  # fmt: skip

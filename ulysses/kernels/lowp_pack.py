@@ -44,12 +44,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant import canonical_nan_bits, e4m3_code, int8_code
+from ._quant import e4m3_code, int8_code
 from ._runtime import (
     Launch,
     cdiv,
     channel_block,
     compiled_for_gpu,
+    device_constant,
     gdc_launch_dependents,
     gdc_wait,
     load_streamed,
@@ -57,6 +58,7 @@ from ._runtime import (
     row_table,
     tile,
 )
+from .lowp_pack_q import _pack_q_group, _source_head
 
 __all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 
@@ -71,137 +73,20 @@ __all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 # slot arithmetic in int32 takes 137 instructions on Triton 3.9.
 
 
-# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
-# serves every shape, rank and padding of a dtype and tile (first compilations dominated the
-# GPU harness). ``kv_rep`` stays specialized: 1 (K/V heads sharded like Q's) folds away. Pointers and strides stay specialized: their 16-byte
-# alignment lets the loads and stores vectorize.
-_NOT_SPECIALIZED = [
-    "L",
-    "H",
-    "h",
-    "HK",
-    "HE",
-    "hkv",
-    "n_lanes",
-    "row0",
-    "n_slots_q",
-    "n_slots_k",
-    "n_rblocks",
-    "n_code",
-    "n_qcode",
-    "n_scales",
-    "B",
-    "shift",
-    "n_qgroups",
-    "q_whole_lo",
-    "q_whole_hi",
-    "tail_group_q",
-    "live_end",
-    "h_src",
-    "hkv_src",
-    "q_off",
-    "k_off",
-    "HS",
-    "HKS",
-]
+# The pack's grid values, in the order of its int32 table (``values_ptr``): ints that only
+# bound masks, loops and grid indices, loaded by the kernel as the unspecialized int32
+# parameters they replace, so one compilation serves every shape, rank and padding of a dtype
+# and tile (first compilations dominated the GPU harness). ``kv_rep`` stays a specialized
+# parameter (1, K/V heads sharded like Q's, folds away), as do the pointers, strides and row
+# layout (``ROW``, ``CB``, ``E4``): their 16-byte alignment lets the loads and stores vectorize.
+PACK_VALUES = (
+    "L", "H", "h", "HK", "HE", "hkv", "n_lanes", "row0", "n_slots_q", "n_slots_k", "n_rblocks",
+    "n_code", "n_qcode", "n_scales", "B", "shift", "n_qgroups", "q_whole_lo", "q_whole_hi",
+    "tail_group_q", "live_end", "h_src", "hkv_src", "q_off", "k_off", "HS", "HKS",
+)  # fmt: skip
 
 
 @triton.jit
-def _source_head(x, per, per_src, off):
-    """Head ``x`` of the packed heads (``per`` a destination) as a head of the source tensor
-    (``per_src`` a destination, the packed ones starting at ``off`` in each): the identity
-    when every head is packed."""
-    return x + (x // per) * (per_src - per) + off
-
-
-@triton.jit
-def _pack_q_group(
-    i_q,
-    q_ptr,
-    stride_qb,
-    stride_ql,
-    stride_qh,
-    amax_q_ptr,
-    send_ptr,
-    send_f32_ptr,
-    L,
-    H,
-    h,
-    hkv,
-    row0,
-    n_slots_q,
-    n_qgroups,
-    shift,
-    q_whole_lo,
-    q_whole_hi,
-    tail_group_q,
-    live_end,
-    h_src,
-    q_off,
-    HS,
-    ROW,
-    CB,
-    E4,
-    rows_ptr,
-    D: tl.constexpr,
-    GQ: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HW_ROUND: tl.constexpr,
-    FLOOR: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
-    """Q_ONCE program ``i_q`` of the pack launch: one per (batch, Q group this rank touches,
-    head block). The group's [GQ, BLOCK_H, D] tile is read once, in one go. A group this
-    rank holds whole takes its amax from the tile (the statistics kernel's value: the tail
-    group's live rows only, then the floor) and writes its own scale slots; a group that
-    straddles ranks takes the merged amax from ``amax_q``."""
-    n_hblocks = tl.cdiv(H, BLOCK_H)
-    i_hb = i_q % n_hblocks
-    i_g = (i_q // n_hblocks) % n_qgroups  # slot of amax_q
-    i_b = i_q // (n_hblocks * n_qgroups)
-    if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
-        live_end = tl.load(rows_ptr + i_b * 3)
-        tail_group_q = tl.load(rows_ptr + i_b * 3 + 1)
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    o_d = tl.arange(0, DB)  # [DB]: channels [D, DB) masked off
-    m_h = o_h < H
-    m_hd = m_h[:, None] & (o_d[None, :] < D)  # [BH, DB]
-    i_j = o_h // h  # destination rank of each head
-    o_g = i_g * GQ - shift + tl.arange(0, GQ)  # [GQ] local rows of the group
-    m_g = (o_g >= 0) & (o_g < L)
-    m_gq = m_g[:, None, None] & m_hd[None, :, :]  # [GQ, BH, D]
-    i_hs = _source_head(o_h, h, h_src, q_off)  # [BH] heads of q and amax_q
-    o_hq = i_hs[:, None] * stride_qh + o_d[None, :]
-    p_g = q_ptr + i_b * stride_qb + o_g[:, None, None] * stride_ql + o_hq[None, :, :]
-    b_q = load_streamed(p_g, m_gq, 0.0, EVICT).to(tl.float32)
-    whole = (i_g >= q_whole_lo) & (i_g < q_whole_hi)
-    m_live = tl.where(row0 // GQ + i_g == tail_group_q, row0 + o_g < live_end, True)
-    m_am = tl.where(m_live[:, None, None], m_gq, False)
-    b_bits = tl.where(m_am, tl.abs(b_q).to(tl.int32, bitcast=True), 0)
-    b_bits = tl.max(tl.max(b_bits, axis=2), axis=0)  # [BH]
-    floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
-    b_own = tl.maximum(canonical_nan_bits(b_bits), floor_bits).to(tl.float32, bitcast=True)
-    b_merged = tl.load(
-        amax_q_ptr + (i_b * HS + i_hs) * n_slots_q + i_g,
-        mask=tl.where(whole, False, m_h),
-        other=1.0,
-    )
-    b_a = tl.where(whole, b_own, b_merged)
-    b_inv = tl.math.div_rn(tl.full([BLOCK_H], 127.0, tl.float32), b_a)
-    b_code = int8_code(b_q, b_inv[None, :, None], HW_ROUND)
-    o_dst = (i_j * L * ROW + (i_b * (h + 2 * hkv) + o_h - i_j * h) * D)[:, None] + o_d[None, :]
-    p_gdst = send_ptr + o_dst[None, :, :] + o_g[:, None, None] * ROW
-    tl.store(p_gdst, b_code, mask=m_gq)
-    # scale slot n = (batch, local head, slot) of each head's destination
-    i_n = (i_b * h + o_h - i_j * h) * n_slots_q + i_g  # [BH]
-    o_f = (i_j * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
-    b_scale = tl.math.div_rn(b_own, tl.full([BLOCK_H], 127.0, tl.float32))
-    tl.store(send_f32_ptr + o_f, b_scale, mask=tl.where(whole, m_h, False))
-
-
-@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _pack_kernel(
     q_ptr,
     stride_qb,
@@ -221,38 +106,12 @@ def _pack_kernel(
     amax_v_ptr,
     send_ptr,
     send_f32_ptr,
-    L,
-    H,
-    h,
-    HK,
-    HE,
-    hkv,
+    values_ptr,  # int32 [len(PACK_VALUES)]
+    rows_ptr,
     kv_rep,
-    n_lanes,
-    row0,
-    n_slots_q,
-    n_slots_k,
-    n_rblocks,
-    n_code,
-    n_qcode,
-    n_scales,
-    B,
     ROW,
     CB,
     E4,
-    shift,
-    n_qgroups,
-    q_whole_lo,
-    q_whole_hi,
-    tail_group_q,
-    live_end,
-    h_src,
-    hkv_src,
-    q_off,
-    k_off,
-    HS,
-    HKS,
-    rows_ptr,
     D: tl.constexpr,
     GQ: tl.constexpr,
     GK: tl.constexpr,
@@ -270,9 +129,27 @@ def _pack_kernel(
     V_INT8: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
+    L = tl.load(values_ptr + 0)
+    h = tl.load(values_ptr + 2)
+    hkv = tl.load(values_ptr + 5)
+    row0 = tl.load(values_ptr + 7)
+    n_slots_q = tl.load(values_ptr + 8)
+    n_slots_k = tl.load(values_ptr + 9)
+    n_code = tl.load(values_ptr + 11)
+    n_qcode = tl.load(values_ptr + 12)
+    hkv_src = tl.load(values_ptr + 22)
+    k_off = tl.load(values_ptr + 24)
+    HKS = tl.load(values_ptr + 26)
     if USE_PDL:
         gdc_wait()
     if i_pid < n_code:
+        H = tl.load(values_ptr + 1)
+        HE = tl.load(values_ptr + 4)
+        n_lanes = tl.load(values_ptr + 6)
+        n_rblocks = tl.load(values_ptr + 10)
+        h_src = tl.load(values_ptr + 21)
+        q_off = tl.load(values_ptr + 23)
+        HS = tl.load(values_ptr + 25)
         n_hblocks = tl.cdiv(n_lanes, BLOCK_H)
         i_hb = i_pid % n_hblocks
         i_rb = (i_pid // n_hblocks) % n_rblocks
@@ -375,21 +252,7 @@ def _pack_kernel(
                 amax_q_ptr,
                 send_ptr,
                 send_f32_ptr,
-                L,
-                H,
-                h,
-                hkv,
-                row0,
-                n_slots_q,
-                n_qgroups,
-                shift,
-                q_whole_lo,
-                q_whole_hi,
-                tail_group_q,
-                live_end,
-                h_src,
-                q_off,
-                HS,
+                values_ptr,
                 ROW,
                 CB,
                 E4,
@@ -407,6 +270,13 @@ def _pack_kernel(
         # scale slots: global index m over [P destinations][L * E4 slots]; slot n < NF =
         # B*(h*NSQ + hkv*NSK) of a destination holds a scale, the rest are written 0 so that
         # no byte of the send buffer is left uninitialized (stale memory never crosses ranks).
+        n_scales = tl.load(values_ptr + 13)
+        B = tl.load(values_ptr + 14)
+        q_whole_lo = tl.load(values_ptr + 17)
+        q_whole_hi = tl.load(values_ptr + 18)
+        h_src = tl.load(values_ptr + 21)
+        q_off = tl.load(values_ptr + 23)
+        HS = tl.load(values_ptr + 25)
         nf_q = B * h * n_slots_q
         nf = nf_q + B * hkv * n_slots_k
         hkv_d = tl.maximum(hkv, 1)  # a divisor (hkv 0: every used slot is Q's)
@@ -561,6 +431,15 @@ def prepare_pack(
         slots += ("send_ptr", "send_f32_ptr")
     else:
         fixed.update(send_ptr=send, send_f32_ptr=send.view(torch.float32))
+    values = dict(
+        L=L, H=H, h=h, HK=HK, HE=HE, hkv=hkv, n_lanes=n_lanes, row0=row0, n_slots_q=n_sq,
+        n_slots_k=n_sk, n_rblocks=n_rblocks, n_code=n_code, n_qcode=n_qcode, n_scales=n_scales,
+        B=B, shift=shift, n_qgroups=n_qgroups, q_whole_lo=q_whole_lo, q_whole_hi=q_whole_hi,
+        tail_group_q=tail_group_q, live_end=live_end, h_src=h_src, hkv_src=hkv_src,
+        q_off=i_chunk * h, k_off=k_off, HS=H_src, HKS=HK_src,
+    )  # fmt: skip
+    table = [values[name] for name in PACK_VALUES]
+    assert all(-(2**31) <= x < 2**31 for x in table), f"the pack's int32 values wrap: {values}"
     return Launch(
         _pack_kernel,
         (n_code + n_qcode + cdiv(n_scales, block_n),),
@@ -577,40 +456,14 @@ def prepare_pack(
         stride_vb=svb,
         stride_vl=svl,
         stride_vh=svh,
-        L=L,
-        H=H,
-        h=h,
-        HK=HK,
-        HE=HE,
-        hkv=hkv,
+        values_ptr=device_constant(torch.tensor(table, dtype=torch.int32), device),
         kv_rep=kv_rep,
-        n_lanes=n_lanes,
-        row0=row0,
-        n_slots_q=n_sq,
-        n_slots_k=n_sk,
-        n_rblocks=n_rblocks,
-        n_code=n_code,
-        n_qcode=n_qcode,
-        n_scales=n_scales,
-        B=B,
         D=D,
         GQ=q_group,
         GK=k_group,
         ROW=row_bytes,
         CB=cb,
         E4=scale_bytes // 4,
-        shift=shift,
-        n_qgroups=n_qgroups,
-        q_whole_lo=q_whole_lo,
-        q_whole_hi=q_whole_hi,
-        tail_group_q=tail_group_q,
-        live_end=live_end,
-        h_src=h_src,
-        hkv_src=hkv_src,
-        q_off=i_chunk * h,
-        k_off=k_off,
-        HS=H_src,
-        HKS=HK_src,
         # per-row counts (``QOnce.per_row``): read at each batch row by the Q_ONCE programs
         rows_ptr=row_table(per_row, device),
         PER_ROW=per_row is not None,
