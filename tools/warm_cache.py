@@ -262,7 +262,7 @@ def compile_all(specs: list[dict], jobs: int, limit_s: float) -> list[dict | Non
     except concurrent.futures.TimeoutError:
         pass
     pool.shutdown(wait=False, cancel_futures=True)
-    for proc in list(getattr(pool, "_processes", {}).values()):  # a compile still running
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):  # still compiling
         proc.kill()
     return results
 

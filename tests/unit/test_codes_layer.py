@@ -71,7 +71,7 @@ def _fp32_codes_reference(q, k, v, *, causal, used, ids, v_format, scale=None):
     g = Hq // k.shape[2]
     s = torch.einsum("bihd,bjhd->bhij", qf, kf.repeat_interleave(g, dim=2))
     s = s * (D**-0.5 if scale is None else scale)
-    ok = _allowed(B, S, causal=causal, used=used, ids=ids)
+    ok = _allowed(B, S, causal=causal, used=used, ids=ids).to(q.device)
     s = s.masked_fill(~ok[:, None], -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhij,bjhd->bihd", p, vf.repeat_interleave(g, dim=2))
@@ -182,7 +182,7 @@ def _exact_out_lse(q, k, v, *, causal, used, ids):
     g = Hq // k.shape[2]
     s = torch.einsum("bihd,bjhd->bhij", q.float(), k.float().repeat_interleave(g, dim=2))
     s = s * D**-0.5
-    ok = _allowed(B, S, causal=causal, used=used, ids=ids)
+    ok = _allowed(B, S, causal=causal, used=used, ids=ids).to(q.device)
     s = s.masked_fill(~ok[:, None], -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
