@@ -20,4 +20,6 @@ for p in proj.parameters():  # replicated weights: sum their gradients over the 
     dist.all_reduce(p.grad)
 print(f"rank {rank}: out {list(out.shape)}, |grad| {proj.weight.grad.norm():.4f}")
 # the same as a function: ulysses.ulysses_attention(q, k, v, causal=True, comm="bf16")
-# GQA/MQA: k, v [B, L, Hkv, D] with H % Hkv == 0 and (Hkv % P == 0 or P % Hkv == 0)
+# GQA/MQA: k, v [B, L, Hkv, D] with H % Hkv == 0. comm="bf16": any such H and Hkv (when
+# H % P != 0 the heads split unevenly, §9); comm="lowp": also H % P == 0 and
+# (Hkv % P == 0 or P % Hkv == 0) (§8)

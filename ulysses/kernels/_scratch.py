@@ -62,6 +62,8 @@ def device_constant(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     there), and a replay copies again from the same pinned source."""
     if device.type != "cuda":
         return host.to(device)
+    if not torch.cuda.is_available():  # a plan described for CUDA on a machine without it
+        return host
     pinned = host.pin_memory()
     out = pinned.to(device, non_blocking=True)
     weakref.finalize(out, _keep, pinned)  # the source lives as long as the result

@@ -385,15 +385,15 @@ def codes_supported(device: torch.device, D: int, dtype: torch.dtype) -> str | N
     output dtype ``dtype``; else the reason, in words."""
     if dtype not in (torch.bfloat16, torch.float16):
         return f"the output dtype must be bfloat16 or float16, got {dtype}"
-    if device.type == "cuda":
+    if compiled_for_gpu(device):  # CUDA tensors, and CPU tensors under the test mirror
         if D not in _CUDA_D:
             return f"the codes kernel runs head dims {_CUDA_D} on CUDA, got D={D}"
         return None
-    if device.type == "cpu":
-        if D & (D - 1) or not 32 <= D <= 256:  # an int8 dot needs 32 channels
-            return f"the codes kernel needs a power-of-two head dim in 32..256, got D={D}"
-        return None
-    return f"the codes kernel runs on CUDA (or CPU through Triton's interpreter), not {device.type}"
+    if device.type not in ("cpu",):  # neither compiled for a GPU nor the interpreter
+        return f"the codes kernel runs on CUDA (or CPU through Triton's interpreter), not {device.type}"
+    if D & (D - 1) or not 32 <= D <= 256:  # an int8 dot needs 32 channels
+        return f"the codes kernel needs a power-of-two head dim in 32..256, got D={D}"
+    return None
 
 
 def document_bounds(doc_ids: torch.Tensor) -> torch.Tensor:
