@@ -319,9 +319,9 @@ def _plan_field(document_ids) -> int | None:
 def _verify_batch(pg, P: int, q, k, wire: dict, used, document_ids, *, causal=False,
                   scale=None, options=None, groups=(32, 64)) -> None:  # fmt: skip
     """Every rank must call with the same sizes, dtype, wire (``comm``, ``int8_output``,
-    ``backward_comm``, ``head_chunks``, ``v_format``, ``q_group``, ``k_group``), live counts,
-    document-id shape, DocumentPlan, ``causal``, ``scale`` and attention options (window,
-    soft cap, dropout): checked on every call (``comm.verify_call``), so that a rank that
+    ``backward_comm``, ``head_chunks``, ``v_format``, ``attn``, ``q_group``, ``k_group``),
+    live counts, document-id shape, DocumentPlan, ``causal``, ``scale`` and attention options
+    (window, soft cap, dropout): checked on every call (``comm.verify_call``), so that a rank that
     differs gets the same ValueError on every rank instead of a backend abort, a hang or
     silently wrong rows. Not under torch.compile (the watchdog bounds what that leaves)."""
     if P == 1 or _ops.is_compiling():

@@ -516,6 +516,8 @@ def ulysses_attention(
         "backward_comm": BACKWARD_COMMS.index(backward_comm),
         "head_chunks": overlap.wire_code(head_chunks),
         "v_format": lowp.V_FORMATS.index(v_format),
+        # the attention: default (0), "sdpa", "codes", or a callable (ranks must run the same)
+        "attn": 3 if attn is not None else 0 if mode is None else 1 + ATTN_MODES.index(mode),
     }  # fmt: skip
     _verify_batch(pg, P, q, k, wire, used, document_ids, causal=causal, scale=scale,
                   options=options, groups=(q_group, k_group))  # fmt: skip

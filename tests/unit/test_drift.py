@@ -75,6 +75,9 @@ _CHANGES = {
     "q_group": ("q_group", {"q_group": 64}),
     "used_sequence": ("used_sequence", {"used_sequence": 30}),
     "used_rows": ("used_sequence", {"used_sequence": [30, 31]}),
+    "attn_codes": ("attn", {"comm": "lowp", "attn": "codes"}),
+    "attn_sdpa": ("attn", {"comm": "lowp", "attn": "sdpa"}),
+    "attn_callable": ("attn", {"attn": lambda q, k, v, **kw: q}),
 }
 
 
