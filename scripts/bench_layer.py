@@ -10,7 +10,9 @@ torch's fake process group (rank 1 of P) stands in for the P ranks: its collecti
 data between ranks, so what is timed is the layer's own host and device work at any P. Per
 shape (B, H, D; L = S / P rows a rank) and mode (``bf16``; ``lowp``; ``lowp-int8out``:
 ``int8_output=True``; ``lowp-bwdlowp``: ``backward_comm="lowp"``, where the layer has it;
-``lowp-sdpa``: ``attn="sdpa"``, the dequantized path, where ``lowp`` attends on the codes),
+``lowp-sdpa``: ``attn="sdpa"``, the dequantized path; ``lowp-codes``: ``attn="codes"``, the
+attention on the codes, its backward the library's default fused one; ``lowp-codes-flash``:
+the same with torch's flash backward),
 eager and ``torch.compile(fullgraph=True, dynamic=False)``:
 
 * ``fwd``: one call under ``torch.no_grad()``; ``fwd+bwd``: the call, then
@@ -72,6 +74,8 @@ MODES = {
     "lowp-int8out": dict(comm="lowp", int8_output=True),
     "lowp-bwdlowp": dict(comm="lowp", backward_comm="lowp"),
     "lowp-sdpa": dict(comm="lowp", attn="sdpa"),
+    "lowp-codes": dict(comm="lowp", attn="codes"),
+    "lowp-codes-flash": dict(comm="lowp", attn="codes", codes_backward="flash"),
 }
 PATHS = ("eager", "compiled")
 KINDS = ("fwd", "train")  # train: forward + backward
@@ -204,6 +208,9 @@ def make_calls(q, k, v, dout, causal: bool, kw: dict, backend: str | None) -> di
     """{"fwd": fn, "train": fn} for one mode: fwd returns the output (no grad), train returns
     (output, dq, dk, dv). ``backend``: torch.compile's (None: eager)."""
 
+    kw = dict(kw)
+    fused = kw.pop("codes_backward", ulysses.codes.FUSED_BACKWARD)
+
     def layer(q, k, v):
         return ulysses.ulysses_attention(q, k, v, causal=causal, **kw)
 
@@ -215,8 +222,12 @@ def make_calls(q, k, v, dout, causal: bool, kw: dict, backend: str | None) -> di
             return layer(q, k, v)
 
     def train():
-        out = layer(q, k, v)
-        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+        before, ulysses.codes.FUSED_BACKWARD = ulysses.codes.FUSED_BACKWARD, fused
+        try:
+            out = layer(q, k, v)
+            return (out, *torch.autograd.grad(out, (q, k, v), dout))
+        finally:
+            ulysses.codes.FUSED_BACKWARD = before
 
     return {"fwd": fwd, "train": train}
 

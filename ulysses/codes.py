@@ -255,10 +255,13 @@ def _flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | Non
 
 
 def _cudnn_fits(q: torch.Tensor) -> bool:
-    """torch's cuDNN attention backward is there and enabled for ``q``'s device (Hopper)."""
+    """torch's cuDNN attention backward is there and enabled for ``q``'s device (Hopper, where
+    torch's own SDPA backward runs it), for D <= 128 a multiple of 8."""
     return (
         torch.backends.cuda.cudnn_sdp_enabled()
         and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
+        and q.shape[3] <= 128
+        and q.shape[3] % 8 == 0
         and torch.cuda.get_device_capability(q.device)[0] == 9
     )
 
@@ -283,14 +286,16 @@ def _cudnn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | Non
     return dq, dk, dv
 
 
-# The fused backward of the codes path on CUDA: "flash" (torch's flash attention backward), or
-# "cudnn" (cuDNN's, which torch's own SDPA backward runs on Hopper; checked against flash in
-# tests/unit/test_codes_layer.py on a GPU).
-FUSED_BACKWARD = "flash"
+# The fused backward of the codes path on CUDA: "auto" (cuDNN's where it takes the call, as
+# torch's own SDPA backward does on Hopper, else flash), "flash" (torch's flash attention
+# backward) or "cudnn" (where it takes the call). Both are checked against each other and
+# against the blockwise backward in tests/unit/test_codes_layer.py on a GPU; BENCHMARKS
+# gives the training step with each.
+FUSED_BACKWARD = "auto"
 
 
 def _fused_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | None):
-    if FUSED_BACKWARD == "cudnn" and _cudnn_fits(q):
+    if FUSED_BACKWARD in ("auto", "cudnn") and _cudnn_fits(q):
         return _cudnn_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     return _flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
 

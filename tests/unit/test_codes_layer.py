@@ -454,16 +454,16 @@ def test_cuda_codes_within_bound_and_default_dequantized():
 @pytest.mark.parametrize(
     "used, deterministic",
     [((200,), True), ((200, 131), True), ((200,), False)],
-    ids=["one-count-math", "per-row", "one-count-flash"],
+    ids=["one-count-math", "per-row", "one-count-fused"],
 )
 def test_codes_cuda_graph(used, deterministic):
     """The codes path (forward and backward) captured in a CUDA graph replays the eager bits.
 
-    One live count for the batch takes torch's flash backward, whose dq accumulates with
-    atomics (two eager calls may differ in its last bits): inside ``sdpa_kernel([MATH])`` the
-    layer takes its blockwise backward instead and every output is compared bitwise; with
-    flash, out, dk and dv are bitwise and dq is held to one bf16 rounding of its largest
-    entry. Per-row counts take the blockwise backward either way."""
+    One live count for the batch takes a fused backward (cuDNN's or torch's flash), whose dq
+    may accumulate with atomics (two eager calls may differ in its last bits): inside
+    ``sdpa_kernel([MATH])`` the layer takes its blockwise backward instead and every output
+    is compared bitwise; with the fused one, out, dk and dv are bitwise and dq is held to one
+    bf16 rounding of its largest entry. Per-row counts take the blockwise backward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     B, S, H, D = len(used), 256, 2, 128
@@ -497,11 +497,12 @@ def test_codes_cuda_graph(used, deterministic):
 
 @pytest.mark.skipif(not _CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_cudnn_backward_matches_flash(causal):
+@pytest.mark.parametrize("S, D", [(512, 128), (200, 64), (1000, 128)])
+def test_cudnn_backward_matches_flash(causal, S, D):
     """cuDNN's fused backward from the same out and lse gives flash's gradients (bf16
-    tolerance), GQA included."""
+    tolerance), GQA included, at lengths that are not a multiple of a tile (a live prefix)."""
     g = torch.Generator(device="cuda").manual_seed(91)
-    B, S, hq, hkv, D = 1, 512, 4, 2, 128
+    B, hq, hkv = 1, 4, 2
     q = torch.randn(B, S, hq, D, generator=g, device="cuda").to(DT)
     k, v = (torch.randn(B, S, hkv, D, generator=g, device="cuda").to(DT) for _ in range(2))
     rep = hq // hkv
