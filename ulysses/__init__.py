@@ -5,9 +5,10 @@ The contract is docs/CONTRACT.md; the module map and data flow are in docs/DESIG
 
 from . import batch, documents, lowp, mesh, reference, testing
 from .amax import k_grouped_amax
-from .attention import UlyssesAttention, heads_to_seq, seq_to_heads, ulysses_attention
+from .attention import heads_to_seq, seq_to_heads, ulysses_attention
 from .grid import group_first, group_last, slots, touched
 from .lowp import LowpQKV, exchange_qkv
+from .module import UlyssesAttention
 from .stats import SmoothKStats, global_k_mean, smooth_k_stats
 
 __all__ = [
