@@ -70,7 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for 
 from _bench import git_commit  # noqa: E402
 
 import ulysses  # noqa: E402
-from ulysses import overlap, testing_link  # noqa: E402
+from ulysses import _chunk_policy, overlap, testing_link  # noqa: E402
 from ulysses.attention import sdpa_attention  # noqa: E402
 from ulysses.reference import bitwise_diff  # noqa: E402
 
@@ -109,7 +109,7 @@ def fits(hd, comm: str, n) -> bool:
     """Whether ``head_chunks=n`` runs for these heads in this comm mode ("auto" always)."""
     if n == "auto" or n == 1:
         return True
-    if comm == "lowp" and overlap.kv_once(n, hd) and not overlap._LOWP_KV_ONCE:
+    if comm == "lowp" and overlap.kv_once(n, hd) and not _chunk_policy._LOWP_KV_ONCE:
         return False
     return overlap._chunks_fit(n, hd)
 

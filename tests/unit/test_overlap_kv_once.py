@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses
-from ulysses import comm, overlap, testing_link
+from ulysses import _chunk_policy, comm, overlap, testing_link
 from ulysses.reference import bitwise_diff
 
 MODES = {
@@ -35,7 +35,7 @@ MODES = {
     "lowp": dict(comm="lowp"),
     "lowp-int8out-bwdlowp": dict(comm="lowp", int8_output=True, backward_comm="lowp"),
 }
-LOWP_KV_ONCE = overlap._LOWP_KV_ONCE
+LOWP_KV_ONCE = _chunk_policy._LOWP_KV_ONCE
 needs_lowp_kv_once = pytest.mark.skipif(
     not LOWP_KV_ONCE, reason="lowp.exchange_heads has no kv_once yet"
 )
@@ -277,9 +277,9 @@ def test_auto_without_a_hint_times_the_link(fake_link):
     """No hint: the first "auto" call of a size times one all_to_all (the slowest rank's
     time, one all_gather) and picks by it; the figure is kept."""
     link = fake_link(8)
-    overlap._PROBED.clear()
+    _chunk_policy._PROBED.clear()
     calls = []
-    real = overlap._probe_gbps
+    real = _chunk_policy._probe_gbps
 
     def probe(pg, P, device, nbytes):
         calls.append(nbytes)
@@ -288,7 +288,7 @@ def test_auto_without_a_hint_times_the_link(fake_link):
         return 25.0 if len(calls) == 1 else 450.0
 
     shape = dict(B=1, S=131072, hd=LLAMA, D=128)
-    with link, mock.patch.object(overlap, "_probe_gbps", probe):
+    with link, mock.patch.object(_chunk_policy, "_probe_gbps", probe):
         slow = overlap.resolve_head_chunks("auto", **shape, pg=link.pg,
                                            device=torch.device("cpu"))  # fmt: skip
         fast = overlap.resolve_head_chunks("auto", **shape, pg=link.pg,
@@ -296,7 +296,7 @@ def test_auto_without_a_hint_times_the_link(fake_link):
         assert overlap.resolve_head_chunks("auto", **shape) == 4  # no group: shape rule
     assert slow > 1 and fast == 1, (slow, fast)
     assert calls == [1 * 16384 * 8 * 6 * 128 * 2] * 2
-    assert len(overlap._PROBED) == 1
+    assert len(_chunk_policy._PROBED) == 1
 
 
 # ---- P real ranks (gloo, torchrun) --------------------------------------------------------------
