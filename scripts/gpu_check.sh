@@ -47,7 +47,8 @@
 #   GPU_CHECK_SUITES       harness suites (default: all; e.g. "lowp" to recheck the exchange
 #                          only). A run with it set is a partial check: its table says so.
 #   GPU_CHECK_LARGE        which world sizes take the harness's --large cases: auto (default:
-#                          those with a GPU per rank, and the smallest), all, none
+#                          those with a GPU per rank, and the smallest once the warm-up
+#                          finished), all, none
 #   GPU_CHECK_LARGE_MIN_S  --large only if the harness starts with at least this much of the
 #                          budget left (default 300 s); else the default cases, and the row
 #                          says so
@@ -184,11 +185,15 @@ lane_unit() {
 }
 
 # the harness's --large cases at world size P? (GPU_CHECK_LARGE; $2: the smallest world size;
-# none when less than GPU_CHECK_LARGE_MIN_S of the budget is left)
+# none when less than GPU_CHECK_LARGE_MIN_S of the budget is left; with auto, none for ranks
+# sharing GPUs when the warm-up did not finish (lane_harness's $warmed): on a cold cache the
+# GPU-sized cases of one world size compile for longer than the whole budget)
 large_for() {
     if [ "$ngpu" -eq 0 ] || [ "$large_policy" = none ]; then return 1; fi
     if [ "$(limit_for 100000)" -lt "$large_min_s" ]; then return 1; fi
-    if [ "$large_policy" = all ] || [ "$ngpu" -ge "$1" ] || [ "$1" = "$2" ]; then return 0; fi
+    if [ "$large_policy" = all ]; then return 0; fi
+    if [ "${warmed:-1}" = 0 ] && [ "$ngpu" -lt "$1" ]; then return 1; fi
+    if [ "$ngpu" -ge "$1" ] || [ "$1" = "$2" ]; then return 0; fi
     return 1
 }
 

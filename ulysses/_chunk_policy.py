@@ -16,7 +16,7 @@ AUTO = "auto"
 AUTO_MAX_CHUNKS = 4
 AUTO_MIN_TILES = 512  # B * (query heads of a chunk) * ceil(S / 128): about 4 waves of 132 SMs
 AUTO_MIN_WORK = 5e10  # B * (query heads of a chunk) * S**2 * D (causal: half): 4x that in
-# forward flops, about 0.5 ms of an H200
+# forward flops, well above a chunk's fixed cost (docs/BENCHMARKS.md)
 # the link-aware part of "auto" (auto_head_chunks with a link speed): a modelled call
 AUTO_ATTN_FLOPS = 3.0e14  # attention flop/s of one GPU, forward and backward (an H100's SDPA)
 AUTO_CHUNK_COST = 60e-6  # seconds each chunk beyond the first adds to a forward (2x backward)
@@ -108,8 +108,8 @@ def auto_head_chunks(
     * at least 512 query tiles of 128 rows (``B * hq / n * ceil(S / 128)``, a few waves of a
       GPU's SMs: fewer heads a launch would leave SMs idle), and
     * at least ``B * hq / n * S**2 * D = 5e10`` (halved when causal; 4x that in forward
-      flops, about 0.5 ms of an H200), so that the per-chunk host and launch costs stay small
-      beside the chunk's attention;
+      flops), so that the per-chunk host and launch costs stay small beside the chunk's
+      attention;
 
     1 at P = 1 (nothing to hide). With the link speed ``gbps`` (GB/s a rank, one direction)
     known, among those n and 1 the one whose modelled call (:func:`_call_seconds`: the

@@ -258,7 +258,8 @@ def _cudnn_fits(q: torch.Tensor) -> bool:
     """torch's cuDNN attention backward is there and enabled for ``q``'s device (Hopper, where
     torch's own SDPA backward runs it), for D <= 128 a multiple of 8."""
     return (
-        torch.backends.cuda.cudnn_sdp_enabled()
+        q.is_cuda
+        and torch.backends.cuda.cudnn_sdp_enabled()
         and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward")
         and q.shape[3] <= 128
         and q.shape[3] % 8 == 0
@@ -383,6 +384,12 @@ def chunk_backward(dout_h: torch.Tensor, saved: tuple) -> tuple:
     straight-through gradients of :func:`chunk_forward`'s attention (the codes dequantized
     once, then :func:`attention_backward`)."""
     x, out_h, lse, causal, scale, used, document_ids = saved
+    if dout_h.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "attn='codes': the backward cannot be captured in a CUDA graph (capturing it "
+            "fails on an H100); capture the forward alone (inference), or use attn='sdpa', "
+            "whose forward and backward capture"
+        )
     q, k, v = x.dequantize()
     return attention_backward(dout_h, q, k, v, out_h, lse, causal=causal, scale=scale,
                               used=used, document_ids=document_ids)  # fmt: skip
