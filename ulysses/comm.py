@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
-from . import _ops, mesh
+from . import _hooks, _ops, mesh
 from .kernels._runtime import workspace
 
 __all__ = [
@@ -283,10 +283,9 @@ def _bounded(collective, device: torch.device, name: str, *args, **kwargs) -> No
 def _op_all_to_all(send: torch.Tensor, *, group_name: str, world_size: int) -> torch.Tensor:
     if world_size == 1:  # an op's result never aliases its input
         return send.clone()
-    return _compiled_all_to_all(send, group_from_name(group_name))
-
-
-_compiled_all_to_all = _all_to_all_new  # (its own name: the harness's planted faults patch it)
+    if (hook := _hooks.active.compiled_all_to_all) is not None:  # (a planted fault)
+        return hook(_all_to_all_new, send, group_from_name(group_name))
+    return _all_to_all_new(send, group_from_name(group_name))
 
 
 def _op_all_to_all_uneven(
@@ -627,6 +626,8 @@ class _Channel:
 
 def _gather_digests(pg, world_size: int, device: torch.device, digest: int, fn: str) -> list:
     """Every rank's digest (one all_gather of 8 bytes a rank), bounded by the watchdog."""
+    if (hook := _hooks.active.rank_check) is not None:  # (a planted fault)
+        hook(fn)
     state = _state(pg)
     ch = state.channel
     if ch is None or (ch.device.type != "cpu" and ch.device != device):

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import _validate
+from . import _hooks, _validate
 
 __all__ = [
     "document_ids_from_cu_seqlens",
@@ -332,7 +332,8 @@ def plan_documents(document_ids, *, local_rows=None, name: str = "document_ids")
     Same checks and raises as :func:`check_global_document_ids`; returns a
     :class:`DocumentPlan`. Host cost: one ``nonzero`` and one read of O(documents) ints.
     """
-    return DocumentPlan(document_ids, _scan(document_ids, name, local_rows))
+    plan = DocumentPlan(document_ids, _scan(document_ids, name, local_rows))
+    return plan if (hook := _hooks.active.document_plan) is None else hook(plan)
 
 
 # ---- attention -------------------------------------------------------------------------------
@@ -356,8 +357,8 @@ def _check_qkv(q, k, v) -> None:
 def _used_rows(used_sequence, B: int, S: int) -> tuple[int, ...]:
     """None, an int, a sequence of B ints or an integer tensor [B] -> B live-row counts."""
     if used_sequence is None:
-        return (S,) * B
-    if isinstance(used_sequence, int) and not isinstance(used_sequence, bool):
+        used = (S,) * B
+    elif isinstance(used_sequence, int) and not isinstance(used_sequence, bool):
         used = (used_sequence,) * B
     else:
         try:
@@ -372,7 +373,7 @@ def _used_rows(used_sequence, B: int, S: int) -> tuple[int, ...]:
     for u in used:
         if not 0 <= u <= S:
             raise ValueError(f"used_sequence must hold live-row counts in [0, S = {S}], got {u}")
-    return used
+    return used if (hook := _hooks.active.used_rows) is None else hook(used)
 
 
 def _clip(runs, n: int) -> tuple:
