@@ -11,8 +11,9 @@ them between sequence shards and head shards (shape legend: ``ulysses.attention`
   :class:`_LowpHeadsToSeq` (the INT8 wire, ``ulysses.rowwire``), :class:`_UnevenSeqToHeads`,
   :class:`_UnevenHeadsToSeq` (all_to_all with split sizes).
 
-The collectives are looked up here by the names ``_all_to_all``, ``_backward_all_to_all`` and
-``_all_to_all_uneven`` (the harness's collective log and planted faults patch them here).
+Each collective step is told to ``ulysses._hooks`` (the harness's collective log); the
+backward all_to_all and the merges of received heads are points where the harness plants a
+fault (``_hooks.Hooks``).
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ import types
 
 import torch
 
-from . import _ops, comm, lowp, rowwire
+from . import _hooks, _ops, comm, lowp, rowwire
 
-# ---- the collectives (ulysses.comm; the names here are the harness's seams) ----------------
+# ---- the collectives (ulysses.comm), each step told to the hooks --------------------------------
 
-_all_to_all = comm.all_to_all  # the harness's collective log patches this name
+
+def _all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
+    _hooks.step("all_to_all", send.shape)
+    return comm.all_to_all(send, pg)
 
 
 def _backward_all_to_all(send: torch.Tensor, pg) -> torch.Tensor:
-    """The all_to_all that backward issues (its own name so that a test can drop it)."""
-    return _all_to_all(send, pg)
+    """The all_to_all of backward (``Hooks.backward_all_to_all``: a planted fault's instead)."""
+    hook = _hooks.active.backward_all_to_all
+    return _all_to_all(send, pg) if hook is None else hook(send, pg)
 
 
 # ---- head bookkeeping -------------------------------------------------------------------------
@@ -138,6 +143,8 @@ def _split_heads(x: torch.Tensor, P: int) -> torch.Tensor:
 
 def _merge_heads(recv: torch.Tensor) -> torch.Tensor:
     """[P, B, L, h, D] (chunk p: heads of rank p) -> [B, L, P*h, D]."""
+    if (hook := _hooks.active.merge_heads) is not None:
+        return hook(recv)
     P, B, L, h, D = recv.shape
     return recv.permute(1, 2, 0, 3, 4).reshape(B, L, P * h, D)
 
@@ -247,6 +254,7 @@ class _LowpToHeads(torch.autograd.Function):
         # exchange_qkv(...).dequantize(); under torch.compile one op running that eager call
         kwargs = dict(group=pg, used_sequence=used_sequence, q_group=q_group, k_group=k_group,
                       v_format=v_format)  # fmt: skip
+        _hooks.step("exchange", q.shape, k.shape)
         if _ops.is_compiling() or pg is None:  # (a compiled graph's op checks at run time)
             return lowp.exchange_to_heads(q, k, v, **kwargs)
         with comm.checked(pg):  # the layer checked this call's signature on every rank
@@ -368,7 +376,9 @@ class _LowpHeadsToSeq(torch.autograd.Function):
 # ---- uneven head counts: all_to_all with split sizes ------------------------------------------
 
 
-_all_to_all_uneven = comm.all_to_all_uneven  # (its own name: the harness's collective log)
+def _all_to_all_uneven(send: torch.Tensor, in_splits, out_splits, pg) -> torch.Tensor:
+    _hooks.step("all_to_all_uneven", in_splits)
+    return comm.all_to_all_uneven(send, in_splits, out_splits, pg)
 
 
 def _send_segments(x: torch.Tensor, segments) -> tuple[torch.Tensor, list[int]]:
@@ -433,7 +443,9 @@ class _UnevenHeadsToSeq(torch.autograd.Function):
         recv = _all_to_all_uneven(send, [send.numel() // P] * P, out_splits, pg)
         parts = [c.view(B, L, n, D) for c, (_, n) in zip(recv.split(out_splits), ranges,
                                                           strict=True)]  # fmt: skip
-        return _merge_uneven(parts)
+        if (hook := _hooks.active.merge_uneven) is not None:
+            return hook(parts)
+        return torch.cat(parts, dim=2)
 
     @staticmethod
     def backward(ctx, dy):
@@ -443,11 +455,6 @@ class _UnevenHeadsToSeq(torch.autograd.Function):
         send, in_splits = _send_segments(dy, tuple((r,) for r in ctx.ranges))
         recv = _all_to_all_uneven(send, in_splits, [B * L * n_r * D] * P, ctx.pg)
         return _merge_rows(recv.view(P, B, L, n_r, D)), None, None, None
-
-
-def _merge_uneven(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Each rank's heads [B, L, n_p, D], in rank order -> [B, L, H, D]."""
-    return torch.cat(parts, dim=2)
 
 
 def _uneven_to_heads(q, k, v, hd: _UnevenHeads, rank: int, pg):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops, grid
+from . import _hooks, _ops, grid
 from . import _validate as v
 from ._plans import PlanCache
 from .kernels._runtime import output_template
@@ -90,6 +90,8 @@ def k_grouped_amax(
         TypeError: an argument of the wrong type, or a tensor of the wrong dtype.
         ValueError: any other violation of the rules above.
     """
+    if (hook := _hooks.active.entered) is not None:  # (a planted fault)
+        hook("k_grouped_amax")
     if _ops.is_compiling() or not type(k) is type(k_mean_global) is torch.Tensor:
         _validated(k, k_mean_global, rank, world_size, used_sequence, enable_pdl, group_size)
         return amax_op(

@@ -44,10 +44,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import _ops, codes, comm, documents, lowp, overlap
+from . import _hooks, _ops, codes, comm, documents, lowp, overlap
 
-# The head split and the autograd nodes that move heads: ulysses/_heads.py (the collectives are
-# looked up there, so a patch of ``_all_to_all`` and the like goes to ``ulysses._heads``); the
+# The head split and the autograd nodes that move heads: ulysses/_heads.py; the
 # argument checks and the batch signature: ulysses/_batch.py. Names marked "tests" are not used
 # here: the unit tests reach them as ``attention.<name>``.
 from ._batch import (
@@ -174,11 +173,6 @@ def heads_to_seq(x: torch.Tensor, *, group=None, num_heads: int | None = None) -
 # ---- the default attention --------------------------------------------------------------------
 
 
-def _live_keys(S: int, used_sequence: int | None) -> int:
-    """Rows that queries may attend: the live ones."""
-    return S if used_sequence is None else used_sequence
-
-
 def sdpa_attention(
     q, k, v, *, causal=False, scale=None, used_sequence=None, dropout_p=0.0
 ) -> torch.Tensor:
@@ -191,7 +185,9 @@ def sdpa_attention(
     dropout on the attention weights (each rank draws its own).
     """
     S = q.shape[1]
-    n = _live_keys(S, used_sequence)
+    n = S if used_sequence is None else used_sequence  # the live rows: keys queries attend
+    if (hook := _hooks.active.live_keys) is not None:  # (a planted fault)
+        n = hook(S, used_sequence)
     if n < S:
         q, k, v = q[:, :n], k[:, :n], v[:, :n]
     kwargs = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
@@ -246,7 +242,7 @@ def masked_attention(
     if causal:
         allowed &= j <= i
     if window_size is not None:
-        left, right = window_size
+        left, right = window_size if (h := _hooks.active.window) is None else h(window_size)
         if left >= 0:
             allowed &= j >= i - left
         if right >= 0:

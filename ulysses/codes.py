@@ -53,7 +53,7 @@ import math
 
 import torch
 
-from . import _heads, _ops, lowp
+from . import _heads, _hooks, _ops, lowp
 from .kernels._runtime import device_constant
 
 __all__ = [
@@ -68,9 +68,6 @@ __all__ = [
 ]
 
 ATTN_MODES = ("sdpa", "codes")  # the strings ``attn=`` takes
-# The kernel's K scales read one row off when 1: a planted fault of the harness
-# (ulysses/dist_tests/faults.py, "codes_k_shift"); always 0 in the library.
-K_SHIFT = 0
 # fp32 scores of one query block of the blockwise backward (B * hq * rows * keys): about
 # 64 MB a score tensor, a few of them alive at once
 _BWD_BLOCK_ELEMS = 2**24
@@ -195,7 +192,7 @@ def attend(
         q=x.q, k=x.k, v=x.v, q_scale=x.q_scale, k_scale=x.k_scale, v_scale=x.v_scale,
         document_ids=document_ids, q_group=x.q_group, k_group=x.k_group, causal=causal,
         sm_scale=scale, used_rows=_used_rows(used, x.q.shape[0]), out_dtype=x.k_mean.dtype,
-        k_shift=K_SHIFT,
+        k_shift=_hooks.active.codes_k_shift or 0,  # (not 0: a planted fault)
     )  # fmt: skip
 
 
@@ -398,11 +395,6 @@ def chunk_backward(dout_h: torch.Tensor, saved: tuple) -> tuple:
 # ---- the layer's node: exchange and attention on the codes ------------------------------------
 
 
-def _exchange(q, k, v, **kwargs) -> lowp.LowpQKV:
-    """``lowp.exchange_qkv`` (its own name: the harness logs the collective step here)."""
-    return lowp.exchange_qkv(q, k, v, **kwargs)
-
-
 class _CodesToHeads(torch.autograd.Function):
     """Sequence shards q, k, v -> this rank's attention output on head shards ``out_h``
     [B, S, hq, D]: the low-precision exchange and the codes kernel (one statistics all_gather,
@@ -412,8 +404,9 @@ class _CodesToHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, document_ids, hd, pg, used, q_group, k_group, lowp_backward,
                 v_format, causal, scale):  # fmt: skip
-        x = _exchange(q, k, v, group=pg, used_sequence=used, q_group=q_group, k_group=k_group,
-                      v_format=v_format)  # fmt: skip
+        _hooks.step("exchange", q.shape, k.shape)
+        x = lowp.exchange_qkv(q, k, v, group=pg, used_sequence=used, q_group=q_group,
+                              k_group=k_group, v_format=v_format)  # fmt: skip
         out_h, lse = attend(x, causal=causal, scale=scale, used=used, document_ids=document_ids)
         if hasattr(ctx, "save_for_backward"):  # not for a call without gradients (run_node)
             ctx.save_for_backward(x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, x.k_mean,

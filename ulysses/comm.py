@@ -1,7 +1,9 @@
-"""Every collective the library makes, and the process-group bookkeeping around them.
+"""Every collective the library makes, and the names of what surrounds them: the process-group
+bookkeeping (``ulysses._groups``), the ranks' check of a call (``ulysses._rankcheck``) and
+the watchdog (``ulysses._watchdog``) are re-exported here.
 
-No other module of ``ulysses`` calls ``torch.distributed``'s collectives: the statistics, the
-exchange and the attention layer come here for
+No module of ``ulysses`` but these calls ``torch.distributed``'s collectives: the statistics,
+the exchange and the attention layer come here for
 
     resolve_group(group, device)   -> (pg or None, rank, world size), checked once per group
     group_key(pg)                  -> an int naming this group object for caches (never reused)
@@ -24,28 +26,33 @@ their Python autograd wrappers, against about 7 for these ops (CPU host, fake gr
 price is that Inductor cannot move compute between a collective and its first use (its
 comm/compute reordering passes, off by default, work on functional collectives only). The
 per-group caches are skipped while tracing (the eager call before filled them).
-What is cached per group lives in weak dictionaries keyed by the group object itself: a
-destroyed group's entries go with it, and a new group never inherits them (an ``id()`` can
-be reused; an object identity held weakly cannot).
 """
 
 from __future__ import annotations
 
-import collections
-import datetime
-import itertools
-import os
-import struct
-import time
-import weakref
-import zlib
-
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
 
-from . import _ops, mesh
+from . import _groups, _hooks, _ops
+from ._groups import (
+    _all_gather_single,
+    group_from_name,
+    group_key,
+    group_name,
+    resolve_group,
+    set_link,
+)
+from ._groups import _capturing as _capturing  # (ulysses.overlap asks comm)
+from ._rankcheck import (
+    SIGNATURE_FIELDS,
+    float_field,
+    set_check_every_call,
+    verify_call,
+)
+from ._rankcheck import checked as checked
+from ._rankcheck import field_float as field_float
+from ._watchdog import CollectiveTimeout, _cpu_wait, _wait, set_watchdog_timeout, watchdog_timeout
 from .kernels._runtime import workspace
 
 __all__ = [
@@ -73,120 +80,6 @@ __all__ = [
     "link_gbps",
 ]
 
-# torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-SIGNATURE_FIELDS = 32  # ints per rank in the full consistency check (fixed: sizes never differ)
-_VERIFIED_MAX = 256  # signatures remembered per group
-_FN_CODES = {"smooth_k_stats": 1, "global_k_mean": 2, "exchange_qkv": 3, "ulysses_attention": 4,
-             "seq_to_heads": 5, "heads_to_seq": 6}  # fmt: skip
-
-
-class _PerGroup:
-    """What this module remembers about one process group (held weakly by the group)."""
-
-    __slots__ = ("key", "members", "verified", "channel", "checked")
-
-    def __init__(self, key: int):
-        self.key = key
-        self.members: dict[str, tuple[int, int]] = {}  # device type -> (rank, world size)
-        # call signatures seen -> (tag, digest), the most recent last (bounded: a training loop
-        # whose per-row counts change every step makes a new signature each step)
-        self.verified: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
-        self.channel = None  # the rank check's buffers (_Channel), made on first use
-        self.checked = 0  # > 0 while a caller that checked this call runs (``checked``)
-
-
-_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SERIAL = itertools.count(1)
-
-
-def _state(pg) -> _PerGroup:
-    found = _GROUPS.get(pg)
-    if found is None:
-        found = _GROUPS[pg] = _PerGroup(next(_SERIAL))
-    return found
-
-
-def group_key(pg) -> int:
-    """An int that names ``pg`` for as long as it lives (0 for a world of one without
-    torch.distributed); a group created after another was destroyed gets a new one."""
-    return 0 if pg is None else _state(pg).key
-
-
-def group_name(pg) -> str:
-    """The name a custom op carries for ``pg`` ("" for a world of one); traceable."""
-    return "" if pg is None else pg.group_name
-
-
-def group_from_name(name: str):
-    """The group :func:`group_name` named (None for "")."""
-    return None if not name else c10d._resolve_process_group(name)
-
-
-# ---- which group, which rank ------------------------------------------------------------------
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    )
-
-
-def _launched_world_size() -> int:
-    """The world size a launcher (torchrun) announced for this process, or 1."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
-def resolve_group(group, device: torch.device) -> tuple[object, int, int]:
-    """(process group, rank, world size), checked once per (group, device type).
-
-    ``group=None`` with torch.distributed not initialized, in a process no launcher started
-    with ``WORLD_SIZE > 1``, is a group of one: ``(None, 0, 1)`` (the whole sequence is local
-    and no collective runs). Under torchrun with several ranks that is a forgotten
-    ``init_process_group``, and raises ValueError. A CPU tensor on an NCCL-only group raises
-    ValueError."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        if not mesh.is_mesh_group(group):
-            raise TypeError(
-                "group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, a "
-                f"(DeviceMesh, dim) pair or None, got {type(group).__name__}"
-            )
-        group = mesh.mesh_group(group)  # ulysses/mesh.py: that dimension's process group
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is None and _launched_world_size() <= 1:
-            return None, 0, 1
-        hint = (
-            "this process runs under torchrun but has not called "
-            "torch.distributed.init_process_group(backend) yet"
-            if _under_torchrun()
-            else "start the program with torchrun (one process per rank) and call "
-            "torch.distributed.init_process_group(backend) before this call"
-        )
-        raise ValueError(f"group: torch.distributed is not initialized; {hint}")
-    pg = dist.group.WORLD if group is None else group
-    if _ops.is_compiling():  # checked by the eager calls before; dynamo cannot trace the cache
-        return pg, dist.get_rank(pg), dist.get_world_size(pg)
-    state = _state(pg)
-    found = state.members.get(device.type)
-    if found is not None:
-        return pg, found[0], found[1]
-    world_size = dist.get_world_size(pg)
-    rank = dist.get_rank(pg)
-    if world_size < 1 or rank < 0:
-        raise ValueError("group: this process is not a member of the given process group")
-    backend = str(dist.get_backend(pg)).lower()
-    if device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
-        raise ValueError(
-            f"the tensors are on the CPU but group uses backend {backend!r}; NCCL needs CUDA "
-            "tensors (move them to this rank's GPU, or use a gloo group for CPU tensors)"
-        )
-    state.members[device.type] = (rank, world_size)
-    return pg, rank, world_size
-
-
 # ---- the collectives --------------------------------------------------------------------------
 
 
@@ -200,7 +93,8 @@ def all_gather(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
             payload.contiguous(), group_name=group_name(pg), world_size=world_size
         )
         return gathered.view(world_size, payload.numel())
-    if _LINK is not None and _LINK.pg is pg:
+    link = _groups.active_link
+    if link is not None and link.pg is pg:
         return _gathered_new(payload, pg, world_size).view(world_size, payload.numel())
     # Flat (gloo rejects a [P, N] output) and reused from call to call on this stream: a new
     # NCCL output tensor per call cost ~24 us of host time (measured on an H200 host). Reuse is
@@ -227,8 +121,9 @@ def all_to_all(send: torch.Tensor, pg, world_size: int | None = None) -> torch.T
 def _all_to_all_new(send: torch.Tensor, pg) -> torch.Tensor:
     """all_to_all of ``send`` into a new tensor of its shape (the link's, or the backend's)."""
     recv = torch.empty_like(send)
-    if _LINK is not None and _LINK.pg is pg:
-        _LINK.all_to_all(recv, send)
+    link = _groups.active_link
+    if link is not None and link.pg is pg:
+        link.all_to_all(recv, send)
         return recv
     _bounded(dist.all_to_all_single, send.device, "all_to_all", recv, send, group=pg)
     return recv
@@ -256,8 +151,9 @@ def _all_to_all_uneven_new(send: torch.Tensor, in_splits, out_splits, pg) -> tor
 def _gathered_new(payload: torch.Tensor, pg, world_size: int) -> torch.Tensor:
     """all_gather of ``payload`` into a new flat tensor of ``world_size * numel`` elements."""
     gathered = payload.new_empty(world_size * payload.numel())
-    if _LINK is not None and _LINK.pg is pg:
-        _LINK.all_gather(gathered, payload)
+    link = _groups.active_link
+    if link is not None and link.pg is pg:
+        link.all_gather(gathered, payload)
     else:
         _bounded(_all_gather_single, payload.device, "all_gather", gathered, payload, group=pg)
     return gathered
@@ -283,10 +179,9 @@ def _bounded(collective, device: torch.device, name: str, *args, **kwargs) -> No
 def _op_all_to_all(send: torch.Tensor, *, group_name: str, world_size: int) -> torch.Tensor:
     if world_size == 1:  # an op's result never aliases its input
         return send.clone()
-    return _compiled_all_to_all(send, group_from_name(group_name))
-
-
-_compiled_all_to_all = _all_to_all_new  # (its own name: the harness's planted faults patch it)
+    if (hook := _hooks.active.compiled_all_to_all) is not None:  # (a planted fault)
+        return hook(_all_to_all_new, send, group_from_name(group_name))
+    return _all_to_all_new(send, group_from_name(group_name))
 
 
 def _op_all_to_all_uneven(
@@ -331,8 +226,9 @@ def all_gather_launcher(out: torch.Tensor, inp: torch.Tensor):
         opts.asyncOp = False
 
     def gather(pg):
-        if _LINK is not None and _LINK.pg is pg:
-            return _LINK.all_gather(out, inp)
+        link = _groups.active_link
+        if link is not None and link.pg is pg:
+            return link.all_gather(out, inp)
         work = pg._allgather_base(out, inp, opts)
         _cpu_wait(work, out.device, "ulysses: an all_gather of the library")
 
@@ -358,8 +254,9 @@ def all_to_all_launcher(send: torch.Tensor, recv: torch.Tensor | None = None):
 
     def a2a(pg):
         recv = torch.empty_like(send) if into is None else into
-        if _LINK is not None and _LINK.pg is pg:
-            _LINK.all_to_all(recv, send)
+        link = _groups.active_link
+        if link is not None and link.pg is pg:
+            link.all_to_all(recv, send)
             return recv
         work = pg.alltoall_base(recv, send, [], [], opts)
         _cpu_wait(work, send.device, "ulysses: an all_to_all of the library")
@@ -369,21 +266,6 @@ def all_to_all_launcher(send: torch.Tensor, recv: torch.Tensor | None = None):
 
 
 # ---- asynchronous steps ------------------------------------------------------------------------
-
-
-_LINK = None  # a network stand-in (ulysses.testing_link.LinkModel) or None: the real backend
-
-
-def set_link(link) -> object:
-    """Route every collective on ``link.pg`` through ``link`` (``link.all_to_all(recv, send)``,
-    ``link.all_gather(out, inp)``: each fills its output, ordered like a blocking collective
-    on the current stream) instead of the backend, eager calls and compiled graphs alike (the
-    all_to_alls with split sizes of heads that do not split evenly excepted); ``None``
-    restores the backend. Returns the link it replaced. For measuring on one device
-    (``ulysses.testing_link``), never for training."""
-    global _LINK
-    previous, _LINK = _LINK, link
-    return previous
 
 
 _SIDE_STREAMS: dict = {}
@@ -464,297 +346,12 @@ def all_to_all_start(send: torch.Tensor, pg, world_size: int | None = None) -> P
     if send.device.type == "cuda":
         return start_on_side(lambda x: all_to_all(x, pg, world_size), send)
     recv = torch.empty_like(send)
-    if _LINK is not None and _LINK.pg is pg:
-        _LINK.all_to_all(recv, send)
+    link = _groups.active_link
+    if link is not None and link.pg is pg:
+        link.all_to_all(recv, send)
         return Pending(recv)
     work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
     return Pending(recv, work=work)
-
-
-# ---- the watchdog ------------------------------------------------------------------------------
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective of the library did not complete within the watchdog's time (or the
-    backend reported a peer gone): the message names the call and the likely cause."""
-
-
-def _env_timeout() -> float:
-    try:
-        value = float(os.environ.get("ULYSSES_WATCHDOG_TIMEOUT", "300"))
-    except ValueError:
-        return 300.0
-    return value if value > 0 else 300.0
-
-
-_WATCHDOG_S = _env_timeout()
-_WATCHDOG_TD = datetime.timedelta(seconds=_WATCHDOG_S)
-
-
-def watchdog_timeout() -> float:
-    """Seconds a rank waits in one of the library's collectives before it raises
-    :class:`CollectiveTimeout` (default 300, or the environment's
-    ``ULYSSES_WATCHDOG_TIMEOUT``)."""
-    return _WATCHDOG_S
-
-
-def set_watchdog_timeout(seconds: float) -> float:
-    """Set :func:`watchdog_timeout`; returns the previous value. It bounds the rank check of
-    every call and, for CPU tensors (gloo), each of the library's collectives; a CUDA
-    collective on NCCL is bounded by the process group's own timeout
-    (``init_process_group(timeout=...)``). After a timeout the group is unusable: end the
-    job."""
-    global _WATCHDOG_S, _WATCHDOG_TD
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
-        raise ValueError(f"seconds must be a number > 0, got {seconds!r}")
-    previous, _WATCHDOG_S = _WATCHDOG_S, float(seconds)
-    _WATCHDOG_TD = datetime.timedelta(seconds=_WATCHDOG_S)
-    return previous
-
-
-_HANG_CAUSE = (
-    "the likely cause: the ranks of the group did not make the same call (a rank skipped it, "
-    "raised before it, or called with other sizes, e.g. a data loader out of step, where the "
-    "per-call rank check does not run: under torch.compile or CUDA graph capture)"
-)
-
-
-def _wait(work, what: str, start: float | None = None) -> None:
-    """``work.wait`` bounded by the watchdog; a timeout or a lost peer -> CollectiveTimeout."""
-    start = time.monotonic() if start is None else start
-    try:
-        # gloo: blocks this thread up to the timeout; NCCL with a timeout waits on the host
-        done = work.wait(_WATCHDOG_TD)
-    except RuntimeError as exc:  # DistBackendError and gloo's timeouts are RuntimeErrors
-        backend = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        raise CollectiveTimeout(_timeout_message(what, start, backend)) from exc
-    if done is False:  # a backend that reports the timeout instead of raising
-        raise CollectiveTimeout(_timeout_message(what, start, "wait() timed out"))
-
-
-def _timeout_message(what: str, start: float, backend: str) -> str:
-    waited = time.monotonic() - start
-    return (
-        f"{what}: the collective did not complete after {waited:.1f} s (watchdog "
-        f"{_WATCHDOG_S:g} s, ulysses.comm.set_watchdog_timeout); {_HANG_CAUSE}. Backend: "
-        f"{backend}"
-    )
-
-
-def _cpu_wait(work, device: torch.device, what: str) -> None:
-    """Wait for a collective's work: bounded by the watchdog on CPU tensors (gloo blocks this
-    thread); a CUDA collective's wait only orders streams (NCCL's own timeout bounds it)."""
-    if work is None:
-        return
-    if device.type == "cpu":
-        _wait(work, what)
-    else:
-        work.wait()
-
-
-# ---- ranks that disagree ----------------------------------------------------------------------
-
-
-_EVERY_CALL = os.environ.get("ULYSSES_CHECK_EVERY_CALL", "1") != "0"
-
-
-def set_check_every_call(enabled: bool) -> bool:
-    """``True`` (default): every eager call of a function that makes a collective checks, with
-    one all_gather of an 8-byte digest, that every rank calls with the same signature.
-    ``False``: only a signature new to a rank is checked (what a rank that switches back to a
-    signature verified earlier, or whose peers reuse one, escapes: the watchdog bounds it).
-    Returns the previous setting (environment: ``ULYSSES_CHECK_EVERY_CALL=0``)."""
-    global _EVERY_CALL
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    previous, _EVERY_CALL = _EVERY_CALL, enabled
-    return previous
-
-
-class checked:
-    """``with comm.checked(pg): ...``: the calls inside skip their own rank check, because
-    the caller (the layer) checked this call's signature, a superset of theirs, on every
-    rank. Every rank enters it at the same point, so every rank skips the same checks."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, pg):
-        self.state = None if pg is None else _state(pg)
-
-    def __enter__(self):
-        if self.state is not None:
-            self.state.checked += 1
-
-    def __exit__(self, *exc):
-        if self.state is not None:
-            self.state.checked -= 1
-
-
-def float_field(x) -> int | None:
-    """A float as an int field of a signature (its IEEE bits; None stays None)."""
-    return None if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def field_float(bits: int) -> float:
-    """The inverse of :func:`float_field`."""
-    return struct.unpack("<d", struct.pack("<q", bits))[0]
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-class _Channel:
-    """The rank check's buffers for one group: this rank's digest in, every rank's out. On the
-    CPU when the group takes CPU tensors (gloo, or a ``"cpu:gloo,cuda:nccl"`` group): the
-    check then never waits for the GPU; else on ``device`` (read back: the host waits for the
-    device's queued work)."""
-
-    __slots__ = ("device", "inp", "out", "inp_np", "out_np", "opts")
-
-    def __init__(self, pg, world_size: int, device: torch.device):
-        types = getattr(pg, "_device_types", None)
-        cpu = types is None or torch.device("cpu") in types
-        self.device = torch.device("cpu") if cpu else device
-        self.inp = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.out = torch.zeros(world_size, dtype=torch.int64, device=self.device)
-        self.inp_np = self.inp.numpy() if cpu else None
-        self.out_np = self.out.numpy() if cpu else None
-        self.opts = AllgatherOptions()
-        if hasattr(self.opts, "asyncOp"):
-            self.opts.asyncOp = True
-
-
-def _gather_digests(pg, world_size: int, device: torch.device, digest: int, fn: str) -> list:
-    """Every rank's digest (one all_gather of 8 bytes a rank), bounded by the watchdog."""
-    state = _state(pg)
-    ch = state.channel
-    if ch is None or (ch.device.type != "cpu" and ch.device != device):
-        ch = state.channel = _Channel(pg, world_size, device)
-    start = time.monotonic()
-    what = f"{fn}: the rank check at the start of the call"
-    if ch.inp_np is not None:
-        ch.inp_np[0] = digest
-        ch.out_np[:] = digest  # a backend that moves no data (a fake group) reads as agreement
-        if hasattr(pg, "_allgather_base"):
-            work = pg._allgather_base(ch.out, ch.inp, ch.opts)
-        else:  # pragma: no cover - other torch
-            work = _all_gather_single(ch.out, ch.inp, group=pg, async_op=True)
-        _wait(work, what, start)
-        return ch.out_np.tolist()
-    ch.inp.fill_(digest)
-    ch.out.fill_(digest)
-    work = _all_gather_single(ch.out, ch.inp, group=pg, async_op=True)
-    _wait(work, what, start)
-    return ch.out.tolist()
-
-
-def _values_of(fn: str, fields: dict) -> list[int]:
-    values = [_FN_CODES.get(fn) or zlib.crc32(fn.encode()) & 0x7FFFFFFF]
-    values += [-1 if x is None else int(x) for x in fields.values()]
-    assert len(values) <= SIGNATURE_FIELDS, fields
-    return values
-
-
-def _tag_and_digest(values: list[int]) -> tuple[float, int]:
-    """The call's 24-bit tag (exact in fp32; it travels in the statistics payload) and its
-    62-bit digest (the per-call rank check): FNV-1a over the ints, plain Python that
-    torch.compile folds."""
-    h = 0x811C9DC5
-    for x in values:
-        h = ((h ^ (x & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
-    d = 0xCBF29CE484222325
-    for x in values:
-        d = ((d ^ (x & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return float(h & 0xFFFFFF), d & 0x3FFFFFFFFFFFFFFF
-
-
-def verify_call(pg, world_size: int, device: torch.device, fn: str, force: bool, **fields) -> float:
-    """Check that every rank calls ``fn`` with the same ``fields`` (ints or None); return the
-    call's 24-bit tag (exact in fp32), which also travels in the statistics payload.
-
-    Every call (``set_check_every_call``, default on) all_gathers an 8-byte digest of the
-    signature, before the call's first collective whose sizes depend on it: ranks that agree
-    pass at the cost of that one small collective (on the CPU for a group that takes CPU
-    tensors); ranks that differ then all_gather the full signature (a fixed number of ints,
-    so it cannot hang) and every rank raises the same ValueError naming the field and the
-    per-rank values. With the per-call check off, only a signature new to this rank is
-    checked (the full signature), or every call with ``force``. The check waits at
-    most :func:`watchdog_timeout` seconds for the other ranks (a rank that skipped the call:
-    :class:`CollectiveTimeout`). Never while compiling or capturing a CUDA graph, nor inside a
-    caller that checked the call (:class:`checked`).
-    """
-    key = (fn, *fields.values())  # (each function passes the same names in the same order)
-    state = None if world_size == 1 or _ops.is_compiling() else _state(pg)
-    found = None if state is None else state.verified.get(key)
-    if found is None:
-        values = _values_of(fn, fields)
-        tag, digest = _tag_and_digest(values)
-    else:
-        tag, digest = found
-    if state is None or state.checked or _capturing(device):
-        return tag
-    if _LINK is not None and _LINK.pg is pg:  # a stand-in link moves no rank's data
-        return tag
-    if found is not None:
-        state.verified.move_to_end(key)
-    if _EVERY_CALL:  # ``force`` adds nothing: the digest is compared on every call
-        digests = _gather_digests(pg, world_size, device, digest, fn)
-        if all(d == digest for d in digests):
-            if found is None:
-                _remember(state, key, tag, digest)
-            return tag
-        _full_check(pg, world_size, device, fn, fields, digests_differ=True)
-    if found is not None and not force:
-        return tag
-    _full_check(pg, world_size, device, fn, fields, digests_differ=False)
-    _remember(state, key, tag, digest)
-    return tag
-
-
-def _remember(state: _PerGroup, key: tuple, tag: float, digest: int) -> None:
-    state.verified[key] = (tag, digest)
-    if len(state.verified) > _VERIFIED_MAX:
-        state.verified.popitem(last=False)
-
-
-def _full_check(pg, world_size: int, device: torch.device, fn: str, fields: dict,
-                digests_differ: bool) -> None:  # fmt: skip
-    """All_gather every field (``SIGNATURE_FIELDS`` int64 a rank); raise the same ValueError
-    on every rank if any differs."""
-    values = _values_of(fn, fields)
-    values += [0] * (SIGNATURE_FIELDS - len(values))
-    ch_device = device
-    types = getattr(pg, "_device_types", None)
-    if types is None or torch.device("cpu") in types:
-        ch_device = torch.device("cpu")
-    mine = torch.tensor(values, dtype=torch.int64).to(ch_device)
-    table = mine.new_empty(world_size * SIGNATURE_FIELDS)
-    work = _all_gather_single(table, mine, group=pg, async_op=True)
-    _wait(work, f"{fn}: the rank check at the start of the call")
-    table = table.view(world_size, SIGNATURE_FIELDS).cpu()
-    names = ["function", *fields] + [""] * (SIGNATURE_FIELDS - 1 - len(fields))
-    for i, name in enumerate(names):
-        column = table[:, i].tolist()
-        if len(set(column)) != 1:
-            if name == "function" or not name:
-                codes = {v: k for k, v in _FN_CODES.items()}
-                called = [codes.get(c, c) for c in table[:, 0].tolist()]
-                raise ValueError(
-                    f"ranks disagree on the function called: per-rank calls {called}; every "
-                    f"rank of the group must make the same call (this rank called {fn})"
-                )
-            shown = [None if x == -1 else x for x in column]
-            raise ValueError(
-                f"ranks disagree on {name} in {fn}: per-rank values {shown}; every rank of the "
-                f"group must call {fn} with the same {name}"
-            )
-    if not digests_differ:
-        return
-    raise ValueError(  # digests that differ over equal fields: a hash collision, or a bug
-        f"ranks disagree on the signature of {fn} (digests differ, fields agree); every rank "
-        f"of the group must call {fn} with the same arguments"
-    )
 
 
 # ---- the link speed hint (head_chunks="auto") --------------------------------------------------

@@ -7,9 +7,8 @@ Slot s of rank r holds global group group_first(r) + s; slots [touched, slots) a
 This module is the one home of every grid rule and constant: the slot formula, the tail
 group, the mean's divisor and block sizes, the boundary-merge sources, the 1e-7 floor and the
 integer argument checks. The host computes the values once per shape (``layout``) and passes
-them to the kernels, which never recompute them. Callers inside the package reach these
-functions through the module (``grid.tail_group``), so the harness can plant a fault by
-patching one name here (then ``clear_caches()``).
+them to the kernels, which never recompute them. A planted fault of the harness changes the
+layouts through ``ulysses._hooks`` (``Hooks.layout``).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import dataclasses
 
 import torch
 
-from . import _plans
+from . import _hooks, _plans
 
 # rows per block of the mean's fixed association (independent of G), blocks per superblock
 # (1024 global rows): the block-stats kernel's order, docs/DESIGN.md "Mean"
@@ -288,6 +287,7 @@ class Layout:
     n_blocks: int  # 64-row sum blocks the shard touches
     first_sources: tuple  # boundary_sources(...)[0]
     last_sources: tuple  # boundary_sources(...)[1]
+    floor: float  # FLOOR: the smallest amax a live slot reports
     # per-row counts (``used`` a tuple): per batch row (live_end, tail_group, divisor), which
     # the kernels read instead of the three fields above; None with one count
     per_row: tuple | None = None
@@ -304,7 +304,7 @@ class Layout:
             n_touched=self.n_touched,
             tail_group=self.tail_group,
             tail_end=self.live_end,
-            floor=FLOOR,
+            floor=self.floor,
         )
 
     def stats_args(self) -> dict:
@@ -323,8 +323,7 @@ class Layout:
         )
 
 
-_LAYOUTS: dict[tuple, Layout] = {}
-_MAX_LAYOUTS = 1024
+_LAYOUTS = _plans.PlanCache(max_plans=1024)
 
 
 def layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
@@ -336,13 +335,8 @@ def layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
     key = (rank, L, P, G, used)
     found = _LAYOUTS.get(key)
     if found is None:
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
-            _LAYOUTS.clear()
-        found = _LAYOUTS[key] = _layout(rank, L, P, G, used)
+        found = _LAYOUTS.put(key, _layout(rank, L, P, G, used))
     return found
-
-
-layout.cache_clear = _LAYOUTS.clear  # what a planted fault's wrapper of layout carries on
 
 
 def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
@@ -354,7 +348,7 @@ def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
         per_row, used_one = row_values(used, S, G), None
     else:
         used_one = used
-    return Layout(
+    lay = Layout(
         rank=rank,
         L=L,
         P=P,
@@ -372,13 +366,14 @@ def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
         n_blocks=(row0 + L - 1) // SUM_BLOCK - row0 // SUM_BLOCK + 1,
         first_sources=first,
         last_sources=last,
+        floor=FLOOR,
         per_row=per_row,
     )
+    hook = _hooks.active.layout
+    return lay if hook is None else hook(lay)
 
 
 def clear_caches() -> None:
-    """Forget cached layouts and every call plan built from them (after patching a rule here,
-    e.g. a planted fault): the plan caches of ``stats``, ``amax`` and ``lowp``
-    (``ulysses._plans``)."""
-    layout.cache_clear()
+    """Forget cached layouts and every call plan built from them (``ulysses._plans``: the
+    layouts, the plan caches of ``stats``, ``amax`` and ``lowp``)."""
     _plans.clear_all()

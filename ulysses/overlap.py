@@ -76,7 +76,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _heads, comm, lowp, rowwire
+from . import _heads, _hooks, comm, lowp, rowwire
 from ._chunk_policy import (  # the number of chunks: checks, "auto"
     AUTO,
     _chunks_fit,
@@ -97,14 +97,11 @@ __all__ = [
     "AUTO",
 ]
 
-# the collective seams (a test or the harness may wrap them to log the calls)
-_all_to_all_start = comm.all_to_all_start
 
-
-def _exchange_stats(q, k, v, **kwargs):
-    """The lowp statistics of all heads, once a call (``lowp.exchange_stats``: its one
-    all_gather); a seam like the one above."""
-    return lowp.exchange_stats(q, k, v, **kwargs)
+def _all_to_all_start(send, pg, world_size):
+    """``comm.all_to_all_start``, told to the hooks (the harness's collective log)."""
+    _hooks.step("all_to_all_start", send.shape)
+    return comm.all_to_all_start(send, pg, world_size)
 
 
 def _chunk_heads(x: torch.Tensor, P: int, h: int, c: int, hc: int) -> torch.Tensor:
@@ -116,6 +113,8 @@ def _chunk_heads(x: torch.Tensor, P: int, h: int, c: int, hc: int) -> torch.Tens
 def _place_heads(dst: torch.Tensor, src: torch.Tensor, P: int, h: int, c: int, hc: int) -> None:
     """``dst`` [B, L, P*h, D] takes ``src`` [B, L, P, hc, D] as chunk c of every rank's heads."""
     B, L, _, D = dst.shape
+    if (hook := _hooks.active.head_chunk) is not None:  # (a planted fault)
+        c = hook(c, h // hc)
     dst.view(B, L, P, h, D)[:, :, :, c * hc : (c + 1) * hc] = src
 
 
@@ -206,9 +205,10 @@ class _Run:
 
     def start_stats(self, q, k, v):
         """``comm="lowp"``: the statistics of all heads (one all_gather), before ``in 0``."""
-        return _exchange_stats(q, k, v, group=self.pg, used_sequence=self.used_sequence,
-                               q_group=self.q_group, k_group=self.k_group,
-                               v_format=self.v_format)  # fmt: skip
+        _hooks.step("exchange_stats", q.shape, k.shape)
+        return lowp.exchange_stats(q, k, v, group=self.pg, used_sequence=self.used_sequence,
+                                   q_group=self.q_group, k_group=self.k_group,
+                                   v_format=self.v_format)  # fmt: skip
 
     def sends(self, q, k, v) -> tuple:
         """``comm="bf16"``: every chunk's send buffer, made before ``in 0`` by one copy

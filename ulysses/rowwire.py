@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops
+from . import _hooks, _ops
 from .kernels.lowp_out import (
     dequantize_grads,
     dequantize_out,
@@ -81,6 +81,20 @@ def _grads_dequant_fake(recv, *, B, L, hq, hkv, D, world_size, dtype):
 out_quant_op = _ops.define_op("lowp_out_quant", quantize_out, _out_quant_fake)
 out_dequant_op = _ops.define_op("lowp_out_dequant", dequantize_out, _out_dequant_fake)
 dout_quant_op = _ops.define_op("lowp_dout_quant", quantize_to_heads, _dout_quant_fake)
-dout_dequant_op = _ops.define_op("lowp_dout_dequant", dequantize_to_heads, _dout_dequant_fake)
+_dout_dequant = _ops.define_op("lowp_dout_dequant", dequantize_to_heads, _dout_dequant_fake)
 grads_quant_op = _ops.define_op("lowp_grads_quant", quantize_grads, _grads_quant_fake)
-grads_dequant_op = _ops.define_op("lowp_grads_dequant", dequantize_grads, _grads_dequant_fake)
+_grads_dequant = _ops.define_op("lowp_grads_dequant", dequantize_grads, _grads_dequant_fake)
+
+
+def dout_dequant_op(*, recv, **kwargs):
+    """The output gradient's dequantize (``Hooks.dout_received``: a planted fault's bytes)."""
+    if (hook := _hooks.active.dout_received) is not None:
+        recv = hook(recv, kwargs)
+    return _dout_dequant(recv=recv, **kwargs)
+
+
+def grads_dequant_op(*, recv, **kwargs):
+    """The gradients' dequantize (``Hooks.grads_received``: a planted fault's bytes)."""
+    if (hook := _hooks.active.grads_received) is not None:
+        recv = hook(recv, kwargs)
+    return _grads_dequant(recv=recv, **kwargs)

@@ -129,7 +129,7 @@ class KStatsPart:
             tag=self.tag,
             first_sources=[q * 2 + e for q, e in lay.first_sources],
             last_sources=[q * 2 + e for q, e in lay.last_sources],
-            floor=grid.FLOOR,
+            floor=lay.floor,
             use_pdl=self.use_pdl,
             per_row=lay.per_row,
         )

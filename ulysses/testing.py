@@ -16,6 +16,8 @@ import zlib
 
 import torch
 
+from . import _hooks
+
 __all__ = ["make_k_full", "make_qkv_full", "seed_of", "DATA_KINDS"]
 
 DATA_KINDS = ("smooth", "randn")
@@ -47,6 +49,8 @@ def make_k_full(
     to ``dtype``, then moved to ``device``. With ``qkv=True`` the result is the strided view
     ``qkv[:, :, :, 1]`` of a [B, S, H, 3, D] tensor, as a fused-QKV projection produces.
     """
+    if (hook := _hooks.active.entered) is not None:  # (a planted fault)
+        hook("make_k_full")
     if data not in DATA_KINDS:
         raise ValueError(f"data must be one of {DATA_KINDS}, got {data!r}")
     gen = torch.Generator().manual_seed(seed_of(seed))

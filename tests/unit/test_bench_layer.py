@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses
-import ulysses._heads
+import ulysses._hooks
 from ulysses import comm
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -98,7 +98,7 @@ def test_runs_prints_tables_and_restores_collectives(bench, capsys, tmp_path):
     assert len(rows) == 1 + 8 + 10  # header, layer rows (2 modes x 2 paths x 2 kinds), checks
 
     assert comm.set_link(None) is None  # the link is gone: the backend's route again
-    assert ulysses._heads._all_to_all is comm.all_to_all
+    assert ulysses._hooks.active == ulysses._hooks.Hooks()  # no hook left behind
     assert not dist.is_initialized()
 
 

@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch.distributed as dist
 
-from ulysses import comm, overlap
+from ulysses import _groups, comm, overlap
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SCRIPT = os.path.join(_ROOT, "scripts", "bench_overlap.py")
@@ -42,7 +42,7 @@ def test_runs_and_prints_every_table(bench, capsys):
     rc = bench.main(TINY)
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
-    assert comm._LINK is None and not dist.is_initialized()
+    assert _groups.active_link is None and not dist.is_initialized()
     for line in ("command: `python scripts/bench_overlap.py", "device: CPU", "torch ", "triton ",
                  "commit ", "UTC"):  # fmt: skip
         assert line in out, line
@@ -73,7 +73,7 @@ def test_a_planted_fault_fails_the_run(bench, capsys):
     out = capsys.readouterr().out
     assert rc == 1, out[-3000:]
     assert "FAILED: S 64 causal, P 2 bf16 n=2 fwd: output differs from n=1" in out, out[-2000:]
-    assert comm._LINK is None
+    assert _groups.active_link is None
 
 
 def test_auto_target_line_names_slower_shapes(bench):
@@ -110,7 +110,7 @@ def test_smoke_runs_the_llama_tables_with_kv_once(bench, capsys):
     rc = bench.main(["--smoke", "--comms", "bf16"])
     out = capsys.readouterr().out
     assert rc == 0, out[-3000:]
-    assert comm._LINK is None and not dist.is_initialized() and comm.link_gbps() is None
+    assert _groups.active_link is None and not dist.is_initialized() and comm.link_gbps() is None
     for kind in ("fwd", "fwd+bwd"):
         rows = _table_rows(out, f"S 64 causal, P 2, H 4 / Hkv 2, {kind} ")
         assert [r[1] for r in rows] == ["50", "450", "inf"], rows

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ulysses
-from ulysses import codes, reference
+from ulysses import _hooks, codes, reference
 from ulysses.testing import make_k_full
 
 DT = torch.bfloat16
@@ -157,7 +157,7 @@ def test_codes_forward_within_bound(case):
             assert bool((got[b, n:] == 0).all()), f"padding rows of batch row {b} not zero"
 
 
-def test_bound_catches_a_wrong_k_scale(monkeypatch):
+def test_bound_catches_a_wrong_k_scale():
     """The bound of the test above fails when the kernel reads the K scales one row off (the
     harness's planted fault ``codes_k_shift``): the test can fail."""
     B, S, Hq, Hkv, D = 1, 96, 2, 2, 64
@@ -167,8 +167,8 @@ def test_bound_catches_a_wrong_k_scale(monkeypatch):
         k[:, 64:] *= 4
     ref, vf, _ = _fp32_codes_reference(q, k, v, causal=True, used=None, ids=None,
                                        v_format="fp8")  # fmt: skip
-    monkeypatch.setattr(codes, "K_SHIFT", 1)
-    got = _run_codes(q, k, v, causal=True, used=None, ids=None, v_format="fp8")
+    with _hooks.installed(_hooks.Hooks(codes_k_shift=1)):
+        got = _run_codes(q, k, v, causal=True, used=None, ids=None, v_format="fp8")
     bound = _bound(ref, vf, Hq, causal=True, used=None, ids=None, rel_p=2.0**-4, dtype=DT)
     assert bool(((got.float() - ref).abs() > bound).any())
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ulysses import comm, testing_link
+from ulysses import _groups, comm, testing_link
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -85,7 +85,7 @@ def test_link_fills_receive_buffers_and_counts_bytes(P, fake_link):
         comm.all_gather_launcher(out, payload)(link.pg)
         assert torch.equal(out.view(P, 5), payload.expand(P, 5))
         assert link.calls == 5
-    assert comm._LINK is None  # the context restored the backend's route
+    assert _groups.active_link is None  # the context restored the backend's route
 
 
 def test_set_link_returns_the_previous_route(fake_link):

@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from ulysses import _flex
 from ulysses import documents as docs
 from ulysses.attention import sdpa_attention, ulysses_attention
 from ulysses.documents import (
@@ -497,7 +498,7 @@ def test_block_mask_with_a_window_equals_create_block_mask(causal, window):
 
     want = create_block_mask(mask_mod, len(TILE_CU), None, rows, rows, device="cpu")
     got = docs._make_block_mask(ids, causal, used, torch.device("cpu"),
-                                docs._window(window, causal))  # fmt: skip
+                                _flex._window(window, causal))  # fmt: skip
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):  # fmt: skip
         assert torch.equal(getattr(got, name), getattr(want, name)), (name, window)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ulysses
-from ulysses import comm, documents
+from ulysses import _rankcheck, comm, documents
 
 
 @pytest.fixture
@@ -107,7 +107,8 @@ def test_every_call_checks_not_only_a_new_signature(fake_world):
     """A rank that reuses a verified signature must still join the check: three identical
     calls, three digest all_gathers (and one per standalone collective)."""
     q, k, v = _qkv()
-    with mock.patch.object(comm, "_gather_digests", wraps=comm._gather_digests) as gather:
+    digests = _rankcheck._gather_digests
+    with mock.patch.object(_rankcheck, "_gather_digests", wraps=digests) as gather:
         for _ in range(3):
             ulysses.ulysses_attention(q, k, v)
         assert gather.call_count == 3
@@ -125,7 +126,8 @@ def test_every_call_checks_not_only_a_new_signature(fake_world):
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_the_exchange_inside_the_layer_is_not_checked_twice(fake_world):
     q, k, v = _qkv(L=64, D=16)
-    with mock.patch.object(comm, "_gather_digests", wraps=comm._gather_digests) as gather:
+    digests = _rankcheck._gather_digests
+    with mock.patch.object(_rankcheck, "_gather_digests", wraps=digests) as gather:
         ulysses.ulysses_attention(q, k, v, comm="lowp")
         ulysses.ulysses_attention(q, k, v, comm="lowp")  # the exchange's cached plan
         assert gather.call_count == 2
@@ -143,7 +145,7 @@ def test_digests_that_differ_raise_valueerror(fake_world):
         return [digest, digest ^ 1, digest, digest]
 
     q, k, v = _qkv()
-    with mock.patch.object(comm, "_gather_digests", other):
+    with mock.patch.object(_rankcheck, "_gather_digests", other):
         with pytest.raises(ValueError, match="ulysses_attention"):
             ulysses.ulysses_attention(q, k, v)
         with pytest.raises(ValueError, match="smooth_k_stats"):
@@ -154,7 +156,7 @@ def test_digests_that_differ_raise_valueerror(fake_world):
 @pytest.mark.parametrize("fake_world", [4], indirect=True)
 def test_full_check_names_the_field_and_values(fake_world):
     """The full check's table with another rank's L (planted in the gathered table)."""
-    real = comm._all_gather_single
+    real = _rankcheck._all_gather_single
 
     def planted(out, inp, group=None, async_op=False):
         work = real(out, inp, group=group, async_op=async_op)
@@ -163,10 +165,10 @@ def test_full_check_names_the_field_and_values(fake_world):
             out[2 * n + 2] += 1  # rank 2's second field (L) is one more
         return work
 
-    with mock.patch.object(comm, "_all_gather_single", planted):
+    with mock.patch.object(_rankcheck, "_all_gather_single", planted):
         with pytest.raises(ValueError, match=r"disagree on L in ulysses_attention: per-rank "
                                              r"values \[8, 8, 9, 8\]"):  # fmt: skip
-            comm._full_check(
+            _rankcheck._full_check(
                 comm.resolve_group(None, torch.device("cpu"))[0], 4, torch.device("cpu"),
                 "ulysses_attention", {"B": 2, "L": 8}, digests_differ=True,
             )  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ulysses._hooks
 import ulysses.grid
 import ulysses.testing
 from ulysses.dist_tests import (
@@ -218,24 +219,29 @@ def test_validate_table_and_forwarded_arguments():
     assert len(table.splitlines()) == 2 + len(rows)
 
 
-def test_planted_faults_patch_and_restore():
-    floor, tail_group = ulysses.grid.FLOOR, ulysses.grid.tail_group
+def test_planted_faults_install_and_restore():
+    """A planted fault is a ``Hooks`` installed for the block: the layouts the library computes
+    change under it, and are the true ones again after it (layouts forgotten both ways)."""
+    assert ulysses._hooks.active == ulysses._hooks.Hooks()
+    real = ulysses.grid.layout(1, 50, 4, 64, 100)  # S 200, tail group 1
+    assert (real.floor, real.tail_group, real.divisor) == (ulysses.grid.FLOOR, 1, 100)
+    assert len(real.first_sources) > 1  # rank 1's first group straddles ranks 0 and 1
     with faults.planted("floor"):
-        assert ulysses.grid.FLOOR == 1e-3
+        assert ulysses._hooks.active is faults.FAULTS["floor"]
+        assert ulysses.grid.layout(1, 50, 4, 64, 100).floor == 1e-3
     with faults.planted("tail"):
-        assert ulysses.grid.tail_group(100, 256, 64) == -1
+        assert ulysses.grid.layout(1, 50, 4, 64, 100).tail_group == -1
     with faults.planted("mean_divisor"):
-        assert ulysses.grid.mean_divisor(100, 256) == 256
-    real = ulysses.grid.boundary_sources(1, 50, 4, 64)
-    assert len(real[0]) > 1  # rank 1's first group straddles ranks 0 and 1
+        assert ulysses.grid.layout(1, 50, 4, 64, 100).divisor == 200
     with faults.planted("boundary_merge"):
-        first, last = ulysses.grid.boundary_sources(1, 50, 4, 64)
-    assert first == tuple(s for s in real[0] if s[0] == 1) and len(first) == 1
-    assert last == tuple(s for s in real[1] if s[0] == 1)
-    assert (ulysses.grid.FLOOR, ulysses.grid.tail_group) == (floor, tail_group)
-    assert ulysses.grid.boundary_sources(1, 50, 4, 64) == real
+        broken = ulysses.grid.layout(1, 50, 4, 64, 100)
+    first = tuple(s for s in real.first_sources if s[0] == 1)
+    assert broken.first_sources == first and len(first) == 1
+    assert broken.last_sources == tuple(s for s in real.last_sources if s[0] == 1)
+    assert ulysses.grid.layout(1, 50, 4, 64, 100) == real
+    assert ulysses._hooks.active == ulysses._hooks.Hooks()
     with faults.planted(None):
-        assert ulysses.grid.FLOOR == floor
+        assert ulysses._hooks.active == ulysses._hooks.Hooks()
     with pytest.raises(_dist.SetupError, match="planted fault must be one of"):
         with faults.planted("no_such_fault"):
             pass

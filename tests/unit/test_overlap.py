@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses
-from ulysses import overlap, testing_link
+from ulysses import _hooks, overlap, testing_link
 from ulysses.attention import sdpa_attention
 from ulysses.reference import bitwise_diff
 
@@ -199,20 +199,16 @@ def test_planted_fault_chunks_in_the_wrong_head_order_is_caught(fake_link):
 
 
 def _logged(log: list):
-    """Patches that log the pipeline's collective steps (its all_to_alls and the lowp
-    statistics, whose all_gather is one step) in ``log``."""
-    start, stats = overlap._all_to_all_start, overlap._exchange_stats
+    """Hooks (installed) that log the pipeline's collective steps (its all_to_alls and the
+    lowp statistics, whose all_gather is one step) in ``log``."""
 
-    def logged_start(send, pg, world_size=None):
-        log.append(f"all_to_all {list(send.shape)}")
-        return start(send, pg, world_size)
+    def step(kind, *sizes):
+        if kind == "all_to_all_start":
+            log.append(f"all_to_all {list(sizes[0])}")
+        elif kind == "exchange_stats":
+            log.append(f"statistics {list(sizes[0])} {list(sizes[1])}")
 
-    def logged_stats(q, k, v, **kw):
-        log.append(f"statistics {list(q.shape)} {list(k.shape)}")
-        return stats(q, k, v, **kw)
-
-    return (mock.patch("ulysses.overlap._all_to_all_start", logged_start),
-            mock.patch("ulysses.overlap._exchange_stats", logged_stats))  # fmt: skip
+    return _hooks.installed(_hooks.Hooks(collective_step=step))
 
 
 @pytest.mark.parametrize("mode", ["bf16", "lowp"])
@@ -224,8 +220,7 @@ def test_collectives_in_pipeline_order(mode, fake_link):
     link = fake_link(P)
     inputs = make_inputs(1, L, Hq, Hkv, D)
     log: list = []
-    patches = _logged(log)
-    with link, patches[0], patches[1]:
+    with link, _logged(log):
         forward_backward(lambda q, k, v: chunked(q, k, v, pg=link.pg, P=P, n=n, mode=mode,
                                                  causal=True, used=None), inputs)  # fmt: skip
     if mode == "bf16":
@@ -363,8 +358,7 @@ def test_module_passes_head_chunks(fake_link):
         exp = ulysses.UlyssesAttention()(q, k, v, causal=True)
         layer = ulysses.UlyssesAttention(head_chunks=2)
         log: list = []
-        patches = _logged(log)
-        with patches[0], patches[1]:
+        with _logged(log):
             got = layer(q, k, v, causal=True)
     assert bitwise_diff(got, exp) is None
     assert len(log) == 4, log  # in 0, in 1, out 0, out 1: the chunked path ran
@@ -396,8 +390,7 @@ def _worker() -> int:
             exp = forward_backward(lambda q, k, v, mode=mode: one_chunk(
                 q, k, v, mode=mode, causal=True, used=used), inputs)  # fmt: skip
             log: list = []
-            patches = _logged(log)
-            with patches[0], patches[1]:
+            with _logged(log):
                 got = forward_backward(lambda q, k, v, mode=mode: chunked(
                     q, k, v, pg=dist.group.WORLD, P=P, n=n, mode=mode, causal=True,
                     used=used), inputs)  # fmt: skip

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses
-from ulysses import _chunk_policy, comm, overlap, testing_link
+from ulysses import _chunk_policy, _hooks, comm, overlap, testing_link
 from ulysses.reference import bitwise_diff
 
 MODES = {
@@ -171,13 +171,13 @@ def test_planted_fault_wrong_kv_head_is_caught(fake_link):
 
 
 def _logged(log: list):
-    start = overlap._all_to_all_start
+    """Hooks (installed) that log the shape of each pipelined all_to_all in ``log``."""
 
-    def logged_start(send, pg, world_size=None):
-        log.append(list(send.shape))
-        return start(send, pg, world_size)
+    def step(kind, *sizes):
+        if kind == "all_to_all_start":
+            log.append(list(sizes[0]))
 
-    return mock.patch("ulysses.overlap._all_to_all_start", logged_start)
+    return _hooks.installed(_hooks.Hooks(collective_step=step))
 
 
 def test_kv_once_collectives_and_sizes(fake_link):

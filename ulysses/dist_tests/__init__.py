@@ -11,7 +11,7 @@ Modules:
     cases          the ``smooth_k`` suite's cases: case ids, used kinds, input data
     checks         ``CaseRun`` (shared bookkeeping), ulp/bitwise comparisons, the ``smooth_k``
                    run of one case
-    faults         planted library faults (``--fault``), a table of mock.patch targets
+    faults         planted library faults (``--fault``), a table of ``ulysses._hooks.Hooks``
     rank_faults    faulty, disagreeing or drifting ranks: every rank ends with one clear
                    error, the same on every rank, quickly (a skipped call: the watchdog)
     compile_check  torch.compile / CUDA graph vs eager

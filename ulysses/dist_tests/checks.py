@@ -203,7 +203,6 @@ def call_planned_twice(case: cases.Case, inputs: Inputs):
 
 
 def call_k_grouped_amax(ctx: Context, case: cases.Case, inputs: Inputs, k_mean_global):
-    # Looked up on the package at call time: the "error" planted fault patches this name.
     return ulysses.k_grouped_amax(
         inputs.k,
         k_mean_global,

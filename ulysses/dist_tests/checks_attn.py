@@ -46,17 +46,14 @@ On every rank:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import ulysses
-import ulysses._heads
-from ulysses import comm, reference
+from ulysses import _hooks, comm, reference
 from ulysses.reference import bitwise_diff
 
 from . import cases_attn
@@ -279,51 +276,25 @@ def _quantized_attention(ctx: Context, case, inputs: Inputs) -> dict:
     return result
 
 
-@contextlib.contextmanager
+# each collective step of the layer (``Hooks.collective_step``) as the log writes it
+_STEP_TEXT = {
+    "all_to_all": lambda send: f"all_to_all {list(send)}",
+    "all_to_all_uneven": lambda splits: f"all_to_all with split sizes, {len(splits)} parts",
+    "all_to_all_start": lambda send: f"all_to_all (pipelined) {list(send)}",
+    "exchange_stats": lambda q, k: f"lowp statistics all_gather {list(q)} {list(k)}",
+    "exchange": lambda q, k: f"exchange {list(q)} {list(k)}",
+}
+
+
 def logged_collectives(log: list):
-    """Record each collective step of ``ulysses_attention`` (its all_to_alls, the
-    low-precision exchange as one step, and with head chunks the statistics' all_gather) in
-    ``log``."""
-    a2a = ulysses._heads._all_to_all  # where the layer's nodes look the collectives up
-    a2a_uneven = ulysses._heads._all_to_all_uneven
-    exchange = ulysses.lowp.exchange_to_heads  # the layer's entry to the exchange
-    codes_exchange = ulysses.codes._exchange  # the same for the attention on the codes
-    a2a_start = ulysses.overlap._all_to_all_start  # head chunks: the pipelined all_to_alls
-    chunk_stats = ulysses.overlap._exchange_stats  # head chunks in lowp: the one all_gather
+    """Hooks (to install) that record each collective step of ``ulysses_attention`` (its
+    all_to_alls, the low-precision exchange as one step, and with head chunks the
+    statistics' all_gather) in ``log``."""
 
-    def logged_a2a(send, pg):
-        log.append(f"all_to_all {list(send.shape)}")
-        return a2a(send, pg)
+    def step(kind, *sizes):
+        log.append(_STEP_TEXT[kind](*sizes))
 
-    def logged_a2a_uneven(send, in_splits, out_splits, pg):
-        log.append(f"all_to_all with split sizes, {len(in_splits)} parts")  # sizes differ by rank
-        return a2a_uneven(send, in_splits, out_splits, pg)
-
-    def logged_a2a_start(send, pg, world_size):
-        log.append(f"all_to_all (pipelined) {list(send.shape)}")
-        return a2a_start(send, pg, world_size)
-
-    def logged_chunk_stats(q, k, v, **kw):
-        log.append(f"lowp statistics all_gather {list(q.shape)} {list(k.shape)}")
-        return chunk_stats(q, k, v, **kw)
-
-    def logged_exchange(q, k, v, **kw):
-        log.append(f"exchange {list(q.shape)} {list(k.shape)}")
-        return exchange(q, k, v, **kw)
-
-    def logged_codes_exchange(q, k, v, **kw):
-        log.append(f"exchange {list(q.shape)} {list(k.shape)}")
-        return codes_exchange(q, k, v, **kw)
-
-    with (
-        mock.patch("ulysses._heads._all_to_all", logged_a2a),
-        mock.patch("ulysses._heads._all_to_all_uneven", logged_a2a_uneven),
-        mock.patch("ulysses.lowp.exchange_to_heads", logged_exchange),
-        mock.patch("ulysses.codes._exchange", logged_codes_exchange),
-        mock.patch("ulysses.overlap._all_to_all_start", logged_a2a_start),
-        mock.patch("ulysses.overlap._exchange_stats", logged_chunk_stats),
-    ):
-        yield
+    return _hooks.installed(dataclasses.replace(_hooks.active, collective_step=step))
 
 
 class _LoggedWire:

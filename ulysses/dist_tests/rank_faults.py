@@ -38,11 +38,11 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from unittest import mock
 
 import torch
 
 import ulysses
+from ulysses import _hooks
 
 from . import _dist
 
@@ -269,7 +269,7 @@ def _arguments(mode: str, faulty: bool, world_size: int) -> dict:
     return args
 
 
-def _broken_all_gather(*args, **kwargs):
+def _broken_all_gather(fn: str):
     raise RuntimeError("planted fault inside smooth_k_stats, at the collective")
 
 
@@ -277,7 +277,7 @@ def _planted_collective_error(active: bool):
     """The raise_inside fault: the library's first collective of the call (the ranks' check)
     raises (on this rank only)."""
     if active:
-        return mock.patch("ulysses.comm._gather_digests", _broken_all_gather)
+        return _hooks.installed(_hooks.Hooks(rank_check=_broken_all_gather))
     return contextlib.nullcontext()
 
 

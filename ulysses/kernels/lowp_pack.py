@@ -337,6 +337,7 @@ def prepare_pack(
     num_warps: int | None = None,
     evict: bool = False,
     v_int8: bool = False,
+    block_d: int | None = None,
 ) -> Launch:
     """The pack launch for q of this ``shape`` [B, L, H, D], k and v of ``kv_heads`` heads (H
     when None) and ``strides`` (q's, k's, v's), writing ``send``: call it with ``(q, k, v,
@@ -359,7 +360,8 @@ def prepare_pack(
     K/V heads a destination receives all with chunk 0 and none with the others (a rank with
     fewer K/V heads than chunks; K/V heads sharded or repeated), each code and scale again
     with the one-chunk pack's bits. ``v_int8``: V as int8 codes of ``127 / amax_v``
-    (``v_format="int8"``), else e4m3 of ``448 / amax_v``."""
+    (``v_format="int8"``), else e4m3 of ``448 / amax_v``. ``block_d``: the channels a tile
+    (``channel_block(D)`` when None; a smaller one drops channels: a test's planted fault)."""
     B, L, H_src, D = shape
     P = world_size
     HK_src = H_src if kv_heads is None else kv_heads
@@ -387,7 +389,7 @@ def prepare_pack(
     assert (scale_bytes // 4) * L >= B * (h * n_sq + hkv * n_sk)
     assert send is None or (send.dtype == torch.uint8 and send.numel() == P * L * row_bytes)
     cuda = compiled_for_gpu(device)
-    DB = channel_block(D)  # channels [D, DB) of a tile masked off
+    DB = block_d or channel_block(D)  # channels [D, DB) of a tile masked off
     block_h = _block_h(shape, device, block_h)  # of all heads: q_once fits for every chunk
     # A program packs BLOCK_L rows, ROWS (a power of two) at a time. CUDA: 32 rows, 4 at a
     # time, [128 / D heads, D] per row, one warp per 256 elements of the [ROWS, BLOCK_H, D]

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import comm, grid, stats
+from .. import _hooks, comm, grid, stats
 from .._plans import PlanCache
 from ..kernels._launch import View
 from ..kernels._runtime import output_template, stream_key, workspace
@@ -98,11 +98,13 @@ def _send_side(
     else:
         w = _wire(B, L, Hq // n, D, P, s.q_group, s.k_group, s.Hkv // n)
         k_first = c * w.hkv
+    block_d = _hooks.active.pack_channel_block  # None but for a planted fault
     pack = prepare_pack(
         s.shape, s.strides, dev, send, world_size=P, row0=s.rank * L, q_group=s.q_group,
         k_group=s.k_group, n_sq=s.n_sq, n_sk=s.n_sk, row_bytes=w.row_bytes,
         scale_bytes=w.scale_bytes, use_pdl=s.use_pdl, kv_heads=s.Hkv, q_once=s.q_once,
-        chunk=chunk, kv_once=kv_once, v_int8=s.v_format == "int8", **s.pack_tiles,
+        chunk=chunk, kv_once=kv_once, v_int8=s.v_format == "int8",
+        block_d=block_d and block_d(D), **s.pack_tiles,
     )  # fmt: skip
     o = _out_layout(w, B, s.Hkv // n, D, s.dtype.itemsize, s.q_group, s.k_group, s.rank)
     index = _scale_index(w, B, s.q_group, s.k_group, dev)
@@ -185,7 +187,7 @@ class _ExchangePlan:
         q_once = None
         if tiles.get("q_once", True) and c.q_once:
             q_once = QOnce(
-                lay_q.n_touched, lay_q.tail_group, lay_q.live_end, grid.FLOOR, lay_q.per_row
+                lay_q.n_touched, lay_q.tail_group, lay_q.live_end, lay_q.floor, lay_q.per_row
             )
         n_q = B * Hq * lay_q.n_slots
         self.amax_q = workspace("lowp_amax_q", n_q, FP32, dev)[:n_q].view(B, Hq, lay_q.n_slots)
@@ -193,7 +195,7 @@ class _ExchangePlan:
             q.shape, q.stride(), v.stride(), dev, payload[n_k:], self.amax_q,
             group_size=c.q_group, row0=lay_q.row0, n_slots=lay_q.n_slots,
             n_touched=lay_q.n_touched, tail_group=lay_q.tail_group, live_end=lay_q.live_end,
-            floor=grid.FLOOR, use_pdl=c.use_pdl, q_boundary_only=q_once is not None,
+            floor=lay_q.floor, use_pdl=c.use_pdl, q_boundary_only=q_once is not None,
             v_heads=Hkv, per_row=lay_q.per_row, zeroed=True, **tiles.get("qv", {}),
         )  # fmt: skip
         # K's finalize, Q's boundary merge, V's amax over ranks and v_scale: ONE launch
@@ -204,7 +206,7 @@ class _ExchangePlan:
             self.gathered, self.amax_q, self.amax_v, first_sources=lay_q.first_sources,
             last_sources=lay_q.last_sources, n_touched=lay_q.n_touched, q_off=n_k,
             v_off=n_k + 2 * B * Hq, rank=c.rank, world_size=P, kv_rep=w.kv_rep,
-            v_max=_V_MAX[c.v_format],
+            v_max=(_hooks.active.v_max or _V_MAX)[c.v_format],
         )  # fmt: skip
         k_finalize = prepare_finalize(
             self.gathered[:, :n_k], self.minmax, mode=MODE_FUSED, **part.finalize_args()
