@@ -11,6 +11,7 @@ from ._launch import compiled_for_gpu
 __all__ = [
     "cdiv",
     "counters",
+    "grid_table",
     "next_pow2",
     "output_template",
     "row_table",
@@ -87,6 +88,28 @@ def row_table(rows: tuple | None, device: torch.device) -> torch.Tensor:
         host = torch.tensor(rows or ((0,) * ROW_FIELDS,), dtype=torch.int32).view(-1, ROW_FIELDS)
         found = _ROW_TABLES[key] = device_constant(host, device)
     return found
+
+
+def grid_table(
+    names: tuple[str, ...],
+    values: dict,
+    device: torch.device,
+    *,
+    hinted: tuple[str, ...] = (),
+    rows: tuple | None = None,
+) -> tuple[torch.Tensor, int]:
+    """(int32 table, hints) of a kernel that takes its grid values as one table: ``values``
+    in the order of ``names``, then with ``rows`` the per-row table of :func:`row_table` (at
+    index ``len(names)``). ``hints`` has bit i set where ``names[i]`` is in ``hinted`` (a value
+    Triton would have specialized: a stride, a row size) and a multiple of 16, for the
+    kernel's ``table_int`` (``kernels/_tl.py``)."""
+    table = [values[n] for n in names]
+    if rows is not None:
+        table += [x for row in rows for x in row]
+    assert all(type(x) is int and -(2**31) <= x < 2**31 for x in table), f"int32 wraps: {values}"
+    assert set(hinted) <= set(names), hinted
+    hints = sum(1 << i for i, n in enumerate(names) if n in hinted and values[n] % 16 == 0)
+    return device_constant(torch.tensor(table, dtype=torch.int32), device), hints
 
 
 def _keep(_pinned) -> None:

@@ -248,7 +248,7 @@ class _ExchangePlan:
         )  # fmt: skip
         recv_words = View("recv", FP32, (w.nbytes // 4,), (1,), 0)
         # at P = 1 the pack writes the receive buffer itself (a new one a call)
-        send_at = {} if P > 1 else {"send_ptr": "recv", "send_f32_ptr": recv_words}
+        send_at = {} if P > 1 else {"send_ptr": "recv"}
         self.pack_at = self.pack.bind(
             ("q", "k", "v", "amax_q", "amax_k", "out", "amax_v", *(("recv",) if send_at else ())),
             q_ptr="q", k_ptr="k", v_ptr="v", amax_q_ptr="amax_q", amax_k_ptr="amax_k",
