@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ._quant import e4m3_code
-from ._runtime import cdiv, compiled_for_gpu, launch
+from ._runtime import Section, cdiv, compiled_for_gpu, f32_bits, grid_table, launch, table_int
 from .lowp_dequant import round_to
 
 __all__ = ["codes_attention", "codes_supported", "transpose_v", "CodesConfig", "LOG2E"]
@@ -58,7 +58,17 @@ __all__ = ["codes_attention", "codes_supported", "transpose_v", "CodesConfig", "
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-_NOT_SPECIALIZED = ["S", "HQ", "HKV", "q_group", "k_group", "n_qg", "n_kg", "k_shift", "S_pad"]
+# The forward's grid values, in the order of its int32 table (``values_ptr``): the ints that
+# bound masks and loops, loaded as the unspecialized parameters they replace (one
+# compilation serves every S, head count and group size), the strides with their
+# divisibility by 16 (``HINTS``, kernels/_tl.py ``table_int``, as their specialization as
+# parameters gave it), and ``qk_scale``'s fp32 bits.
+CODES_VALUES = (
+    "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+    "stride_vs", "stride_vh", "stride_vd", "S", "HQ", "HKV", "q_group", "k_group", "n_qg",
+    "n_kg", "k_shift", "qk_scale",
+)  # fmt: skip
+_CODES_HINTED = CODES_VALUES[:10]
 
 
 @triton.jit
@@ -179,20 +189,40 @@ def _key_block(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+@triton.jit
 def _codes_attn_fwd_kernel(
-    q_ptr, stride_qb, stride_qs, stride_qh,
-    k_ptr, stride_kb, stride_ks, stride_kh,
-    v_ptr, stride_vb, stride_vs, stride_vh, stride_vd,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_ptr, v_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr,
     used_ptr, doc_ptr, bounds_ptr,
     out_ptr, lse_ptr,
-    S, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale, k_shift,
+    values_ptr,  # int32 [len(CODES_VALUES)]
+    HINTS: tl.constexpr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_USED: tl.constexpr, DOCS: tl.constexpr, KS_BLOCK: tl.constexpr,
-    PV_FP8: tl.constexpr, V_T: tl.constexpr, V_INT8: tl.constexpr,
+    V_MODE: tl.constexpr,  # bit 0: PV_FP8, bit 1: V_T, bit 2: V_INT8 (codes_attention)
     NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr, OPT: tl.constexpr,
 ):  # fmt: skip
+    PV_FP8: tl.constexpr = (V_MODE & 1) != 0
+    V_T: tl.constexpr = (V_MODE & 2) != 0
+    V_INT8: tl.constexpr = (V_MODE & 4) != 0
+    stride_qb = table_int(values_ptr, 0, HINTS)
+    stride_qs = table_int(values_ptr, 1, HINTS)
+    stride_qh = table_int(values_ptr, 2, HINTS)
+    stride_kb = table_int(values_ptr, 3, HINTS)
+    stride_ks = table_int(values_ptr, 4, HINTS)
+    stride_kh = table_int(values_ptr, 5, HINTS)
+    stride_vb = table_int(values_ptr, 6, HINTS)
+    stride_vs = table_int(values_ptr, 7, HINTS)
+    stride_vh = table_int(values_ptr, 8, HINTS)
+    stride_vd = table_int(values_ptr, 9, HINTS)
+    S = tl.load(values_ptr + 10)
+    HQ = tl.load(values_ptr + 11)
+    HKV = tl.load(values_ptr + 12)
+    q_group = tl.load(values_ptr + 13)
+    k_group = tl.load(values_ptr + 14)
+    n_qg = tl.load(values_ptr + 15)
+    n_kg = tl.load(values_ptr + 16)
+    k_shift = tl.load(values_ptr + 17)
+    qk_scale = tl.load(values_ptr + 18).to(tl.float32, bitcast=True)
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: the grid's tail is short blocks
         i_m = tl.num_programs(0) - 1 - i_m
@@ -462,24 +492,23 @@ def codes_attention(
         v_arg, v_strides = vt, (HKV * D * vt.shape[3], 1, D * vt.shape[3], vt.shape[3])
     else:
         v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2), 1)
+    values = dict(
+        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
+        stride_vb=v_strides[0], stride_vs=v_strides[1], stride_vh=v_strides[2],
+        stride_vd=v_strides[3], S=S, HQ=HQ, HKV=HKV, q_group=q_group, k_group=k_group,
+        n_qg=cdiv(S, q_group), n_kg=cdiv(S, k_group), k_shift=int(k_shift),
+        qk_scale=f32_bits(sm_scale * LOG2E),
+    )  # fmt: skip
+    table, hints = _table(values, device)
     launch(
         _codes_attn_fwd_kernel,
         (cdiv(S, cfg.block_m), B * HQ),
         device,
         num_warps=cfg.num_warps,
         q_ptr=q,
-        stride_qb=q.stride(0),
-        stride_qs=q.stride(1),
-        stride_qh=q.stride(2),
         k_ptr=k,
-        stride_kb=k.stride(0),
-        stride_ks=k.stride(1),
-        stride_kh=k.stride(2),
         v_ptr=v_arg,
-        stride_vb=v_strides[0],
-        stride_vs=v_strides[1],
-        stride_vh=v_strides[2],
-        stride_vd=v_strides[3],
         q_scale_ptr=q_scale,
         k_scale_ptr=k_scale,
         v_scale_ptr=v_scale,
@@ -488,15 +517,8 @@ def codes_attention(
         bounds_ptr=bounds if bounds is not None else q_scale,
         out_ptr=out,
         lse_ptr=lse,
-        S=S,
-        HQ=HQ,
-        HKV=HKV,
-        q_group=q_group,
-        k_group=k_group,
-        n_qg=cdiv(S, q_group),
-        n_kg=cdiv(S, k_group),
-        qk_scale=sm_scale * LOG2E,
-        k_shift=int(k_shift),
+        values_ptr=table,
+        HINTS=hints,
         D=D,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -504,11 +526,25 @@ def codes_attention(
         HAS_USED=used is not None,
         DOCS=doc_ids is not None,
         KS_BLOCK=k_group % cfg.block_n == 0 and k_shift == 0,
-        PV_FP8=pv != "fp16",
-        V_T=pv == "fp8t",
-        V_INT8=v_int8,
+        V_MODE=(pv != "fp16") | (pv == "fp8t") << 1 | v_int8 << 2,
         NUM_STAGES=cfg.num_stages,
         HW_ROUND=gpu,
         OPT=cfg.opt,
     )
     return out, lse
+
+
+# The forward's grid tables by values and device: a repeat call's table is the one uploaded
+# before (the one cache of this module)
+_TABLES: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+
+def _table(values: dict, device: torch.device) -> tuple[torch.Tensor, int]:
+    key = (tuple(values.values()), device)
+    found = _TABLES.get(key)
+    if found is None:
+        if len(_TABLES) >= 256:
+            _TABLES.clear()
+        section = Section(CODES_VALUES, values, _CODES_HINTED)
+        found = _TABLES[key] = grid_table((section,), device)
+    return found

@@ -47,6 +47,7 @@ import triton.language as tl
 from ._quant import e4m3_code, int8_code
 from ._runtime import (
     Launch,
+    Section,
     cdiv,
     channel_block,
     compiled_for_gpu,
@@ -441,7 +442,9 @@ def prepare_pack(
         stride_vb=svb, stride_vl=svl, stride_vh=svh, ROW=row_bytes, CB=cb, E4=scale_bytes // 4,
     )  # fmt: skip
     # per-row counts (``QOnce.per_row``): read at each batch row by the Q_ONCE programs
-    table, hints = grid_table(PACK_VALUES, values, device, hinted=_PACK_HINTED, rows=per_row)
+    table, hints = grid_table(
+        (Section(PACK_VALUES, values, _PACK_HINTED, per_row or ((0, 0, 0),)),), device
+    )
     return Launch(
         _pack_kernel,
         (n_code + n_qcode + cdiv(n_scales, block_n),),
