@@ -137,24 +137,14 @@ def _k_stats_program(
 ):
     """Program ``i_pid`` of K's statistics (this launch's, or the exchange's statistics launch,
     kernels/lowp_stats.py), its grid values at ``values_ptr`` (``K_STATS_VALUES``)."""
-    stride_kb = table_int(values_ptr, 0, HINTS)
+    # values used after the row loops are loaded there, not held in registers across them
+    # (as kernel parameters they sat in the constant bank)
     stride_kl = table_int(values_ptr, 1, HINTS)
-    stride_kh = table_int(values_ptr, 2, HINTS)
-    rows_ptr = values_ptr + tl.load(values_ptr + 3)
-    tag = tl.load(values_ptr + 4).to(tl.float32, bitcast=True)
-    tag_last = tl.load(values_ptr + 5)
     L = tl.load(values_ptr + 6)
     H = tl.load(values_ptr + 7)
     row0 = tl.load(values_ptr + 8)
     used = tl.load(values_ptr + 9)
     tail_group = tl.load(values_ptr + 10)
-    g_first = tl.load(values_ptr + 11)
-    n_touched = tl.load(values_ptr + 12)
-    n_mm = tl.load(values_ptr + 13)
-    block_first = tl.load(values_ptr + 14)
-    n_blocks = tl.load(values_ptr + 15)
-    bnd_ptr = payload_ptr + tl.load(values_ptr + 16)
-    sup_ptr = sum_ptr + tl.load(values_ptr + 17)
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
     SPAN: tl.constexpr = G if G > 64 else 64
     N_SUB: tl.constexpr = SPAN // SUB
@@ -175,8 +165,11 @@ def _k_stats_program(
         gdc_wait()
 
     span0 = (span_first + i_sp) * SPAN  # first global row of this span
+    stride_kb = table_int(values_ptr, 0, HINTS)
+    stride_kh = table_int(values_ptr, 2, HINTS)
     p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
     if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
+        rows_ptr = values_ptr + tl.load(values_ptr + 3)
         used = tl.load(rows_ptr + i_b * 3)
         tail_group = tl.load(rows_ptr + i_b * 3 + 1)
     live_end = used - row0  # local rows below this are live
@@ -215,23 +208,25 @@ def _k_stats_program(
                     b_max = tl.where(m_mm, tl.maximum(b_max, b_k), b_max)
                     b_nan = b_nan | tl.where(m_mm, b_k != b_k, False)
         if SUB == SUM_BLOCK_C:
+            block_first = tl.load(values_ptr + 14)
+            n_blocks = tl.load(values_ptr + 15)
             i_blk = sub0 // SUB - block_first
             if (i_blk >= 0) & (i_blk < n_blocks):
                 tl.store(sum_ptr + (i_b * n_blocks + i_blk) * H * D + o_hd, b_sum, mask=m_hd)
             b_sum = tl.zeros([BLOCK_H, DB], dtype=tl.float32)
         if MINMAX != 0:
             if SUB == G:
-                i_s = group - g_first
+                i_s = group - tl.load(values_ptr + 11)  # g_first
                 _store_minmax(
                     mm_ptr,
-                    bnd_ptr,
+                    payload_ptr + tl.load(values_ptr + 16),  # the boundary records
                     b_min,
                     b_max,
                     b_nan,
                     i_b,
                     i_s,
-                    n_touched,
-                    n_mm,
+                    tl.load(values_ptr + 12),  # n_touched
+                    tl.load(values_ptr + 13),  # n_mm
                     H,
                     D,
                     o_hd,
@@ -244,23 +239,25 @@ def _k_stats_program(
 
     if USE_PDL:
         gdc_launch_dependents()
+    block_first = tl.load(values_ptr + 14)
+    n_blocks = tl.load(values_ptr + 15)
     if SUB != SUM_BLOCK_C:  # G < 64: the span is one sum block
         i_blk = span0 // SUM_BLOCK_C - block_first
         if (i_blk >= 0) & (i_blk < n_blocks):
             tl.store(sum_ptr + (i_b * n_blocks + i_blk) * H * D + o_hd, b_sum, mask=m_hd)
     if MINMAX != 0:
         if SUB != G:  # G > 64: the span is one group
-            i_s = span0 // G - g_first
+            i_s = span0 // G - tl.load(values_ptr + 11)  # g_first
             _store_minmax(
                 mm_ptr,
-                bnd_ptr,
+                payload_ptr + tl.load(values_ptr + 16),  # the boundary records
                 b_min,
                 b_max,
                 b_nan,
                 i_b,
                 i_s,
-                n_touched,
-                n_mm,
+                tl.load(values_ptr + 12),  # n_touched
+                tl.load(values_ptr + 13),  # n_mm
                 H,
                 D,
                 o_hd,
@@ -292,6 +289,7 @@ def _k_stats_program(
         tl.store(p_cnt + i_c, 0)
         p_sum = sum_ptr + i_b * n_blocks * H * D + o_hd
         b_acc = _ordered_sum(p_sum, c_lo, c_hi, H * D, m_hd, BLOCK_H, DB)
+        sup_ptr = sum_ptr + tl.load(values_ptr + 17)
         tl.store(sup_ptr + (i_b * n_super + i_c) * H * D + o_hd, b_acc, mask=m_hd)
         tl.debug_barrier()
         n_sup = tl.atomic_add(p_cnt + n_super, 1, sem="acq_rel")
@@ -301,8 +299,9 @@ def _k_stats_program(
             b_tot = _ordered_sum(p_sup, 0, n_super, H * D, m_hd, BLOCK_H, DB)
             tl.store(payload_ptr + 1 + i_b * H * D + o_hd, b_tot, mask=m_hd)
     if i_pid == 0:  # the call tag at both ends of the payload
+        tag = tl.load(values_ptr + 4).to(tl.float32, bitcast=True)
         tl.store(payload_ptr, tag)
-        tl.store(payload_ptr + tag_last, tag)
+        tl.store(payload_ptr + tl.load(values_ptr + 5), tag)
 
 
 @triton.jit
