@@ -148,7 +148,7 @@ def _device_figures(r: dict, q, k, v, P) -> dict:
     # the statistics kernels and the post-gather launch (K's finalize with Q/V's finish)
     r["stats kernels, device (cold)"] = cold_us(
         lambda: lowp.exchange_qkv(q, k, v),
-        ("_block_stats", "_qv_stats", "_finalize", "_post_gather"),
+        ("_lowp_stats", "_block_stats", "_qv_stats", "_finalize", "_post_gather"),
     )
     dist.barrier()
     parts = cold_breakdown(lambda: lowp.exchange_qkv(q, k, v))

@@ -30,8 +30,7 @@ from ulysses.testing import make_k_full
 def local_chain(plan, q, k, v, recv):
     """The eager plan's call (ulysses/lowp/plan.py ``_ExchangePlan.__call__``) without the
     all_gather and the all_to_all: the same launches on the same buffers."""
-    plan.k_local(k)
-    plan.qv(q, v)
+    plan.local_stats(k, q, v)
     out = torch.empty_like(plan.out_bytes)
     words, typed = out.view(torch.float32), out.view(plan.dtype)
     mean = typed.as_strided(*plan.mean_view)

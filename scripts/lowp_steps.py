@@ -13,11 +13,10 @@ from ulysses.lowp import FP32, LowpQKV, _Call, _plan, _result
 
 
 def local_stats(c: _Call) -> tuple:
-    """The local statistics launches of ``c``'s plan: (payload, Q's partial amax, K's
+    """The local statistics launch of ``c``'s plan: (payload, Q's partial amax, K's
     min/max), scratch buffers."""
     p = _plan(c.q, c.k, c.v, c.pg, c.used_sequence, c.q_group, c.k_group, None, c.v_format)[0]
-    p.k_local(c.k)
-    p.qv(c.q, c.v)
+    p.local_stats(c.k, c.q, c.v)
     return p.payload, p.amax_q, p.minmax
 
 
@@ -44,7 +43,7 @@ def pack(c: _Call, k_stats, amax_q, amax_v) -> torch.Tensor:
         p.pack(*args)
         return p.send
     recv = torch.empty_like(p.recv_out)
-    p.pack(*args, recv, recv.view(FP32))
+    p.pack(*args, recv)
     return recv
 
 

@@ -66,6 +66,7 @@ KERNELS = (
     ("block_stats", "_block_stats_kernel"),
     ("finalize_stats", "_finalize_kernel"),
     ("lowp_qv_stats", "_qv_stats_kernel"),
+    ("lowp_stats", "_lowp_stats_kernel"),
     ("lowp_pack", "_pack_kernel"),
     ("lowp_finish", "_lowp_finish_kernel"),
     ("lowp_finish", "_post_gather_kernel"),

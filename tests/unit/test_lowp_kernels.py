@@ -214,8 +214,12 @@ def test_post_gather_launch_equals_the_two_launches(P, L, G, used, rank, assert_
     writes exactly what the two separate launches write: K's mean, partial and final amax,
     Q's merged amax, V's amax and v_scale, from real K payloads of every rank."""
     from ulysses.kernels.block_stats import MINMAX_ALL, local_stats
-    from ulysses.kernels.finalize_stats import MODE_FUSED, prepare_finalize
-    from ulysses.kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
+    from ulysses.kernels.finalize_stats import MODE_FUSED, finalize_part, prepare_finalize
+    from ulysses.kernels.lowp_finish import (
+        lowp_finish_part,
+        prepare_lowp_finish,
+        prepare_post_gather,
+    )
 
     B, H, D = 2, 2 * P, 16
     S = L * P
@@ -250,17 +254,18 @@ def test_post_gather_launch_equals_the_two_launches(P, L, G, used, rank, assert_
         mean = torch.empty(B, H, D, dtype=torch.bfloat16)
         part, final = torch.empty(B, H, lay.n_slots), torch.empty(B, H, lay.n_slots)
         v_scale = torch.empty(B, h, D)
-        fin = prepare_finalize(gathered[:, :n_k], minmax, mode=MODE_FUSED, **fin_args)
-        finish = prepare_lowp_finish(
-            gathered, amax_q, amax_v, first_sources=lay_q.first_sources,
-            last_sources=lay_q.last_sources, n_touched=lay_q.n_touched, q_off=n_k,
-            v_off=n_k + 2 * B * H, rank=rank, world_size=P,
+        fin_kw = dict(mode=MODE_FUSED, **fin_args)
+        finish_kw = dict(
+            first_sources=lay_q.first_sources, last_sources=lay_q.last_sources,
+            n_touched=lay_q.n_touched, q_off=n_k, v_off=n_k + 2 * B * H, rank=rank, world_size=P,
         )  # fmt: skip
         if fused:
+            fin = finalize_part(gathered[:, :n_k], minmax, **fin_kw)
+            finish = lowp_finish_part(gathered, amax_q, amax_v, **finish_kw)
             prepare_post_gather(fin, finish)(mean, part, final, v_scale)
         else:
-            fin(mean, part, final)
-            finish(v_scale)
+            prepare_finalize(gathered[:, :n_k], minmax, **fin_kw)(mean, part, final)
+            prepare_lowp_finish(gathered, amax_q, amax_v, **finish_kw)(v_scale)
         outs.append((mean, part, final, amax_q, amax_v, v_scale))
     names = ("k_mean", "amax_partial", "amax_final", "amax_q", "amax_v", "v_scale")
     for name, two, one in zip(names, outs[0], outs[1], strict=True):

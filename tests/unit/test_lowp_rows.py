@@ -121,7 +121,7 @@ def test_the_kernels_read_per_row_values_only_for_per_row_counts():
         plan = lowp._ExchangePlan(lowp._prepare(q, k, v, None, used, 32, 64, None))
         flags = {
             launch.kernel.fn.__name__: dict(zip(launch.names, launch.args, strict=True))["PER_ROW"]
-            for launch in (plan.k_local.stats, plan.post, plan.pack)
+            for launch in (plan.local_stats, plan.post, plan.pack)
         }
         assert set(flags.values()) == {per_row}, (used, flags)
 

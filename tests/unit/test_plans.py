@@ -178,7 +178,7 @@ def test_exchange_runs_one_pipeline_at_world_size_one(monkeypatch):
     q, k, v = _exchange_inputs(1)
     runs = _eager_and_compiled(monkeypatch, q, k, v, used_sequence=37, q_group=16, k_group=32)
     plan_kernels = runs[0][0]
-    assert plan_kernels[0][0] == "_block_stats_kernel" and [n for n, *_ in plan_kernels[-2:]] == [
+    assert plan_kernels[0][0] == "_lowp_stats_kernel" and [n for n, *_ in plan_kernels[-2:]] == [
         "_pack_kernel",
         "_gather_scales_kernel",
     ]
@@ -200,8 +200,7 @@ def test_exchange_runs_one_pipeline_under_a_process_group(monkeypatch, fake_worl
     runs = _eager_and_compiled(monkeypatch, q, k, v, q_group=16, k_group=32)
     plan_kernels = runs[0][0]
     assert [name for name, *_ in plan_kernels] == [
-        "_block_stats_kernel",
-        "_qv_stats_kernel",
+        "_lowp_stats_kernel",
         "_post_gather_kernel",
         "_pack_kernel",
         "_gather_scales_kernel",
@@ -213,7 +212,7 @@ def test_exchange_runs_one_pipeline_under_a_process_group(monkeypatch, fake_worl
 def test_exchange_to_heads_dequantizes_without_a_scale_gather(monkeypatch, fake_world):
     """exchange_to_heads (the layer's exchange), rank 1 of 4, eager and compiled: the
     exchange's launches without the scale gather, then the dequantize, which reads Q's and K's
-    group scales from the receive buffer: five launches a call."""
+    group scales from the receive buffer: four launches a call."""
     from ulysses import lowp
 
     q, k, v = _exchange_inputs(fake_world, L=24)
@@ -223,8 +222,7 @@ def test_exchange_to_heads_dequantizes_without_a_scale_gather(monkeypatch, fake_
 
     runs = _eager_and_compiled(monkeypatch, q, k, v, step=step)
     assert [name for name, *_ in runs[0][0]] == [
-        "_block_stats_kernel",
-        "_qv_stats_kernel",
+        "_lowp_stats_kernel",
         "_post_gather_kernel",
         "_pack_kernel",
         "_dequant_qkv_kernel",

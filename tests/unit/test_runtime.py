@@ -482,14 +482,11 @@ def test_cuda_mirror_compiles_the_cuda_launch_settings(monkeypatch):
     monkeypatch.setattr(finalize_stats, "sm_count", lambda device: 132)
     monkeypatch.setattr(grouped_amax_module, "sm_count", lambda device: 132)
     monkeypatch.setattr(_scratch, "_TILES", {})
-    # the per-row table is a device constant: a CPU stand-in on a machine without a GPU
-    from ulysses.kernels import block_stats
 
-    def table(rows, device):
-        return torch.zeros(1, _scratch.ROW_FIELDS, dtype=torch.int32)
-
-    for module in (block_stats, finalize_stats, lowp_pack, qv_stats_module):
-        monkeypatch.setattr(module, "row_table", table)
+    # the counters are a device buffer: a CPU stand-in on a machine without a GPU
+    monkeypatch.setattr(
+        qv_stats_module, "counters", lambda n, device: torch.zeros(n, dtype=torch.int32)
+    )
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     shape, strides = (1, 592, 56, 128), (592 * 56 * 128, 56 * 128, 128, 1)
     args = dict(group_size=64, row0=592, n_slots=10, g_first=9, n_touched=10, tail_group=-1,
@@ -511,9 +508,8 @@ def test_cuda_mirror_compiles_the_cuda_launch_settings(monkeypatch):
             (1, L, 56, D), strides, strides, device, torch.zeros(qv_payload_numel(1, 56, D)),
             torch.zeros(1, 56, lay.n_slots), group_size=32, row0=L, n_slots=lay.n_slots,
             n_touched=lay.n_touched, tail_group=-1, live_end=P * L, floor=0.0, use_pdl=False,
-        ).__closure__  # fmt: skip
-        (step,) = [c.cell_contents for c in qv if isinstance(c.cell_contents, _launch.Launch)]
-        return [_settings(x) for x in (amax, pack, step)]
+        )  # fmt: skip
+        return [_settings(x) for x in (amax, pack, qv)]
 
     monkeypatch.setattr(_launch, "_MIRROR_TO_CUDA", False)
     assert not _launch.compiled_for_gpu(cpu)

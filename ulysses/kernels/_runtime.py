@@ -21,10 +21,14 @@ from ._launch import _SPECIALIZED as _SPECIALIZED
 from ._launch import COMPILE_OPTIONS, Launch, compiled_for_gpu, first_launch_stats, launch
 from ._launch import _params as _params
 from ._scratch import (
+    Part,
+    Section,
     cdiv,
     channel_block,
     counters,
     device_constant,
+    f32_bits,
+    grid_table,
     next_pow2,
     output_template,
     row_table,
@@ -37,7 +41,7 @@ from ._scratch import (
 # The kernels' shared @triton.jit helpers live in _tl.py, not in a host module: Triton keys a
 # jit function's compile cache on its starting line, so a helper below busy host code would
 # recompile every kernel whenever a line above it moved (a carried cache would miss).
-from ._tl import load_streamed
+from ._tl import load_streamed, table_int
 
 try:  # Triton >= 3.4 exposes grid dependency control (programmatic dependent launch).
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -51,12 +55,16 @@ __all__ = [
     "COMPILE_OPTIONS",
     "HAS_GDC",
     "Launch",
+    "Part",
+    "Section",
     "TRITON_LOCK",
     "cdiv",
     "channel_block",
     "compiled_for_gpu",
     "counters",
     "device_constant",
+    "f32_bits",
+    "grid_table",
     "first_launch_stats",
     "gdc_launch_dependents",
     "gdc_wait",
@@ -67,6 +75,7 @@ __all__ = [
     "row_table",
     "sm_count",
     "stream_key",
+    "table_int",
     "tile",
     "triton_state",
     "workspace",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import struct
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -11,6 +13,10 @@ from ._launch import compiled_for_gpu
 __all__ = [
     "cdiv",
     "counters",
+    "f32_bits",
+    "Part",
+    "Section",
+    "grid_table",
     "next_pow2",
     "output_template",
     "row_table",
@@ -87,6 +93,61 @@ def row_table(rows: tuple | None, device: torch.device) -> torch.Tensor:
         host = torch.tensor(rows or ((0,) * ROW_FIELDS,), dtype=torch.int32).view(-1, ROW_FIELDS)
         found = _ROW_TABLES[key] = device_constant(host, device)
     return found
+
+
+def f32_bits(x: float) -> int:
+    """The int32 bits of ``x`` rounded to fp32 (as a float parameter of a kernel is): a float
+    in a kernel's int32 grid table."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+class Section(NamedTuple):
+    """One kind of program's grid values in a kernel's int32 table (:func:`grid_table`):
+    ``values`` in the order of ``names``; ``hinted``, the names Triton would have specialized
+    as parameters (strides, row sizes); ``rows``, per-row live counts (:func:`row_table`'s
+    rows) or None. A name ``rows_at`` is set to where the per-row table starts, counted from
+    the section's first entry."""
+
+    names: tuple[str, ...]
+    values: dict
+    hinted: tuple[str, ...] = ()
+    rows: tuple | None = None
+
+
+class Part(NamedTuple):
+    """The programs of one kind in a launch of a kernel that reads its grid values from one
+    table: how many, their warps, their table :class:`Section`, and the kernel's other
+    arguments by parameter name (tensors, constexprs; None: a slot of the call). Its "last
+    program" counters are the first ``counters`` of the stream's (:func:`counters`)."""
+
+    programs: int
+    num_warps: int
+    section: Section
+    args: dict
+    counters: int = 0
+
+
+def grid_table(sections: tuple[Section, ...], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(int32 table, hints) of a kernel that takes its grid values as one table: the
+    sections' values one after another (section i from the sum of the earlier sections'
+    lengths), then their per-row tables. ``hints`` has bit i set where entry i is hinted and
+    a multiple of 16, for the kernel's ``table_int`` (``kernels/_tl.py``): the divisibility
+    Triton's specialization of an int parameter gave the compiler."""
+    table, rows, hints = [], [], 0
+    n_values = sum(len(s.names) for s in sections)
+    for s in sections:
+        assert set(s.hinted) <= set(s.names) and ("rows_at" in s.names) <= (s.rows is not None)
+        base = len(table)
+        values = dict(s.values)
+        if "rows_at" in s.names:
+            values["rows_at"] = n_values + len(rows) - base
+        table += [values[n] for n in s.names]
+        hints |= sum(1 << base + i for i, n in enumerate(s.names)
+                     if n in s.hinted and values[n] % 16 == 0)  # fmt: skip
+        rows += [x for row in s.rows or () for x in row]
+    table += rows
+    assert all(type(x) is int and -(2**31) <= x < 2**31 for x in table), f"int32 wraps: {table}"
+    return device_constant(torch.tensor(table, dtype=torch.int32), device), hints
 
 
 def _keep(_pinned) -> None:

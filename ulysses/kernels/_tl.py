@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["head_block_program", "load_streamed"]
+__all__ = ["head_block_program", "load_streamed", "table_int"]
 
 
 @triton.jit
@@ -42,3 +42,15 @@ def head_block_program(
     m_h = o_h < H
     m_hd = m_h[:, None] & (o_d[None, :] < D)
     return i_b, i_mid, o_h, o_d, m_h, m_hd
+
+
+@triton.jit
+def table_int(values_ptr, i: tl.constexpr, HINTS: tl.constexpr):
+    """Entry ``i`` of a kernel's int32 grid table. Where bit ``i`` of ``HINTS`` is set the host
+    found the value a multiple of 16 and the compiler is told so, as Triton's specialization
+    of an int parameter told it (strides and row sizes: their alignment vectorizes the loads
+    and stores); other entries serve every value with one compilation."""
+    x = tl.load(values_ptr + i)
+    if (HINTS >> i) & 1:
+        x = tl.multiple_of(x, 16)
+    return x

@@ -23,20 +23,25 @@ import triton.language as tl
 
 from ._runtime import (
     Launch,
+    Part,
+    Section,
     cdiv,
     channel_block,
     compiled_for_gpu,
     counters,
+    f32_bits,
     gdc_launch_dependents,
     gdc_wait,
+    grid_table,
     load_streamed,
-    row_table,
+    table_int,
     tile,
     workspace,
 )
 
 __all__ = [
     "local_stats",
+    "k_stats_part",
     "LocalStats",
     "payload_numel",
     "MINMAX_NONE",
@@ -54,54 +59,31 @@ SUPER_C = tl.constexpr(SUPER_BLOCK)
 MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 
 
-# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
-# serves every shape, rank and padding of a dtype and tile (otherwise first compilations
-# dominate a run over many shapes, as the test harness makes). Pointers and strides stay
-# specialized: their 16-byte
-# alignment lets the loads and stores vectorize.
-_NOT_SPECIALIZED = [
-    "tag_last",
-    "L",
-    "H",
-    "row0",
-    "used",
-    "tail_group",
-    "g_first",
-    "n_touched",
-    "n_mm",
-    "block_first",
-    "n_blocks",
-    "n_zero",
-]
+# The kernel's grid values, in the order of its int32 table (``values_ptr``; the per-row
+# table follows at ``rows_at``). Ints that only bound masks, loops and grid indices are
+# loaded as the unspecialized int32 parameters they replace, so one compilation serves every
+# shape, rank and padding of a dtype and tile (otherwise first compilations dominate a run
+# over many shapes, as the test harness makes). The strides carry their divisibility by 16
+# into the compilation (``HINTS``, kernels/_tl.py ``table_int``), as their specialization as
+# parameters did: the 16-byte alignment lets the loads vectorize. ``tag`` is the call tag's
+# fp32 bits.
+K_STATS_VALUES = (
+    "stride_kb", "stride_kl", "stride_kh", "rows_at", "tag", "tag_last", "L", "H", "row0",
+    "used", "tail_group", "g_first", "n_touched", "n_mm", "block_first", "n_blocks", "bnd_at",
+    "sup_at",
+)  # fmt: skip
+_K_HINTED = K_STATS_VALUES[:3]
 
 
-@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+@triton.jit
 def _block_stats_kernel(
     k_ptr,
-    stride_kb,
-    stride_kl,
-    stride_kh,
     sum_ptr,
     mm_ptr,
-    bnd_ptr,
-    sup_ptr,
     cnt_ptr,
     payload_ptr,
-    tag_last,
-    tag,
-    L,
-    H,
-    row0,
-    used,
-    tail_group,
-    g_first,
-    n_touched,
-    n_mm,
-    block_first,
-    n_blocks,
-    rows_ptr,
-    zero_ptr,
-    n_zero,
+    values_ptr,  # int32 [len(K_STATS_VALUES)], then the per-row table
+    HINTS: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -111,8 +93,58 @@ def _block_stats_kernel(
     EVICT: tl.constexpr,
     PER_ROW: tl.constexpr,
     DB: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr,
 ):
+    _k_stats_program(
+        tl.program_id(0).to(tl.int64),
+        k_ptr,
+        sum_ptr,
+        mm_ptr,
+        cnt_ptr,
+        payload_ptr,
+        values_ptr,
+        HINTS,
+        G,
+        D,
+        BLOCK_H,
+        ROWS,
+        MINMAX,
+        USE_PDL,
+        EVICT,
+        PER_ROW,
+        DB,
+    )
+
+
+@triton.jit
+def _k_stats_program(
+    i_pid,
+    k_ptr,
+    sum_ptr,
+    mm_ptr,
+    cnt_ptr,
+    payload_ptr,
+    values_ptr,
+    HINTS: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    MINMAX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    DB: tl.constexpr,
+):
+    """Program ``i_pid`` of K's statistics (this launch's, or the exchange's statistics launch,
+    kernels/lowp_stats.py), its grid values at ``values_ptr`` (``K_STATS_VALUES``)."""
+    # values used after the row loops are loaded there, not held in registers across them
+    # (as kernel parameters they sat in the constant bank)
+    stride_kl = table_int(values_ptr, 1, HINTS)
+    L = tl.load(values_ptr + 6)
+    H = tl.load(values_ptr + 7)
+    row0 = tl.load(values_ptr + 8)
+    used = tl.load(values_ptr + 9)
+    tail_group = tl.load(values_ptr + 10)
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
     SPAN: tl.constexpr = G if G > 64 else 64
     N_SUB: tl.constexpr = SPAN // SUB
@@ -120,7 +152,6 @@ def _block_stats_kernel(
     n_spans = (row0 + L - 1) // SPAN - span_first + 1
     n_hblocks = tl.cdiv(H, BLOCK_H)
 
-    i_pid = tl.program_id(0).to(tl.int64)
     i_hb = i_pid % n_hblocks
     i_sp = (i_pid // n_hblocks) % n_spans
     i_b = i_pid // (n_hblocks * n_spans)
@@ -132,15 +163,13 @@ def _block_stats_kernel(
 
     if USE_PDL:
         gdc_wait()
-    if ZERO_BLOCK > 0:  # +0.0 over [0, n_zero) of zero_ptr, the programs taking turns
-        o_z = tl.arange(0, ZERO_BLOCK)
-        for z0 in range(i_pid * ZERO_BLOCK, n_zero, tl.num_programs(0) * ZERO_BLOCK):
-            b_zero = tl.zeros([ZERO_BLOCK], tl.float32)
-            tl.store(zero_ptr + z0 + o_z, b_zero, mask=z0 + o_z < n_zero)
 
     span0 = (span_first + i_sp) * SPAN  # first global row of this span
+    stride_kb = table_int(values_ptr, 0, HINTS)
+    stride_kh = table_int(values_ptr, 2, HINTS)
     p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
     if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
+        rows_ptr = values_ptr + tl.load(values_ptr + 3)
         used = tl.load(rows_ptr + i_b * 3)
         tail_group = tl.load(rows_ptr + i_b * 3 + 1)
     live_end = used - row0  # local rows below this are live
@@ -179,23 +208,25 @@ def _block_stats_kernel(
                     b_max = tl.where(m_mm, tl.maximum(b_max, b_k), b_max)
                     b_nan = b_nan | tl.where(m_mm, b_k != b_k, False)
         if SUB == SUM_BLOCK_C:
+            block_first = tl.load(values_ptr + 14)
+            n_blocks = tl.load(values_ptr + 15)
             i_blk = sub0 // SUB - block_first
             if (i_blk >= 0) & (i_blk < n_blocks):
                 tl.store(sum_ptr + (i_b * n_blocks + i_blk) * H * D + o_hd, b_sum, mask=m_hd)
             b_sum = tl.zeros([BLOCK_H, DB], dtype=tl.float32)
         if MINMAX != 0:
             if SUB == G:
-                i_s = group - g_first
+                i_s = group - tl.load(values_ptr + 11)  # g_first
                 _store_minmax(
                     mm_ptr,
-                    bnd_ptr,
+                    payload_ptr + tl.load(values_ptr + 16),  # the boundary records
                     b_min,
                     b_max,
                     b_nan,
                     i_b,
                     i_s,
-                    n_touched,
-                    n_mm,
+                    tl.load(values_ptr + 12),  # n_touched
+                    tl.load(values_ptr + 13),  # n_mm
                     H,
                     D,
                     o_hd,
@@ -208,23 +239,25 @@ def _block_stats_kernel(
 
     if USE_PDL:
         gdc_launch_dependents()
+    block_first = tl.load(values_ptr + 14)
+    n_blocks = tl.load(values_ptr + 15)
     if SUB != SUM_BLOCK_C:  # G < 64: the span is one sum block
         i_blk = span0 // SUM_BLOCK_C - block_first
         if (i_blk >= 0) & (i_blk < n_blocks):
             tl.store(sum_ptr + (i_b * n_blocks + i_blk) * H * D + o_hd, b_sum, mask=m_hd)
     if MINMAX != 0:
         if SUB != G:  # G > 64: the span is one group
-            i_s = span0 // G - g_first
+            i_s = span0 // G - tl.load(values_ptr + 11)  # g_first
             _store_minmax(
                 mm_ptr,
-                bnd_ptr,
+                payload_ptr + tl.load(values_ptr + 16),  # the boundary records
                 b_min,
                 b_max,
                 b_nan,
                 i_b,
                 i_s,
-                n_touched,
-                n_mm,
+                tl.load(values_ptr + 12),  # n_touched
+                tl.load(values_ptr + 13),  # n_mm
                 H,
                 D,
                 o_hd,
@@ -256,6 +289,7 @@ def _block_stats_kernel(
         tl.store(p_cnt + i_c, 0)
         p_sum = sum_ptr + i_b * n_blocks * H * D + o_hd
         b_acc = _ordered_sum(p_sum, c_lo, c_hi, H * D, m_hd, BLOCK_H, DB)
+        sup_ptr = sum_ptr + tl.load(values_ptr + 17)
         tl.store(sup_ptr + (i_b * n_super + i_c) * H * D + o_hd, b_acc, mask=m_hd)
         tl.debug_barrier()
         n_sup = tl.atomic_add(p_cnt + n_super, 1, sem="acq_rel")
@@ -265,8 +299,9 @@ def _block_stats_kernel(
             b_tot = _ordered_sum(p_sup, 0, n_super, H * D, m_hd, BLOCK_H, DB)
             tl.store(payload_ptr + 1 + i_b * H * D + o_hd, b_tot, mask=m_hd)
     if i_pid == 0:  # the call tag at both ends of the payload
+        tag = tl.load(values_ptr + 4).to(tl.float32, bitcast=True)
         tl.store(payload_ptr, tag)
-        tl.store(payload_ptr + tag_last, tag)
+        tl.store(payload_ptr + tl.load(values_ptr + 5), tag)
 
 
 @triton.jit
@@ -322,114 +357,101 @@ def _store_minmax(
 class LocalStats:
     """The launch of :func:`local_stats` for one shard shape, bound to ``payload`` and
     ``minmax``: ``local(k)`` runs it (one block-stats kernel, which also finishes the ordered
-    sum). Built once per call signature by the eager fast path of ``ulysses``.
+    sum). Built once per call signature by the eager fast path of ``ulysses``; ``part`` holds
+    its programs for the exchange's statistics launch (kernels/lowp_stats.py), which runs
+    them beside Q's and V's. Arguments as :func:`k_stats_part`."""
 
-    ``zero`` (optional, a contiguous fp32 tensor): the same launch also writes +0.0 over it,
-    after waiting for the previous kernel of the stream. The exchange zeroes V's amax block
-    there, which the Q/V statistics kernel launched next fills with atomic maxima: one
-    memset launch fewer a call."""
+    __slots__ = ("stats", "part")
 
-    __slots__ = ("stats",)
-
-    def __init__(
-        self,
-        shape: tuple[int, int, int, int],
-        strides: tuple[int, int, int, int],
-        device: torch.device,
-        payload: torch.Tensor,
-        minmax: torch.Tensor,
-        *,
-        group_size: int,
-        row0: int,
-        live_end: int,
-        tail_group: int,
-        g_first: int,
-        n_touched: int,
-        n_slots: int,
-        block_first: int,
-        n_blocks: int,
-        minmax_mode: int,
-        tag: float,
-        use_pdl: bool,
-        per_row: tuple | None = None,
-        rows: int | None = None,
-        block_h: int | None = None,
-        num_warps: int | None = None,
-        evict: bool | None = None,
-        zero: torch.Tensor | None = None,
-    ) -> None:
-        B, L, H, D = shape
-        G = group_size
-        span = max(G, SUM_BLOCK)
-        n_spans = (row0 + L - 1) // span - row0 // span + 1
-        numel = payload_numel(B, H, D, minmax_mode)
-        assert payload.shape == (numel,) and payload.dtype == torch.float32
-        assert payload.is_contiguous() and strides[3] == 1
-        bhd = B * H * D
-        # scratch, reused per device and stream (kernels/_scratch.workspace)
-        n_sums = B * n_blocks * H * D
-        block_sums = workspace("block_sums", n_sums, torch.float32, device)[:n_sums]
-        block_sums = block_sums.view(B, n_blocks, H, D)
-        assert zero is None or (zero.dtype == torch.float32 and zero.is_contiguous())
-        n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
-        assert minmax.shape == (B, n_mm, 2, H, D)
-        cuda = compiled_for_gpu(device)
-        # K is read once here (evict-first in L2 on CUDA: faster cold at 68 and 268 MB)
-        DB = channel_block(D)  # channels [D, DB) of a tile masked off
-        auto_h, auto_warps = tile(DB, H, B * n_spans, device, elems=256)
-        block_h = block_h or auto_h
-        n_hblocks = cdiv(H, block_h)
-        n_super = (block_first % SUPER_BLOCK + n_blocks + SUPER_BLOCK - 1) // SUPER_BLOCK
-        supers = workspace("super_sums", B * n_super * H * D, torch.float32, device)
-        cnt = counters(B * n_hblocks * (n_super + 1), device)
+    def __init__(self, shape, strides, device, payload, minmax, **config) -> None:
+        self.part = part = k_stats_part(shape, strides, device, payload, minmax, **config)
+        table, hints = grid_table((part.section,), device)
         self.stats = Launch(
-            _block_stats_kernel,
-            (B * n_spans * n_hblocks,),
-            device,
-            num_warps=num_warps or auto_warps,
-            use_pdl=use_pdl,
-            slots=("k_ptr",),
-            stride_kb=strides[0],
-            stride_kl=strides[1],
-            stride_kh=strides[2],
-            sum_ptr=block_sums,
-            mm_ptr=minmax if n_mm else block_sums,  # never written without MINMAX_ALL
-            bnd_ptr=payload[1 + bhd :] if minmax_mode != MINMAX_NONE else block_sums,
-            sup_ptr=supers,
-            cnt_ptr=cnt,
-            payload_ptr=payload,
-            tag_last=numel - 1,
-            tag=float(tag),
-            L=L,
-            H=H,
-            row0=row0,
-            used=live_end,
-            tail_group=tail_group,
-            g_first=g_first,
-            n_touched=n_touched,
-            n_mm=n_mm,
-            block_first=block_first,
-            n_blocks=n_blocks,
-            # per-row counts (``ulysses.grid.Layout.per_row``): read at each batch row instead of
-            # ``used`` and ``tail_group``
-            rows_ptr=row_table(per_row, device),
-            PER_ROW=per_row is not None,
-            zero_ptr=payload if zero is None else zero,
-            n_zero=0 if zero is None else zero.numel(),
-            ZERO_BLOCK=0 if zero is None else (128 if cuda else 1024),
-            G=G,
-            D=D,
-            BLOCK_H=block_h,
-            # Any ROWS gives the same bits (the sum is row-sequential).
-            ROWS=rows or ((8 if DB >= 128 else 16) if cuda else 4),
-            MINMAX=minmax_mode,
-            USE_PDL=use_pdl,
-            EVICT=cuda if evict is None else evict,
-            DB=DB,
-        )
+            _block_stats_kernel, (part.programs,), device, num_warps=part.num_warps,
+            use_pdl=part.args["USE_PDL"], slots=("k_ptr",), values_ptr=table, HINTS=hints,
+            **{n: a for n, a in part.args.items() if n != "k_ptr"},
+        )  # fmt: skip
 
     def __call__(self, k: torch.Tensor) -> None:
         self.stats(k)
+
+
+def k_stats_part(
+    shape: tuple[int, int, int, int],
+    strides: tuple[int, int, int, int],
+    device: torch.device,
+    payload: torch.Tensor,
+    minmax: torch.Tensor,
+    *,
+    group_size: int,
+    row0: int,
+    live_end: int,
+    tail_group: int,
+    g_first: int,
+    n_touched: int,
+    n_slots: int,
+    block_first: int,
+    n_blocks: int,
+    minmax_mode: int,
+    tag: float,
+    use_pdl: bool,
+    per_row: tuple | None = None,
+    rows: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    evict: bool | None = None,
+) -> Part:
+    """K's statistics programs for one shard shape, writing ``payload`` and ``minmax``
+    (:func:`local_stats`); their "last program" counters are the first ``counters`` of the
+    stream's (kernels/_scratch.counters)."""
+    B, L, H, D = shape
+    G = group_size
+    span = max(G, SUM_BLOCK)
+    n_spans = (row0 + L - 1) // span - row0 // span + 1
+    numel = payload_numel(B, H, D, minmax_mode)
+    assert payload.shape == (numel,) and payload.dtype == torch.float32
+    assert payload.is_contiguous() and strides[3] == 1
+    n_mm = n_slots if minmax_mode == MINMAX_ALL else 0
+    assert minmax.shape == (B, n_mm, 2, H, D)
+    cuda = compiled_for_gpu(device)
+    # K is read once here (evict-first in L2 on CUDA: faster cold at 68 and 268 MB)
+    DB = channel_block(D)  # channels [D, DB) of a tile masked off
+    auto_h, auto_warps = tile(DB, H, B * n_spans, device, elems=256)
+    block_h = block_h or auto_h
+    n_hblocks = cdiv(H, block_h)
+    n_super = (block_first % SUPER_BLOCK + n_blocks + SUPER_BLOCK - 1) // SUPER_BLOCK
+    # scratch, reused per device and stream (kernels/_scratch.workspace): the block sums
+    # [B, n_blocks, H, D], then the superblock sums [B, n_super, H, D]
+    n_sums = B * n_blocks * H * D
+    sums = workspace("block_sums", n_sums + B * n_super * H * D, torch.float32, device)
+    n_counters = B * n_hblocks * (n_super + 1)
+    values = dict(
+        stride_kb=strides[0], stride_kl=strides[1], stride_kh=strides[2], tag=f32_bits(tag),
+        tag_last=numel - 1, L=L, H=H, row0=row0, used=live_end, tail_group=tail_group,
+        g_first=g_first, n_touched=n_touched, n_mm=n_mm, block_first=block_first,
+        n_blocks=n_blocks, bnd_at=1 + B * H * D, sup_at=n_sums,
+    )  # fmt: skip
+    # per-row counts (``ulysses.grid.Layout.per_row``): read at each batch row instead of
+    # ``used`` and ``tail_group``
+    section = Section(K_STATS_VALUES, values, _K_HINTED, per_row or ((0, 0, 0),))
+    args = dict(
+        k_ptr=None,
+        sum_ptr=sums,
+        mm_ptr=minmax if n_mm else sums,  # never written without MINMAX_ALL
+        cnt_ptr=counters(n_counters, device),
+        payload_ptr=payload,
+        PER_ROW=per_row is not None,
+        G=G,
+        D=D,
+        BLOCK_H=block_h,
+        # Any ROWS gives the same bits (the sum is row-sequential).
+        ROWS=rows or ((8 if DB >= 128 else 16) if cuda else 4),
+        MINMAX=minmax_mode,
+        USE_PDL=use_pdl,
+        EVICT=cuda if evict is None else evict,
+        DB=DB,
+    )
+    return Part(B * n_spans * n_hblocks, num_warps or auto_warps, section, args, n_counters)
 
 
 def local_stats(

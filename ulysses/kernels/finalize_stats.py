@@ -27,46 +27,44 @@ import triton.language as tl
 
 from ._runtime import (
     Launch,
+    Part,
+    Section,
     cdiv,
     channel_block,
     compiled_for_gpu,
     device_constant,
     gdc_launch_dependents,
     gdc_wait,
-    row_table,
+    grid_table,
     sm_count,
     tile,
 )
 from ._tl import head_block_program
 
-__all__ = ["finalize_stats", "prepare_finalize", "MODE_MEAN", "MODE_FUSED", "MODE_MERGE"]
+__all__ = [
+    "finalize_part",
+    "finalize_stats",
+    "prepare_finalize",
+    "MODE_MEAN",
+    "MODE_FUSED",
+    "MODE_MERGE",
+]
 
 MODE_MEAN, MODE_FUSED, MODE_MERGE = 0, 1, 2
 _SOURCES: dict[tuple, torch.Tensor] = {}
 
 
-# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
-# serves every shape, rank and padding of a dtype and tile (first compilations dominated the
-# GPU harness). Pointers and strides stay specialized: their 16-byte
-# alignment lets the loads and stores vectorize.
-_NOT_SPECIALIZED = [
-    "N",
-    "stride_p",
-    "H",
-    "P",
-    "bhd",
-    "n_slots",
-    "n_touched",
-    "n_hblocks",
-    "n_chunks",
-    "slots_per_program",
-    "n_src_first",
-    "n_src_last",
-    "divisor",
-]
+# The kernel's grid values, in the order of its int32 table (``values_ptr``; the per-row
+# table follows at ``rows_at``): ints that only bound masks, loops and grid indices, loaded as
+# the unspecialized int32 parameters they replace, so one compilation serves every shape,
+# rank and padding of a dtype and tile (first compilations dominated the GPU harness).
+FINALIZE_VALUES = (
+    "N", "stride_p", "H", "P", "bhd", "n_slots", "n_touched", "n_hblocks", "n_chunks",
+    "slots_per_program", "n_src_first", "n_src_last", "divisor", "rows_at",
+)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+@triton.jit
 def _finalize_kernel(
     gathered_ptr,
     mm_ptr,
@@ -75,21 +73,8 @@ def _finalize_kernel(
     part_ptr,
     final_ptr,
     src_ptr,
-    N,
-    stride_p,
+    values_ptr,  # int32 [len(FINALIZE_VALUES)], then the per-row table
     tag,
-    H,
-    P,
-    bhd,
-    n_slots,
-    n_touched,
-    n_hblocks,
-    n_chunks,
-    slots_per_program,
-    n_src_first,
-    n_src_last,
-    divisor,
-    rows_ptr,
     FLOOR: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -98,6 +83,20 @@ def _finalize_kernel(
     PER_ROW: tl.constexpr,
     DB: tl.constexpr,
 ):
+    N = tl.load(values_ptr + 0)
+    stride_p = tl.load(values_ptr + 1)
+    H = tl.load(values_ptr + 2)
+    P = tl.load(values_ptr + 3)
+    bhd = tl.load(values_ptr + 4)
+    n_slots = tl.load(values_ptr + 5)
+    n_touched = tl.load(values_ptr + 6)
+    n_hblocks = tl.load(values_ptr + 7)
+    n_chunks = tl.load(values_ptr + 8)
+    slots_per_program = tl.load(values_ptr + 9)
+    n_src_first = tl.load(values_ptr + 10)
+    n_src_last = tl.load(values_ptr + 11)
+    divisor = tl.load(values_ptr + 12)
+    rows_ptr = values_ptr + tl.load(values_ptr + 13)
     i_b, i_ch, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_chunks, H, BLOCK_H, D, DB)
     if PER_ROW:  # per-row live counts: this batch row's divisor (block_stats.py's table)
         divisor = tl.load(rows_ptr + i_b * 3 + 2)
@@ -193,7 +192,22 @@ def _sources(first: list[int], last: list[int], P: int, device: torch.device) ->
     return found
 
 
-def prepare_finalize(
+def prepare_finalize(gathered, minmax=None, **config) -> Launch:
+    """The finalize launch bound to ``gathered`` (and ``minmax``). Its call arguments
+    (``Launch`` slots): MODE_FUSED ``(mean, part, final)``; MODE_MEAN ``(mean,)``;
+    MODE_MERGE ``(amax_partial, part, final)``, the mean then going to ``mean`` (a scratch
+    [B, H, D] of ``dtype``). Arguments as :func:`finalize_stats`."""
+    part = finalize_part(gathered, minmax, **config)
+    table, _ = grid_table((part.section,), gathered.device)
+    slots = tuple(n for n, a in part.args.items() if a is None)
+    return Launch(
+        _finalize_kernel, (part.programs,), gathered.device, num_warps=part.num_warps,
+        use_pdl=part.args["USE_PDL"], slots=slots, values_ptr=table,
+        **{n: a for n, a in part.args.items() if a is not None},
+    )  # fmt: skip
+
+
+def finalize_part(
     gathered: torch.Tensor,
     minmax: torch.Tensor | None = None,
     *,
@@ -212,11 +226,9 @@ def prepare_finalize(
     use_pdl: bool,
     mean: torch.Tensor | None = None,
     per_row: tuple | None = None,
-) -> Launch:
-    """The finalize launch bound to ``gathered`` (and ``minmax``). Its call arguments
-    (``Launch`` slots): MODE_FUSED ``(mean, part, final)``; MODE_MEAN ``(mean,)``;
-    MODE_MERGE ``(amax_partial, part, final)``, the mean then going to ``mean`` (a scratch
-    [B, H, D] of ``dtype``). Arguments as :func:`finalize_stats`."""
+) -> Part:
+    """The finalize's programs (:func:`prepare_finalize`; the call's slots are the
+    arguments that are None)."""
     P, N = gathered.shape
     assert gathered.dtype == torch.float32 and gathered.stride(1) == 1
     device = gathered.device
@@ -242,30 +254,16 @@ def prepare_finalize(
         assert mode == MODE_MERGE and mean is not None and mean.shape == (B, H, D)
         slots = ("part_in_ptr", "part_ptr", "final_ptr")
         fixed.update(mm_ptr=gathered, mean_ptr=mean)
-    return Launch(
-        _finalize_kernel,
-        (B * n_chunks * n_hblocks,),
-        device,
-        num_warps=num_warps,
-        use_pdl=use_pdl,
-        slots=slots,
+    values = dict(
+        N=N, stride_p=gathered.stride(0), H=H, P=P, bhd=B * H * D, n_slots=n_prog_slots,
+        n_touched=n_touched, n_hblocks=n_hblocks, n_chunks=n_chunks,
+        slots_per_program=per_program, n_src_first=len(first_sources),
+        n_src_last=len(last_sources), divisor=divisor,
+    )  # fmt: skip
+    args = dict(
         gathered_ptr=gathered,
         src_ptr=_sources(first_sources, last_sources, P, device),
-        N=N,
-        stride_p=gathered.stride(0),
         tag=float(tag),
-        H=H,
-        P=P,
-        bhd=B * H * D,
-        n_slots=n_prog_slots,
-        n_touched=n_touched,
-        n_hblocks=n_hblocks,
-        n_chunks=n_chunks,
-        slots_per_program=per_program,
-        n_src_first=len(first_sources),
-        n_src_last=len(last_sources),
-        divisor=divisor,
-        rows_ptr=row_table(per_row, device),  # per-row counts: each row's divisor
         FLOOR=floor,
         D=D,
         BLOCK_H=block_h,
@@ -274,7 +272,11 @@ def prepare_finalize(
         PER_ROW=per_row is not None,
         DB=channel_block(D),  # channels [D, DB) of a tile masked off
         **fixed,
+        **dict.fromkeys(slots),
     )
+    # per-row counts: each row's divisor
+    section = Section(FINALIZE_VALUES, values, (), per_row or ((0, 0, 0),))
+    return Part(B * n_chunks * n_hblocks, num_warps, section, args)
 
 
 def finalize_stats(

@@ -36,7 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, channel_block, compiled_for_gpu, row_table
+from ._runtime import (
+    Launch,
+    Section,
+    cdiv,
+    channel_block,
+    compiled_for_gpu,
+    grid_table,
+    table_int,
+)
 
 __all__ = ["dequantize_qkv", "prepare_dequant", "round_to"]
 
@@ -55,40 +63,34 @@ def round_to(b_x, out_dtype: tl.constexpr, HW_ROUND: tl.constexpr):
         return b_round.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
-# Ints that bound masks and index the grid only: one compilation serves every S and head count.
-_NOT_SPECIALIZED = ["S", "HQ", "HKV", "q_group", "k_group", "n_qg", "n_kg"]
+# The kernel's grid values, in the order of its int32 table (``values_ptr``). The ints that
+# bound masks and index the grid are loaded as the unspecialized parameters they replace (one
+# compilation serves every S and head count); the strides carry their divisibility by 16
+# into the compilation (``HINTS``, kernels/_tl.py ``table_int``), as their specialization as
+# parameters did.
+DEQUANT_VALUES = (
+    "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+    "stride_vs", "stride_vh", "stride_vsb", "S", "HQ", "HKV", "q_group", "k_group", "n_qg",
+    "n_kg",
+)  # fmt: skip
+_DEQUANT_HINTED = DEQUANT_VALUES[:10]
 
 
-@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+@triton.jit
 def _dequant_qkv_kernel(
     q_ptr,
-    stride_qb,
-    stride_qs,
-    stride_qh,
     k_ptr,
-    stride_kb,
-    stride_ks,
-    stride_kh,
     v_ptr,
-    stride_vb,
-    stride_vs,
-    stride_vh,
     q_scale_ptr,
     k_scale_ptr,
     v_scale_ptr,
     q_index_ptr,
     k_index_ptr,
-    stride_vsb,
     q_out_ptr,
     k_out_ptr,
     v_out_ptr,
-    S,
-    HQ,
-    HKV,
-    q_group,
-    k_group,
-    n_qg,
-    n_kg,
+    values_ptr,  # int32 [len(DEQUANT_VALUES)]
+    HINTS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HW_ROUND: tl.constexpr,
@@ -96,6 +98,23 @@ def _dequant_qkv_kernel(
     V_INT8: tl.constexpr,
     SCALES_FROM_RECV: tl.constexpr,
 ):
+    stride_qb = table_int(values_ptr, 0, HINTS)
+    stride_qs = table_int(values_ptr, 1, HINTS)
+    stride_qh = table_int(values_ptr, 2, HINTS)
+    stride_kb = table_int(values_ptr, 3, HINTS)
+    stride_ks = table_int(values_ptr, 4, HINTS)
+    stride_kh = table_int(values_ptr, 5, HINTS)
+    stride_vb = table_int(values_ptr, 6, HINTS)
+    stride_vs = table_int(values_ptr, 7, HINTS)
+    stride_vh = table_int(values_ptr, 8, HINTS)
+    stride_vsb = table_int(values_ptr, 9, HINTS)
+    S = tl.load(values_ptr + 10)
+    HQ = tl.load(values_ptr + 11)
+    HKV = tl.load(values_ptr + 12)
+    q_group = tl.load(values_ptr + 13)
+    k_group = tl.load(values_ptr + 14)
+    n_qg = tl.load(values_ptr + 15)
+    n_kg = tl.load(values_ptr + 16)
     i_s, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
@@ -198,24 +217,27 @@ def prepare_dequant(
     if found is not None:
         return found
     n_qg, n_kg = cdiv(S, q_group), cdiv(S, k_group)
+    (sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _) = strides
+    values = dict(
+        stride_qb=sqb, stride_qs=sqs, stride_qh=sqh, stride_kb=skb, stride_ks=sks,
+        stride_kh=skh, stride_vb=svb, stride_vs=svs, stride_vh=svh, stride_vsb=v_scale_stride,
+        S=S, HQ=HQ, HKV=HKV, q_group=q_group, k_group=k_group, n_qg=n_qg, n_kg=n_kg,
+    )  # fmt: skip
+    table, hints = grid_table((Section(DEQUANT_VALUES, values, _DEQUANT_HINTED),), device)
     # not read without SCALES_FROM_RECV: a small constant tensor (a pointer argument like any
     # other on every launch path, never a None)
-    q_index = k_index = row_table(None, device)
+    q_index = k_index = table
     if scale_index is not None:
         q_index, k_index = scale_index
         assert q_index.dtype == k_index.dtype == torch.int64
         assert q_index.shape == (B * HQ * n_qg,) and k_index.shape == (B * HKV * n_kg,)
         assert q_index.device == k_index.device == device
-    (sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _) = strides
     block_s, num_warps = _block_s(D, device)
     found = Launch(
         _dequant_qkv_kernel, (cdiv(S, block_s), HQ + 2 * HKV, B), device, num_warps=num_warps,
         slots=("q_ptr", "k_ptr", "v_ptr", "q_scale_ptr", "k_scale_ptr", "v_scale_ptr",
                "q_out_ptr", "k_out_ptr", "v_out_ptr"),
-        stride_qb=sqb, stride_qs=sqs, stride_qh=sqh, stride_kb=skb, stride_ks=sks,
-        stride_kh=skh, stride_vb=svb, stride_vs=svs, stride_vh=svh, q_index_ptr=q_index,
-        k_index_ptr=k_index, stride_vsb=v_scale_stride, S=S, HQ=HQ, HKV=HKV,
-        q_group=q_group, k_group=k_group, n_qg=n_qg, n_kg=n_kg, D=D,
+        q_index_ptr=q_index, k_index_ptr=k_index, values_ptr=table, HINTS=hints, D=D,
         BLOCK_S=block_s, HW_ROUND=compiled_for_gpu(device), DB=channel_block(D),
         V_INT8=v_int8, SCALES_FROM_RECV=scale_index is not None,
     )  # fmt: skip

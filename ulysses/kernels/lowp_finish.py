@@ -27,66 +27,60 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, cdiv, compiled_for_gpu, device_constant, gdc_wait, next_pow2
-from .finalize_stats import MODE_FUSED, _finalize_kernel
+from ._runtime import Launch, Part, Section, cdiv, compiled_for_gpu, gdc_wait, grid_table, next_pow2
+from .finalize_stats import FINALIZE_VALUES, MODE_FUSED, _finalize_kernel
 
-__all__ = ["prepare_lowp_finish", "prepare_post_gather", "finish_tile", "source_range"]
+__all__ = [
+    "lowp_finish_part",
+    "prepare_lowp_finish",
+    "prepare_post_gather",
+    "finish_tile",
+    "source_range",
+]
 
 # Sources whose loads are unrolled (issued together): every group of P <= 8 ranks; a group
 # spread over more ranks (L < G at large P) loads the rest in a loop
 MAX_UNROLL = 8
 
-_NOT_SPECIALIZED = [
-    "first_q0",
-    "first_e0",
-    "first_n",
-    "last_q0",
-    "last_e0",
-    "last_n",
-    "n_bhd",
-    "n_bh",
-    "n_slots",
-    "n_touched",
-    "H",
-    "h",
-    "head0",
-    "q_off",
-    "v_off",
-    "P",
-    "D",
-    "prog0",
-]
+# The kernel's grid values, in the order of its int32 table (``values_ptr``): ints that
+# only bound masks, loops and grid indices, loaded as the unspecialized int32 parameters
+# they replace (one compilation serves every shape, rank and padding)
+LOWP_FINISH_VALUES = (
+    "stride_p", "first_q0", "first_e0", "first_n", "last_q0", "last_e0", "last_n", "n_bhd",
+    "n_bh", "n_slots", "n_touched", "H", "h", "head0", "q_off", "v_off", "P", "D", "prog0",
+)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+@triton.jit
 def _lowp_finish_kernel(
     gathered_ptr,
-    stride_p,
-    first_q0,
-    first_e0,
-    first_n,
-    last_q0,
-    last_e0,
-    last_n,
     amax_q_ptr,
     amax_v_ptr,
     v_scale_ptr,
-    n_bhd,
-    n_bh,
-    n_slots,
-    n_touched,
-    H,
-    h,
-    head0,
-    q_off,
-    v_off,
-    P,
-    D,
-    prog0,
+    values_ptr,  # int32 [len(LOWP_FINISH_VALUES)]
     N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
     V_MAX: tl.constexpr,
 ):
+    stride_p = tl.load(values_ptr + 0)
+    first_q0 = tl.load(values_ptr + 1)
+    first_e0 = tl.load(values_ptr + 2)
+    first_n = tl.load(values_ptr + 3)
+    last_q0 = tl.load(values_ptr + 4)
+    last_e0 = tl.load(values_ptr + 5)
+    last_n = tl.load(values_ptr + 6)
+    n_bhd = tl.load(values_ptr + 7)
+    n_bh = tl.load(values_ptr + 8)
+    n_slots = tl.load(values_ptr + 9)
+    n_touched = tl.load(values_ptr + 10)
+    H = tl.load(values_ptr + 11)
+    h = tl.load(values_ptr + 12)
+    head0 = tl.load(values_ptr + 13)
+    q_off = tl.load(values_ptr + 14)
+    v_off = tl.load(values_ptr + 15)
+    P = tl.load(values_ptr + 16)
+    D = tl.load(values_ptr + 17)
+    prog0 = tl.load(values_ptr + 18)
     # prog0: the programs before this kernel's in the grid (the post-gather launch's finalize)
     i_prog = tl.program_id(0) - prog0
     o_e = i_prog.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -130,17 +124,6 @@ def _lowp_finish_kernel(
         tl.store(amax_q_ptr + o_e * n_slots + slot, b_m.to(tl.float32, bitcast=True), mask=m_q)
 
 
-# The post-gather launch's grid values, in the order of its int32 table (``values_ptr``): the
-# finalize's (kernels/finalize_stats.py), then the finish's (``lf_``: the names they share
-# with the finalize), one table instead of a parameter each
-POST_GATHER_VALUES = (
-    "n_fin", "N", "stride_p", "H", "P", "bhd", "n_slots", "n_touched", "n_hblocks", "n_chunks",
-    "slots_per_program", "n_src_first", "n_src_last", "divisor", "first_q0", "first_e0",
-    "first_n", "last_q0", "last_e0", "last_n", "lf_n_bhd", "lf_n_bh", "lf_n_slots",
-    "lf_n_touched", "h", "head0", "q_off", "v_off",
-)  # fmt: skip
-
-
 @triton.jit
 def _post_gather_kernel(
     gathered_ptr,
@@ -150,11 +133,10 @@ def _post_gather_kernel(
     part_ptr,
     final_ptr,
     src_ptr,
-    rows_ptr,
     amax_q_ptr,
     amax_v_ptr,
     v_scale_ptr,
-    values_ptr,  # int32 [len(POST_GATHER_VALUES)]
+    values_ptr,  # int32: n_fin, FINALIZE_VALUES, LOWP_FINISH_VALUES, the per-row table
     tag,
     FLOOR: tl.constexpr,
     D: tl.constexpr,
@@ -169,16 +151,10 @@ def _post_gather_kernel(
 ):
     """The exchange after its all_gather in ONE launch: programs [0, n_fin) are K's finalize
     (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. Small launches
-    after a collective are bound by their cold latency, not their bytes: as two launches they
-    cost 6.7 + 7.2 us at 68 MB (one H200); one launch runs both sets of programs
-    at once. The grid values are loaded from ``values_ptr`` (indices of
-    ``POST_GATHER_VALUES``): int32 as the unspecialized int parameters they replace."""
-    i_pid = tl.program_id(0)
-    n_fin = tl.load(values_ptr + 0)
-    stride_p = tl.load(values_ptr + 2)
-    H = tl.load(values_ptr + 3)
-    P = tl.load(values_ptr + 4)
-    if i_pid < n_fin:
+    after a collective are bound by their cold latency, not their bytes: one launch runs
+    both sets of programs at once. Each reads its grid values from its section of the
+    table (the finalize's from index 1, the finish's from 15)."""
+    if tl.program_id(0) < tl.load(values_ptr):
         _finalize_kernel(
             gathered_ptr,
             mm_ptr,
@@ -187,21 +163,8 @@ def _post_gather_kernel(
             part_ptr,
             final_ptr,
             src_ptr,
-            tl.load(values_ptr + 1),  # N
-            stride_p,
+            values_ptr + 1,
             tag,
-            H,
-            P,
-            tl.load(values_ptr + 5),  # bhd
-            tl.load(values_ptr + 6),  # n_slots
-            tl.load(values_ptr + 7),  # n_touched
-            tl.load(values_ptr + 8),  # n_hblocks
-            tl.load(values_ptr + 9),  # n_chunks
-            tl.load(values_ptr + 10),  # slots_per_program
-            tl.load(values_ptr + 11),  # n_src_first
-            tl.load(values_ptr + 12),  # n_src_last
-            tl.load(values_ptr + 13),  # divisor
-            rows_ptr,
             FLOOR,
             D,
             BLOCK_H,
@@ -215,69 +178,47 @@ def _post_gather_kernel(
             gdc_wait()
         _lowp_finish_kernel(
             gathered_ptr,
-            stride_p,
-            tl.load(values_ptr + 14),  # first_q0
-            tl.load(values_ptr + 15),  # first_e0
-            tl.load(values_ptr + 16),  # first_n
-            tl.load(values_ptr + 17),  # last_q0
-            tl.load(values_ptr + 18),  # last_e0
-            tl.load(values_ptr + 19),  # last_n
             amax_q_ptr,
             amax_v_ptr,
             v_scale_ptr,
-            tl.load(values_ptr + 20),  # lf_n_bhd
-            tl.load(values_ptr + 21),  # lf_n_bh
-            tl.load(values_ptr + 22),  # lf_n_slots
-            tl.load(values_ptr + 23),  # lf_n_touched
-            H,
-            tl.load(values_ptr + 24),  # h
-            tl.load(values_ptr + 25),  # head0
-            tl.load(values_ptr + 26),  # q_off
-            tl.load(values_ptr + 27),  # v_off
-            P,
-            D,
-            n_fin,
+            values_ptr + 15,
             N_UNROLL,
             BLOCK,
             V_MAX,
         )
 
 
-# lowp_finish's argument -> the fused kernel's (the shared ones keep their name)
-_RENAMED = {"n_bhd": "lf_n_bhd", "n_bh": "lf_n_bh", "n_slots": "lf_n_slots",
-            "n_touched": "lf_n_touched"}  # fmt: skip
-_SHARED = ("gathered_ptr", "stride_p", "H", "P", "D")
+assert 1 + len(FINALIZE_VALUES) == 15  # the finish's section in the post-gather table
 
 
-def prepare_post_gather(finalize: Launch, finish: Launch) -> Launch:
-    """One launch doing what the prepared K ``finalize`` (MODE_FUSED, slots ``(mean, part,
-    final)``) and this module's ``finish`` (slot ``(v_scale,)``) do, on the same buffers: call
-    it with ``(mean, part, final, v_scale)``. Both must read the same gathered buffer."""
-    fin = dict(zip(finalize.names, finalize.args, strict=True))
-    lf = dict(zip(finish.names, finish.args, strict=True))
-    assert finalize.kernel is _finalize_kernel and finish.kernel is _lowp_finish_kernel
-    assert fin["MODE"] == MODE_FUSED and len(finalize.grid) == len(finish.grid) == 1
-    g_fin, g_lf = fin["gathered_ptr"], lf["gathered_ptr"]
-    assert g_fin.data_ptr() == g_lf.data_ptr() and fin["stride_p"] == lf["stride_p"]
-    assert all(fin[n] == lf[n] for n in ("H", "P", "D")), "finalize and finish disagree"
-    fixed = {n: v for n, v in fin.items() if n not in ("mean_ptr", "part_ptr", "final_ptr")}
-    for name, value in lf.items():
-        if name in _SHARED or name in ("v_scale_ptr", "prog0"):
-            continue
-        fixed[_RENAMED.get(name, name)] = value
-    fixed["n_fin"] = finalize.grid[0]
-    values = [fixed.pop(name) for name in POST_GATHER_VALUES]
-    assert all(type(x) is int and -(2**31) <= x < 2**31 for x in values), values
-    table = device_constant(torch.tensor(values, dtype=torch.int32), finalize.device)
+def prepare_post_gather(finalize: Part, finish: Part) -> Launch:
+    """One launch doing what K's ``finalize`` programs (MODE_FUSED, slots ``(mean, part,
+    final)``; kernels/finalize_stats.finalize_part) and this module's ``finish`` programs
+    (slot ``(v_scale,)``; :func:`lowp_finish_part`) do, on the same buffers: call it with
+    ``(mean, part, final, v_scale)``. Both must read the same gathered buffer."""
+    fin, lf = finalize.args, finish.args
+    assert fin["MODE"] == MODE_FUSED
+    assert fin["gathered_ptr"].data_ptr() == lf["gathered_ptr"].data_ptr()
+    fv, lv = finalize.section.values, finish.section.values
+    assert fv["stride_p"] == lv["stride_p"] and fv["P"] == lv["P"] and fin["D"] == lv["D"]
+    assert fv["H"] == lv["H"], "finalize and finish disagree"
+    head = Section(("n_fin",), {"n_fin": finalize.programs})
+    lf_section = finish.section._replace(values={**lv, "prog0": finalize.programs})
+    table, _ = grid_table((head, finalize.section, lf_section), fin["gathered_ptr"].device)
     return Launch(
         _post_gather_kernel,
-        (finalize.grid[0] + finish.grid[0],),
-        finalize.device,
+        (finalize.programs + finish.programs,),
+        fin["gathered_ptr"].device,
         num_warps=max(finalize.num_warps, finish.num_warps),
-        use_pdl=finalize.use_pdl,
+        use_pdl=fin["USE_PDL"],
         slots=("mean_ptr", "part_ptr", "final_ptr", "v_scale_ptr"),
         values_ptr=table,
-        **fixed,
+        amax_q_ptr=lf["amax_q_ptr"],
+        amax_v_ptr=lf["amax_v_ptr"],
+        N_UNROLL=lf["N_UNROLL"],
+        BLOCK=lf["BLOCK"],
+        V_MAX=lf["V_MAX"],
+        **{n: a for n, a in fin.items() if a is not None},
     )
 
 
@@ -309,7 +250,19 @@ def source_range(sources: tuple, world_size: int) -> tuple[int, int, int]:
     return q0, e0, n
 
 
-def prepare_lowp_finish(
+def prepare_lowp_finish(gathered, amax_q, amax_v, **config) -> Launch:
+    """The launch for these buffers: call it with ``(v_scale,)``, fp32 [B, h, D]. Arguments
+    as :func:`lowp_finish_part`."""
+    part = lowp_finish_part(gathered, amax_q, amax_v, **config)
+    table, _ = grid_table((part.section,), gathered.device)
+    return Launch(
+        _lowp_finish_kernel, (part.programs,), gathered.device, num_warps=part.num_warps,
+        slots=("v_scale_ptr",), values_ptr=table,
+        **{n: a for n, a in part.args.items() if a is not None},
+    )  # fmt: skip
+
+
+def lowp_finish_part(
     gathered: torch.Tensor,
     amax_q: torch.Tensor,
     amax_v: torch.Tensor,
@@ -323,8 +276,9 @@ def prepare_lowp_finish(
     world_size: int,
     kv_rep: int = 1,
     v_max: float = 448.0,
-) -> Launch:
-    """The launch for these buffers: call it with ``(v_scale,)``, fp32 [B, h, D].
+) -> Part:
+    """The finish's programs for these buffers (:func:`prepare_lowp_finish`): the call's slot
+    is ``v_scale``, fp32 [B, h, D].
 
     ``gathered`` fp32 [P, n] (row stride n or more, unit column stride); ``amax_q`` fp32
     [B, Hq, NS] contiguous, this rank's Q partial amax, merged in place; ``amax_v`` fp32
@@ -346,35 +300,20 @@ def prepare_lowp_finish(
     n_bhd = B * H * D
     block, num_warps = finish_tile(compiled_for_gpu(gathered.device))
     h = H * kv_rep // P  # K/V heads this rank receives
-    return Launch(
-        _lowp_finish_kernel,
-        (cdiv(max(n_bhd, B * Hq), block),),
-        gathered.device,
-        num_warps=num_warps,
-        slots=("v_scale_ptr",),
+    values = dict(
+        stride_p=gathered.stride(0), first_q0=first[0], first_e0=first[1], first_n=first[2],
+        last_q0=last[0], last_e0=last[1], last_n=last[2], n_bhd=n_bhd, n_bh=B * Hq,
+        n_slots=n_slots, n_touched=n_touched, H=H, h=h, head0=rank * h // kv_rep, q_off=q_off,
+        v_off=v_off, P=P, D=D, prog0=0,
+    )  # fmt: skip
+    args = dict(
         gathered_ptr=gathered,
-        stride_p=gathered.stride(0),
-        first_q0=first[0],
-        first_e0=first[1],
-        first_n=first[2],
-        last_q0=last[0],
-        last_e0=last[1],
-        last_n=last[2],
         amax_q_ptr=amax_q,
         amax_v_ptr=amax_v,
-        n_bhd=n_bhd,
-        n_bh=B * Hq,
-        n_slots=n_slots,
-        n_touched=n_touched,
-        H=H,
-        h=h,
-        head0=rank * h // kv_rep,
-        q_off=q_off,
-        v_off=v_off,
-        P=P,
-        D=D,
-        prog0=0,
+        v_scale_ptr=None,
         N_UNROLL=min(MAX_UNROLL, next_pow2(max(first[2], last[2]))),
         BLOCK=block,
         V_MAX=float(v_max),
     )
+    programs = cdiv(max(n_bhd, B * Hq), block)
+    return Part(programs, num_warps, Section(LOWP_FINISH_VALUES, values), args)

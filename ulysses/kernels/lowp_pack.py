@@ -47,15 +47,16 @@ import triton.language as tl
 from ._quant import e4m3_code, int8_code
 from ._runtime import (
     Launch,
+    Section,
     cdiv,
     channel_block,
     compiled_for_gpu,
-    device_constant,
     gdc_launch_dependents,
     gdc_wait,
+    grid_table,
     load_streamed,
     next_pow2,
-    row_table,
+    table_int,
     tile,
 )
 from .lowp_pack_q import _pack_q_group, _source_head
@@ -73,45 +74,38 @@ __all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 # slot arithmetic in int32 takes 137 instructions on Triton 3.9.
 
 
-# The pack's grid values, in the order of its int32 table (``values_ptr``): ints that only
-# bound masks, loops and grid indices, loaded by the kernel as the unspecialized int32
-# parameters they replace, so one compilation serves every shape, rank and padding of a dtype
-# and tile (first compilations dominated the GPU harness). ``kv_rep`` stays a specialized
-# parameter (1, K/V heads sharded like Q's, folds away), as do the pointers, strides and row
-# layout (``ROW``, ``CB``, ``E4``): their 16-byte alignment lets the loads and stores vectorize.
+# The pack's grid values, in the order of its int32 table (``values_ptr``; the per-row table
+# follows at index len(PACK_VALUES)), so that the kernel keeps few parameters. Ints that only
+# bound masks, loops and grid indices are loaded as the unspecialized int32 parameters they
+# replace: one compilation serves every shape, rank and padding of a dtype and tile (first
+# compilations dominated the GPU harness). The strides and the row layout (``ROW``, ``CB``,
+# ``E4``) carry their divisibility by 16 into the compilation (``HINTS``, kernels/_tl.py
+# ``table_int``), as their specialization as parameters did: the 16-byte alignment lets the
+# loads and stores vectorize.
 PACK_VALUES = (
     "L", "H", "h", "HK", "HE", "hkv", "n_lanes", "row0", "n_slots_q", "n_slots_k", "n_rblocks",
     "n_code", "n_qcode", "n_scales", "B", "shift", "n_qgroups", "q_whole_lo", "q_whole_hi",
-    "tail_group_q", "live_end", "h_src", "hkv_src", "q_off", "k_off", "HS", "HKS",
+    "tail_group_q", "live_end", "h_src", "hkv_src", "q_off", "k_off", "HS", "HKS", "kv_rep",
+    "stride_qb", "stride_ql", "stride_qh", "stride_kb", "stride_kl", "stride_kh", "stride_vb",
+    "stride_vl", "stride_vh", "ROW", "CB", "E4",
 )  # fmt: skip
+# the entries Triton specialized as parameters: the kernel is told which are multiples of 16
+_PACK_HINTED = PACK_VALUES[28:]
+assert len(PACK_VALUES) == 40  # the per-row table's index in the kernels
 
 
 @triton.jit
 def _pack_kernel(
     q_ptr,
-    stride_qb,
-    stride_ql,
-    stride_qh,
     k_ptr,
-    stride_kb,
-    stride_kl,
-    stride_kh,
     v_ptr,
-    stride_vb,
-    stride_vl,
-    stride_vh,
     amax_q_ptr,
     amax_k_ptr,
     mean_ptr,
     amax_v_ptr,
     send_ptr,
-    send_f32_ptr,
-    values_ptr,  # int32 [len(PACK_VALUES)]
-    rows_ptr,
-    kv_rep,
-    ROW,
-    CB,
-    E4,
+    values_ptr,  # int32 [len(PACK_VALUES)], then the per-row table
+    HINTS: tl.constexpr,
     D: tl.constexpr,
     GQ: tl.constexpr,
     GK: tl.constexpr,
@@ -140,6 +134,10 @@ def _pack_kernel(
     hkv_src = tl.load(values_ptr + 22)
     k_off = tl.load(values_ptr + 24)
     HKS = tl.load(values_ptr + 26)
+    kv_rep = tl.load(values_ptr + 27)
+    ROW = table_int(values_ptr, 37, HINTS)
+    CB = table_int(values_ptr, 38, HINTS)
+    E4 = table_int(values_ptr, 39, HINTS)
     if USE_PDL:
         gdc_wait()
     if i_pid < n_code:
@@ -150,6 +148,15 @@ def _pack_kernel(
         h_src = tl.load(values_ptr + 21)
         q_off = tl.load(values_ptr + 23)
         HS = tl.load(values_ptr + 25)
+        stride_qb = table_int(values_ptr, 28, HINTS)
+        stride_ql = table_int(values_ptr, 29, HINTS)
+        stride_qh = table_int(values_ptr, 30, HINTS)
+        stride_kb = table_int(values_ptr, 31, HINTS)
+        stride_kl = table_int(values_ptr, 32, HINTS)
+        stride_kh = table_int(values_ptr, 33, HINTS)
+        stride_vb = table_int(values_ptr, 34, HINTS)
+        stride_vl = table_int(values_ptr, 35, HINTS)
+        stride_vh = table_int(values_ptr, 36, HINTS)
         n_hblocks = tl.cdiv(n_lanes, BLOCK_H)
         i_hb = i_pid % n_hblocks
         i_rb = (i_pid // n_hblocks) % n_rblocks
@@ -246,17 +253,10 @@ def _pack_kernel(
             _pack_q_group(
                 i_pid - n_code,
                 q_ptr,
-                stride_qb,
-                stride_ql,
-                stride_qh,
                 amax_q_ptr,
                 send_ptr,
-                send_f32_ptr,
                 values_ptr,
-                ROW,
-                CB,
-                E4,
-                rows_ptr,
+                HINTS,
                 D,
                 GQ,
                 BLOCK_H,
@@ -307,6 +307,7 @@ def _pack_kernel(
         o_f = (i_j_s * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
         # Q_ONCE: the slots of Q groups held whole are written by their Q programs
         m_own = is_q & (i_s >= q_whole_lo) & (i_s < q_whole_hi) & (i_n < nf)
+        send_f32_ptr = send_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
         tl.store(send_f32_ptr + o_f, b_scale, mask=tl.where(m_own, False, m_m))
     if USE_PDL:
         gdc_launch_dependents()
@@ -341,8 +342,8 @@ def prepare_pack(
 ) -> Launch:
     """The pack launch for q of this ``shape`` [B, L, H, D], k and v of ``kv_heads`` heads (H
     when None) and ``strides`` (q's, k's, v's), writing ``send``: call it with ``(q, k, v,
-    amax_q, amax_k, k_mean, amax_v)``, and with ``send`` None also ``(send, send viewed as
-    fp32)`` (a new buffer each call: at world size 1 the send buffer is the result).
+    amax_q, amax_k, k_mean, amax_v)``, and with ``send`` None also ``send`` (a new buffer each
+    call: at world size 1 the send buffer is the result).
     Arguments as :func:`pack_qkv`.
 
     ``q_once`` (the Q grid's values, :class:`QOnce`) reads Q here only: one program per Q
@@ -430,18 +431,22 @@ def prepare_pack(
     slots = ("q_ptr", "k_ptr", "v_ptr", "amax_q_ptr", "amax_k_ptr", "mean_ptr", "amax_v_ptr")
     fixed = {}
     if send is None:
-        slots += ("send_ptr", "send_f32_ptr")
+        slots += ("send_ptr",)
     else:
-        fixed.update(send_ptr=send, send_f32_ptr=send.view(torch.float32))
+        fixed.update(send_ptr=send)
     values = dict(
         L=L, H=H, h=h, HK=HK, HE=HE, hkv=hkv, n_lanes=n_lanes, row0=row0, n_slots_q=n_sq,
         n_slots_k=n_sk, n_rblocks=n_rblocks, n_code=n_code, n_qcode=n_qcode, n_scales=n_scales,
         B=B, shift=shift, n_qgroups=n_qgroups, q_whole_lo=q_whole_lo, q_whole_hi=q_whole_hi,
         tail_group_q=tail_group_q, live_end=live_end, h_src=h_src, hkv_src=hkv_src,
-        q_off=i_chunk * h, k_off=k_off, HS=H_src, HKS=HK_src,
+        q_off=i_chunk * h, k_off=k_off, HS=H_src, HKS=HK_src, kv_rep=kv_rep, stride_qb=sqb,
+        stride_ql=sql, stride_qh=sqh, stride_kb=skb, stride_kl=skl, stride_kh=skh,
+        stride_vb=svb, stride_vl=svl, stride_vh=svh, ROW=row_bytes, CB=cb, E4=scale_bytes // 4,
     )  # fmt: skip
-    table = [values[name] for name in PACK_VALUES]
-    assert all(-(2**31) <= x < 2**31 for x in table), f"the pack's int32 values wrap: {values}"
+    # per-row counts (``QOnce.per_row``): read at each batch row by the Q_ONCE programs
+    table, hints = grid_table(
+        (Section(PACK_VALUES, values, _PACK_HINTED, per_row or ((0, 0, 0),)),), device
+    )
     return Launch(
         _pack_kernel,
         (n_code + n_qcode + cdiv(n_scales, block_n),),
@@ -449,25 +454,11 @@ def prepare_pack(
         num_warps=num_warps,
         use_pdl=use_pdl,
         slots=slots,
-        stride_qb=sqb,
-        stride_ql=sql,
-        stride_qh=sqh,
-        stride_kb=skb,
-        stride_kl=skl,
-        stride_kh=skh,
-        stride_vb=svb,
-        stride_vl=svl,
-        stride_vh=svh,
-        values_ptr=device_constant(torch.tensor(table, dtype=torch.int32), device),
-        kv_rep=kv_rep,
+        values_ptr=table,
+        HINTS=hints,
         D=D,
         GQ=q_group,
         GK=k_group,
-        ROW=row_bytes,
-        CB=cb,
-        E4=scale_bytes // 4,
-        # per-row counts (``QOnce.per_row``): read at each batch row by the Q_ONCE programs
-        rows_ptr=row_table(per_row, device),
         PER_ROW=per_row is not None,
         BLOCK_H=block_h,
         BLOCK_L=block_l,

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ._quant import canonical_nan_bits, int8_code
-from ._tl import load_streamed
+from ._tl import load_streamed, table_int
 
 
 @triton.jit
@@ -25,17 +25,10 @@ def _source_head(x, per, per_src, off):
 def _pack_q_group(
     i_q,
     q_ptr,
-    stride_qb,
-    stride_ql,
-    stride_qh,
     amax_q_ptr,
     send_ptr,
-    send_f32_ptr,
     values_ptr,
-    ROW,
-    CB,
-    E4,
-    rows_ptr,
+    HINTS: tl.constexpr,
     D: tl.constexpr,
     GQ: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -65,6 +58,13 @@ def _pack_q_group(
     h_src = tl.load(values_ptr + 21)
     q_off = tl.load(values_ptr + 23)
     HS = tl.load(values_ptr + 25)
+    stride_qb = table_int(values_ptr, 28, HINTS)
+    stride_ql = table_int(values_ptr, 29, HINTS)
+    stride_qh = table_int(values_ptr, 30, HINTS)
+    ROW = table_int(values_ptr, 37, HINTS)
+    CB = table_int(values_ptr, 38, HINTS)
+    E4 = table_int(values_ptr, 39, HINTS)
+    rows_ptr = values_ptr + 40  # the per-row table, after the pack's values
     n_hblocks = tl.cdiv(H, BLOCK_H)
     i_hb = i_q % n_hblocks
     i_g = (i_q // n_hblocks) % n_qgroups  # slot of amax_q
@@ -106,4 +106,5 @@ def _pack_q_group(
     i_n = (i_b * h + o_h - i_j * h) * n_slots_q + i_g  # [BH]
     o_f = (i_j * L * ROW + (i_n // E4) * ROW + CB) // 4 + i_n % E4
     b_scale = tl.math.div_rn(b_own, tl.full([BLOCK_H], 127.0, tl.float32))
+    send_f32_ptr = send_ptr.to(tl.pointer_type(tl.float32), bitcast=True)
     tl.store(send_f32_ptr + o_f, b_scale, mask=tl.where(whole, m_h, False))

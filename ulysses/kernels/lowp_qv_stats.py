@@ -8,8 +8,9 @@ sign-cleared NaN sorts above +Inf, so an integer max propagates NaN and Inf):
 * Q, per slot and head: ``max(1e-7, max |fp32(q)|)`` over the slot's rows (the tail group over
   live rows only), exactly ``k_grouped_amax`` with a zero mean; surplus slots 0;
 * V, per head and channel: ``max |fp32(v)|`` over the live rows, across all slots of the span,
-  then one relaxed ``atomic_max`` into the payload (max is order-independent, so the atomics
-  are deterministic).
+  then one relaxed ``atomic_max`` into a running amax in the stream's counters; the last
+  program of a (batch, head block) stores it in the payload and zeroes it again (max is
+  order-independent, so the atomics are deterministic; nothing is zeroed before the launch).
 
 Q has ``H`` heads, V ``HV <= H`` (grouped-query attention: V has the K/V heads); a program's
 head block indexes both, V's lanes past HV masked off.
@@ -31,65 +32,50 @@ import triton.language as tl
 from ._quant import canonical_nan_bits
 from ._runtime import (
     Launch,
+    Part,
+    Section,
     cdiv,
     channel_block,
     compiled_for_gpu,
+    counters,
     gdc_launch_dependents,
     gdc_wait,
+    grid_table,
     load_streamed,
     next_pow2,
-    row_table,
+    table_int,
     tile,
 )
-from ._tl import head_block_program
 
-__all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats", "vamax_block"]
-
-
-# Ints that only bound masks, loops and grid indices are not specialized, so one compilation
-# serves every shape, rank and padding of a dtype and tile (first compilations dominated the
-# GPU harness). Pointers and strides stay specialized: their 16-byte
-# alignment lets the loads and stores vectorize.
-_NOT_SPECIALIZED = [
-    "L",
-    "H",
-    "HV",
-    "row0",
-    "n_slots",
-    "n_touched",
-    "n_spans",
-    "tail_group",
-    "live_end",
-    "q_skip_lo",
-    "q_skip_hi",
-]
+__all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats", "qv_stats_part"]
 
 
-@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
+# The kernel's grid values, in the order of its int32 table (``values_ptr``; the per-row
+# table follows at ``rows_at``). Ints that only bound masks, loops and grid indices are
+# loaded as the unspecialized int32 parameters they replace, so one compilation serves every
+# shape, rank and padding of a dtype and tile (first compilations dominated the GPU harness).
+# The strides carry their divisibility by 16 into the compilation (``HINTS``,
+# kernels/_tl.py ``table_int``), as their specialization as parameters did. ``payload_at``,
+# ``vamax_at``: the Q boundary slots and V's amax in ``payload_ptr``; ``cnt_at``,
+# ``vacc_at``: this kernel's counters and V's running amax in ``cnt_ptr`` (the stream's
+# counters, zero between launches).
+QV_STATS_VALUES = (
+    "stride_qb", "stride_ql", "stride_qh", "stride_vb", "stride_vl", "stride_vh", "rows_at",
+    "L", "H", "HV", "row0", "n_slots", "n_touched", "n_spans", "tail_group", "live_end",
+    "q_skip_lo", "q_skip_hi", "payload_at", "vamax_at", "cnt_at", "vacc_at",
+)  # fmt: skip
+_QV_HINTED = QV_STATS_VALUES[:6]
+
+
+@triton.jit
 def _qv_stats_kernel(
     q_ptr,
-    stride_qb,
-    stride_ql,
-    stride_qh,
     v_ptr,
-    stride_vb,
-    stride_vl,
-    stride_vh,
     amax_ptr,
     payload_ptr,
-    vamax_ptr,
-    L,
-    H,
-    HV,
-    row0,
-    n_slots,
-    n_touched,
-    n_spans,
-    tail_group,
-    live_end,
-    q_skip_lo,
-    q_skip_hi,
-    rows_ptr,
+    cnt_ptr,
+    values_ptr,  # int32 [len(QV_STATS_VALUES)], then the per-row table
+    HINTS: tl.constexpr,
     FLOOR: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -101,9 +87,82 @@ def _qv_stats_kernel(
     PER_ROW: tl.constexpr,
     DB: tl.constexpr,
 ):
+    _qv_stats_program(
+        tl.program_id(0).to(tl.int64),
+        q_ptr,
+        v_ptr,
+        amax_ptr,
+        payload_ptr,
+        cnt_ptr,
+        values_ptr,
+        HINTS,
+        FLOOR,
+        G,
+        D,
+        SPAN,
+        BLOCK_H,
+        ROWS,
+        USE_PDL,
+        EVICT,
+        PER_ROW,
+        DB,
+    )
+
+
+@triton.jit
+def _qv_stats_program(
+    i_pid,
+    q_ptr,
+    v_ptr,
+    amax_ptr,
+    payload_ptr,
+    cnt_ptr,
+    values_ptr,
+    HINTS: tl.constexpr,
+    FLOOR: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    DB: tl.constexpr,
+):
+    """Program ``i_pid`` of the Q/V statistics (this launch's, or the exchange's statistics
+    launch, kernels/lowp_stats.py), its grid values at ``values_ptr`` (``QV_STATS_VALUES``)."""
+    stride_qb = table_int(values_ptr, 0, HINTS)
+    stride_ql = table_int(values_ptr, 1, HINTS)
+    stride_qh = table_int(values_ptr, 2, HINTS)
+    stride_vb = table_int(values_ptr, 3, HINTS)
+    stride_vl = table_int(values_ptr, 4, HINTS)
+    stride_vh = table_int(values_ptr, 5, HINTS)
+    rows_ptr = values_ptr + tl.load(values_ptr + 6)
+    L = tl.load(values_ptr + 7)
+    H = tl.load(values_ptr + 8)
+    HV = tl.load(values_ptr + 9)
+    row0 = tl.load(values_ptr + 10)
+    n_slots = tl.load(values_ptr + 11)
+    n_touched = tl.load(values_ptr + 12)
+    n_spans = tl.load(values_ptr + 13)
+    tail_group = tl.load(values_ptr + 14)
+    live_end = tl.load(values_ptr + 15)
+    q_skip_lo = tl.load(values_ptr + 16)
+    q_skip_hi = tl.load(values_ptr + 17)
+    payload_ptr += tl.load(values_ptr + 18)
+    vamax_ptr = payload_ptr + tl.load(values_ptr + 19)
+    cnt_at = tl.load(values_ptr + 20)
+    vacc_at = tl.load(values_ptr + 21)
     n_hblocks = tl.cdiv(H, BLOCK_H)
     g_first = row0 // G
-    i_b, i_sp, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_spans, H, BLOCK_H, D, DB)
+    i_hb = i_pid % n_hblocks
+    i_sp = (i_pid // n_hblocks) % n_spans
+    i_b = i_pid // (n_hblocks * n_spans)
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, DB)  # [DB]: channels [D, DB) masked off
+    m_h = o_h < H
+    m_hd = m_h[:, None] & (o_d[None, :] < D)
     m_vd = (o_h < HV)[:, None] & (o_d[None, :] < D)  # [BH, DB]: V's heads
     p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
     p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
@@ -162,8 +221,22 @@ def _qv_stats_kernel(
 
     if USE_PDL:
         gdc_launch_dependents()
-    p_vamax = vamax_ptr + i_b * HV * D + o_h[:, None] * D + o_d[None, :]
-    tl.atomic_max(p_vamax, canonical_nan_bits(b_vacc), mask=m_vd, sem="relaxed")
+    # V: the spans' maxima meet in the stream's counters (zero between launches) by relaxed
+    # atomic maxima (max is order-independent: deterministic); the program that completes
+    # its (batch, head block) takes the result, leaves 0 behind, and stores it in the
+    # payload. A CTA barrier then an acq_rel atomic publish a program's maxima. No buffer
+    # needs zeroing before the launch.
+    o_v = i_b * HV * D + o_h[:, None] * D + o_d[None, :]
+    p_vacc = cnt_ptr + vacc_at + o_v
+    tl.atomic_max(p_vacc, canonical_nan_bits(b_vacc), mask=m_vd, sem="relaxed")
+    tl.debug_barrier()
+    p_cnt = cnt_ptr + cnt_at + i_b * n_hblocks + i_hb
+    n_done = tl.atomic_add(p_cnt, 1, sem="acq_rel")
+    if n_done + 1 == n_spans:
+        tl.store(p_cnt, 0)
+        b_zero = tl.zeros([BLOCK_H, DB], dtype=tl.int32)
+        b_bits = tl.atomic_xchg(p_vacc, b_zero, mask=m_vd, sem="relaxed")
+        tl.store(vamax_ptr + o_v, b_bits.to(tl.float32, bitcast=True), mask=m_vd)
 
 
 def qv_payload_numel(B: int, H: int, D: int, HV: int | None = None) -> int:
@@ -172,7 +245,19 @@ def qv_payload_numel(B: int, H: int, D: int, HV: int | None = None) -> int:
     return B * (2 * H + (H if HV is None else HV) * D)
 
 
-def prepare_qv_stats(
+def prepare_qv_stats(shape, q_strides, v_strides, device, payload, amax, **config) -> Launch:
+    """The launch of :func:`qv_stats` bound to ``payload`` and ``amax``: call it with
+    ``(q, v)``. Arguments as :func:`qv_stats_part`."""
+    part = qv_stats_part(shape, q_strides, v_strides, device, payload, amax, **config)
+    table, hints = grid_table((part.section,), device)
+    return Launch(
+        _qv_stats_kernel, (part.programs,), device, num_warps=part.num_warps,
+        use_pdl=part.args["USE_PDL"], slots=("q_ptr", "v_ptr"), values_ptr=table, HINTS=hints,
+        **{n: a for n, a in part.args.items() if n not in ("q_ptr", "v_ptr")},
+    )  # fmt: skip
+
+
+def qv_stats_part(
     shape: tuple[int, int, int, int],
     q_strides: tuple[int, int, int, int],
     v_strides: tuple[int, int, int, int],
@@ -196,26 +281,25 @@ def prepare_qv_stats(
     block_h: int | None = None,
     num_warps: int | None = None,
     evict: bool = False,
-    zeroed: bool = False,
-):
-    """The launch of :func:`qv_stats` bound to ``payload`` and ``amax``: returns
-    ``run(q, v)``, which zeroes V's amax block (the atomic max starts from +0.0) and
-    launches the kernel; with ``zeroed`` the caller has the block (:func:`vamax_block`)
-    zeroed by the kernel it launches just before on the stream, and ``run`` launches the
-    kernel alone. ``shape`` is q's [B, L, H, D]; v has ``v_heads`` heads (H when
-    None; H must be a multiple). ``q_boundary_only``: Q's amax for the first and last
-    touched slot only (the pack kernel's ``q_once`` derives the others from the rows it
-    reads): slots ``[1, n_touched - 1)`` of ``amax`` hold the floor (surplus slots are still
-    0)."""
+    payload_at: int = 0,
+    counters_at: int = 0,
+) -> Part:
+    """The Q/V statistics programs writing ``payload`` (from its element ``payload_at``: a
+    launch may take a larger buffer) and ``amax``. ``shape`` is q's [B, L, H, D]; v has
+    ``v_heads`` heads (H when None; H must be a multiple). ``q_boundary_only``: Q's amax for
+    the first and last touched slot only (the pack kernel's ``q_once`` derives the others
+    from the rows it reads): slots ``[1, n_touched - 1)`` of ``amax`` hold the floor
+    (surplus slots are still 0). The programs use the stream's counters
+    ``[counters_at, counters_at + counters)`` (kernels/_scratch.counters: zero before and
+    after the launch)."""
     B, L, H, D = shape
     HV = H if v_heads is None else v_heads
     G = group_size
     assert q_strides[3] == 1 and v_strides[3] == 1 and 1 <= HV <= H and H % HV == 0
     assert n_slots == (L + 2 * G - 2) // G and amax.shape == (B, H, n_slots)
     numel = qv_payload_numel(B, H, D, HV)
-    assert payload.dtype == torch.float32 and payload.is_contiguous() and payload.numel() == numel
-    vamax_f32 = vamax_block(payload, B, H)
-    vamax = vamax_f32.view(torch.int32)
+    assert payload.dtype == torch.float32 and payload.is_contiguous()
+    assert payload.numel() == payload_at + numel
     cuda = compiled_for_gpu(device)
     # CUDA: ~128 rows a program, 16 rows unrolled, [128 / D heads, D] tiles with 2 warps (a
     # cold sweep on an H200: 43.5 us against 68.2 with 256 rows, 8 rows and 512-element tiles
@@ -233,37 +317,26 @@ def prepare_qv_stats(
     block_h = next_pow2(block_h or auto_h)
     if cuda and q_boundary_only:
         auto_warps = max(1, block_h * DB // 128)
-    num_warps = num_warps or auto_warps
-    step = Launch(
-        _qv_stats_kernel,
-        (B * n_spans * cdiv(H, block_h),),
-        device,
-        num_warps=num_warps,
-        use_pdl=use_pdl,
-        slots=("q_ptr", "v_ptr"),
-        stride_qb=q_strides[0],
-        stride_ql=q_strides[1],
-        stride_qh=q_strides[2],
-        stride_vb=v_strides[0],
-        stride_vl=v_strides[1],
-        stride_vh=v_strides[2],
+    n_hblocks = cdiv(H, block_h)
+    # a counter per (batch, head block), then V's running amax [B, HV, D]
+    n_counters = B * n_hblocks + B * HV * D
+    values = dict(
+        stride_qb=q_strides[0], stride_ql=q_strides[1], stride_qh=q_strides[2],
+        stride_vb=v_strides[0], stride_vl=v_strides[1], stride_vh=v_strides[2], L=L, H=H,
+        HV=HV, row0=row0, n_slots=n_slots, n_touched=n_touched, n_spans=n_spans,
+        tail_group=tail_group, live_end=live_end, q_skip_lo=1 if q_boundary_only else 0,
+        q_skip_hi=n_touched - 1 if q_boundary_only else 0, payload_at=payload_at,
+        vamax_at=2 * B * H, cnt_at=counters_at, vacc_at=counters_at + B * n_hblocks,
+    )  # fmt: skip
+    # per-row counts (``ulysses.grid.Layout.per_row`` of the Q grid): read at each batch row
+    # instead of ``live_end`` and ``tail_group``
+    section = Section(QV_STATS_VALUES, values, _QV_HINTED, per_row or ((0, 0, 0),))
+    args = dict(
+        q_ptr=None,
+        v_ptr=None,
         amax_ptr=amax,
         payload_ptr=payload,
-        vamax_ptr=vamax,
-        L=L,
-        H=H,
-        HV=HV,
-        row0=row0,
-        n_slots=n_slots,
-        n_touched=n_touched,
-        n_spans=n_spans,
-        tail_group=tail_group,
-        live_end=live_end,
-        q_skip_lo=1 if q_boundary_only else 0,
-        q_skip_hi=n_touched - 1 if q_boundary_only else 0,
-        # per-row counts (``ulysses.grid.Layout.per_row`` of the Q grid): read at each batch
-        # row instead of ``live_end`` and ``tail_group``
-        rows_ptr=row_table(per_row, device),
+        cnt_ptr=counters(counters_at + n_counters, device),
         PER_ROW=per_row is not None,
         G=G,
         D=D,
@@ -275,21 +348,7 @@ def prepare_qv_stats(
         EVICT=evict,
         DB=DB,
     )
-
-    if zeroed:
-        return step
-
-    def run(q: torch.Tensor, v: torch.Tensor) -> None:
-        vamax_f32.zero_()  # +0.0: int bits 0 (a float fill: benchmarks mark calls with int fills)
-        step(q, v)
-
-    return run
-
-
-def vamax_block(payload: torch.Tensor, B: int, H: int) -> torch.Tensor:
-    """V's amax block of a Q/V ``payload`` (fp32, q of ``H`` heads): what the atomic maxima
-    start from, +0.0 before each launch."""
-    return payload[B * H * 2 :]
+    return Part(B * n_spans * n_hblocks, num_warps or auto_warps, section, args, n_counters)
 
 
 def qv_stats(
@@ -302,7 +361,7 @@ def qv_stats(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One read of the shards ``q`` [B, L, H, D] and ``v`` [B, L, HV, D] (HV divides H):
     ``(payload, amax_q_partial)``; ``config``: the keyword arguments of
-    :func:`prepare_qv_stats` but ``n_slots`` and ``v_heads``.
+    :func:`qv_stats_part` but ``n_slots``, ``v_heads`` and the offsets.
 
     ``amax_q_partial`` fp32 [B, H, n_slots]: this rank's raw Q amax per slot of the global
     ``group_size`` grid (surplus slots 0). ``payload`` fp32 [qv_payload_numel(B, H, D, HV)]:
@@ -319,9 +378,9 @@ def qv_stats(
     if payload is None:
         payload = torch.empty(qv_payload_numel(B, H, D, HV), dtype=torch.float32, device=q.device)
     amax = torch.empty((B, H, n_slots), dtype=torch.float32, device=q.device)
-    run = prepare_qv_stats(
+    launch = prepare_qv_stats(
         q.shape, q.stride(), v.stride(), q.device, payload, amax, n_slots=n_slots, v_heads=HV,
         **config,
     )  # fmt: skip
-    run(q, v)
+    launch(q, v)
     return payload, amax

@@ -13,8 +13,8 @@ sizes, NSq = slots(L, Gq), NSk = slots(L, Gk).
     k_mean            [B, hkv, D]     input dtype: the global K mean (K is sent centred)
 
 Data flow of ``exchange_qkv`` (two collectives, nothing else crosses ranks; none at P = 1):
-    K part (``stats.KStatsPart``: one read of K) and Q/V part (``lowp_qv_stats``: one read of
-    Q and V: Q's raw grouped amax, V's channel amax) write ONE fp32 payload
+    ONE statistics launch (``kernels/lowp_stats``): K's programs (one read of K) and Q/V's
+    (one read of Q and V: Q's raw grouped amax, V's channel amax) write ONE fp32 payload
     -> ONE all_gather -> K: mean, amax_final (finalize kernel); Q: boundary slots merged over
        the ranks touching them; V: max over ranks (int32 bits, NaN propagates)
     -> ``lowp_pack``: codes and this rank's group scales, per destination rank, into ONE

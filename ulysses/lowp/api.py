@@ -15,7 +15,7 @@ from .ops import _op_used, exchange_op, to_heads_op
 from .plan import _ExchangePlan, _plan, _Side
 from .prepare import _prepare
 from .result import LowpQKV, _result
-from .wire import _V_CODES, FP32, _out_layout
+from .wire import _V_CODES, _out_layout
 
 
 def exchange_qkv(
@@ -215,6 +215,6 @@ def exchange_heads(
     plan = stats.plan
     side = plan.chunk_sides(n_chunks, kv_once)[chunk]
     send = torch.empty_like(side.recv_out)
-    side.pack(q, k, v, plan.amax_q, plan.final, stats.mean, plan.amax_v, send, send.view(FP32))
+    side.pack(q, k, v, plan.amax_q, plan.final, stats.mean, plan.amax_v, send)
     pending = (start or comm.all_to_all_start)(send, stats.pg, plan.P)
     return _HeadsPending(side, stats, pending)

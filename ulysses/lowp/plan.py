@@ -15,13 +15,14 @@ from .. import _hooks, comm, grid, stats
 from .._plans import PlanCache
 from ..kernels._launch import View
 from ..kernels._runtime import output_template, stream_key, workspace
-from ..kernels.block_stats import LocalStats
-from ..kernels.finalize_stats import MODE_FUSED, prepare_finalize
+from ..kernels.block_stats import k_stats_part
+from ..kernels.finalize_stats import MODE_FUSED, finalize_part
 from ..kernels.lowp_dequant import prepare_dequant
-from ..kernels.lowp_finish import prepare_lowp_finish, prepare_post_gather
+from ..kernels.lowp_finish import lowp_finish_part, prepare_post_gather
 from ..kernels.lowp_pack import QOnce, prepare_pack
-from ..kernels.lowp_qv_stats import prepare_qv_stats, qv_payload_numel, vamax_block
+from ..kernels.lowp_qv_stats import qv_payload_numel, qv_stats_part
 from ..kernels.lowp_scales import prepare_gather_scales
+from ..kernels.lowp_stats import prepare_lowp_stats
 from .prepare import _Call, _prepare
 from .result import LowpQKV, _result
 from .wire import (
@@ -175,13 +176,6 @@ class _ExchangePlan:
         n_mm = B * lay_k.n_slots * 2 * Hkv * D
         self.minmax = workspace("lowp_minmax", n_mm, k.dtype, dev)[:n_mm]
         self.minmax = self.minmax.view(B, lay_k.n_slots, 2, Hkv, D)
-        # K's statistics launch also zeroes V's amax block, which the Q/V launch right after
-        # it fills with atomic maxima (no memset launch)
-        self.k_local = LocalStats(
-            k.shape, k.stride(), dev, payload[:n_k], self.minmax, minmax_mode=part.minmax_mode,
-            tag=part.tag, use_pdl=c.use_pdl, zero=vamax_block(payload[n_k:], B, Hq),
-            **lay_k.stats_args(),
-        )  # fmt: skip
         # Q read once, by the pack kernel, where its group tile fits in registers; then the
         # statistics kernel reads Q only for the first and last touched slot
         q_once = None
@@ -191,24 +185,32 @@ class _ExchangePlan:
             )
         n_q = B * Hq * lay_q.n_slots
         self.amax_q = workspace("lowp_amax_q", n_q, FP32, dev)[:n_q].view(B, Hq, lay_q.n_slots)
-        self.qv = prepare_qv_stats(
-            q.shape, q.stride(), v.stride(), dev, payload[n_k:], self.amax_q,
-            group_size=c.q_group, row0=lay_q.row0, n_slots=lay_q.n_slots,
-            n_touched=lay_q.n_touched, tail_group=lay_q.tail_group, live_end=lay_q.live_end,
-            floor=lay_q.floor, use_pdl=c.use_pdl, q_boundary_only=q_once is not None,
-            v_heads=Hkv, per_row=lay_q.per_row, zeroed=True, **tiles.get("qv", {}),
+        # K's, Q's and V's statistics: ONE launch (kernels/lowp_stats), writing the payload
+        # [K's | Q's boundary slots, V's amax]
+        k_part = k_stats_part(
+            k.shape, k.stride(), dev, payload[:n_k], self.minmax, minmax_mode=part.minmax_mode,
+            tag=part.tag, use_pdl=c.use_pdl, **lay_k.stats_args(),
         )  # fmt: skip
+        qv_part = qv_stats_part(
+            q.shape, q.stride(), v.stride(), dev, payload, self.amax_q, group_size=c.q_group,
+            row0=lay_q.row0, n_slots=lay_q.n_slots, n_touched=lay_q.n_touched,
+            tail_group=lay_q.tail_group, live_end=lay_q.live_end, floor=lay_q.floor,
+            use_pdl=c.use_pdl, q_boundary_only=q_once is not None, v_heads=Hkv,
+            per_row=lay_q.per_row, payload_at=n_k, counters_at=k_part.counters,
+            **tiles.get("qv", {}),
+        )  # fmt: skip
+        self.local_stats = prepare_lowp_stats(k_part, qv_part, dev)
         # K's finalize, Q's boundary merge, V's amax over ranks and v_scale: ONE launch
         # (prepare_post_gather of kernels/lowp_finish)
         n_v = B * Hkv * D
         self.amax_v = workspace("lowp_amax_v", n_v, FP32, dev)[:n_v].view(B, Hkv, D)
-        finish = prepare_lowp_finish(
+        finish = lowp_finish_part(
             self.gathered, self.amax_q, self.amax_v, first_sources=lay_q.first_sources,
             last_sources=lay_q.last_sources, n_touched=lay_q.n_touched, q_off=n_k,
             v_off=n_k + 2 * B * Hq, rank=c.rank, world_size=P, kv_rep=w.kv_rep,
             v_max=(_hooks.active.v_max or _V_MAX)[c.v_format],
         )  # fmt: skip
-        k_finalize = prepare_finalize(
+        k_finalize = finalize_part(
             self.gathered[:, :n_k], self.minmax, mode=MODE_FUSED, **part.finalize_args()
         )
         self.post = prepare_post_gather(k_finalize, finish)
@@ -250,7 +252,7 @@ class _ExchangePlan:
         )  # fmt: skip
         recv_words = View("recv", FP32, (w.nbytes // 4,), (1,), 0)
         # at P = 1 the pack writes the receive buffer itself (a new one a call)
-        send_at = {} if P > 1 else {"send_ptr": "recv", "send_f32_ptr": recv_words}
+        send_at = {} if P > 1 else {"send_ptr": "recv"}
         self.pack_at = self.pack.bind(
             ("q", "k", "v", "amax_q", "amax_k", "out", "amax_v", *(("recv",) if send_at else ())),
             q_ptr="q", k_ptr="k", v_ptr="v", amax_q_ptr="amax_q", amax_k_ptr="amax_k",
@@ -262,7 +264,6 @@ class _ExchangePlan:
         )  # fmt: skip
         # (recv, out, q_out, k_out, v_out): Q's and K's scales read from recv (no gather)
         self.dequant_at = whole.dequant_at
-        self.k_stats = self.k_local.stats
         # exchange_to_heads reads the receive buffer and the result bytes in the call only (the
         # dequantize): scratch there, reused in stream order (no allocation a call)
         self.scratch_recv = workspace("lowp_recv", w.nbytes, torch.uint8, dev)[: w.nbytes]
@@ -272,8 +273,7 @@ class _ExchangePlan:
     def _stats(self, q, k, v, pg, out=None) -> torch.Tensor:
         """The statistics launches and the all_gather of one call: its result bytes (new, or
         ``out``)."""
-        self.k_stats(k)
-        self.qv(q, v)
+        self.local_stats(k, q, v)
         if self.gather is not None:
             self.gather(pg)
         if out is None:
@@ -304,8 +304,7 @@ class _ExchangePlan:
         New buffers, or with ``scratch`` the plan's scratch ones (valid until its next call).
         ``scales=False``: no scale gather (the result bytes then hold no q_scale, k_scale).
         Every launch is made from this frame (the chain from the layer stays short: DESIGN)."""
-        self.k_stats(k)
-        self.qv(q, v)
+        self.local_stats(k, q, v)
         if self.gather is not None:
             self.gather(pg)
         out = self.scratch_out if scratch else torch.empty_like(self.out_bytes)
