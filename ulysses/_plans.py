@@ -10,7 +10,7 @@ rebuilds plans instead of growing without bound.
 
 from __future__ import annotations
 
-__all__ = ["PlanCache", "clear_all"]
+__all__ = ["PlanCache", "clear_all", "plan_count"]
 
 
 class PlanCache(dict):
@@ -41,3 +41,8 @@ def clear_all() -> None:
     """Forget every cached plan (after a rule of ``ulysses.grid`` changed)."""
     for cache in _CACHES:
         cache.clear()
+
+
+def plan_count() -> int:
+    """How many plans every cache holds (a repeated call must not add one)."""
+    return sum(len(cache) for cache in _CACHES)

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from . import _ops, comm, grid
+from . import _ops, comm, grid, mesh
 from . import _validate as v
 from ._plans import PlanCache
 from .kernels._runtime import output_template, stream_key, workspace
@@ -219,6 +219,8 @@ def _plan(fn, k, group, used_sequence, enable_pdl, group_size, method, check_con
     validates (and checks the ranks) every call. ``group=None`` without torch.distributed
     initialized keys on a group of ``None``: a plan exists only once the validation accepted
     that as a group of one."""
+    if mesh.is_mesh_group(group):  # a DeviceMesh dimension: its process group, as the key
+        group = mesh.mesh_group(group)
     pg = dist.group.WORLD if group is None else group
     try:  # an unhashable argument or a group of another type: the validation names it
         key = (k.shape, k.stride(), k.dtype, k.device, comm.group_key(pg), used_sequence,

@@ -185,6 +185,8 @@ def _case_mesh(ctx, args) -> list[str]:
         if "shift_labels must be [B, L] = [1, 2]" not in str(e):
             failures.append(f"loss: labels of another length: {e}")
 
+    failures += _mesh_direct_calls(mesh)
+
     torch.manual_seed(0)
     model = _Toy()
     ref_model = copy.deepcopy(model)
@@ -215,6 +217,33 @@ def _case_mesh(ctx, args) -> list[str]:
                 _log(ctx, f"mesh: planted fault {plant!r} detected: {found[0] if found else ''}")
             else:
                 failures.append(f"mesh: planted fault {plant!r} was not detected")
+    return failures
+
+
+def _mesh_direct_calls(mesh) -> list[str]:
+    """``exchange_qkv`` and ``smooth_k_stats`` with a mesh dimension as ``group``: the bits of
+    the dimension's process group, and the second call finds the first call's plan."""
+    import ulysses
+    from ulysses import _plans
+
+    failures = []
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 40, 2, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    pg = mesh.get_group("sp")
+    want = ulysses.exchange_qkv(q, k, v, group=pg).dequantize()
+    want_st = ulysses.smooth_k_stats(k, group=pg)
+    for group in (mesh["sp"], (mesh, "sp")):
+        for _ in range(2):
+            plans = _plans.plan_count()
+            got = ulysses.exchange_qkv(q, k, v, group=group).dequantize()
+            st = ulysses.smooth_k_stats(k, group=group)
+            if _plans.plan_count() != plans:
+                failures.append(f"mesh group {type(group).__name__}: a new plan on a repeated call")
+        if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+            failures.append(f"exchange_qkv with a mesh group {type(group).__name__}: other bits")
+        if not (torch.equal(st.k_mean_global, want_st.k_mean_global)
+                and torch.equal(st.amax_final, want_st.amax_final)):  # fmt: skip
+            failures.append(f"smooth_k_stats with a mesh group {type(group).__name__}: other bits")
     return failures
 
 

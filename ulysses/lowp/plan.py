@@ -11,7 +11,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import _hooks, comm, grid, stats
+from .. import _hooks, comm, grid, mesh, stats
 from .._plans import PlanCache
 from ..kernels._launch import View
 from ..kernels._runtime import output_template, stream_key, workspace
@@ -349,6 +349,8 @@ def _plan(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_format=
     validating every argument (which raises on bad ones). ``group=None`` without
     torch.distributed initialized keys on a group of ``None``: a plan exists only once the
     validation accepted that as a group of one."""
+    if mesh.is_mesh_group(group):  # a DeviceMesh dimension: its process group, as the key
+        group = mesh.mesh_group(group)
     pg = dist.group.WORLD if group is None else group
     if used_sequence is not None and type(used_sequence) is not int:
         used_sequence = grid.used_counts(used_sequence)  # per-row counts: a tuple
