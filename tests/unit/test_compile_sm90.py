@@ -194,21 +194,25 @@ def test_a_kernel_never_launched_is_reported():
     assert missing == {f"{m}.{k}" for m, k in compile_sm90.KERNELS}
 
 
+@triton.jit(do_not_specialize=["n_chunks", "N"])
+def _spec_probe_kernel(
+    gathered_ptr, mm_ptr, divisor, tag, n_chunks, N, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pass
+
+
 def test_specialization_follows_triton():
     """Ints equal to 1 become constexprs, 16-divisible ints and aligned pointers get the
     divisibility attribute, and a do_not_specialize int gets neither."""
     import torch
 
-    from ulysses.kernels.finalize_stats import _finalize_kernel
-
-    names = _finalize_kernel.arg_names
+    names = _spec_probe_kernel.arg_names
 
     def spec_with(**values):
         kwargs = {n: 32 for n in names}
         kwargs.update({n: torch.zeros(8) for n in names if n.endswith("_ptr")})
-        kwargs.update(FLOOR=1e-7, D=16, BLOCK_H=16, BLOCK_P=8, MODE=1, USE_PDL=False)
-        kwargs.update(N_CODES=4, BLOCK=1024, divisor=3.0, **values)
-        spec = compile_sm90.specialization(_finalize_kernel, 4, kwargs)
+        kwargs.update(BLOCK_H=16, USE_PDL=False, divisor=3.0, **values)
+        spec = compile_sm90.specialization(_spec_probe_kernel, 4, kwargs)
         sig = dict(zip(names, spec["signature"], strict=True))
         return (
             sig,
