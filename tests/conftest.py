@@ -9,7 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 
-import pytest
+# A pytest-xdist worker (make test: one a core) computes on one thread: with torch's OpenMP
+# and numpy's OpenBLAS pools at the core count, each worker's idle pool threads spin on the
+# cores the other workers compute on. Set before torch and numpy load (torchrun sets the same
+# for the harness's ranks).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
+
+import pytest  # noqa: E402
 import torch
 from _tiers import tier_problem
 

@@ -1,5 +1,6 @@
 """The wheel, built and installed into a new venv outside the clone, makes a first CPU call there
-(`make wheel-check`; skipped unless ULYSSES_TEST_WHEEL=1)."""
+and runs the harness's default cases at P = 2 (`make wheel-check`; skipped unless
+ULYSSES_TEST_WHEEL=1). .ci/run counts that run as the P = 2 of `make validate`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ulysses.dist_tests import cases, cases_attn, cases_lowp
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,6 +26,14 @@ def _version() -> str:
     m = re.search(r'^__version__ = "([^"]+)"$', init, re.M)
     assert m, "ulysses/__init__.py must set __version__ to a string literal (pyproject reads it)"
     return m.group(1)
+
+
+# Every suite's default cases, as the harness runs them with no --suite.
+DEFAULT_IDS = (
+    [f"smooth_k/{c.id}" for c in cases.DEFAULT_CASES]
+    + [f"lowp/{c.id}" for c in cases_lowp.select_cases(large=False, sweep=False)]
+    + [f"attention/{c.id}" for c in cases_attn.select_cases(large=False, sweep=False)]
+)
 
 
 _NOT_SOURCE = ".git .venv venv build dist *.egg-info __pycache__ .pytest_cache .ruff_cache"
@@ -114,12 +125,17 @@ def test_wheel_in_a_fresh_venv(tmp_path):
     assert result["version"] == _version()
     assert result["shape"] == [2, 3, 3] and result["equal"], result
 
-    # The harness ships inside the package; its console script runs it at P = 2 (gloo, CPU).
+    # The harness ships inside the package; its console script runs every default case at
+    # P = 2 (gloo, CPU), checked as `make validate` checks a world size (.ci/run relies on it)
     script = venv / "bin" / "ulysses-validate"
     assert script.exists()
     out_dir = tmp_path / "validate"
-    cmd = [str(script), "--world-sizes", "2", "--timeout-s", "240", "--out-dir", str(out_dir)]
-    proc = _run(cmd, cwd=tmp_path, env=env, timeout=400)
+    cmd = [str(script), "--world-sizes", "2", "--timeout-s", "360", "--out-dir", str(out_dir)]
+    proc = _run(cmd, cwd=tmp_path, env=env, timeout=500)
     summary = json.loads((out_dir / "ws2.json").read_text())
     assert summary["passed"] is True and summary["cases"] > 0, proc.stdout[-3000:]
     assert "ulysses.dist_tests.harness" in proc.stdout, proc.stdout[-3000:]
+    assert summary["world_size"] == 2 and summary["case_ids"] == DEFAULT_IDS, summary["case_ids"]
+    assert summary["mismatches"] == 0 and summary["errors"] == 0, summary["failures"]
+    assert summary["failed_cases"] == [] and summary["checks"] > 0, summary["failed_cases"]
+    assert "validate: ALL PASSED" in proc.stdout, proc.stdout[-3000:]
