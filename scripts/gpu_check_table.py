@@ -64,7 +64,7 @@ def harness_detail(name, out):
         glob.glob(os.path.join(folder, f"ws{P}-logs", "*", "attempt_*", "0", "stdout.log"))
     )
     done = re.findall(r"^\s*\[\s*(\w+)\] (\S+)", read(logs[-1]) if logs else "", re.M)
-    failed = sum(1 for status, _ in done if status not in ("PASS", "ok", "SKIP"))
+    failed = sum(1 for status, _ in done if status.lower() not in ("pass", "ok", "skip"))
     last = f"; the last done: {done[-1][1]}" if done else ""
     return f"{len(done)} of {len(selected) or '?'} cases ({mode}) done, {failed} failed{last}"
 

@@ -51,12 +51,13 @@ def test_harness_rows_say_what_ran(tmp_path):
     summary = {"cases": 4, "checks": 120, "mismatches": 0, "errors": 0}
     _harness(tmp_path, 2, large=True, summary=summary, rank0="")
     rank0 = "  [  ok] smooth_k/a (1.0 s)\n  [FAIL] smooth_k/b (2.0 s)\n  [  ok] lowp/c (0.5 s)\n"
+    rank0 = "  [skip] smooth_k/z: not at P = 4\n" + rank0  # a skipped case is not a failure
     _harness(tmp_path, 4, large=False, summary=None, rank0=rank0)
     assert table.harness_detail("harness_P2", str(tmp_path)) == (
         "4 cases (with --large), 120 checks, 0 mismatches, 0 errors"
     )
     assert table.harness_detail("harness_P4", str(tmp_path)) == (
-        "3 of 4 cases (default cases) done, 1 failed; the last done: lowp/c"
+        "4 of 4 cases (default cases) done, 1 failed; the last done: lowp/c"
     )
 
 

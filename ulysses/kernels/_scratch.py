@@ -146,8 +146,12 @@ def grid_table(sections: tuple[Section, ...], device: torch.device) -> tuple[tor
                      if n in s.hinted and values[n] % 16 == 0)  # fmt: skip
         rows += [x for row in s.rows or () for x in row]
     table += rows
-    assert all(type(x) is int and -(2**31) <= x < 2**31 for x in table), f"int32 wraps: {table}"
-    return device_constant(torch.tensor(table, dtype=torch.int32), device), hints
+    assert all(type(x) is int and -(2**63) <= x < 2**63 for x in table), f"not int64: {table}"
+    # int32, or int64 where a value needs it (a stride of a tensor past 2**31 elements): the
+    # kernel's loads take the table's type, as Triton gave an int parameter i32 or i64
+    wide = any(not -(2**31) <= x < 2**31 for x in table)
+    dtype = torch.int64 if wide else torch.int32
+    return device_constant(torch.tensor(table, dtype=dtype), device), hints
 
 
 def _keep(_pinned) -> None:

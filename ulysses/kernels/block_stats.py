@@ -299,7 +299,7 @@ def _k_stats_program(
             b_tot = _ordered_sum(p_sup, 0, n_super, H * D, m_hd, BLOCK_H, DB)
             tl.store(payload_ptr + 1 + i_b * H * D + o_hd, b_tot, mask=m_hd)
     if i_pid == 0:  # the call tag at both ends of the payload
-        tag = tl.load(values_ptr + 4).to(tl.float32, bitcast=True)
+        tag = tl.load(values_ptr + 4).to(tl.int32).to(tl.float32, bitcast=True)  # int64 table
         tl.store(payload_ptr, tag)
         tl.store(payload_ptr + tl.load(values_ptr + 5), tag)
 
