@@ -11,7 +11,8 @@ engine (``ulysses.testing_link``): how much of the all-to-alls the attention hid
 What runs: this process is rank 1 of P on torch's fake process group; every collective of the
 library goes through ``LinkModel`` (a device -> pinned-host copy on its own stream that lasts
 ``bytes received / link GB/s``, the receive buffer filled with real values). Per shape (B 1,
-H heads, ``--kv-heads`` K/V heads, D; L = S / P rows a rank), comm mode (``bf16``; ``lowp``)
+H heads, ``--kv-heads`` K/V heads, D; L = S / P rows a rank), comm mode (``bf16``; ``lowp``;
+``lowp-codes``: ``attn="codes"``)
 and link speed, the layer with ``head_chunks`` n in ``--chunks`` (those that fit the heads)
 and ``"auto"`` (timed as its own call with the link's speed as its hint,
 ``ulysses.comm.set_link_gbps``; the table shows the n it picks):
@@ -81,6 +82,9 @@ QUICK_WORLDS = "8"
 LINKS = "25,50,200,450"  # GB/s
 CHUNKS = "1,2,4,8"
 COMMS = ("bf16", "lowp")
+# the layer's arguments of each comm mode ("lowp-codes": attention on each chunk's codes)
+LAYER_KW = {"bf16": {"comm": "bf16"}, "lowp": {"comm": "lowp"},
+            "lowp-codes": {"comm": "lowp", "attn": "codes"}}  # fmt: skip
 KINDS = {"fwd": "fwd", "train": "fwd+bwd"}
 # shapes whose training step would take most of the budget: forward only, two links
 HEAVY = {(2, 131072)}
@@ -109,7 +113,7 @@ def fits(hd, comm: str, n) -> bool:
     """Whether ``head_chunks=n`` runs for these heads in this comm mode ("auto" always)."""
     if n == "auto" or n == 1:
         return True
-    if comm == "lowp" and overlap.kv_once(n, hd) and not _chunk_policy._LOWP_KV_ONCE:
+    if comm.startswith("lowp") and overlap.kv_once(n, hd) and not _chunk_policy._LOWP_KV_ONCE:
         return False
     return overlap._chunks_fit(n, hd)
 
@@ -200,7 +204,7 @@ class Shape:
         previous = ulysses.comm.set_link_gbps(with_hint)
         try:
             return overlap.resolve_head_chunks("auto", B=1, S=self.S, hd=self.hd, D=self.D,
-                                               causal=self.causal, lowp=comm == "lowp",
+                                               causal=self.causal, lowp=comm != "bf16",
                                                training=kind == "train")  # fmt: skip
         finally:
             ulysses.comm.set_link_gbps(previous)
@@ -210,8 +214,9 @@ class Shape:
         parameter, else through overlap.pipelined_attention (n > 1)."""
         causal, hd = self.causal, self.hd
         if layer_has_head_chunks():
-            return lambda q, k, v: ulysses.ulysses_attention(q, k, v, comm=comm, causal=causal,
-                                                             head_chunks=n)  # fmt: skip
+            kw = LAYER_KW[comm]
+            return lambda q, k, v: ulysses.ulysses_attention(q, k, v, causal=causal,
+                                                             head_chunks=n, **kw)  # fmt: skip
         if n == 1:
             return lambda q, k, v: ulysses.ulysses_attention(q, k, v, comm=comm, causal=causal)
 
@@ -577,7 +582,7 @@ def parse_args(argv):
     ap.add_argument("--head-dim", type=int)
     ap.add_argument("--links", help=f"GB/s a rank, one direction; inf: no wire ({LINKS})")
     ap.add_argument("--chunks", help=f"default {CHUNKS}")
-    ap.add_argument("--comms", help=f"default {','.join(COMMS)}")
+    ap.add_argument("--comms", help=f"of {', '.join(LAYER_KW)}; default {','.join(COMMS)}")
     ap.add_argument("--kinds", help="default fwd,train")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--warmup", type=int)
@@ -600,6 +605,9 @@ def parse_args(argv):
     args.links = [float(x) for x in str(args.links).split(",")]
     args.chunks = sorted({int(x) for x in str(args.chunks).split(",")} | {1})
     args.comms = args.comms.split(",")
+    unknown = [c for c in args.comms if c not in LAYER_KW]
+    if unknown:
+        ap.error(f"--comms: unknown {unknown}; choose from {list(LAYER_KW)}")
     args.kinds = args.kinds.split(",")
     args.rounds = args.rounds or (3 if args.quick or args.llama else 5)
     budget = 75.0 if args.quick else 480.0 if args.llama else 270.0

@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import _hooks, _ops, codes, comm, documents, lowp, overlap
+from . import _hooks, codes, comm, documents, lowp, overlap
 
 # The head split and the autograd nodes that move heads: ulysses/_heads.py; the
 # argument checks and the batch signature: ulysses/_batch.py. Names marked "tests" are not used
@@ -314,16 +314,6 @@ def _attn_mode(attn) -> tuple[str | None, Callable | None]:
     return None, attn
 
 
-def _chunks_asked(head_chunks, chunks: int, hd, B: int, S: int, D: int, causal: bool) -> int:
-    """The head chunks a call asked for: what eager runs (a compiled call runs one chunk, and
-    must choose its attention as eager does)."""
-    if not _ops.is_compiling():
-        return chunks
-    if head_chunks == overlap.AUTO:
-        return overlap.auto_head_chunks(B, S, hd, D=D, causal=causal)
-    return head_chunks
-
-
 def _zero_padding(out_h: torch.Tensor, used) -> torch.Tensor:
     """Rows ``[used_b, S)`` of each batch row b set to 0 (what a custom ``attn`` returned
     there is discarded)."""
@@ -377,7 +367,7 @@ def ulysses_attention(
       dequantized (K centred, which attention ignores) and the default attention (or
       ``attn``) runs on the values. ``attn="codes"`` attends on the codes where they land
       instead (``ulysses.codes``: INT8 Q.K, P.V in FP8, no dequantize pass; head dim 32, 64
-      or 128 on CUDA, no ``attn_kwargs`` window, soft cap or dropout, one head chunk): its
+      or 128 on CUDA, no ``attn_kwargs`` window, soft cap or dropout; any head_chunks): its
       output is within ``2**-4 * max|v|`` (over the keys a row attends, per channel) of fp32
       attention of the dequantized values, plus the rounding to the dtype. Backward is
       straight-through in the input dtype (on the codes: from the forward's output and
@@ -443,8 +433,9 @@ def ulysses_attention(
       chunks' partials in fp32), with the heads split evenly; ``"auto"`` picks n from the
       shape and the link (``ulysses.overlap.auto_head_chunks``, ``comm.set_link_gbps``; 1
       where chunks would not pay). Under torch.compile the call runs as one chunk. With "lowp",
-      more than one chunk dequantizes each chunk and runs the default attention on the
-      values (``attn="codes"`` runs one chunk).
+      each chunk is dequantized and attended by the default attention; ``attn="codes"``
+      attends each chunk's codes where they land (the output has one chunk's bits, the
+      gradients differ by a rounding: each chunk's backward sums over its own heads).
     * ``v_format`` (with "lowp" only): "fp8" (default: V as float8_e4m3fn codes, scale
       ``amax/448`` per (head, channel)) or "int8" (V as int8 codes, scale ``amax/127`` per
       (head, channel), the amax over the whole live sequence: the same bytes, an error of
@@ -480,8 +471,8 @@ def ulysses_attention(
             ``head_chunks`` < 1, not fitting the heads of a rank (see above), or > 1 with
             an uneven head split (the message names the head counts); ``attn`` a string
             other than "sdpa" or "codes"; ``attn="codes"`` without ``comm="lowp"`` or on a
-            call the codes kernel cannot run (a head dim, dtype, attention option or
-            ``head_chunks`` > 1: the message names it and the fallback).
+            call the codes kernel cannot run (a head dim, dtype or attention option: the
+            message names it and the fallback).
 
     Example (under torchrun, one process per GPU)::
 
@@ -524,10 +515,7 @@ def ulysses_attention(
         lowp=comm == "lowp", int8_output=int8_output, lowp_backward=lowp_backward,
         training=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
     )  # fmt: skip
-    on_codes = codes.use_codes(
-        mode, comm=comm, q=q, custom=attn is not None, options=options,
-        chunks=_chunks_asked(head_chunks, chunks, hd, B, S, D, causal),
-    )  # fmt: skip
+    on_codes = codes.use_codes(mode, comm=comm, q=q, custom=attn is not None, options=options)
 
     def attend(q_h, k_h, v_h):
         """The attention on this rank's heads (or a chunk of them), every row."""
@@ -540,10 +528,15 @@ def ulysses_attention(
         return _zero_padding(out_h, used)
 
     if chunks > 1:  # the three steps below, pipelined over head chunks
+        pair = None  # attn="codes": each chunk's codes attended where they land
+        if on_codes:
+            pair = codes.chunk_pair(causal=causal, scale=scale, used=used, plan=plan,
+                                    device=q.device)  # fmt: skip
         out = overlap.pipelined_attention(
             q, k, v, hd=hd, pg=pg, chunks=chunks, attend=attend, lowp=comm == "lowp",
             used_sequence=used, q_group=q_group, k_group=k_group, int8_output=int8_output,
             lowp_backward=lowp_backward, v_format=v_format,
+            codes=pair,
         )  # fmt: skip
         return out.transpose(1, 2) if layout == "bhsd" else out
 

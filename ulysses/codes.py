@@ -41,10 +41,11 @@ as INT8 codes).
 
 Which calls run here (:func:`use_codes`): those that pass ``attn="codes"`` with
 ``comm="lowp"`` (on CPU: Triton's interpreter, slowly); a call the kernel cannot run (head dim
-other than 32, 64 or 128 on CUDA, a window, soft cap or dropout, several head chunks) raises
-ValueError naming the reason. ``attn=None`` (the default) and ``attn="sdpa"`` attend over the
-dequantized values: measured on an H100 the kernel is not yet faster than torch's cuDNN
-attention at every shape (docs/BENCHMARKS.md), so it is not the default.
+other than 32, 64 or 128 on CUDA, a window, soft cap or dropout) raises ValueError naming the
+reason. With ``head_chunks`` each chunk's codes are attended where they land
+(:func:`chunk_pair`, ``ulysses.overlap``). ``attn=None`` (the default) and ``attn="sdpa"``
+attend over the dequantized values: measured on an H100 the kernel is not yet faster than
+torch's cuDNN attention at every shape (docs/BENCHMARKS.md), so it is not the default.
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ def _kernel():
 # ---- which calls attend on the codes ----------------------------------------------------------
 
 
-def unsupported_reason(q: torch.Tensor, *, options: dict, chunks: int) -> str | None:
+def unsupported_reason(q: torch.Tensor, *, options: dict) -> str | None:
     """Why the codes kernel cannot run a ``comm="lowp"`` call with the default attention, or
     None: the kernel's own rule for the device, head dim and dtype, then the attention options
-    it has no way to apply, then head chunks (the pipeline dequantizes each chunk)."""
+    it has no way to apply."""
     reason = _kernel().codes_supported(q.device, q.shape[3], q.dtype)
     if reason:
         return reason
@@ -94,16 +95,13 @@ def unsupported_reason(q: torch.Tensor, *, options: dict, chunks: int) -> str | 
     named += ["dropout_p"] if options.get("dropout_p", 0.0) else []
     if named:
         return f"attn_kwargs {named} (the codes kernel has no window, soft cap or dropout)"
-    if chunks > 1:
-        return f"head_chunks={chunks} (the pipelined exchange dequantizes each head chunk)"
     return None
 
 
-def use_codes(mode: str | None, *, comm: str, q: torch.Tensor, custom: bool, options: dict,
-              chunks: int) -> bool:  # fmt: skip
+def use_codes(mode: str | None, *, comm: str, q: torch.Tensor, custom: bool,
+              options: dict) -> bool:  # fmt: skip
     """Whether a call attends on the codes: ``mode`` "codes" (raises ValueError naming why a
-    call cannot), "sdpa" or None (the default: never; the dequantized path). ``chunks``: the
-    head chunks the call asked for (``"auto"`` resolved)."""
+    call cannot), "sdpa" or None (the default: never; the dequantized path)."""
     if mode is None or mode == "sdpa":
         # The default stays the dequantized path: on an H100 the kernel measured 0.82-1.13x
         # torch's cuDNN attention and its training step slower (docs/BENCHMARKS.md)
@@ -114,7 +112,7 @@ def use_codes(mode: str | None, *, comm: str, q: torch.Tensor, custom: bool, opt
             f"attn='codes' attends on the 8-bit codes of comm='lowp', got comm={comm!r}; "
             f"pass comm='lowp', or attn=None for the default attention"
         )
-    reason = unsupported_reason(q, options=options, chunks=chunks)
+    reason = unsupported_reason(q, options=options)
     if reason:
         raise ValueError(
             f"attn='codes' cannot run this call: {reason}; attn='sdpa' (or attn=None, which "
@@ -390,6 +388,18 @@ def chunk_backward(dout_h: torch.Tensor, saved: tuple) -> tuple:
     q, k, v = x.dequantize()
     return attention_backward(dout_h, q, k, v, out_h, lse, causal=causal, scale=scale,
                               used=used, document_ids=document_ids)  # fmt: skip
+
+
+def chunk_pair(*, causal: bool, scale, used, plan, device: torch.device) -> tuple:
+    """``(forward, backward)`` of one head chunk's codes with a call's options, for the
+    pipelined exchange (``ulysses.overlap``): :func:`chunk_forward` and :func:`chunk_backward`.
+    ``plan``: the call's DocumentPlan or None."""
+    ids = None if plan is None else plan.ids.to(device=device, dtype=torch.int32)
+
+    def forward(x: lowp.LowpQKV):
+        return chunk_forward(x, causal=causal, scale=scale, used=used, document_ids=ids)
+
+    return forward, chunk_backward
 
 
 # ---- the layer's node: exchange and attention on the codes ------------------------------------

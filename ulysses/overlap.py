@@ -178,6 +178,10 @@ class _Run:
     int8_output: bool
     lowp_backward: bool
     v_format: str = "fp8"
+    # attn="codes": (forward, backward) of one chunk's codes (codes.chunk_forward and
+    # chunk_backward with the call's options): LowpQKV -> (out_h, piece); (dout_h, piece) ->
+    # (dq_h, dk_h, dv_h). None: ``attend`` on the dequantized (or bf16) head shards
+    codes: tuple | None = None
 
     @property
     def hqc(self) -> int:
@@ -200,6 +204,16 @@ class _Run:
             return k_h, v_h
         j = c // (self.n // self.hd.hkv)
         return k_h[:, :, j : j + 1], v_h[:, :, j : j + 1]
+
+    def kv_codes(self, x: lowp.LowpQKV, first: lowp.LowpQKV, c: int) -> lowp.LowpQKV:
+        """``kv_once`` with attn="codes": chunk c's query codes with the one K/V head it uses,
+        of the K/V codes and scales the first chunk brought."""
+        j = 0 if self.hd.hkv == 1 else c // (self.n // self.hd.hkv)
+        return dataclasses.replace(
+            x, k=first.k[:, :, j : j + 1], v=first.v[:, :, j : j + 1],
+            k_scale=first.k_scale[:, j : j + 1], v_scale=first.v_scale[:, j : j + 1],
+            k_mean=first.k_mean[:, j : j + 1],
+        )  # fmt: skip
 
     # -- forward steps --
 
@@ -237,6 +251,8 @@ class _Run:
         return _all_to_all_start(send, self.pg, self.hd.P)
 
     def finish_in(self, pending) -> tuple:
+        if self.codes is not None:  # the chunk's codes and scales (LowpQKV), no dequantize
+            return pending.wait_codes()
         got = pending.wait()
         if self.lowp:  # the dequantize: the chunk's head shards
             return got
@@ -278,12 +294,19 @@ class _Run:
         kv = None
         for c in range(self.n):
             heads = self.finish_in(pending_in)
-            if self.kv_once:  # the first chunk brought every K/V head of the rank
+            if self.kv_once and self.codes is not None:
+                kv = kv or heads  # chunk 0's LowpQKV: every K/V head of the rank
+                heads = self.kv_codes(heads, kv, c)
+            elif self.kv_once:  # the first chunk brought every K/V head of the rank
                 kv = kv or heads[1:]
                 heads = (heads[0], *self.kv_slice(*kv, c))
             if c + 1 < self.n:  # the next chunk's exchange runs beside this chunk's attention
                 pending_in = self.start_in(q, k, v, c + 1, stats, sends)
-            if track:
+            if self.codes is not None:  # attention on the codes; backward from out_h and lse
+                out_h, piece = self.codes[0](heads)
+                if track:
+                    saved.append((None, piece))
+            elif track:
                 with torch.enable_grad():
                     leaves = tuple(x.detach().requires_grad_() for x in heads)
                     out_h = self.attend(*leaves)
@@ -386,9 +409,12 @@ class _Run:
                 pending = self.start_dout(douts, c + 1)
             leaves, out_h = saved[c]
             saved[c] = None  # the chunk's graph goes as soon as its gradients exist
-            got = torch.autograd.grad(out_h, leaves, dout_h, allow_unused=True)
-            dq, dk, dv = (torch.zeros_like(x) if g is None else g
-                          for g, x in zip(got, leaves, strict=True))  # fmt: skip
+            if leaves is None:  # attn="codes": ``out_h`` is the chunk's saved piece
+                dq, dk, dv = self.codes[1](dout_h, out_h)
+            else:
+                got = torch.autograd.grad(out_h, leaves, dout_h, allow_unused=True)
+                dq, dk, dv = (torch.zeros_like(x) if g is None else g
+                              for g, x in zip(got, leaves, strict=True))  # fmt: skip
             if not self.kv_once:
                 outs.append(self.start_grads(dq, dk, dv))
                 continue
@@ -447,6 +473,7 @@ def pipelined_attention(
     int8_output: bool = False,
     lowp_backward: bool = False,
     v_format: str = "fp8",
+    codes: tuple | None = None,
 ) -> torch.Tensor:
     """Ulysses attention over ``chunks`` head chunks, pipelined (module docstring): q [B, L,
     Hq, D], k, v [B, L, Hkv, D] sequence shards (validated by ``ulysses_attention``; ``hd``
@@ -457,12 +484,14 @@ def pipelined_attention(
     options, output check and padding rows zeroed). ``lowp``: the inputs travel through
     ``lowp.exchange_stats`` once and ``lowp.exchange_heads`` per chunk (``used_sequence``,
     ``q_group``, ``k_group``, ``v_format``);
-    ``int8_output`` and ``lowp_backward`` as in ``ulysses_attention``.
+    ``int8_output`` and ``lowp_backward`` as in ``ulysses_attention``. ``codes`` (with
+    ``lowp``): ``(forward, backward)`` of the attention on a chunk's codes (``_Run.codes``),
+    which then replace ``attend``.
     Same values, bit for bit, as one chunk where ``attn`` treats heads independently."""
     assert chunks >= 1 and _chunks_fit(chunks, hd), (chunks, hd)
     run = _Run(hd=hd, pg=pg, n=chunks, attend=attend, used_sequence=used_sequence, lowp=lowp,
                q_group=q_group, k_group=k_group, int8_output=int8_output,
-               lowp_backward=lowp_backward, v_format=v_format)  # fmt: skip
+               lowp_backward=lowp_backward, v_format=v_format, codes=codes)  # fmt: skip
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Pipeline.apply(q, k, v, run)
     return run.forward(q, k, v, track=False)[0]

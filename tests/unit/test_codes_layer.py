@@ -348,7 +348,7 @@ def test_default_rule():
     """attn=None with comm="lowp": the dequantized path everywhere (the codes are opt-in);
     attn="codes": the codes wherever the kernel runs the call."""
     use = codes.use_codes
-    kw = {"custom": False, "options": {}, "chunks": 1}
+    kw = {"custom": False, "options": {}}
     assert not use(None, comm="lowp", q=_fake_q("cuda"), **kw)
     assert not use(None, comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw)
     assert use("codes", comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw)
@@ -358,7 +358,6 @@ def test_default_rule():
     assert use("codes", comm="lowp", q=_fake_q("cpu"), **kw)
     assert not use(None, comm="lowp", q=_fake_q("cuda", D=96), **kw)
     assert not use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "custom": True})
-    assert not use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "chunks": 2})
     for opt in ({"window_size": (4, 0)}, {"softcap": 5.0}, {"dropout_p": 0.1}):
         assert not use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "options": opt})
     assert use("codes", comm="lowp", q=_fake_q("cuda"), **{**kw, "options": {"dropout_p": 0.0}})
@@ -385,7 +384,6 @@ BAD_CALLS = [
         {"attn": "codes", "attn_kwargs": {"softcap": 3.0}},
         r"cannot run this call: attn_kwargs \['softcap'\]",
     ),
-    ({"attn": "codes", "head_chunks": 2}, r"cannot run this call: head_chunks=2.*falls back"),
     (  # the CPU interpreter's rule, or CUDA's
         {"attn": "codes", "D": 48},
         r"cannot run this call: the codes kernel (needs a power-of-two|runs head dims).*D=48",

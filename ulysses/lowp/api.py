@@ -167,7 +167,8 @@ def exchange_stats(
 
 
 class _HeadsPending:
-    """A started chunk of :func:`exchange_heads`; ``wait()`` -> (q_h, k_h, v_h)."""
+    """A started chunk of :func:`exchange_heads`; ``wait()`` -> (q_h, k_h, v_h), or
+    ``wait_codes()`` -> its LowpQKV (one of the two, once)."""
 
     __slots__ = ("_side", "_stats", "_pending", "_result")
 
@@ -178,6 +179,16 @@ class _HeadsPending:
         if self._result is None:
             recv = self._pending.wait()
             self._result = _chunk_heads(self._side, self._stats, recv)
+            self._pending = self._stats = None
+        return self._result
+
+    def wait_codes(self) -> LowpQKV:
+        """The chunk's codes and scales as they landed (no dequantize): a :class:`LowpQKV` of
+        its ``h/n`` query heads and the K/V heads it carries (none: ``kv_once``, c > 0)."""
+        if self._result is None:
+            recv, st = self._pending.wait(), self._stats
+            p = st.plan
+            self._result = self._side.codes(recv, st.out, p.dtype, p.fields, p.v_code)
             self._pending = self._stats = None
         return self._result
 

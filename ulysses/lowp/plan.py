@@ -79,6 +79,31 @@ class _Side:
     heads_q: torch.Tensor
     heads_kv: torch.Tensor
     dequant_at: object
+    # the chunk's v_scale (fp32 words) and K mean (input dtype) as (size, stride, offset)
+    # views of the call's result bytes (all heads' statistics)
+    v_scale_at: tuple
+    k_mean_at: tuple
+
+    def codes(self, recv: torch.Tensor, whole_out: torch.Tensor, dtype, fields: tuple,
+              v_code) -> LowpQKV:  # fmt: skip
+        """The chunk's :class:`LowpQKV` from its receive buffer and the call's result bytes:
+        codes as views of ``recv``, Q's and K's group scales gathered (one launch) into new
+        bytes, v_scale and k_mean views of ``whole_out``. ``fields``: (used_sequence,
+        q_group, k_group)."""
+        o = self.out
+        words = torch.empty(o.n_index, dtype=FP32, device=recv.device)
+        self.gather_scales(recv.view(torch.int32), words.view(torch.int32))
+        codes = recv.view(torch.int8)
+        return LowpQKV(
+            codes.as_strided(o.size_q, o.stride, o.offsets[0]),
+            codes.as_strided(o.size_kv, o.stride, o.offsets[1]),
+            recv.view(v_code).as_strided(o.size_kv, o.stride, o.offsets[2]),
+            words.as_strided(*o.q_scale),
+            words.as_strided(*o.k_scale),
+            whole_out.view(FP32).as_strided(*self.v_scale_at),
+            whole_out.view(dtype).as_strided(*self.k_mean_at),
+            *fields,
+        )  # fmt: skip
 
 
 def _send_side(
@@ -141,6 +166,8 @@ def _send_side(
         recv_out=output_template((w.nbytes,), torch.uint8, dev),
         heads_q=output_template(o.size_q, s.dtype, dev),
         heads_kv=output_template(o.size_kv, s.dtype, dev), dequant_at=dequant_at,
+        v_scale_at=(o.v_scale[0], vs_stride, vs_at + k_first * D),
+        k_mean_at=(o.v_scale[0], whole.k_mean[1], whole.k_mean[2] + k_first * D),
     )  # fmt: skip
 
 
