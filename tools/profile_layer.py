@@ -1,7 +1,7 @@
 """The GPU kernels of one layer call, per mode, with their device time (torch.profiler).
 
     python tools/profile_layer.py [--world 8] [--seq 32768] [--causal] [--heads 32]
-        [--head-dim 128] [--modes bf16,lowp,lowp-codes] [--train]
+        [--head-dim 128] [--modes bf16,lowp,lowp-codes] [--train] [--compiled]
 
 The same setting as scripts/bench_layer.py (the fake group, rank 1 of P, every collective
 through its MirrorLink): one call of each mode after warm-up, profiled; per mode the kernels
@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="bf16,lowp,lowp-codes")
     ap.add_argument("--train", action="store_true", help="forward and backward")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per mode")
+    ap.add_argument("--compiled", action="store_true", help="torch.compile(fullgraph=True)")
     a = ap.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
@@ -46,11 +47,14 @@ def main(argv=None) -> int:
     args = argparse.Namespace(batch=a.batch, heads=a.heads, head_dim=a.head_dim)
     shape = bl.Shape(a.world, a.seq, a.causal, args)
     q, k, v, dout = shape.inputs(0)
-    print(f"# P {a.world} S {a.seq}{'c' if a.causal else ''} H {a.heads} D {a.head_dim} "
-          f"{kind} on {torch.cuda.get_device_name() if bl.DEV.type == 'cuda' else 'cpu'}")
+    print(
+        f"# P {a.world} S {a.seq}{'c' if a.causal else ''} H {a.heads} D {a.head_dim} "
+        f"{kind} on {torch.cuda.get_device_name() if bl.DEV.type == 'cuda' else 'cpu'}"
+    )
     try:
         for mode in a.modes.split(","):
-            fn = bl.make_calls(q, k, v, dout, a.causal, bl.MODES[mode], None)[kind]
+            backend = "inductor" if a.compiled else None
+            fn = bl.make_calls(q, k, v, dout, a.causal, bl.MODES[mode], backend)[kind]
             for _ in range(3):
                 fn()
             bl.sync()
@@ -60,12 +64,14 @@ def main(argv=None) -> int:
             rows, total = [], 0.0
             for e in prof.key_averages():
                 dev = getattr(e, "self_device_time_total", None) or getattr(
-                    e, "self_cuda_time_total", 0)
+                    e, "self_cuda_time_total", 0
+                )
                 if dev > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
                     rows.append((dev, e.count, e.key))
                     total += dev
             rows.sort(reverse=True)
-            print(f"\n## {mode}: {total:.0f} µs of kernels")
+            wall = bl.per_call_us(fn, 20)
+            print(f"\n## {mode}: {total:.0f} µs of kernels, {wall:.0f} µs wall a call (20 calls)")
             for dev, n, key in rows[: a.top]:
                 print(f"{dev:9.0f} µs  x{n:<3d} {key[:100]}")
     finally:

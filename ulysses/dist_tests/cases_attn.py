@@ -343,8 +343,18 @@ DEFAULT_CASES = (
         max_world=4,
     ),
     # the codes of each head chunk attended where they land (K/V with the first chunk)
-    Case("lowpbw8", L=24, hq=2, kv="gqa", D=32, dtype="bf16", causal=True, used="early",
-         attn="codes", chunks=2),  # fmt: skip
+    Case(
+        "lowpbw8",
+        L=24,
+        hq=2,
+        kv="gqa",
+        D=32,
+        dtype="bf16",
+        causal=True,
+        used="early",
+        attn="codes",
+        chunks=2,
+    ),  # fmt: skip
     # ranks that disagree: the same ValueError on every rank (a shape no other case uses)
     Case(
         "bf16",
