@@ -194,6 +194,48 @@ def _read(prefix: str) -> list[dict]:
     return found
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux: read from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])  # the field after the state
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``, its process group and every process below it. torchrun starts each
+    worker in a session of its own, so killing torchrun's group alone leaves its ranks
+    running (they then took the check's cores for the rest of a run)."""
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)  # starts nothing new while its tree is read
+    except ProcessLookupError:
+        pass
+    below = _descendants(proc.pid) if os.path.isdir("/proc") else []
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def _sm_count() -> int:
     """GPU 0's multiprocessor count, 0 without a GPU."""
     import torch
@@ -235,8 +277,7 @@ def record_all(
                 rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 note = "" if rc in (0, 1) else f" (exit {rc})"  # 1: the checks fail, as expected
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _kill_tree(proc)
                 note = f" (cut off at {limit_s:.0f} s)"
             got = _read(prefix)
             for spec in got:

@@ -121,3 +121,45 @@ def test_the_stream_writes_each_new_specialization_once(tmp_path):
         seen.setdefault(key, {"k": key})
     assert path.read_text().splitlines() == ["a", "b"]
     assert seen == {"a": {"k": "a"}, "b": {"k": "b"}}
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+def test_a_cut_off_recorder_leaves_no_process_behind(tmp_path):
+    """A recorder cut off at its deadline is killed with every process below it, also those
+    in a session of their own (torchrun starts each rank so): killing its group alone left the
+    ranks running."""
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child"
+    code = (
+        "import subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+        "start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert _alive(child)
+    warm_cache._kill_tree(proc)
+    for _ in range(100):  # SIGKILL is asynchronous
+        if not _alive(child):
+            break
+        time.sleep(0.05)
+    assert not _alive(proc.pid)
+    assert not _alive(child), "the rank in its own session survived"
