@@ -1,7 +1,7 @@
 """One Ulysses attention step, bf16 against low precision, on ONE GPU (collectives modelled).
 
     python scripts/bench_step.py [--out step.csv]        # every shape at P = 8 and 2
-    python scripts/bench_step.py --check --sweep         # + accuracy checks and the config sweep
+    python scripts/bench_step.py --check                 # + accuracy checks first
     python scripts/bench_step.py --cpu                   # a tiny smoke run (interpreter)
 
 torch's fake process group (rank 1 of P) stands in for the P ranks: its collectives move no
@@ -16,9 +16,11 @@ modelled as ``bytes sent off-rank / link bandwidth``. Per shape (B 1, D 128, bf1
   output all_to_all (what ``ulysses_attention(comm="lowp")`` runs); ``lowp-b8``: ``lowp-b``
   with the output's INT8 way back (quantize, all_to_all of codes and scales, dequantize:
   ulysses/kernels/lowp_out.py; ``int8_output=True``);
-  ``lowp-c16`` / ``lowp-c8``: an attention kernel on the codes
-  (ulysses/experimental/lowp_attention.py):
-  the pointer kernel with fp16 P·V / the TMA kernel with fp8 P·V (its Hopper default).
+  ``lowp-codes``: ``exchange_qkv`` -> ``codes.attend`` (ulysses/kernels/codes_attention.py,
+  its default launch: fp8 P·V) on the exchange's codes -> output all_to_all (what
+  ``ulysses_attention(comm="lowp", attn="codes")`` runs); ``lowp-codes-v8``: the same with
+  ``v_format="int8"`` (V as INT8 codes, fp16 P·V). The kernel's launch configurations are
+  swept by ``scripts/bench_codes.py --sweep``.
   The fake all_to_all leaves the exchange's receive buffer unwritten, so the consumers read
   codes quantized (``reference.lowp_exchange_reference``) from random head shards and laid
   out in a buffer with the exchange's own strides: the same layout and bytes, real values.
@@ -56,12 +58,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ulysses import comm, grid, lowp, reference
+from ulysses import codes, comm, grid, lowp, reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for _bench
 from _bench import git_commit  # noqa: E402
 
-from ulysses.experimental.lowp_attention import CONFIGS, TMA_DEFAULT, AttnConfig, lowp_attention
+from ulysses.kernels.codes_attention import codes_attention
 from ulysses.kernels.lowp_dequant import dequantize_qkv
 from ulysses.kernels.lowp_out import dequantize_out, out_chunk_bytes, quantize_out
 
@@ -162,7 +164,7 @@ def wire_like(x: lowp.LowpQKV, ref: dict) -> lowp.LowpQKV:
     (the same strides and offsets), with ``ref``'s scales."""
     buf = torch.zeros(x.q.untyped_storage().nbytes(), dtype=torch.uint8, device=x.q.device)
     views = []
-    for t, dtype in ((x.q, torch.int8), (x.k, torch.int8), (x.v, torch.float8_e4m3fn)):
+    for t, dtype in ((x.q, torch.int8), (x.k, torch.int8), (x.v, x.v.dtype)):
         views.append(buf.view(dtype).as_strided(t.shape, t.stride(), t.storage_offset()))
     for view, name in zip(views, "qkv", strict=True):
         view.copy_(ref[name])
@@ -200,7 +202,7 @@ def sdpa(q, k, v, causal):
 class Case:
     """One (S, H, P, causal): this rank's inputs, the step callables and their byte counts."""
 
-    def __init__(self, S, H, P, causal, dev, cfgs: dict, seed=0):
+    def __init__(self, S, H, P, causal, dev, seed=0):
         self.S, self.H, self.P, self.causal = S, H, P, causal
         L, h = S // P, H // P
         self.L, self.h = L, h
@@ -215,8 +217,11 @@ class Case:
         qf, kf, vf = rand_qkv((B, S, h, D), dev, seed + 1)
         ref = reference.lowp_exchange_reference(qf, kf, vf, world_size=1, rank=0)
         self.lq = wire_like(x, ref)
+        x = lowp.exchange_qkv(self.q, self.k, self.v, v_format="int8")
+        ref = reference.lowp_exchange_reference(qf, kf, vf, world_size=1, rank=0,
+                                                v_format="int8")  # fmt: skip
+        self.lq8 = wire_like(x, ref)  # V as INT8 codes (lowp-codes-v8)
         del x, qf, kf, vf, ref
-        self.cfgs = cfgs[causal]
         self.bytes_in = {
             "bf16": lowp.bf16_payload_bytes(B, L, H, D),
             "lowp": lowp.payload_bytes(B, L, H, D, P),
@@ -273,26 +278,24 @@ class Case:
             args = (lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale)
             kw = dict(q_group=lq.q_group, k_group=lq.k_group, dtype=torch.bfloat16)
             return lambda: sdpa(*dequantize_qkv(*args, **kw), causal)
-        cfg = self.cfgs[name]
-        return lambda: lowp_attention(
-            lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale, q_group=lq.q_group,
-            k_group=lq.k_group, causal=causal, dtype=torch.bfloat16, config=cfg,
-        )  # fmt: skip
+        x = {"codes": lq, "codes-v8": self.lq8}[name]
+        return lambda: codes.attend(x, causal=causal, scale=None)[0]
 
     def lowp_step(self, name, int8_out=False):
         consume = self.consumer(name)
         q, k, v = self.q, self.k, self.v
         out_side = self.out_side_lowp if int8_out else self.out_side
+        kw = {"v_format": "int8"} if name == "codes-v8" else {}
 
         def step():
-            lowp.exchange_qkv(q, k, v)
+            lowp.exchange_qkv(q, k, v, **kw)
             return out_side(consume())
 
         return step
 
     def steps(self) -> dict:
         out = {"bf16": self.bf16_step}
-        for name in ("a", "b", "c16", "c8"):
+        for name in ("a", "b", "codes", "codes-v8"):
             out[f"lowp-{name}"] = self.lowp_step(name)
         out["lowp-b8"] = self.lowp_step("b", int8_out=True)
         out["exchange"] = lambda: lowp.exchange_qkv(self.q, self.k, self.v)
@@ -302,8 +305,8 @@ class Case:
         )  # fmt: skip
         out["dequant-torch"] = lambda: torch_dequantize(self.lq)
         out["attn-sdpa"] = lambda: sdpa(*self.unpack(), self.causal)
-        out["attn-c16"] = self.consumer("c16")
-        out["attn-c8"] = self.consumer("c8")
+        out["attn-codes"] = self.consumer("codes")
+        out["attn-codes-v8"] = self.consumer("codes-v8")
         return out
 
     def model_us(self, step: str, dev_us: float, gbps: float) -> float:
@@ -329,7 +332,7 @@ def fake_collective_host_us(case: Case) -> dict:
     return {"bf16": 2 * a2a, "lowp": g_us + a_us + a2a, "exchange": g_us + a_us}
 
 
-# ---- checks and the configuration sweep --------------------------------------------------------
+# ---- checks -------------------------------------------------------------------------------------
 
 
 def attention_fp32(q, k, v, causal, used, chunk=1024):
@@ -393,10 +396,13 @@ def check_dequant(dev, rows: list) -> None:
         rows.append(dict(kind="check-dequant", S=S, hq=hq, hkv=hkv, ok=same))
 
 
-def check_attention(dev, rows: list) -> None:
-    cases = [(4096, 2, 2, False, 4096, 128), (4096, 2, 2, True, 4096, 128),
-             (3000, 4, 2, True, 2500, 128), (2048, 2, 1, False, 1800, 64),
-             (8192, 2, 2, True, 8192, 128)]  # fmt: skip
+# (S, hq, hkv, causal, used, D)
+CHECK_CASES = ((4096, 2, 2, False, 4096, 128), (4096, 2, 2, True, 4096, 128),
+               (3000, 4, 2, True, 2500, 128), (2048, 2, 1, False, 1800, 64),
+               (8192, 2, 2, True, 8192, 128))  # fmt: skip
+
+
+def check_attention(dev, rows: list, cases=CHECK_CASES) -> None:
     for S, hq, hkv, causal, used, d in cases:
         shape = (B, S, hq, d)
         qf, kf, vf = rand_qkv(shape, dev, 11)
@@ -405,145 +411,67 @@ def check_attention(dev, rows: list) -> None:
         rq = reference.lowp_exchange_reference(qf, qf, qf, world_size=1, rank=0,
                                                used_sequence=used)  # fmt: skip
         kv = (kf[:, :, :hkv], kf[:, :, :hkv], vf[:, :, :hkv])
-        rk = reference.lowp_exchange_reference(*kv, world_size=1, rank=0, used_sequence=used)
-        deq = (
-            reference.lowp_dequantize_reference(rq["q"], rq["q_scale"], torch.float32, 32),
-            reference.lowp_dequantize_reference(rk["k"], rk["k_scale"], torch.float32, 64),
-            reference.lowp_dequantize_reference(rk["v"], rk["v_scale"], torch.float32, None),
-        )
-        ref_deq = attention_fp32(*deq, causal, used)
         ref_orig = attention_fp32(qf, kf[:, :, :hkv], vf[:, :, :hkv], causal, used)
-        sdpa_err = errors(
-            torch.cat([sdpa(*(x[:, :used].bfloat16() for x in deq), causal),
-                       torch.zeros(B, S - used, hq, d, device=dev)], 1), ref_deq,
-        )  # fmt: skip
-        print(
-            f"  attn S{S} hq{hq} hkv{hkv} D{d} causal={causal} used={used}: SDPA bf16 on "
-            f"dequantized vs fp32: max {sdpa_err[0]:.2e} rel {sdpa_err[1]:.2e}"
-        )
-        for cfg in _check_configs(d, causal):
+        for v_format in ("fp8", "int8"):
+            rk = reference.lowp_exchange_reference(
+                *kv, world_size=1, rank=0, used_sequence=used, v_format=v_format
+            )
+            deq = (
+                reference.lowp_dequantize_reference(rq["q"], rq["q_scale"], torch.float32, 32),
+                reference.lowp_dequantize_reference(rk["k"], rk["k_scale"], torch.float32, 64),
+                reference.lowp_dequantize_reference(rk["v"], rk["v_scale"], torch.float32, None),
+            )
+            ref_deq = attention_fp32(*deq, causal, used)
+            sdpa_err = errors(
+                torch.cat([sdpa(*(x[:, :used].bfloat16() for x in deq), causal),
+                           torch.zeros(B, S - used, hq, d, device=dev)], 1), ref_deq,
+            )  # fmt: skip
+            print(
+                f"  attn S{S} hq{hq} hkv{hkv} D{d} causal={causal} used={used} V {v_format}: "
+                f"SDPA bf16 on dequantized vs fp32: max {sdpa_err[0]:.2e} rel {sdpa_err[1]:.2e}"
+            )
             try:
-                out = lowp_attention(
+                out, _ = codes_attention(
                     rq["q"], rk["k"], rk["v"], rq["q_scale"], rk["k_scale"], rk["v_scale"],
-                    q_group=32, k_group=64, causal=causal, used_sequence=used,
-                    dtype=torch.bfloat16, config=cfg,
+                    q_group=32, k_group=64, causal=causal,
+                    used=torch.full((B,), used, dtype=torch.int32, device=dev),
+                    out_dtype=torch.bfloat16,
                 )  # fmt: skip
-            except Exception as e:  # report and go on: one failed config must not end the run
-                print(f"    {cfg!r}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            except Exception as e:  # report and go on: one failed case must not end the run
+                print(f"    codes: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
             e_deq, e_orig = errors(out, ref_deq), errors(out, ref_orig)
             pad_zero = bool((out[:, used:] == 0).all()) and bool(torch.isfinite(out).all())
-            print(f"    {cfg!r:26s} vs fp32(dequantized): max {e_deq[0]:.2e} rel {e_deq[1]:.2e}"
+            print(f"    codes vs fp32(dequantized): max {e_deq[0]:.2e} rel {e_deq[1]:.2e}"
                   f" | vs fp32(original): max {e_orig[0]:.2e} rel {e_orig[1]:.2e}"
                   f" | pad rows 0, finite: {pad_zero}")  # fmt: skip
+            name = "codes" if v_format == "fp8" else "codes-v8"
             rows.append(dict(kind="check-attn", S=S, hq=hq, hkv=hkv, D=d, causal=causal,
-                             used=used, config=repr(cfg), max_deq=e_deq[0], rel_deq=e_deq[1],
+                             used=used, config=name, max_deq=e_deq[0], rel_deq=e_deq[1],
                              max_orig=e_orig[0], rel_orig=e_orig[1], ok=pad_zero))  # fmt: skip
-
-
-def _check_configs(d, causal):
-    pointer = [AttnConfig(bm, 64, 4, 3, pv) for pv in ("fp16", "fp8") for bm in (128, 64)]
-    return pointer + [TMA_DEFAULT]
-
-
-def run_sweep(dev, rows: list) -> dict:
-    """do_bench (median ms) of every configuration at S 32768 h 4 (non-causal) and S 8192 h 4
-    (causal), D 128; returns the fastest per (causal, pv)."""
-    from triton.testing import do_bench
-
-    print("\n# sweep (median ms, do_bench; D 128)")
-    best: dict = {}
-    for S, h, causal in ((32768, 4, False), (8192, 4, True)):
-        qf, kf, vf = rand_qkv((B, S, h, D), dev, 3)
-        rs = reference.lowp_exchange_reference(qf, kf, vf, world_size=1, rank=0)
-        del qf, kf, vf
-        flops = 4 * B * h * S * S * D / (2 if causal else 1)
-        q_bh = torch.randn(B, h, S, D, device=dev, dtype=torch.bfloat16)
-        ms = do_bench(lambda: F.scaled_dot_product_attention(q_bh, q_bh, q_bh, is_causal=causal))
-        print(f"  S{S} h{h} causal={causal}: SDPA bf16 {ms:.3f} ms "
-              f"({flops / ms / 1e9:.0f} TFLOP/s)")  # fmt: skip
-        rows.append(dict(kind="sweep", S=S, h=h, causal=causal, config="sdpa-bf16", ms=ms))
-        for cfg in CONFIGS:
-            try:
-                fn = lambda cfg=cfg, r=rs: lowp_attention(  # noqa: E731
-                    r["q"], r["k"], r["v"], r["q_scale"], r["k_scale"], r["v_scale"],
-                    q_group=32, k_group=64, causal=causal, dtype=torch.bfloat16, config=cfg,
-                )  # fmt: skip
-                ms = do_bench(fn)
-            except Exception as e:
-                print(f"    {cfg!r}: FAILED {type(e).__name__}: {str(e)[:200]}")
-                continue
-            print(f"    {cfg!r:26s} {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TFLOP/s-equiv")
-            rows.append(dict(kind="sweep", S=S, h=h, causal=causal, config=repr(cfg), ms=ms))
-            if h == 4:
-                key = (causal, cfg.pv)
-                if key not in best or ms < best[key][1]:
-                    best[key] = (cfg, ms)
-        del rs
-    return {k: v[0] for k, v in best.items()}
-
-
-def precompile(jobs: int) -> None:
-    """Compile every configuration of the sweep in ``jobs`` processes (Triton's disk cache
-    then serves the main process)."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
-    tasks = [(cfg, causal) for cfg in CONFIGS for causal in (False, True)]
-    tasks += [(cfg, c) for c in (False, True) for cfg in _check_configs(64, c)]
-    t = time.perf_counter()
-    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-        failed = [r for r in pool.map(_compile_one, tasks) if r]
-    secs = time.perf_counter() - t
-    print(f"# precompiled {len(tasks)} attention configurations in {secs:.0f} s ({jobs} "
-          f"processes); failed: {failed or 'none'}")  # fmt: skip
-
-
-def _compile_one(task) -> str:
-    cfg, causal = task
-    try:
-        dev = torch.device("cuda")
-        for d in (128, 64) if cfg in _check_configs(64, causal) else (128,):
-            S, h = 512, 4
-            row = 3 * h * d + 16
-            buf = torch.zeros(S * row, dtype=torch.uint8, device=dev)
-            q = buf.view(torch.int8).as_strided((B, S, h, d), (3 * h * d, row, d, 1), 0)
-            k = buf.view(torch.int8).as_strided((B, S, h, d), (3 * h * d, row, d, 1), h * d)
-            v = buf.view(torch.float8_e4m3fn).as_strided(
-                (B, S, h, d), (3 * h * d, row, d, 1), 2 * h * d
-            )
-            ones = torch.ones
-            lowp_attention(q, k, v, ones(B, h, S // 32, device=dev), ones(B, h, S // 64,
-                           device=dev), ones(B, h, d, device=dev), q_group=32, k_group=64,
-                           causal=causal, dtype=torch.bfloat16, config=cfg)  # fmt: skip
-        torch.cuda.synchronize()
-        return ""
-    except Exception as e:
-        return f"{cfg!r} causal={causal}: {type(e).__name__}: {str(e)[:200]}"
 
 
 # ---- the step tables --------------------------------------------------------------------------
 
-STEP_NAMES = ("bf16", "lowp-a", "lowp-b", "lowp-b8", "lowp-c16", "lowp-c8")
+STEP_NAMES = ("bf16", "lowp-a", "lowp-b", "lowp-b8", "lowp-codes", "lowp-codes-v8")
+CODES = {"codes", "codes-v8"}  # the codes-kernel steps (--codes, --no-codes-attention)
 COLD_ROUNDS = 3
-PART_NAMES = ("exchange", "dequant-torch", "dequant-fused", "attn-sdpa", "attn-c16", "attn-c8")
+PART_NAMES = ("exchange", "dequant-torch", "dequant-fused", "attn-sdpa", "attn-codes",
+              "attn-codes-v8")  # fmt: skip
 
 
-def timed_pass(dev, cfgs, shapes, cold: bool) -> dict:
+def timed_pass(dev, shapes, cold: bool) -> dict:
     """{(S, H, P): {name: us}}: eager and host figures (cold=False) or device figures."""
     res = {}
     for P in WORLDS:
         init_world(P)
         for S, H, causal in shapes:
-            case = Case(S, H, P, causal, dev, cfgs)
+            case = Case(S, H, P, causal, dev)
             fns = case.steps()
             r = {}
             names = [n for n in fns if n in STEP_NAMES + PART_NAMES]
-            if ARGS.no_codes_attention:
-                names = [n for n in names if not n.endswith(("-c16", "-c8"))]
-            elif ARGS.codes != "c16,c8":
-                skip = {"c16", "c8"} - set(ARGS.codes.split(","))
-                names = [n for n in names if n.rsplit("-", 1)[-1] not in skip]
+            skip = CODES if ARGS.no_codes_attention else CODES - set(ARGS.codes.split(","))
+            names = [n for n in names if n.split("-", 1)[-1] not in skip]
             # cold figures: COLD_ROUNDS rounds over the steps, the median of the rounds (the
             # same SDPA kernel drifts by a few percent over a run; interleaving gives every
             # step the same drift)
@@ -578,13 +506,13 @@ def timed_pass(dev, cfgs, shapes, cold: bool) -> dict:
     return res
 
 
-def host_pass(dev, cfgs) -> dict:
+def host_pass(dev) -> dict:
     """Host time per call of each step at a tiny shape (L 64, h 1), minus the fake
     collectives' host time."""
     out = {}
     for P in WORLDS:
         init_world(P)
-        case = Case(64 * P, P, P, False, dev, cfgs)
+        case = Case(64 * P, P, P, False, dev)
         coll = fake_collective_host_us(case)
         r = {}
         for name, fn in case.steps().items():
@@ -677,20 +605,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (interpreter)")
     ap.add_argument("--check", action="store_true", help="accuracy checks first")
-    ap.add_argument("--sweep", action="store_true", help="time every attention configuration")
-    ap.add_argument("--jobs", type=int, default=0, help="precompile in this many processes")
     ap.add_argument("--layer", action="store_true", help="also time ulysses_attention itself")
     ap.add_argument("--no-steps", action="store_true", help="skip the step tables")
     ap.add_argument("--shape", action="append", default=None, help="S,H,causal (repeatable)")
     ap.add_argument("--worlds", default="8,2", help="world sizes P, comma-separated")
     ap.add_argument("--steps-only", action="store_true", help="no host/exchange tables")
     ap.add_argument("--no-codes-attention", action="store_true",
-                    help="skip the attention kernel on the codes (lowp-c16, lowp-c8)")  # fmt: skip
-    ap.add_argument("--codes", default="c16,c8",
-                    help="which attention kernels on the codes to time (c16: the pointer "
-                    "kernel, fp16 P·V; c8: the TMA kernel, fp8 P·V)")  # fmt: skip
+                    help="skip the codes kernel (lowp-codes, lowp-codes-v8)")  # fmt: skip
+    ap.add_argument("--codes", default="codes,codes-v8",
+                    help="which codes-kernel steps to time (codes: fp8 V, fp8 P·V; codes-v8: "
+                    "INT8 V, fp16 P·V)")  # fmt: skip
     ap.add_argument("--out", default=None, help="append CSV rows here (outside the repo)")
     ARGS = ap.parse_args()
+    if set(ARGS.codes.split(",")) - CODES:
+        ap.error(f"--codes takes names of {sorted(CODES)}, got {ARGS.codes!r}")
     global WORLDS
     WORLDS = tuple(int(x) for x in ARGS.worlds.split(","))
     dev = torch.device("cpu" if ARGS.cpu or not torch.cuda.is_available() else "cuda")
@@ -702,26 +630,14 @@ def main():
                 commit=git_commit())  # fmt: skip
     print("# " + " ".join(f"{k}={v}" for k, v in meta.items()))
     rows: list = []
-    if ARGS.jobs and _cuda():
-        guarded(precompile, ARGS.jobs)
     if ARGS.check and _cuda():
         guarded(run_checks, dev, rows)
-    cfgs = {c: {"c16": AttnConfig(128, 64, 4, 3, "fp16"), "c8": TMA_DEFAULT}
-            for c in (False, True)}  # fmt: skip
-    if dev.type == "cpu":
-        cfgs = {c: {"c16": AttnConfig(32, 32, 1, 1, "fp16"), "c8": AttnConfig(32, 32, 1, 1, "fp8")}
-                for c in (False, True)}  # fmt: skip
-    if ARGS.sweep and _cuda():
-        best = guarded(run_sweep, dev, rows) or {}
-        for (causal, pv), cfg in best.items():
-            cfgs[causal]["c16" if pv == "fp16" else "c8"] = cfg
-        print("# chosen: " + ", ".join(f"causal={c}: {v}" for c, v in cfgs.items()))
     shapes = CPU_SHAPES if dev.type == "cpu" else SHAPES
     if ARGS.shape:
         shapes = [(int(s.split(",")[0]), int(s.split(",")[1]), s.split(",")[2] in ("1", "True"))
                   for s in ARGS.shape]  # fmt: skip
     if not ARGS.no_steps:
-        guarded(steps_tables, dev, cfgs, shapes, rows, meta)
+        guarded(steps_tables, dev, shapes, rows, meta)
     if ARGS.layer:
         guarded(layer_table, dev, shapes, rows)
     if ARGS.out:
@@ -751,20 +667,19 @@ def guarded(fn, *args):
         return None
 
 
-def steps_tables(dev, cfgs, shapes, rows, meta):
+def steps_tables(dev, shapes, rows, meta):
     # eager and host figures first: the profiler may leave CUPTI loaded (_bench.py)
     extra = dev.type == "cuda" and not ARGS.steps_only
-    eager = timed_pass(dev, cfgs, shapes, cold=False)
-    host = host_pass(dev, cfgs) if not ARGS.steps_only else {}
+    eager = timed_pass(dev, shapes, cold=False)
+    host = host_pass(dev) if not ARGS.steps_only else {}
     ex_eager = exchange_pass(dev, cold=False) if extra else {}
-    cold = timed_pass(dev, cfgs, shapes, cold=True)
+    cold = timed_pass(dev, shapes, cold=True)
     ex_cold = exchange_pass(dev, cold=True) if extra else {}
     ceiling = copy_ceiling_tbs(dev)
 
     links = "/".join(map(str, LINKS_GBPS))
     print(f"\n# the step: device time (cold, us) and modelled speedup bf16/lowp at {links} "
-          f"GB/s; consumers: c16 {cfgs[False]['c16']!r} / causal {cfgs[True]['c16']!r}; c8 "
-          f"{cfgs[False]['c8']!r} / causal {cfgs[True]['c8']!r}")  # fmt: skip
+          "GB/s; codes: the codes kernel's default launch (codes-v8: INT8 V)")  # fmt: skip
     hdr = f"{'S':>6} {'H':>3} {'P':>2} {'causal':>6} | {'bf16':>8} |"
     for s in STEP_NAMES[1:]:
         hdr += f" {s:>9} {'x@50/200/450':>15} |"

@@ -94,7 +94,15 @@ def test_wheel_in_a_fresh_venv(tmp_path):
         entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
     assert "ulysses/kernels/grouped_amax.py" in names
     assert "ulysses/dist_tests/harness.py" in names
-    assert not [n for n in names if n.startswith("ulysses/experimental/")], "experimental shipped"
+    # files of the packages pyproject lists (the library, its kernels, the harness) and the
+    # dist-info, nothing else
+    listed = re.search(r"^packages = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    folders = {p.strip(' "').replace(".", "/") for p in listed.group(1).split(",")}
+    assert "ulysses/dist_tests" in folders, folders
+    stray = [
+        n for n in names if n.split("/")[0] != dist_info and n.rsplit("/", 1)[0] not in folders
+    ]
+    assert not stray, stray
 
     assert not [n for n in names if n.split("/")[0] in ("kernels", "dist_tests", "tests")]
     assert f"{dist_info}/licenses/LICENSE" in names

@@ -1,6 +1,10 @@
 """The consumers of the exchange's codes (Triton interpreter on CPU): the fused dequantize,
-bit for bit against ``reference.lowp_dequantize_reference``, and the attention kernel on the
-codes against fp32 attention of the dequantized values.
+bit for bit against ``reference.lowp_dequantize_reference``, and the codes kernel
+(``ulysses/kernels/codes_attention.py``) on codes laid out as the exchange lays them out,
+against fp32 attention of the dequantized values: each P·V form held to its own precision,
+keys past ``used`` never read, query and key blocks of different sizes, per-column K scales,
+head dim 128 and ``transpose_v``. (tests/unit/test_codes_attention.py holds the kernel to
+fp64 on contiguous codes; tests/unit/test_codes_layer.py runs it through the layer.)
 
 Shape legend: B batch, S global rows, hq / hkv the query / key-value heads of a rank, D head
 dim, Gq / Gk the Q / K group sizes. Codes are the reference quantization of random head
@@ -8,11 +12,10 @@ shards (``reference.lowp_exchange_reference`` with world_size=1), laid out as th
 receive buffer lays them out: q, k, v strided views of one uint8 buffer, rows of
 ``(hq + 2*hkv)*D`` code bytes plus a 16-byte scale slot.
 
-Tolerances (measured here on the interpreter; the GPU run of ``scripts/bench_step.py --check``
-reports the compiled kernel's): fp16 P·V is fp32 attention of the dequantized values up to
-the output's own bf16 rounding (2^-8 relative) plus fp16 rounding of P (2^-11 relative of
-a weighted mean of V); fp8 P·V adds e4m3 rounding of P (2^-4 relative per weight): 2-3% in
-norm.
+Tolerances (measured here on the interpreter): fp16 P·V is fp32 attention of the dequantized
+values up to the output's own bf16 rounding (2^-8 relative) plus fp16 rounding of P (2^-11
+relative of a weighted mean of V); fp8 P·V adds e4m3 rounding of P (2^-4 relative per
+weight): 2-3% in norm.
 """
 
 from __future__ import annotations
@@ -23,12 +26,7 @@ import pytest
 import torch
 
 from ulysses import reference
-from ulysses.experimental.lowp_attention import (
-    AttnConfig,
-    default_config,
-    lowp_attention,
-    transpose_v,
-)
+from ulysses.kernels.codes_attention import GPU_DEFAULT, CodesConfig, codes_attention, transpose_v
 from ulysses.kernels.lowp_dequant import dequantize_qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:(divide by zero|invalid value):RuntimeWarning")
@@ -121,6 +119,8 @@ def _attention_fp32(q, k, v, *, causal, used):
 
 
 def _run(case, cfg, *, causal, used=None, k_group=64, garbage_tail=False):
+    """(out, lse, fp32 reference, dequantized v): the codes kernel with launch configuration
+    ``cfg`` (None: the default) on wire-like codes, ``used`` live rows in every batch row."""
     B, S, hq, hkv, D = case
     (q, k, v), sc, _ = _codes(B, S, hq, hkv, D, used=used, k_group=k_group, seed=S + hq)
     deq = (
@@ -134,16 +134,17 @@ def _run(case, cfg, *, causal, used=None, k_group=64, garbage_tail=False):
         k[:, n:] = 127
         v[:, n:] = float("nan")
         sc["k_scale"][:, :, n // k_group + 1 :] = 1e30
-    out = lowp_attention(
-        q, k, v, **sc, q_group=32, k_group=k_group, causal=causal, used_sequence=used,
-        dtype=torch.bfloat16, config=cfg,
+    counts = None if used is None else torch.full((B,), used, dtype=torch.int32)
+    out, lse = codes_attention(
+        q, k, v, **sc, q_group=32, k_group=k_group, causal=causal, used=counts,
+        out_dtype=torch.bfloat16, config=cfg,
     )  # fmt: skip
-    return out, ref, deq[2]
+    return out, lse, ref, deq[2]
 
 
 def _check(out, ref, v, pv):
-    """fp16 P: elementwise |err| <= 2^-8 |ref| + 2^-10 max|v|; fp8 P: 2^-8 |ref| + 2^-4 max|v|
-    and 4% in norm."""
+    """fp16 P: elementwise |err| <= 2^-8 |ref| + 2^-10 max|v|; fp8 P ("fp8", "fp8t"): 2^-8
+    |ref| + 2^-4 max|v| and 4% in norm."""
     assert torch.isfinite(out).all()
     err = (out.float() - ref).abs()
     vmax = v.abs().max().item()
@@ -158,91 +159,73 @@ def _check(out, ref, v, pv):
     assert rel <= (4e-3 if pv == "fp16" else 4e-2), rel
 
 
-CPU = {pv: AttnConfig(32, 32, 1, 1, pv) for pv in ("fp16", "fp8")}
+def _cfg(pv, block_m=32, block_n=32):
+    return CodesConfig(block_m, block_n, 1, 1, pv, 1)
 
 
-@pytest.mark.parametrize("pv", ["fp16", "fp8"])
+@pytest.mark.parametrize("pv", ["fp16", "fp8", "fp8t"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_attention_vs_fp32(pv, causal):
-    out, ref, v = _run((1, 77, 2, 2, 64), CPU[pv], causal=causal)
+    """Every P·V form on strided views of one buffer, S not a multiple of the tile or of Gq,
+    Gk; fp16 P·V held to its own (tighter) bound."""
+    out, _, ref, v = _run((1, 77, 2, 2, 64), _cfg(pv), causal=causal)
     _check(out, ref, v, pv)
 
 
-def test_attention_used_sequence_masks_keys_and_zeroes_rows():
+@pytest.mark.parametrize(
+    "cfg, causal",
+    [(_cfg("fp16"), False), (_cfg("fp8"), True), (_cfg("fp8t"), True),
+     (_cfg("fp8t", 64, 32), True), (_cfg("fp8t", 32, 64), True)],
+    ids=repr,
+)  # fmt: skip
+def test_attention_used_sequence_masks_keys_and_zeroes_rows(cfg, causal):
     """Keys [used, S) hold saturated K codes with huge scales (a score that escaped the mask
-    would dominate its row) and NaN V codes; rows [used, S) must be exactly 0. (Triton's
-    interpreter reads e4m3's NaN 0x7F as a finite value, so the V side of the mask shows only
-    compiled, where the NaN propagates: ULYSSES_TEST_DEVICE=cuda.)"""
+    would dominate its row) and NaN V codes (``transpose_v`` must zero V's padding columns);
+    rows [used, S) must be exactly 0 with lse +inf. Query blocks smaller or larger than key
+    blocks take the causal split at a block edge. (Triton's interpreter reads e4m3's NaN 0x7F
+    as a finite value, so the V side of the mask shows only compiled, where the NaN
+    propagates: ULYSSES_TEST_DEVICE=cuda.)"""
     used = 61
-    out, ref, v = _run((1, 100, 2, 2, 64), CPU["fp16"], causal=False, used=used,
-                       garbage_tail=True)  # fmt: skip
+    out, lse, ref, v = _run((1, 100, 2, 2, 64), cfg, causal=causal, used=used, garbage_tail=True)
     assert torch.equal(out[:, used:], torch.zeros_like(out[:, used:]))
-    _check(out, ref, v, "fp16")
-    out, ref, v = _run((1, 100, 2, 2, 64), CPU["fp8"], causal=True, used=used, garbage_tail=True)
-    assert torch.equal(out[:, used:], torch.zeros_like(out[:, used:]))
-    _check(out, ref, v, "fp8")
+    assert torch.isinf(lse[..., used:]).all() and torch.isfinite(lse[..., :used]).all()
+    _check(out, ref, v, cfg.pv)
 
 
 def test_attention_gqa_mapping():
-    """q head j reads kv head j // (hq // hkv): 4 query heads on 2 kv heads."""
-    out, ref, v = _run((1, 64, 4, 2, 64), CPU["fp16"], causal=True)
+    """q head j reads kv head j // (hq // hkv): 4 query heads on 2 kv heads, fp16 P·V."""
+    out, _, ref, v = _run((1, 64, 4, 2, 64), _cfg("fp16"), causal=True)
     _check(out, ref, v, "fp16")
 
 
-def test_attention_key_scale_per_column():
+@pytest.mark.parametrize("pv", ["fp16", "fp8t"])
+def test_attention_key_scale_per_column(pv):
     """Gk = 16 < BLOCK_N: each key column has its own scale (the kernel's other path)."""
-    out, ref, v = _run((1, 70, 2, 1, 64), CPU["fp16"], causal=True, k_group=16)
-    _check(out, ref, v, "fp16")
+    out, _, ref, v = _run((1, 70, 2, 1, 64), _cfg(pv), causal=True, k_group=16)
+    _check(out, ref, v, pv)
 
 
 def test_attention_head_dim_128_default_config():
-    """The default configuration, held to the bound of its own P·V precision (fp16 P·V on
-    the interpreter; on Hopper, the test mirror included, the TMA kernel's fp8 P·V)."""
-    out, ref, v = _run((1, 40, 1, 1, 128), None, causal=False)
-    cfg = default_config(128, False, torch.device("cpu"))
-    _check(out, ref, v, cfg.pv)
+    """The default configuration (fp8 P·V on a transposed V copy, on CPU as on CUDA), held to
+    the bound of its P·V precision."""
+    assert GPU_DEFAULT.pv == "fp8t"
+    out, _, ref, v = _run((1, 40, 1, 1, 128), None, causal=False)
+    _check(out, ref, v, "fp8t")
 
 
 def test_transpose_v():
     (_, _, v), _, _ = _codes(2, 37, 1, 3, 32)
     vt = transpose_v(v)
-    assert vt.shape == (2, 3, 32, 48)
+    assert vt.shape == (2, 3, 32, 128)  # S rounded up to 128
     assert torch.equal(vt[..., :37].view(torch.uint8), v.permute(0, 2, 3, 1).view(torch.uint8))
     assert not vt[..., 37:].view(torch.uint8).any()
 
 
-TMA = AttnConfig(32, 32, 1, 1, "fp8", tma=True)
-
-
-@pytest.mark.parametrize(
-    "case, causal, k_group",
-    [((1, 77, 2, 2, 64), False, 64), ((1, 77, 2, 2, 64), True, 64), ((2, 64, 4, 2, 64), True, 64),
-     ((1, 70, 2, 1, 64), True, 16), ((1, 40, 1, 1, 128), False, 64)],
-    ids=["full", "causal", "batch2-gqa", "key-scale-per-column", "d128"],
-)  # fmt: skip
-def test_tma_attention_vs_fp32(case, causal, k_group):
-    """The kernel reading its blocks through tensor descriptors: Q/K rows past S read as 0,
-    B > 1 through the batch stride, each key column its own K scale."""
-    out, ref, v = _run(case, TMA, causal=causal, k_group=k_group)
-    _check(out, ref, v, "fp8")
-
-
-@pytest.mark.parametrize("cfg", [TMA, AttnConfig(64, 32, 1, 1, "fp8", tma=True),
-                                 AttnConfig(32, 64, 1, 1, "fp8", tma=True)], ids=repr)  # fmt: skip
-def test_tma_attention_used_sequence(cfg):
-    """Keys [used, S) hold saturated K codes with huge scales and NaN V codes; the TMA kernel
-    reads whole blocks, so ``transpose_v`` must zero V's padding columns; rows [used, S) 0.
-    Query blocks smaller or larger than key blocks take the causal split at a block edge."""
-    used = 61
-    out, ref, v = _run((1, 100, 2, 2, 64), cfg, causal=True, used=used, garbage_tail=True)
-    assert torch.equal(out[:, used:], torch.zeros_like(out[:, used:]))
-    _check(out, ref, v, "fp8")
-
-
 def test_transpose_v_zeroes_columns_past_used():
-    (_, _, v), _, _ = _codes(1, 37, 1, 2, 32)
-    vt = transpose_v(v, 30)
-    assert torch.equal(
-        vt[..., :30].view(torch.uint8), v[:, :30].permute(0, 2, 3, 1).view(torch.uint8)
-    )
-    assert not vt[..., 30:].view(torch.uint8).any()
+    (_, _, v), _, _ = _codes(2, 37, 1, 2, 32)
+    vt = transpose_v(v, torch.tensor([30, 37], dtype=torch.int32))
+    for b, n in enumerate((30, 37)):
+        assert torch.equal(
+            vt[b, ..., :n].view(torch.uint8), v[b, :n].permute(1, 2, 0).view(torch.uint8)
+        )
+        assert not vt[b, ..., n:].view(torch.uint8).any()

@@ -66,25 +66,27 @@ def test_urls_and_classifiers():
 def test_kernels_and_harness_are_folders_of_the_package():
     setuptools_cfg = _pyproject()["tool"]["setuptools"]
     packages = setuptools_cfg["packages"]
-    # every package folder ships (ulysses/lowp/ was once left out), experimental/ does not
+    # every package folder ships (ulysses/lowp/ was once left out)
     folders = sorted(
         ".".join(f.parent.relative_to(ROOT).parts)
         for f in (ROOT / "ulysses").rglob("__init__.py")
-        if "experimental" not in f.parts and "__pycache__" not in f.parts
+        if "__pycache__" not in f.parts
     )
     assert sorted(packages) == folders, (packages, folders)
     assert "package-dir" not in setuptools_cfg  # each package is the folder of its name
     for name in packages:
         assert (ROOT / name.replace(".", "/") / "__init__.py").exists(), name
-    # Experimental code is no part of the wheel, and nothing the wheel holds imports it.
-    assert (ROOT / "ulysses" / "experimental" / "__init__.py").exists()
-    shipped = [ROOT / name.replace(".", "/") for name in packages]
+    # The earlier experimental kernel is gone (ulysses.kernels.codes_attention replaced it),
+    # and no module, script, tool or test imports it.
+    assert not (ROOT / "ulysses" / "experimental").exists()
     importers = [
         str(path.relative_to(ROOT))
-        for folder in shipped
-        for path in folder.glob("*.py")
-        if "ulysses.experimental" in path.read_text()
-        or "from . import experimental" in path.read_text()
+        for folder in ("ulysses", "scripts", "tools", "tests", "examples")
+        for path in (ROOT / folder).rglob("*.py")
+        if path != Path(__file__).resolve()  # this file names what it looks for
+        and (
+            "ulysses.experimental" in path.read_text() or "import experimental" in path.read_text()
+        )
     ]
     assert not importers, importers
     # Never a top-level `kernels` (another PyPI package owns that import name).
