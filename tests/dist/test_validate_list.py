@@ -25,3 +25,59 @@ def test_validate_list_prints_the_cases_once(tmp_path):
     lines = proc.stdout.split()
     assert lines and all(line.startswith("lowp/") and "used_tail" in line for line in lines), lines
     assert len(lines) == len(set(lines)), "a case was listed more than once"
+
+
+def _tree(pid: int) -> list[int]:
+    """The live (not zombie) processes below ``pid``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            tail = stat[stat.rindex(")") + 2 :].split()
+            if tail[0] != "Z":
+                children.setdefault(int(tail[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+def test_a_terminated_validate_ends_its_launches(tmp_path):
+    """SIGTERM to validate (what `timeout` around it sends) ends its torchrun and ranks, which
+    run in a session of their own: before, they kept running after validate was gone."""
+    import signal
+    import time
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "ulysses.dist_tests.validate", "--world-sizes", "2"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        seen: list[int] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(seen) < 3:  # torchrun and two ranks
+            time.sleep(0.5)
+            seen = _tree(proc.pid)
+        assert len(seen) >= 3, f"the launch did not start: {seen}"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        alive = seen
+        for _ in range(60):
+            alive = [p for p in seen if Path(f"/proc/{p}").exists() and
+                     Path(f"/proc/{p}/stat").read_text().split(") ")[-1][0] != "Z"]  # fmt: skip
+            if not alive:
+                break
+            time.sleep(0.5)
+        assert not alive, f"processes of the launch outlived validate: {alive}"
+        assert rc == 128 + signal.SIGTERM, rc
+    finally:
+        if proc.poll() is None:
+            proc.kill()

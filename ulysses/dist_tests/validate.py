@@ -36,11 +36,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 _PACKAGE = "ulysses.dist_tests"
 _STDERR_LINES = 15  # per rank, for a world size that left no summary
 _KILL_GRACE_S = 30
+# the launches running now (each torchrun in a session of its own): ended with this process
+_LIVE: set = set()
 
 
 def _env_list(*names: str) -> list[int] | None:
@@ -219,12 +222,15 @@ def run_world_size(P: int, args, harness_args: list[str], out_dir: str) -> dict:
             stdout=out,
             stderr=None if out is None else subprocess.STDOUT,
         )
+        _LIVE.add(proc)
         try:
             rc = proc.wait(timeout=args.outer_timeout_s)
         except subprocess.TimeoutExpired:
             limit = f"{args.outer_timeout_s:g}"
             print(f"validate: world size {P} ran past {limit} s; killing it", flush=True)
             rc = _kill(proc)
+        finally:
+            _LIVE.discard(proc)
     wall = time.monotonic() - start
     summary = None
     if os.path.exists(json_path):
@@ -247,9 +253,9 @@ def run_world_size(P: int, args, harness_args: list[str], out_dir: str) -> dict:
     }
 
 
-def _kill(proc: subprocess.Popen) -> int:
+def _kill(proc: subprocess.Popen, grace_s: float = _KILL_GRACE_S) -> int:
     """SIGTERM the launch's process group (torchrun and its ranks), SIGKILL after a grace."""
-    for sig, wait_s in ((signal.SIGTERM, _KILL_GRACE_S), (signal.SIGKILL, None)):
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -312,7 +318,28 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _end_launches(signum, frame) -> None:
+    """SIGTERM / SIGHUP of this process (e.g. ``timeout`` around it): its launches run in
+    sessions of their own, so they would outlive it on the machine; end them first."""
+    for proc in list(_LIVE):
+        _kill(proc, grace_s=5.0)
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
+    in_main = threading.current_thread() is threading.main_thread()
+    before = {}
+    if in_main:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            before[sig] = signal.signal(sig, _end_launches)
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv=None) -> int:
     args, harness_args = parse_args(argv)
     if "--list" in harness_args:
         return list_cases(args, harness_args)
