@@ -10,13 +10,25 @@ call launches the same kernels with the same arguments.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["define_op", "is_compiling"]
+__all__ = ["assume_constant_result", "define_op", "is_compiling"]
 
 is_compiling = torch.compiler.is_compiling
+
+
+def assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result``, without importing ``torch._dynamo`` (a second
+    or more a process) while nothing else did: the decorator only marks ``fn`` with the
+    attribute Dynamo reads when it traces a call (tests/unit/test_ops.py checks that it still
+    sets that and nothing else)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 _LIB = torch.library.Library("ulysses", "DEF")

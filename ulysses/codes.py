@@ -199,7 +199,7 @@ def attend(
 # ---- backward: from out and lse ---------------------------------------------------------------
 
 
-@torch.compiler.assume_constant_result
+@_ops.assume_constant_result
 def _flash_enabled(index: int) -> bool:
     """SDPA's flash backend is built, enabled (not switched off, e.g. by
     ``sdpa_kernel([SDPBackend.MATH])`` for determinism) and runs on CUDA device ``index``

@@ -148,3 +148,28 @@ def test_scale_gather_copies_the_bits():
     out = gather_scales(words.view(torch.uint8), index)
     assert out.dtype == torch.float32 and out.shape == (77,)
     assert torch.equal(out.view(torch.int32), words[index])
+
+
+def test_assume_constant_result_marks_as_torch_does():
+    """``_ops.assume_constant_result`` (which spares ``import ulysses`` torch._dynamo) marks a
+    function exactly as ``torch.compiler.assume_constant_result`` does."""
+    import sys
+
+    from ulysses import _ops
+
+    def mine():
+        return 1
+
+    def theirs():
+        return 1
+
+    if "torch._dynamo" in sys.modules:  # take the path that does not import it
+        saved = sys.modules.pop("torch._dynamo")
+        try:
+            _ops.assume_constant_result(mine)
+        finally:
+            sys.modules["torch._dynamo"] = saved
+    else:
+        _ops.assume_constant_result(mine)
+    torch.compiler.assume_constant_result(theirs)
+    assert vars(mine) == vars(theirs) and vars(mine)

@@ -126,7 +126,9 @@ def _route_jit_calls_and_fix_loop_bounds() -> None:
     * a call of a ``JITFunction`` (a jit helper called from the kernel) runs interpreted;
       ``TRITON_INTERPRET=1`` would do that at import time, which we do not ask of users;
     * Triton 3.6's interpreter makes a loop bound with int() of a shape-(1,) array, which
-      numpy >= 2.5 refuses; read the one element instead.
+      numpy >= 2.5 refuses; read the one element instead;
+    * ``triton.language`` is patched once for the launch, not again on every helper call
+      (:func:`_patch_lang_once_per_launch`).
     """
     from triton.runtime import interpreter
     from triton.runtime.interpreter import InterpretedFunction
@@ -136,6 +138,7 @@ def _route_jit_calls_and_fix_loop_bounds() -> None:
         return InterpretedFunction(self.fn)(*args, **kwargs)
 
     JITFunction.__call__ = call
+    _patch_lang_once_per_launch(interpreter)
     original_patch = getattr(interpreter, "_patch_lang_tensor", None)
     if original_patch is not None:
 
@@ -144,3 +147,35 @@ def _route_jit_calls_and_fix_loop_bounds() -> None:
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
         interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+class _KeptPatches:
+    """The scope a repeated ``_patch_lang`` returns: the launch's first patches stay in place
+    (the launch's own scope, then :func:`run`, restore them)."""
+
+    def restore(self) -> None:
+        pass
+
+
+def _patch_lang_once_per_launch(interpreter) -> None:
+    """Triton's interpreter patches ``triton.language`` (``_patch_lang``) for the launch and
+    again for every call of a jit helper, each time rebinding the same names to equivalent
+    wrappers, and the helper calls never undo it: within one launch, patching a language
+    module a second time changes nothing but costs a walk over every builtin. Patch each
+    module once a launch. Installed inside :func:`run`'s restored scope, so each launch starts
+    afresh; with no ``_patch_lang`` (another Triton) the stock behaviour stays."""
+    original = getattr(interpreter, "_patch_lang", None)
+    tl = getattr(interpreter, "tl", None)
+    core = getattr(tl, "core", None)
+    if original is None or core is None:
+        return
+    patched: set[int] = set()
+
+    def patch_lang(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is core}
+        if langs and langs <= patched:
+            return _KeptPatches()
+        patched.update(langs)
+        return original(fn)
+
+    interpreter._patch_lang = patch_lang
