@@ -8,7 +8,8 @@ D head dim. q_full [B, S, Hq, D], k_full and v_full [B, S, Hkv, D]; a rank's sha
 On every rank:
   1. build the global q, k, v and output gradient (``cases_attn.build_full``) and take this
      rank's rows as leaf tensors;
-  2. the reference, written here and sharing nothing with the library: torch's SDPA over ALL
+  2. the reference (on CPU tensors rank 0 computes it once and scatters each rank its rows:
+     ``shared_expected``), written here and sharing nothing with the library: torch's SDPA over ALL
      heads of the whole sequence, over the live rows ``[0, used)`` only (GQA through
      ``enable_gqa``), rows ``[used, S)`` zero, then its backward; plus, for "lowp", the same
      attention in fp32 and, on CPU, the attention of the gather-then-quantize values computed
