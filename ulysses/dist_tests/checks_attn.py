@@ -8,7 +8,8 @@ D head dim. q_full [B, S, Hq, D], k_full and v_full [B, S, Hkv, D]; a rank's sha
 On every rank:
   1. build the global q, k, v and output gradient (``cases_attn.build_full``) and take this
      rank's rows as leaf tensors;
-  2. the reference, written here and sharing nothing with the library: torch's SDPA over ALL
+  2. the reference (on CPU tensors rank 0 computes it once and scatters each rank its rows:
+     ``shared_expected``), written here and sharing nothing with the library: torch's SDPA over ALL
      heads of the whole sequence, over the live rows ``[0, used)`` only (GQA through
      ``enable_gqa``), rows ``[used, S)`` zero, then its backward; plus, for "lowp", the same
      attention in fp32 and, on CPU, the attention of the gather-then-quantize values computed
@@ -153,26 +154,81 @@ def _windowed(q, k, v, causal: bool, used, ids, window):
 
 
 def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
+    """This rank's rows of the reference (:func:`_full_expected`)."""
+    return _rows_of(_full_expected(ctx, case, inputs), ctx, case.L)
+
+
+def shared_expected(ctx: Context, case, inputs: Inputs) -> dict:
+    """:func:`expected_values`, with the reference computed once: on CPU tensors rank 0
+    computes it for the whole sequence and scatters each rank its rows over the process group
+    (the same values, bit for bit); on a GPU every rank computes its own. Collective: every
+    rank calls it."""
+    if ctx.device.type != "cpu" or ctx.world_size == 1:
+        return expected_values(ctx, case, inputs)
+    full, failure, header = {}, None, None
+    if ctx.rank == 0:
+        try:
+            full = _full_expected(ctx, case, inputs)
+            header = {name: _described(t) for name, t in full.items()}
+        except Exception as exc:
+            failure, header = exc, {"failed": f"{type(exc).__name__}: {exc}"}
+    header = ctx.gather_json(header)[0]
+    if failure is not None:
+        raise failure
+    if set(header) == {"failed"}:
+        raise RuntimeError(f"rank 0's reference failed: {header['failed']}")
+    exp, L = {}, case.L
+    for name, value in header.items():  # in rank 0's order: every rank scatters alike
+        if not isinstance(value, list):
+            exp[name] = value
+            continue
+        shape, dtype = value
+        mine = torch.empty([shape[0], L, *shape[2:]], dtype=getattr(torch, dtype))
+        parts = None
+        if ctx.rank == 0:
+            t = full[name]
+            parts = [_bytes(t[:, r * L : (r + 1) * L]) for r in range(ctx.world_size)]
+        dist.scatter(_bytes(mine), parts, src=0)
+        exp[name] = mine
+    return exp
+
+
+def _described(value):
+    """A tensor as [shape, dtype name] (JSON); a number as it is."""
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype).removeprefix("torch.")]
+    return value
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes (a view of it) or a contiguous copy's."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _rows_of(exp: dict, ctx: Context, L: int) -> dict:
+    return {name: _rows(t, ctx, L) if isinstance(t, torch.Tensor) else t
+            for name, t in exp.items()}  # fmt: skip
+
+
+def _full_expected(ctx: Context, case, inputs: Inputs) -> dict:
+    """The reference for the whole sequence: name -> [B, S, ...] tensor (or a number)."""
     if case.window is not None:
         return _expected_windowed(ctx, case, inputs)
     q, k, v = (x.clone().requires_grad_() for x in inputs.full)
     out = _attend(q, k, v, case.causal, inputs.used, inputs.ids)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs.full_go)
-    L = case.L
-    exp = {name: _rows(t, ctx, L).detach() for name, t in
+    exp = {name: t.detach() for name, t in
            (("out", out), ("dq", dq), ("dk", dk), ("dv", dv))}  # fmt: skip
     if case.lowp:
         with torch.no_grad():
             f32 = [x.float() for x in inputs.full]
-            exp["out_fp32"] = _rows(_attend(*f32, case.causal, inputs.used, inputs.ids), ctx, L)
+            exp["out_fp32"] = _attend(*f32, case.causal, inputs.used, inputs.ids)
             n = q.shape[1] if inputs.used is None else max(_counts(inputs.used))
             exp["v_max"] = inputs.full[2][:, :n].float().abs().max().item()
         if ctx.device.type == "cpu":  # only compared where bit-exactness holds
-            quant = _quantized_attention(ctx, case, inputs)
-            exp.update({name: _rows(t, ctx, L) for name, t in quant.items()})
+            exp.update(_quantized_attention(ctx, case, inputs))
         if case.attn == "codes":
-            codes_ref = _codes_reference(ctx, case, inputs)
-            exp.update({name: _rows(t, ctx, L) for name, t in codes_ref.items()})
+            exp.update(_codes_reference(ctx, case, inputs))
     return exp
 
 
@@ -181,7 +237,7 @@ def _expected_windowed(ctx: Context, case, inputs: Inputs) -> dict:
     q, k, v = (x.float().requires_grad_() for x in inputs.full)
     out = _windowed(q, k, v, case.causal, inputs.used, inputs.ids, case.window)
     grads = torch.autograd.grad(out, (q, k, v), inputs.full_go.float())
-    exp = {name: _rows(t, ctx, case.L).detach() for name, t in
+    exp = {name: t.detach() for name, t in
            zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True)}  # fmt: skip
     exp["out_fp32"] = exp["out"]
     n = q.shape[1] if inputs.used is None else max(_counts(inputs.used))
@@ -561,7 +617,7 @@ def run_case(ctx: Context, case, seed: int) -> CaseRun:
         message = run.collective("ulysses_attention", lambda: call_disagreeing(ctx, case, inputs))
         run.local("compare", lambda: compare_disagreeing(run, ctx, inputs, message))
         return run
-    exp = run.local("reference", lambda: expected_values(ctx, case, inputs))
+    exp = run.collective("reference", lambda: shared_expected(ctx, case, inputs))
     log: list[str] = []
     got = run.collective("ulysses_attention", lambda: call_library(ctx, case, inputs, log))
     if case.kv in cases_attn.UNEVEN_KINDS:
