@@ -57,7 +57,7 @@ import ulysses
 from ulysses import _hooks, comm, reference
 from ulysses.reference import bitwise_diff
 
-from . import cases_attn
+from . import _shared, cases_attn
 from ._dist import Context
 from .checks import CaseRun
 
@@ -161,48 +161,11 @@ def expected_values(ctx: Context, case, inputs: Inputs) -> dict:
 def shared_expected(ctx: Context, case, inputs: Inputs) -> dict:
     """:func:`expected_values`, with the reference computed once: on CPU tensors rank 0
     computes it for the whole sequence and scatters each rank its rows over the process group
-    (the same values, bit for bit); on a GPU every rank computes its own. Collective: every
-    rank calls it."""
+    (the same values, bit for bit; ``_shared.rows_from_rank0``); on a GPU every rank computes
+    its own. Collective: every rank calls it."""
     if ctx.device.type != "cpu" or ctx.world_size == 1:
         return expected_values(ctx, case, inputs)
-    full, failure, header = {}, None, None
-    if ctx.rank == 0:
-        try:
-            full = _full_expected(ctx, case, inputs)
-            header = {name: _described(t) for name, t in full.items()}
-        except Exception as exc:
-            failure, header = exc, {"failed": f"{type(exc).__name__}: {exc}"}
-    header = ctx.gather_json(header)[0]
-    if failure is not None:
-        raise failure
-    if set(header) == {"failed"}:
-        raise RuntimeError(f"rank 0's reference failed: {header['failed']}")
-    exp, L = {}, case.L
-    for name, value in header.items():  # in rank 0's order: every rank scatters alike
-        if not isinstance(value, list):
-            exp[name] = value
-            continue
-        shape, dtype = value
-        mine = torch.empty([shape[0], L, *shape[2:]], dtype=getattr(torch, dtype))
-        parts = None
-        if ctx.rank == 0:
-            t = full[name]
-            parts = [_bytes(t[:, r * L : (r + 1) * L]) for r in range(ctx.world_size)]
-        dist.scatter(_bytes(mine), parts, src=0)
-        exp[name] = mine
-    return exp
-
-
-def _described(value):
-    """A tensor as [shape, dtype name] (JSON); a number as it is."""
-    if isinstance(value, torch.Tensor):
-        return [list(value.shape), str(value.dtype).removeprefix("torch.")]
-    return value
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes (a view of it) or a contiguous copy's."""
-    return t.contiguous().view(torch.uint8)
+    return _shared.rows_from_rank0(ctx, case.L, lambda: _full_expected(ctx, case, inputs))
 
 
 def _rows_of(exp: dict, ctx: Context, L: int) -> dict:
