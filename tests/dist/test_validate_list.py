@@ -28,23 +28,21 @@ def test_validate_list_prints_the_cases_once(tmp_path):
 
 
 def _tree(pid: int) -> list[int]:
-    """The live (not zombie) processes below ``pid``."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            tail = stat[stat.rindex(")") + 2 :].split()
-            if tail[0] != "Z":
-                children.setdefault(int(tail[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    """The live (not zombie) processes below ``pid`` (tools/warm_cache.py's /proc walk)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("warm_cache", ROOT / "tools" / "warm_cache.py")
+    warm_cache = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(warm_cache)
+    return [p for p in warm_cache._descendants(pid) if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 @pytest.mark.dist
@@ -71,8 +69,7 @@ def test_a_terminated_validate_ends_its_launches(tmp_path):
         rc = proc.wait(timeout=60)
         alive = seen
         for _ in range(60):
-            alive = [p for p in seen if Path(f"/proc/{p}").exists() and
-                     Path(f"/proc/{p}/stat").read_text().split(") ")[-1][0] != "Z"]  # fmt: skip
+            alive = [p for p in seen if _alive(p)]
             if not alive:
                 break
             time.sleep(0.5)
