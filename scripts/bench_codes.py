@@ -68,7 +68,20 @@ SWEEP = [
     CodesConfig(64, 64, 4, 3, "fp8t", 3),
     CodesConfig(128, 32, 4, 3, "fp8t", 3),
     CodesConfig(256, 64, 8, 3, "fp8t", 3),
+    CodesConfig(128, 128, 8, 2, "fp8t", 1),  # two warpgroups of 64 rows, two K groups a block
+    CodesConfig(128, 128, 8, 3, "fp8t", 1),
 ]
+
+
+def sweep_configs(names: str) -> list:
+    """The sweep's configurations, or those whose repr is in the comma-separated ``names``."""
+    if not names:
+        return SWEEP
+    keep = names.split(",")
+    unknown = [n for n in keep if n not in {repr(c) for c in SWEEP}]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; known: {[repr(c) for c in SWEEP]}")
+    return [c for c in SWEEP if repr(c) in keep]
 
 
 def inputs(B, S, h, hkv, D, device, seed=0):
@@ -225,13 +238,13 @@ def run_table(shapes, args):
     write_csv(args.csv, rows)
 
 
-def _warm(job: int, jobs: int) -> None:
+def _warm(job: int, jobs: int, configs: list) -> None:
     """Compile this job's share of the sweep (one call each): Triton's disk cache then serves
     the timing process, so compiles run ``jobs`` at a time."""
     i = 0
     for _name, B, S, h, hkv, D, causal in SWEEP_SHAPES:
         q, k, v = inputs(B, min(S, 2048), h, hkv, D, "cuda")
-        for cfg in SWEEP:
+        for cfg in configs:
             if i % jobs == job:
                 try:
                     providers(q, k, v, causal, cfg, with_sage=False)[0]["codes"]()
@@ -247,8 +260,8 @@ def run_sweep(args):
     if args.jobs > 1:
         import subprocess
 
-        procs = [subprocess.Popen([sys.executable, __file__, "--warm", f"{j}/{args.jobs}"])
-                 for j in range(args.jobs)]  # fmt: skip
+        argv = [sys.executable, __file__, "--configs", args.configs, "--warm"]
+        procs = [subprocess.Popen([*argv, f"{j}/{args.jobs}"]) for j in range(args.jobs)]
         for p in procs:
             p.wait()
     rows = []
@@ -256,7 +269,7 @@ def run_sweep(args):
         q, k, v = inputs(B, S, h, hkv, D, "cuda")
         base = bench(lambda: sdpa(q, k, v, causal))
         print(f"{name:<16} sdpa {base:.3f} ms {flops(B, S, h, D, causal) / base / 1e9:.1f} TF/s")
-        for cfg in SWEEP:
+        for cfg in sweep_configs(args.configs):
             fns, lq = providers(q, k, v, causal, cfg, with_sage=False)
             try:
                 o = fns["codes"]()
@@ -293,12 +306,13 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="a CPU check of the script")
     p.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
     p.add_argument("--csv", default="", help="append CSV rows here")
+    p.add_argument("--configs", default="", help="--sweep: comma-separated configs (default: all)")
     p.add_argument("--jobs", type=int, default=8, help="--sweep: processes compiling at once")
     p.add_argument("--warm", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.warm:
         job, jobs = map(int, args.warm.split("/"))
-        _warm(job, jobs)
+        _warm(job, jobs, sweep_configs(args.configs))
         return
     if args.smoke:
         run_smoke()

@@ -2,11 +2,14 @@
 one trip of each loop issues, and of which kinds. For finding where a kernel spends its
 issue slots before timing it.
 
-    python tools/sass_loops.py [--kernel pack|amax] [--shape B,L,H,D] [--arch 90] [--dump F]
+    python tools/sass_loops.py [--kernel pack|amax|codes] [--config M,N,w,s,pv,opt]
+                               [--shape B,L,H,D] [--arch 90] [--dump F]
 
 ``pack``: the exchange's pack launch as the eager plan makes it on a GPU (q_once, P = 2,
 rank 1, q_group 32, k_group 64, bf16). ``amax``: ``k_grouped_amax`` at P = 8, rank 5,
-G = 64 and 128. The launch is recorded, not run (``tools/compile_sm90.py``'s recorder:
+G = 64 and 128. ``codes``: the codes attention (full, 64-row groups) on a head shard
+B,S,h,D at ``--config`` (default: the kernel's GPU default). The launch is recorded, not
+run (``tools/compile_sm90.py``'s recorder:
 CPU tensors take the compiled path's settings), compiled for ``sm_<arch>`` with the
 package's options, and disassembled with the cuobjdump that Triton ships. A loop is a
 backward branch; its trip is the instructions from the branch target to the branch. One row
@@ -60,7 +63,7 @@ def opcode(ins: str) -> str:
     return op.split(".")[0]
 
 
-def record(kernel: str, shape: tuple[int, int, int, int]) -> list[dict]:
+def record(kernel: str, shape: tuple[int, int, int, int], config: str = "") -> list[dict]:
     seen: dict[str, dict] = {}
     cs._install_recorder(seen)
     B, L, H, D = shape
@@ -82,6 +85,17 @@ def record(kernel: str, shape: tuple[int, int, int, int]) -> list[dict]:
         amax_q, amax_k = torch.ones(B, H, w.n_sq), torch.ones(B, H, w.n_sk)
         mean = torch.zeros(B, H, D, dtype=torch.bfloat16)
         launch(x, x, x, amax_q, amax_k, mean, torch.ones(B, H, D))
+    elif kernel == "codes":
+        from ulysses.kernels import codes_attention as ca
+
+        # B, S, h, D: full attention on one head shard, 64-row Q and K groups
+        cfg = ca.CodesConfig(*_config(config)) if config else ca.GPU_DEFAULT
+        q = torch.zeros(B, L, H, D, dtype=torch.int8)
+        v = torch.zeros(B, L, H, D, dtype=torch.float8_e4m3fn)
+        n_g = -(-L // 64)
+        sq = torch.ones(B, H, n_g)
+        ca.codes_attention(q, q, v, sq, sq, torch.ones(B, H, D), q_group=64, k_group=64,
+                           config=cfg)  # fmt: skip
     else:
         import ulysses
 
@@ -92,6 +106,12 @@ def record(kernel: str, shape: tuple[int, int, int, int]) -> list[dict]:
     return [s for s in seen.values() if not _constexprs(s).get("USE_PDL")]
 
 
+def _config(text: str) -> tuple:
+    """``M,N,warps,stages,pv,opt`` -> a CodesConfig's fields."""
+    f = text.split(",")
+    return (int(f[0]), int(f[1]), int(f[2]), int(f[3]), f[4], int(f[5]))
+
+
 def _constexprs(spec: dict) -> dict:
     """A recorded specialization's constexprs by name."""
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
@@ -100,10 +120,11 @@ def _constexprs(spec: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernel", choices=("pack", "amax"), default="pack")
+    ap.add_argument("--kernel", choices=("pack", "amax", "codes"), default="pack")
     ap.add_argument("--shape", default="1,32768,32,128", help="B,L,H,D (per rank)")
+    ap.add_argument("--config", default="", help="codes: M,N,warps,stages,pv,opt")
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--dump", help="write the SASS of the first specialization here")
+    ap.add_argument("--dump", help="write each kernel's first SASS to DUMP.<kernel>")
     args = ap.parse_args()
     import triton
 
@@ -112,7 +133,8 @@ def main() -> int:
     if not cs._cuobjdump():
         print("sass_loops: Triton's cuobjdump is missing; nothing to count")
         return 2
-    for spec in record(args.kernel, shape):
+    dumped: set[str] = set()
+    for spec in record(args.kernel, shape, args.config):
         cubin = cs._compile(spec, args.arch).asm["cubin"]
         lines = sass_lines(cubin)
         usage = re.search(r"REG:(\d+)", cs._cubin_tool(cubin, "--dump-resource-usage"))
@@ -126,9 +148,10 @@ def main() -> int:
         if body_max:
             common = collections.Counter(opcode(i) for i in body_max).most_common(10)
             print("  longest loop: " + ", ".join(f"{op} {n}" for op, n in common))
-        if args.dump:
-            Path(args.dump).write_text("\n".join(f"{a:#06x} {i}" for a, i in lines) + "\n")
-            args.dump = None
+        if args.dump and spec["kernel"] not in dumped:
+            dumped.add(spec["kernel"])
+            path = Path(f"{args.dump}.{spec['kernel']}")
+            path.write_text("\n".join(f"{a:#06x} {i}" for a, i in lines) + "\n")
     return 0
 
 

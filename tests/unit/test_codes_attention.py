@@ -121,6 +121,16 @@ def test_codes_attention_launch_variants(pv, opt):
     _check(out, lse, codes, causal=True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_codes_attention_two_k_groups_a_block(causal):
+    """128-key blocks over 64-row K groups of very different scales (each block selects two
+    scales), S not a multiple of the block: the last block's second group is past the end."""
+    codes = _codes(1, 200, 2, 1, 32, seed=6, k_spread=30.0)
+    cfg = CodesConfig(32, 128, 1, 1, "fp8t", 1)
+    out, lse = codes_attention(*codes, q_group=32, k_group=64, causal=causal, config=cfg)
+    _check(out, lse, codes, causal=causal)
+
+
 def test_planted_k_scale_shift_is_caught():
     """A K scale read one row off (the harness's planted fault) breaks the checked bounds."""
     codes = _codes(1, 128, 2, 1, 32, seed=5, k_spread=30.0)

@@ -75,8 +75,8 @@ def _key_block(
     stride_ks, stride_vs, stride_vd,
     start_n, o_m, o_n, o_d, lo, hi_k, k_group, n_kg, k_shift,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    KS_BLOCK: tl.constexpr, PV_FP8: tl.constexpr, V_T: tl.constexpr, V_INT8: tl.constexpr,
-    HW_ROUND: tl.constexpr, OPT: tl.constexpr,
+    KS_BLOCK: tl.constexpr, KS_PAIR: tl.constexpr, PV_FP8: tl.constexpr, V_T: tl.constexpr,
+    V_INT8: tl.constexpr, HW_ROUND: tl.constexpr, OPT: tl.constexpr,
 ):  # fmt: skip
     """One key block ``[start_n, start_n + BN)`` folded into the running ``acc`` [BM, D],
     ``l_i``, ``m_i`` [BM] (log2 units). ``MASKED``: keys outside ``[lo, hi_k)``, after the
@@ -108,6 +108,12 @@ def _key_block(
         b_x = _scores(b_q, b_k)  # [BM, BN]
         if KS_BLOCK:
             b_ab = b_a * tl.load(ks_base + start_n // k_group)  # [BM] one K group a block
+        elif KS_PAIR:  # two K groups a block: two scalar loads, one select a column
+            i_g = start_n // k_group
+            b_ks = tl.where(o_n < k_group, tl.load(ks_base + i_g),
+                            tl.load(ks_base + tl.minimum(i_g + 1, n_kg - 1)))  # fmt: skip
+            b_x = b_x * b_ks[None, :]
+            b_ab = b_a
         else:
             b_ks = tl.load(ks_base + tl.minimum((o_c + k_shift) // k_group, n_kg - 1))  # [BN]
             b_x = b_x * b_ks[None, :]
@@ -189,7 +195,7 @@ def _codes_attn_fwd_kernel(
     out_ptr, lse_ptr,
     S, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale, k_shift,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_USED: tl.constexpr, DOCS: tl.constexpr, KS_BLOCK: tl.constexpr,
+    HAS_USED: tl.constexpr, DOCS: tl.constexpr, KS_BLOCK: tl.constexpr, KS_PAIR: tl.constexpr,
     PV_FP8: tl.constexpr, V_T: tl.constexpr, V_INT8: tl.constexpr,
     NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr, OPT: tl.constexpr,
 ):  # fmt: skip
@@ -264,7 +270,7 @@ def _codes_attn_fwd_kernel(
                 acc, l_i, m_i = _key_block(
                     acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                     stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                    k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, PV_FP8,
+                    k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8,
                     V_T, V_INT8, HW_ROUND, OPT,
                 )  # fmt: skip
         for start_n in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES,
@@ -272,14 +278,14 @@ def _codes_attn_fwd_kernel(
             acc, l_i, m_i = _key_block(
                 acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                 stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                k_group, n_kg, k_shift, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK, PV_FP8, V_T,
+                k_group, n_kg, k_shift, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8, V_T,
                 V_INT8, HW_ROUND, OPT,
             )  # fmt: skip
         for start_n in tl.range(tail, hi, BLOCK_N):
             acc, l_i, m_i = _key_block(
                 acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                 stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, PV_FP8, V_T,
+                k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8, V_T,
                 V_INT8, HW_ROUND, OPT,
             )  # fmt: skip
         b_vs = tl.load(v_scale_ptr + (i_b * HKV + i_hk) * D + o_d)  # [D]
@@ -504,6 +510,7 @@ def codes_attention(
         HAS_USED=used is not None,
         DOCS=doc_ids is not None,
         KS_BLOCK=k_group % cfg.block_n == 0 and k_shift == 0,
+        KS_PAIR=cfg.block_n == 2 * k_group and k_shift == 0,
         PV_FP8=pv != "fp16",
         V_T=pv == "fp8t",
         V_INT8=v_int8,
