@@ -265,7 +265,10 @@ def run_sweep(args):
         for p in procs:
             p.wait()
     rows = []
+    keep = set(args.shapes.split(",")) if args.shapes else None
     for name, B, S, h, hkv, D, causal in SWEEP_SHAPES:
+        if keep is not None and name not in keep:
+            continue
         q, k, v = inputs(B, S, h, hkv, D, "cuda")
         base = bench(lambda: sdpa(q, k, v, causal))
         print(f"{name:<16} sdpa {base:.3f} ms {flops(B, S, h, D, causal) / base / 1e9:.1f} TF/s")
@@ -304,7 +307,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", action="store_true", help="codes-kernel launch configurations")
     p.add_argument("--smoke", action="store_true", help="a CPU check of the script")
-    p.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
+    p.add_argument(
+        "--shapes",
+        default="",
+        help="comma-separated shape names (default: all; --sweep: of SWEEP_SHAPES)",
+    )
     p.add_argument("--csv", default="", help="append CSV rows here")
     p.add_argument("--configs", default="", help="--sweep: comma-separated configs (default: all)")
     p.add_argument("--jobs", type=int, default=8, help="--sweep: processes compiling at once")
