@@ -70,6 +70,9 @@ SWEEP = [
     CodesConfig(256, 64, 8, 3, "fp8t", 3),
     CodesConfig(128, 128, 8, 2, "fp8t", 1),  # two warpgroups of 64 rows, two K groups a block
     CodesConfig(128, 128, 8, 3, "fp8t", 1),
+    CodesConfig(128, 64, 8, 3, "fp8t", 17),  # the next block's scores under this softmax
+    CodesConfig(128, 64, 8, 2, "fp8t", 17),
+    CodesConfig(64, 64, 4, 3, "fp8t", 17),
 ]
 
 

@@ -112,7 +112,7 @@ def test_codes_attention_int8_v():
 
 
 @pytest.mark.parametrize("pv", ["fp8t", "fp8", "fp16"])
-@pytest.mark.parametrize("opt", [0, 1])
+@pytest.mark.parametrize("opt", [0, 1, 17])
 def test_codes_attention_launch_variants(pv, opt):
     """Every P·V form and the biased accumulator give values within the bound."""
     codes = _codes(1, 128, 2, 1, 32, seed=4)
