@@ -90,6 +90,54 @@ def test_interpreted_launch_warns_nothing_and_leaves_numpy_settings_alone():
             _interp._interpreted(_divide_kernel)[(1,)](a, b, out, N=4)
 
 
+@triton.jit
+def _int_kernel(a_ptr, out_ptr, N: tl.constexpr):
+    o_n = tl.arange(0, N)
+    x = tl.load(a_ptr + o_n)
+    tl.store(out_ptr + o_n, x * 3 + x - 7)
+
+
+def test_overflow_check_skipped_only_while_it_cannot_fire(monkeypatch):
+    """The CPU launch skips Triton's integer overflow check while the interpreter's ``debug``
+    option is off (its ``device_assert`` does nothing then): int32 arithmetic wraps as on the
+    GPU. With ``debug`` on, the stock check runs and reports the overflow."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+    from triton.runtime.errors import InterpreterError
+
+    a = torch.tensor([1, 2**30, -5, 2**31 - 1], dtype=torch.int32)
+    out = torch.zeros_like(a)
+    _launch.launch(_int_kernel, (1,), a.device, a_ptr=a, out_ptr=out, N=4)
+    assert torch.equal(out, a * 3 + a - 7)
+    assert _interp._assert_needs_debug(type(interpreter.interpreter_semantic))
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    with pytest.raises(InterpreterError, match="int32 overflow detected"):
+        _launch.launch(_int_kernel, (1,), a.device, a_ptr=a, out_ptr=out, N=4)
+
+
+def test_cached_np_dtypes_match_triton():
+    """The CPU launch's cached ``_get_np_dtype`` answers as Triton's own for scalars, pointers
+    and blocks of each, and raises as it does for a type Triton's table lacks."""
+    from triton.runtime import interpreter
+
+    stock = interpreter._get_np_dtype
+    types = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.int32, tl.uint32, tl.int64, tl.float16]
+    types += [tl.bfloat16, tl.float32, tl.float64, tl.float8e4nv, tl.float8e5]
+    types += [tl.pointer_type(t) for t in list(types)]
+    types += [tl.block_type(t, [4, 16]) for t in list(types)]
+    with _interp.TRITON_LOCK, _interp._restored_triton_state():
+        _interp._route_jit_calls_and_fix_loop_bounds()
+        cached = interpreter._get_np_dtype
+        assert cached is not stock
+        for t in types + types:  # twice: the second time from the cache
+            assert cached(t) == stock(t), t
+        with pytest.raises(KeyError):
+            cached(tl.void)
+    assert interpreter._get_np_dtype is stock
+
+
 def test_cuda_compile_after_cpu_call():
     """The failure that the interpreter's isolation fixed (a CUDA compilation after an
     interpreted call died in the code generator) reproduced without a GPU: compile the

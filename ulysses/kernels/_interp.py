@@ -109,6 +109,7 @@ def _is_module(value) -> bool:
 
 
 _INTERPRETED: dict[object, object] = {}
+_HELPERS: dict[object, object] = {}  # jit helpers' functions -> their InterpretedFunction
 
 
 def _interpreted(kernel):
@@ -128,17 +129,24 @@ def _route_jit_calls_and_fix_loop_bounds() -> None:
     * Triton 3.6's interpreter makes a loop bound with int() of a shape-(1,) array, which
       numpy >= 2.5 refuses; read the one element instead;
     * ``triton.language`` is patched once for the launch, not again on every helper call
-      (:func:`_patch_lang_once_per_launch`).
+      (:func:`_patch_lang_once_per_launch`);
+    * the interpreter's per-operation bookkeeping takes shorter paths of the same result
+      (:func:`_skip_dead_overflow_checks`, :func:`_cache_np_dtypes`).
     """
     from triton.runtime import interpreter
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     def call(self, *args, **kwargs):
-        return InterpretedFunction(self.fn)(*args, **kwargs)
+        helper = _HELPERS.get(self.fn)  # keyed by the Python function: hashing a JITFunction
+        if helper is None:  # walks its source
+            helper = _HELPERS[self.fn] = InterpretedFunction(self.fn)
+        return helper(*args, **kwargs)
 
     JITFunction.__call__ = call
     _patch_lang_once_per_launch(interpreter)
+    _skip_dead_overflow_checks(interpreter)
+    _cache_np_dtypes(interpreter)
     original_patch = getattr(interpreter, "_patch_lang_tensor", None)
     if original_patch is not None:
 
@@ -179,3 +187,65 @@ def _patch_lang_once_per_launch(interpreter) -> None:
         return original(fn)
 
     interpreter._patch_lang = patch_lang
+
+
+def _skip_dead_overflow_checks(interpreter) -> None:
+    """Every integer ``+``, ``-`` and ``*`` of a kernel runs Triton's overflow check
+    (``binary_op_sanitize_overflow_impl``): the operation again in int64, two comparisons, and
+    a ``device_assert`` of the result, which does nothing unless the builder's ``debug``
+    option is on (the interpreter's is off). With ``debug`` off the check has no effect but
+    its cost; skip it then. With ``debug`` on, or a Triton whose ``device_assert`` does not
+    start with that early return, the stock check runs."""
+    semantic = getattr(getattr(interpreter, "interpreter_semantic", None), "__class__", None)
+    original = getattr(semantic, "binary_op_sanitize_overflow_impl", None)
+    if original is None or not _assert_needs_debug(semantic):
+        return
+
+    def sanitize(self, lhs, rhs, binary_op):
+        if getattr(self.builder.options, "debug", True):
+            return original(self, lhs, rhs, binary_op)
+        return None
+
+    semantic.binary_op_sanitize_overflow_impl = sanitize
+
+
+_ASSERT_NEEDS_DEBUG: dict[object, bool] = {}
+
+
+def _assert_needs_debug(semantic) -> bool:
+    """Whether ``semantic.device_assert`` begins by returning when ``debug`` is off (read from
+    its source once a class)."""
+    found = _ASSERT_NEEDS_DEBUG.get(semantic)
+    if found is None:
+        import inspect
+
+        try:
+            lines = inspect.getsource(semantic.device_assert).splitlines()
+        except (OSError, TypeError, AttributeError):
+            lines = []
+        body = [line.strip() for line in lines[1:] if line.strip()]
+        found = body[:2] == ["if not self.builder.options.debug:", "return"]
+        _ASSERT_NEEDS_DEBUG[semantic] = found
+    return found
+
+
+def _cache_np_dtypes(interpreter) -> None:
+    """``_get_np_dtype`` builds its whole table of Triton to numpy dtypes on every call (for
+    every load, cast and splat): remember each answer by the type's name, which names the
+    element type and, for a block, its shape. A type without a name, or one the table does
+    not know, takes the stock path (and its error)."""
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None:
+        return
+    answers: dict[str, object] = {}
+
+    def get_np_dtype(tt_dtype):
+        name = getattr(tt_dtype, "name", None)
+        found = answers.get(name) if isinstance(name, str) else None
+        if found is None:
+            found = original(tt_dtype)
+            if isinstance(name, str):
+                answers[name] = found
+        return found
+
+    interpreter._get_np_dtype = get_np_dtype
