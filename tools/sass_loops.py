@@ -103,7 +103,10 @@ def record(kernel: str, shape: tuple[int, int, int, int], config: str = "") -> l
         mean = torch.zeros(B, H, D, dtype=torch.bfloat16)
         for g in (64, 128):
             ulysses.k_grouped_amax(k, mean, rank=5, world_size=8, group_size=g)
-    return [s for s in seen.values() if not _constexprs(s).get("USE_PDL")]
+    specs = [s for s in seen.values() if not _constexprs(s).get("USE_PDL")]
+    if kernel == "codes":  # the attention first (--dump), then the V transpose
+        specs.sort(key=lambda s: s["kernel"] != "_codes_attn_fwd_kernel")
+    return specs
 
 
 def _config(text: str) -> tuple:
@@ -124,7 +127,7 @@ def main() -> int:
     ap.add_argument("--shape", default="1,32768,32,128", help="B,L,H,D (per rank)")
     ap.add_argument("--config", default="", help="codes: M,N,warps,stages,pv,opt")
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--dump", help="write each kernel's first SASS to DUMP.<kernel>")
+    ap.add_argument("--dump", help="write the SASS of the first specialization here")
     args = ap.parse_args()
     import triton
 
@@ -133,7 +136,6 @@ def main() -> int:
     if not cs._cuobjdump():
         print("sass_loops: Triton's cuobjdump is missing; nothing to count")
         return 2
-    dumped: set[str] = set()
     for spec in record(args.kernel, shape, args.config):
         cubin = cs._compile(spec, args.arch).asm["cubin"]
         lines = sass_lines(cubin)
@@ -148,10 +150,9 @@ def main() -> int:
         if body_max:
             common = collections.Counter(opcode(i) for i in body_max).most_common(10)
             print("  longest loop: " + ", ".join(f"{op} {n}" for op, n in common))
-        if args.dump and spec["kernel"] not in dumped:
-            dumped.add(spec["kernel"])
-            path = Path(f"{args.dump}.{spec['kernel']}")
-            path.write_text("\n".join(f"{a:#06x} {i}" for a, i in lines) + "\n")
+        if args.dump:
+            Path(args.dump).write_text("\n".join(f"{a:#06x} {i}" for a, i in lines) + "\n")
+            args.dump = None
     return 0
 
 
