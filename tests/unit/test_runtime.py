@@ -138,6 +138,40 @@ def test_cached_np_dtypes_match_triton():
     assert interpreter._get_np_dtype is stock
 
 
+def test_shifted_bf16_conversions_match_triton():
+    """The CPU launch's bfloat16 <-> float32 conversion gives Triton's own bits: every bfloat16
+    pattern widened, and narrowed float32 patterns (random bits, every exponent with edge
+    mantissas, NaN and infinity, subnormals that take the stock path), in each rounding mode,
+    for arrays of any shape and a 0-d value."""
+    from triton.runtime import interpreter
+
+    stock = interpreter._convert_float
+    modes = [None, interpreter._ir.ROUNDING_MODE.RTNE, interpreter._ir.ROUNDING_MODE.RTZ]
+    every_bf16 = np.arange(2**16, dtype=np.uint16)
+    normal_bf16 = every_bf16[(every_bf16 & 0x7F80) != 0]
+    edges = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x7FFFFF], dtype=np.uint32)
+    exponents = np.arange(512, dtype=np.uint32) << np.uint32(23)
+    f32 = np.random.default_rng(0).integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    f32 = np.concatenate([f32, (exponents[:, None] | edges[None, :]).reshape(-1)])
+    normal_f32 = f32[(f32 & 0x7F800000) != 0]
+    with _interp.TRITON_LOCK, _interp._restored_triton_state():
+        _interp._route_jit_calls_and_fix_loop_bounds()
+        shifted = interpreter._convert_float
+        assert shifted is not stock
+        cases = [(every_bf16, tl.bfloat16, tl.float32), (normal_bf16, tl.bfloat16, tl.float32)]
+        cases += [(normal_bf16.reshape(-1, 2), tl.bfloat16, tl.float32)]
+        cases += [(f32, tl.float32, tl.bfloat16), (normal_f32, tl.float32, tl.bfloat16)]
+        cases += [(normal_f32[:4000].reshape(40, 100).view(np.float32), tl.float32, tl.bfloat16)]
+        cases += [(np.float32(-1.5), tl.float32, tl.bfloat16)]
+        for data, src, dst in cases:
+            for mode in modes:
+                want = stock(data, src, dst, mode)
+                got = shifted(data, src, dst, mode)
+                assert got.dtype == want.dtype and got.shape == want.shape, (src, dst, mode)
+                assert np.array_equal(got, want), (src, dst, mode, data.shape)
+    assert interpreter._convert_float is stock
+
+
 def test_cuda_compile_after_cpu_call():
     """The failure that the interpreter's isolation fixed (a CUDA compilation after an
     interpreted call died in the code generator) reproduced without a GPU: compile the
