@@ -100,7 +100,8 @@ def _int_kernel(a_ptr, out_ptr, N: tl.constexpr):
 def test_overflow_check_skipped_only_while_it_cannot_fire(monkeypatch):
     """The CPU launch skips Triton's integer overflow check while the interpreter's ``debug``
     option is off (its ``device_assert`` does nothing then): int32 arithmetic wraps as on the
-    GPU. With ``debug`` on, the stock check runs and reports the overflow."""
+    GPU. With ``debug`` on, the stock check runs and reports the overflow: in the interpreter
+    itself, which the test mirror (ULYSSES_TEST_DEVICE=cuda) bypasses for launches."""
     import dataclasses
 
     from triton.runtime import interpreter
@@ -110,11 +111,14 @@ def test_overflow_check_skipped_only_while_it_cannot_fire(monkeypatch):
     out = torch.zeros_like(a)
     _launch.launch(_int_kernel, (1,), a.device, a_ptr=a, out_ptr=out, N=4)
     assert torch.equal(out, a * 3 + a - 7)
+    out.zero_()
+    _interp.run(_int_kernel, (1,), {"a_ptr": a, "out_ptr": out, "N": 4})
+    assert torch.equal(out, a * 3 + a - 7)
     assert _interp._assert_needs_debug(type(interpreter.interpreter_semantic))
     builder = interpreter.interpreter_builder
     monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
     with pytest.raises(InterpreterError, match="int32 overflow detected"):
-        _launch.launch(_int_kernel, (1,), a.device, a_ptr=a, out_ptr=out, N=4)
+        _interp.run(_int_kernel, (1,), {"a_ptr": a, "out_ptr": out, "N": 4})
 
 
 def test_cached_np_dtypes_match_triton():
