@@ -10,6 +10,7 @@ on, and a skipped call: tests/dist/test_drift_faults.py.)
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -53,19 +54,20 @@ DISAGREE = {
 }
 
 
-def _run(mode: str) -> tuple[subprocess.CompletedProcess, float]:
+def _run(*modes: str) -> tuple[subprocess.CompletedProcess, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [
-        f"--nproc-per-node={NPROC}",
-        "-m",
-        "ulysses.dist_tests.rank_faults",
-        mode,
-        "--timeout-s",
-        "60",
-    ]
+    cmd += [f"--nproc-per-node={NPROC}", "-m", "ulysses.dist_tests.rank_faults", *modes]
+    cmd += ["--timeout-s", "60"]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     return proc, time.monotonic() - start
+
+
+@functools.cache
+def _every_disagreement() -> tuple[subprocess.CompletedProcess, float]:
+    """Every ``disagree_*`` mode in one torchrun (one after another in the same session: each
+    must leave the group usable for the next); once per test process."""
+    return _run(*DISAGREE)
 
 
 def _common(proc: subprocess.CompletedProcess, elapsed: float) -> str:
@@ -88,11 +90,13 @@ def test_faulty_rank_ends_every_rank_nonzero(mode):
 @pytest.mark.dist
 @pytest.mark.parametrize("mode", list(DISAGREE))
 def test_disagreeing_ranks_all_raise_a_clear_error_quickly(mode):
-    proc, elapsed = _run(mode)
+    proc, elapsed = _every_disagreement()
     out = _common(proc, elapsed)
+    assert f"mode {mode}: result ok" not in out, out[-3000:]
     name, values = DISAGREE[mode]
     # ranks' lines can interleave on the shared stdout: search, don't split on rank
-    errors = re.findall(r"rank (\d): error (\w+): (.*?) \[after ([\d.]+) s\]", proc.stdout)
+    line = rf"rank (\d): mode {mode}: error (\w+): (.*?) \[after ([\d.]+) s\]"
+    errors = re.findall(line, proc.stdout)
     assert sorted(int(r) for r, *_ in errors) == list(range(NPROC)), out[-3000:]
     for rank, kind, message, seconds in errors:
         assert kind == "ValueError", (rank, kind, message)

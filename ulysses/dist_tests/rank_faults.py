@@ -1,6 +1,7 @@
 """Faulty ranks: every rank must end non-zero, with a clear message, in bounded time.
 
-    torchrun --standalone --nproc-per-node 2 -m ulysses.dist_tests.rank_faults MODE [--timeout-s 60]
+    torchrun --standalone --nproc-per-node 2 -m ulysses.dist_tests.rank_faults MODE [MODE ...]
+        [--timeout-s 60]
 
 Runs on gloo with CPU tensors. The last rank is the faulty one. Each rank prints one line,
 ``rank R: result ok ...`` if ``smooth_k_stats`` returned finite numbers, else
@@ -31,6 +32,10 @@ Modes:
     skip_call          after a verified call the faulty rank skips the next call: the others
                        must raise ulysses.comm.CollectiveTimeout within the library's watchdog
                        (set to --watchdog-s), naming the likely cause
+
+Several ``disagree_*`` / ``attn_disagree_*`` modes run one after another in one session (each
+ends in the same error on every rank, so the group stays usable); their lines read
+``rank R: mode M: error ...``. The exit code is the largest of the modes'.
 """
 
 from __future__ import annotations
@@ -281,7 +286,14 @@ def _planted_collective_error(active: bool):
     return contextlib.nullcontext()
 
 
-def run_mode(ctx: _dist.Context, mode: str, watchdog_s: float = 20.0) -> int:
+def run_modes(ctx: _dist.Context, modes: list[str], watchdog_s: float = 20.0) -> int:
+    """One mode (:func:`run_mode`), or several disagreement modes in turn."""
+    if len(modes) == 1:
+        return run_mode(ctx, modes[0], watchdog_s)
+    return max(run_mode(ctx, mode, watchdog_s, label=f"mode {mode}: ") for mode in modes)
+
+
+def run_mode(ctx: _dist.Context, mode: str, watchdog_s: float = 20.0, label: str = "") -> int:
     if mode == "drift" or mode.startswith("drift:"):
         cases = list(DRIFT_CASES) if mode == "drift" else [mode.removeprefix("drift:")]
         return run_drift(ctx, cases, watchdog_s)
@@ -311,26 +323,29 @@ def run_mode(ctx: _dist.Context, mode: str, watchdog_s: float = 20.0) -> int:
         if any(bool(torch.isnan(t).any()) for t in outputs):
             raise RuntimeError("outputs are NaN: the ranks disagree")
         ctx.any_rank(False)  # a peer that failed after its collective fails this too
-        print(f"rank {rank}: result ok {tuple(st.amax_final.shape)}", flush=True)
+        print(f"rank {rank}: {label}result ok {tuple(outputs[-1].shape)}", flush=True)
         return 0
     except Exception as exc:  # reported, then the rank exits non-zero
         elapsed = time.monotonic() - start
         message = str(exc).replace("\n", " ")[:300]
         kind = type(exc).__name__
-        print(f"rank {rank}: error {kind}: {message} [after {elapsed:.2f} s]", flush=True)
+        print(f"rank {rank}: {label}error {kind}: {message} [after {elapsed:.2f} s]", flush=True)
         ctx.skip_teardown_barrier = True  # a peer may be blocked in a collective
         return 1
 
 
 def main() -> int:
     ap = _dist.parser(f"{__package__}.rank_faults", __doc__)
-    ap.add_argument("mode", choices=MODES)
+    ap.add_argument("mode", nargs="+", choices=MODES)
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--watchdog-s", type=float, default=20.0, help="the library's watchdog")
     args = ap.parse_args()
+    several = [m for m in args.mode if "disagree_" not in m]
+    if len(args.mode) > 1 and several:
+        ap.error(f"only disagree_* and attn_disagree_* modes run several a session, not {several}")
     return _dist.run_session(
         "rank_faults", "gloo-cpu", args.timeout_s,
-        lambda ctx: run_mode(ctx, args.mode, args.watchdog_s),
+        lambda ctx: run_modes(ctx, args.mode, args.watchdog_s),
     )  # fmt: skip
 
 
