@@ -405,6 +405,40 @@ def test_validate_prints_one_line_per_world_size(monkeypatch, capsys):
     assert verbose_seen[-1] is True
 
 
+def test_validate_jobs_run_world_sizes_side_by_side(monkeypatch, capsys):
+    """--jobs 2: two launches at a time (seen running together), a progress line as each ends,
+    the table in the order given; bad --jobs combinations are usage errors."""
+    import threading
+    import time
+
+    validate = _validate_module()
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def fake_run(P, args, harness_args, out_dir):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep({2: 0.4, 4: 0.05, 6: 0.05}[P])
+        with lock:
+            running[0] -= 1
+        return _row(P, 5)
+
+    monkeypatch.setattr(validate, "run_world_size", fake_run)
+    monkeypatch.setattr(validate, "preflight", lambda args, harness_args: None)
+    assert validate.main(["--world-sizes", "2", "4", "6", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    progress = [line.split(":")[1] for line in out if line.startswith("validate: world size")]
+    assert progress == [" world size 4", " world size 6", " world size 2"], out
+    assert most[0] == 2
+    table = [line.split("|")[1].strip() for line in out if line.startswith("| ")][2:]
+    assert table == ["2", "4", "6"], out
+    for bad in (["--jobs", "0"], ["--world-sizes", "2", "2", "--jobs", "2"], ["--jobs", "2", "-v"]):
+        with pytest.raises(SystemExit) as exit_info:
+            validate.parse_args(bad)
+        assert exit_info.value.code == 2, bad
+
+
 class _FakePopen:
     calls: list = []
 

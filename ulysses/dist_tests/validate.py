@@ -1,10 +1,10 @@
 """Run the distributed harness at each world size and print one table (docs/CONTRACT.md §5).
 
-    ulysses-validate [--world-sizes 2 4 6 8] [--large] [--suite NAME ...] [-v]
+    ulysses-validate [--world-sizes 2 4 6 8] [--jobs N] [--large] [--suite NAME ...] [-v]
         [--timeout-s N] [--outer-timeout-s N] [--out-dir DIR] [HARNESS ARGS...]
     python -m ulysses.dist_tests.validate ...        (the same)
 
-For each world size P, one after another, this runs
+For each world size P, one after another (or --jobs N of them at a time), this runs
 
     python -m torch.distributed.run --standalone --nproc-per-node P \\
         -m ulysses.dist_tests.harness --json FILE --timeout-s N [--large] [--suite ...] \\
@@ -68,6 +68,13 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         default=_env_list("NPROC", "WORLD_SIZES") or [2, 4, 6, 8],
         help="world sizes to run, one after another (default: $NPROC, $WORLD_SIZES or 2 4 6 8)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=int(os.environ.get("VALIDATE_JOBS", 1)),
+        help="world sizes launched at a time (default: $VALIDATE_JOBS or 1); the table keeps "
+        "their order",
+    )
     p.add_argument("--large", action="store_true", help="add the GPU-sized cases (CUDA only)")
     p.add_argument("--suite", nargs="+", default=None, help="suites to run (default: all)")
     p.add_argument(
@@ -101,6 +108,15 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     bad = [P for P in args.world_sizes if P < 1]
     if bad:
         p.error(f"--world-sizes must be ints >= 1, got {bad}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be an int >= 1, got {args.jobs}")
+    if args.jobs > 1 and len(set(args.world_sizes)) < len(args.world_sizes):
+        p.error(
+            f"--jobs {args.jobs} runs world sizes side by side: give each once, "
+            f"not {args.world_sizes}"
+        )
+    if args.jobs > 1 and args.verbose:
+        p.error("--verbose streams one world size's ranks: use it with --jobs 1")
     if args.outer_timeout_s is None:
         args.outer_timeout_s = args.timeout_s + 120
     return args, harness_args
@@ -253,6 +269,26 @@ def run_world_size(P: int, args, harness_args: list[str], out_dir: str) -> dict:
     }
 
 
+def _run_all(args, harness_args: list[str], out_dir: str) -> list[dict]:
+    """Every world size's row, in the order given; ``args.jobs`` launches at a time, a
+    progress line as each ends."""
+    if args.jobs == 1:
+        rows = []
+        for P in args.world_sizes:
+            rows.append(run_world_size(P, args, harness_args, out_dir))
+            print(progress_line(rows[-1]), flush=True)
+        return rows
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = [
+            pool.submit(run_world_size, P, args, harness_args, out_dir) for P in args.world_sizes
+        ]
+        for done in concurrent.futures.as_completed(futures):
+            print(progress_line(done.result()), flush=True)
+        return [f.result() for f in futures]
+
+
 def _kill(proc: subprocess.Popen, grace_s: float = _KILL_GRACE_S) -> int:
     """SIGTERM the launch's process group (torchrun and its ranks), SIGKILL after a grace."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
@@ -357,10 +393,7 @@ def _main(argv=None) -> int:
             f"logs {'stream below' if args.verbose else logs}",
             flush=True,
         )
-        rows = []
-        for P in args.world_sizes:
-            rows.append(run_world_size(P, args, harness_args, out_dir))
-            print(progress_line(rows[-1]), flush=True)
+        rows = _run_all(args, harness_args, out_dir)
     print()
     print(format_table(rows))
     for row in rows:
