@@ -255,12 +255,12 @@ def _cache_np_dtypes(interpreter) -> None:
 
 def _shift_bf16_conversions(interpreter) -> None:
     """Triton's interpreter converts bfloat16 to float32 and back (``_convert_float``) by
-    taking the sign, exponent and mantissa apart in numpy: a tenth of a CPU harness run.
-    Without subnormal inputs its answer is a 16-bit shift of the bits (widening exactly,
+    taking the sign, exponent and mantissa apart in numpy, a large share of a CPU harness
+    run. Without subnormal inputs its answer is a 16-bit shift of the bits (widening exactly,
     narrowing by truncation, which is what the stock code gives for its default and
     round-to-zero modes); take the shift then. An array with a subnormal, a rounding mode
-    that rounds to nearest, or any other pair of types takes the stock path, so the bits are
-    the stock function's in every case."""
+    that rounds to nearest, data not of the type's width, or any other pair of types takes
+    the stock path, so the bits are the stock function's in every case."""
     original = getattr(interpreter, "_convert_float", None)
     ir = getattr(interpreter, "_ir", None)
     toward_zero = getattr(getattr(ir, "ROUNDING_MODE", None), "RTZ", None)
@@ -269,16 +269,18 @@ def _shift_bf16_conversions(interpreter) -> None:
     import triton.language as tl
 
     def convert_float(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.bfloat16 and output_dtype == tl.float32:
-            bits = np.asarray(data).view(np.uint16)
+        data = np.asarray(data)
+        if input_dtype == tl.bfloat16 and output_dtype == tl.float32 and data.itemsize == 2:
+            bits = data.view(np.uint16)
             if not _has_subnormal(bits, 0x7F80, 0x007F):
                 return bits.astype(np.uint32) << np.uint32(16)
         elif (
             input_dtype == tl.float32
             and output_dtype == tl.bfloat16
             and (rounding_mode is None or rounding_mode == toward_zero)
+            and data.itemsize == 4
         ):
-            bits = np.asarray(data).view(np.uint32)
+            bits = data.view(np.uint32)
             if not _has_subnormal(bits, 0x7F800000, 0x007FFFFF):
                 return (bits >> np.uint32(16)).astype(np.uint16)
         return original(data, input_dtype, output_dtype, rounding_mode)
