@@ -37,7 +37,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ulysses.kernels.codes_attention import CodesConfig, codes_attention  # noqa: E402
+from ulysses.kernels.codes_attention import CodesConfig, codes_attention, transpose_v  # noqa: E402
+from ulysses.kernels.codes_wgmma import (  # noqa: E402
+    WgmmaConfig,
+    codes_attention_wgmma,
+    wgmma_unsupported,
+)
 from ulysses.lowp import exchange_qkv  # noqa: E402
 
 # (name, B, S, h, hkv, D, causal): video-DiT head shards (full) and LLM shards (causal, GQA 4:1)
@@ -145,7 +150,11 @@ def rel_err(out, ref, rows=1024):
     return ((o - ref).abs().max() / ref.abs().max()).item()
 
 
-def providers(q, k, v, causal, cfg=None, with_sage=True):
+WG_SWEEP = [WgmmaConfig(64, s, pipe) for pipe in (True, False) for s in (2, 3, 4, 6)]
+WG_DEFAULT = (WgmmaConfig(),)
+
+
+def providers(q, k, v, causal, cfg=None, with_sage=True, wg_configs=WG_DEFAULT):
     lq = exchange_qkv(q, k, v)
     lq8 = exchange_qkv(q, k, v, v_format="int8")
     kw = dict(q_group=lq.q_group, k_group=lq.k_group, causal=causal)
@@ -159,6 +168,12 @@ def providers(q, k, v, causal, cfg=None, with_sage=True):
             lq8.q, lq8.k, lq8.v, lq8.q_scale, lq8.k_scale, lq8.v_scale, config=cfg, **kw
         )[0],  # fmt: skip
     }
+    for wcfg in wg_configs:
+        if wgmma_unsupported(lq.q, lq.k, lq.v, k_group=lq.k_group, docs=False, config=wcfg):
+            continue
+        out[f"codes-{wcfg!r}"] = lambda wcfg=wcfg: codes_attention_wgmma(
+            lq.q, lq.k, transpose_v(lq.v), lq.q_scale, lq.k_scale, lq.v_scale, config=wcfg, **kw
+        )[0]  # fmt: skip
     if with_sage:
         try:
             from sageattention import sageattn
@@ -207,10 +222,12 @@ def run_table(shapes, args):
     rows = []
     env = env_row()
     print(f"# {env}")
-    print(f"{'shape':<16} {'provider':<14} {'ms':>8} {'TFLOP/s':>8} {'x sdpa':>7} {'err':>9}")
+    print(f"{'shape':<16} {'provider':<22} {'ms':>8} {'TFLOP/s':>8} {'x sdpa':>7} {'err':>9}")
     for name, B, S, h, hkv, D, causal in shapes:
         q, k, v = inputs(B, S, h, hkv, D, "cuda")
-        fns, lq = providers(q, k, v, causal)
+        fns, lq = providers(
+            q, k, v, causal, wg_configs=WG_SWEEP if args.wg_sweep else (WgmmaConfig(),)
+        )
         backend = sdpa_backend(q, k, v, causal)
         ref = ref_attention(q, k, v, causal)
         ref_dq = ref_attention(*lq.dequantize(), causal)
@@ -220,7 +237,7 @@ def run_table(shapes, args):
                 o = fn()
                 ms = bench(fn)
             except Exception as e:  # a provider that cannot run this shape
-                print(f"{name:<16} {prov:<14} failed: {type(e).__name__}: {str(e)[:80]}")
+                print(f"{name:<16} {prov:<22} failed: {type(e).__name__}: {str(e)[:80]}")
                 continue
             tf = flops(B, S, h, D, causal) / ms / 1e9
             base = ms if prov == "sdpa" else base
@@ -228,10 +245,10 @@ def run_table(shapes, args):
                 o = o.transpose(1, 2)
             err = rel_err(o, ref)
             extra = ""
-            if prov == "codes":
+            if prov.startswith("codes"):
                 extra = f" (vs dequantized {rel_err(o, ref_dq):.2e})"
             label = f"{prov}[{backend}]" if prov == "sdpa" else prov
-            print(f"{name:<16} {label:<14} {ms:8.3f} {tf:8.1f} {base / ms:7.2f} {err:9.2e}{extra}")
+            print(f"{name:<16} {label:<22} {ms:8.3f} {tf:8.1f} {base / ms:7.2f} {err:9.2e}{extra}")
             rows.append({**env, "shape": name, "B": B, "S": S, "h": h, "hkv": hkv, "D": D,
                          "causal": causal, "provider": prov, "sdpa_backend": backend,
                          "ms": f"{ms:.4f}", "tflops": f"{tf:.1f}",
@@ -309,6 +326,9 @@ def run_smoke():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", action="store_true", help="codes-kernel launch configurations")
+    p.add_argument(
+        "--wg-sweep", action="store_true", help="the warpgroup-MMA kernel's configurations"
+    )
     p.add_argument("--smoke", action="store_true", help="a CPU check of the script")
     p.add_argument(
         "--shapes",
@@ -333,9 +353,11 @@ def main(argv=None):
         run_sweep(args)
         return
     shapes = SHAPES
+    if args.wg_sweep:
+        shapes = SWEEP_SHAPES
     if args.shapes:
         keep = set(args.shapes.split(","))
-        shapes = [s for s in SHAPES if s[0] in keep]
+        shapes = [s for s in SHAPES + SWEEP_SHAPES if s[0] in keep]
     run_table(shapes, args)
 
 

@@ -1,0 +1,390 @@
+"""Attention forward on the exchange's 8-bit codes with Hopper's asynchronous warpgroup MMA
+(Gluon): the same math and outputs as :mod:`.codes_attention` (see its docstring for shapes,
+the exponent's folded scales and the error of P in e4m3), scheduled explicitly.
+
+Schedule of one program (128 query rows of one head):
+
+* a loader partition (the default warps) brings the 128 Q rows once and the K tile
+  [BLOCK_N, D] and V^T tile [D, BLOCK_N] of each key block through a ring of ``STAGES``
+  shared-memory slots with the tensor memory accelerator (one barrier a slot says "full",
+  one says "free");
+* two consumer warpgroups, 64 query rows each, run the key loop on the same ring: Q·K^T is
+  one int8 warpgroup MMA into an int32 accumulator that starts at the bits of ``1.5 * 2^23``
+  (so the scores are floats after a bit cast), the softmax is fp32, P is rounded to e4m3 and
+  P·V is one fp8 warpgroup MMA on the transposed V. With ``PIPE`` a consumer issues the scores
+  of block ``j`` and P·V of block ``j - 1`` together and runs the softmax of ``j`` while the
+  tensor cores work on ``j - 1``; the two warpgroups also overlap each other.
+
+What it runs (``wgmma_unsupported`` says why not, in words): CUDA compute capability 9.x,
+D 64 or 128, V as e4m3 codes, no document ids, K groups a multiple of ``BLOCK_N`` (one K
+scale a key block, folded into the row factor), Q and K views whose rows are evenly spaced
+over batch and sequence (the receive buffer's views are).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._runtime import cdiv
+
+try:  # Gluon (Triton >= 3.5); the module imports without it and reports the reason
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # Triton 3.6 names the TMA load async_copy_global_to_shared; later ones async_load
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _GLUON_ERROR = None
+except ImportError as e:  # pragma: no cover - depends on the installed Triton
+    _GLUON_ERROR = f"Triton's Gluon for Hopper is not available: {e}"
+
+__all__ = ["codes_attention_wgmma", "wgmma_unsupported", "WgmmaConfig"]
+
+LOG2E = 1.4426950408889634
+
+
+class WgmmaConfig(tuple):
+    """(BLOCK_N, STAGES, PIPE): key block, ring slots, the one-block-ahead schedule."""
+
+    __slots__ = ()
+
+    def __new__(cls, block_n=64, stages=4, pipe=True):
+        assert block_n in (64, 128) and 2 <= stages <= 8
+        return super().__new__(cls, (block_n, stages, bool(pipe)))
+
+    block_n = property(lambda self: self[0])
+    stages = property(lambda self: self[1])
+    pipe = property(lambda self: self[2])
+
+    def __repr__(self) -> str:
+        return f"wg-N{self[0]}-s{self[1]}{'-pipe' if self[2] else ''}"
+
+
+BLOCK_M = 64  # query rows of one consumer warpgroup (the warpgroup MMA's M)
+CONSUMERS = 2
+DEFAULT = WgmmaConfig()
+
+
+if _GLUON_ERROR is None:
+    LN2 = gl.constexpr(0.6931471805599453)
+    # the bits of 1.5 * 2^23: int32 k added to them are the bits of the float 1.5 * 2^23 + k
+    _BIAS_BITS = gl.constexpr(0x4B400000)
+    _BIAS = gl.constexpr(12582912.0)
+
+    @gluon.jit
+    def _load_partition(
+        desc_q, desc_k, desc_vt, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
+        q_row, q_col, k_row, k_col, vt_row, n_blocks,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        mbarrier.expect(q_bar, desc_q.block_type.nbytes)
+        _tma_load(desc_q, [q_row, q_col], q_bar, q_smem)
+        for i in range(n_blocks):
+            s = i % STAGES
+            # a fresh barrier is in phase 0: waiting for phase 1 passes at once (first round)
+            mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)
+            bar = kv_ready.index(s)
+            mbarrier.expect(bar, desc_k.block_type.nbytes + desc_vt.block_type.nbytes)
+            _tma_load(desc_k, [k_row + i * BLOCK_N, k_col], bar,
+                                            k_smem.index(s))  # fmt: skip
+            _tma_load(desc_vt, [vt_row, i * BLOCK_N], bar,
+                                            v_smem.index(s))  # fmt: skip
+
+    @gluon.jit
+    def _softmax_block(
+        bits, m_i, l_i, a_row, ks_ptr, k_group, start_n, o_n, o_m, hi_k,
+        MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """P (fp32, times 2^8) of one key block from the biased int32 scores; the new max,
+        the running sum rescaled, and alpha (the accumulator's factor)."""
+        b_ab = a_row * gl.load(ks_ptr + start_n // k_group)  # one K group a key block
+        if MASKED:
+            x = bits.to(gl.float32, bitcast=True) - _BIAS
+            o_c = start_n + o_n
+            valid = gl.expand_dims(o_c < hi_k, 0)
+            if CAUSAL:
+                valid = valid & (gl.expand_dims(o_c, 0) <= gl.expand_dims(o_m, 1))
+            x = gl.where(valid, x * gl.expand_dims(b_ab, 1), float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(x, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key so far
+            p = gl.exp2(x + gl.expand_dims(8.0 - m_use, 1))
+        else:
+            b_mx = gl.max(bits, 1).to(gl.float32, bitcast=True) - _BIAS
+            m_new = gl.maximum(m_i, b_mx * b_ab)
+            m_use = m_new
+            b_c = 8.0 - m_use - _BIAS * b_ab  # 2^(x a - m + 8), x = bits - 1.5 2^23
+            p = gl.exp2(gl.fma(bits.to(gl.float32, bitcast=True), gl.expand_dims(b_ab, 1),
+                               gl.expand_dims(b_c, 1)))  # fmt: skip
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _consumer_partition(
+        q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
+        q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
+        b, h, hk, m0, S, HQ, HKV, used, hi_k, n_blocks, q_group, k_group, n_qg, n_kg, qk_scale,
+        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, PIPE: gl.constexpr, CONSUMER: gl.constexpr,
+    ):  # fmt: skip
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+        r0 = m0 + CONSUMER * BLOCK_M
+        o_m = r0 + gl.arange(0, BLOCK_M, layout=row_s)
+        o_n = gl.arange(0, BLOCK_N, layout=col_s)
+        b_qs = gl.load(q_scale_ptr + (b * HQ + h) * n_qg + gl.minimum(o_m // q_group, n_qg - 1))
+        a_row = b_qs * qk_scale  # [BM] log2 units
+        ks_ptr = k_scale_ptr + (b * HKV + hk) * n_kg
+        # this warpgroup's key blocks: [0, n_full) unmasked, [n_full, my_n) masked, the rest
+        # of the program's blocks only released
+        my_hi = hi_k
+        if CAUSAL:
+            my_hi = gl.minimum(hi_k, r0 + BLOCK_M)
+        my_n = gl.where(r0 < used, (my_hi + BLOCK_N - 1) // BLOCK_N, 0)
+        n_full = hi_k // BLOCK_N
+        if CAUSAL:
+            n_full = gl.minimum(r0 + 1, hi_k) // BLOCK_N
+        n_full = gl.minimum(n_full, my_n)
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
+        bias = gl.full([BLOCK_M, BLOCK_N], _BIAS_BITS, gl.int32, layout=s_layout)
+        q_c = q_smem.slice(CONSUMER * BLOCK_M, BLOCK_M, dim=0)
+        mbarrier.wait(q_bar, 0)
+
+        run_pipe = n_full > 0
+        if not PIPE:
+            run_pipe = False
+        if run_pipe:
+            mbarrier.wait(kv_ready.index(0), 0)
+            bits = warpgroup_mma(q_c, k_smem.index(0).permute((1, 0)), bias, is_async=True)
+            bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
+            p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group, 0, o_n,
+                                                o_m, hi_k, False, CAUSAL)  # fmt: skip
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            for i in range(1, n_full):
+                s = i % STAGES
+                s_prev = (i - 1) % STAGES
+                mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+                bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
+                acc = warpgroup_mma(p8, v_smem.index(s_prev).permute((1, 0)), acc,
+                                    is_async=True)  # fmt: skip
+                bits = warpgroup_mma_wait(num_outstanding=1, deps=(bits,))
+                p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
+                                                    i * BLOCK_N, o_n, o_m, hi_k, False,
+                                                    CAUSAL)  # fmt: skip
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(s_prev), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            s_last = (n_full - 1) % STAGES
+            acc = warpgroup_mma(p8, v_smem.index(s_last).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(kv_empty.index(s_last), count=1)
+        else:
+            for i in range(0, n_full):
+                s = i % STAGES
+                mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+                bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
+                bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
+                p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
+                                                    i * BLOCK_N, o_n, o_m, hi_k, False,
+                                                    CAUSAL)  # fmt: skip
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+                acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(s), count=1)
+        for i in range(n_full, my_n):  # the causal diagonal and the end of the keys
+            s = i % STAGES
+            mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+            bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
+            bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
+            p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
+                                                i * BLOCK_N, o_n, o_m, hi_k, True,
+                                                CAUSAL)  # fmt: skip
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(kv_empty.index(s), count=1)
+        for i in range(my_n, n_blocks):  # the other warpgroup's blocks: release only
+            s = i % STAGES
+            mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+            mbarrier.arrive(kv_empty.index(s), count=1)
+
+        # epilogue: 1 / l and the V scale once; rows past ``used`` are 0 with lse +inf
+        o_mo = r0 + gl.arange(0, BLOCK_M, layout=row_o)
+        o_d = gl.arange(0, D, layout=col_o)
+        b_vs = gl.load(v_scale_ptr + (b * HKV + hk) * D + o_d)
+        l_o = gl.convert_layout(l_i, row_o)
+        live_o = o_mo < used
+        inv = gl.where(live_o & (l_o > 0.0), 1.0 / l_o, 0.0)
+        b_o = acc * gl.expand_dims(inv, 1) * gl.expand_dims(b_vs, 0)
+        p_out = (out_ptr + ((b.to(gl.int64) * S + gl.expand_dims(o_mo, 1)) * HQ + h) * D
+                 + gl.expand_dims(o_d, 0))  # fmt: skip
+        gl.store(p_out, b_o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_mo < S, 1))
+        b_lse = (m_i + gl.log2(l_i) - 8.0) * LN2
+        gl.store(lse_ptr + (b * HQ + h).to(gl.int64) * S + o_m,
+                 gl.where(o_m < used, b_lse, float("inf")), mask=o_m < S)  # fmt: skip
+
+    @gluon.jit
+    def _codes_wgmma_kernel(
+        desc_q, desc_k, desc_vt, q_scale_ptr, k_scale_ptr, v_scale_ptr, used_ptr, out_ptr, lse_ptr,
+        S, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale,
+        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, HAS_USED: gl.constexpr, PIPE: gl.constexpr,
+    ):  # fmt: skip
+        i_m = gl.program_id(0)
+        if CAUSAL:  # the longest rows first
+            i_m = gl.num_programs(0) - 1 - i_m
+        i_bh = gl.program_id(1)
+        b = i_bh // HQ
+        h = i_bh % HQ
+        hk = h // (HQ // HKV)
+        m0 = i_m * (2 * BLOCK_M)
+        used = S
+        if HAS_USED:
+            used = gl.load(used_ptr + b)
+        hi_k = used
+        hi = hi_k
+        if CAUSAL:
+            hi = gl.minimum(hi_k, m0 + 2 * BLOCK_M)
+        n_blocks = gl.where(m0 < used, (hi + BLOCK_N - 1) // BLOCK_N, 0)
+
+        q_smem = gl.allocate_shared_memory(gl.int8, [2 * BLOCK_M, D], desc_q.layout)
+        k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, D], desc_k.layout)
+        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BLOCK_N], desc_vt.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
+
+        q_row = b * S + m0
+        k_row = b * S
+        vt_row = (b * HKV + hk) * D
+        gl.warp_specialize(
+            [
+                (_load_partition, (desc_q, desc_k, desc_vt, q_smem, k_smem, v_smem, q_bar,
+                                   kv_ready, kv_empty, q_row, h * D, k_row, hk * D, vt_row,
+                                   n_blocks, BLOCK_N, STAGES)),
+                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
+                                       q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
+                                       b, h, hk, m0, S, HQ, HKV, used, hi_k, n_blocks, q_group,
+                                       k_group, n_qg, n_kg, qk_scale, D, BLOCK_M, BLOCK_N,
+                                       STAGES, CAUSAL, PIPE, 0)),
+                (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
+                                       q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
+                                       b, h, hk, m0, S, HQ, HKV, used, hi_k, n_blocks, q_group,
+                                       k_group, n_qg, n_kg, qk_scale, D, BLOCK_M, BLOCK_N,
+                                       STAGES, CAUSAL, PIPE, 1)),
+            ],
+            [4, 4],
+            [232, 232],
+        )  # fmt: skip
+
+
+def _rows_view(x: torch.Tensor) -> tuple[int, int] | None:
+    """(rows, row stride) of ``x`` [B, S, h, D] as one 2-D [B*S, h*D] matrix, or None when
+    its strides do not allow it."""
+    B, S, H, D = x.shape
+    if x.stride(3) != 1 or x.stride(2) != D or (B > 1 and x.stride(0) != S * x.stride(1)):
+        return None
+    return B * S, x.stride(1)
+
+
+def wgmma_unsupported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, k_group: int, docs: bool,
+    k_shift: int = 0, config: WgmmaConfig = DEFAULT,
+) -> str | None:  # fmt: skip
+    """None where :func:`codes_attention_wgmma` runs the call, else the reason in words."""
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the warpgroup-MMA codes kernel runs on Hopper GPUs (compute capability 9.x)"
+    D = q.shape[3]
+    if D not in (64, 128):
+        return f"the warpgroup-MMA codes kernel runs D 64 or 128, got D={D}"
+    if v.dtype != torch.float8_e4m3fn:
+        return f"the warpgroup-MMA codes kernel reads V as e4m3 codes, got {v.dtype}"
+    if docs:
+        return "the warpgroup-MMA codes kernel does not skip documents"
+    if k_group % config.block_n or k_shift:
+        return f"the K group ({k_group}) must be a multiple of the key block ({config.block_n})"
+    for name, x in (("q", q), ("k", k)):
+        if _rows_view(x) is None:
+            return f"{name}'s strides {tuple(x.stride())} are not evenly spaced rows"
+        if x.data_ptr() % 16 or x.stride(1) % 16:
+            return f"{name} must start at a 16-byte boundary with rows a multiple of 16 bytes"
+    return None
+
+
+def codes_attention_wgmma(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    vt: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    q_group: int,
+    k_group: int,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    used: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: WgmmaConfig = DEFAULT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, S, hq, D], lse [B, hq, S])`` as :func:`.codes_attention.codes_attention`;
+    ``vt`` is :func:`.codes_attention.transpose_v` of the V codes. The caller checked
+    :func:`wgmma_unsupported`."""
+    B, S, HQ, D = q.shape
+    HKV = k.shape[2]
+    S_pad = vt.shape[3]
+    assert vt.shape == (B, HKV, D, S_pad) and vt.is_contiguous() and S_pad % 128 == 0
+    bn, stages, pipe = config
+    q_scale, k_scale, v_scale = (x.contiguous() for x in (q_scale, k_scale, v_scale))
+    out = torch.empty((B, S, HQ, D), dtype=out_dtype, device=q.device)
+    lse = torch.empty((B, HQ, S), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    rows_q, stride_q = _rows_view(q)
+    rows_k, stride_k = _rows_view(k)
+    lay_q = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_M, D], gl.int8)
+    lay_k = gl.NVMMASharedLayout.get_default_for([bn, D], gl.int8)
+    lay_v = gl.NVMMASharedLayout.get_default_for([D, bn], gl.float8e4nv)
+    desc_q = TensorDescriptor(q, [rows_q, HQ * D], [stride_q, 1], [2 * BLOCK_M, D], lay_q)
+    desc_k = TensorDescriptor(k, [rows_k, HKV * D], [stride_k, 1], [bn, D], lay_k)
+    desc_vt = TensorDescriptor(vt, [B * HKV * D, S_pad], [S_pad, 1], [D, bn], lay_v)
+    if used is not None:
+        used = used.to(torch.int32).contiguous()
+    sm_scale = D**-0.5 if sm_scale is None else float(sm_scale)
+    grid = (cdiv(S, 2 * BLOCK_M), B * HQ)
+    _codes_wgmma_kernel[grid](
+        desc_q, desc_k, desc_vt, q_scale, k_scale, v_scale,
+        used if used is not None else q_scale, out, lse,
+        S, HQ, HKV, q_group, k_group, cdiv(S, q_group), cdiv(S, k_group), sm_scale * LOG2E,
+        D=D, BLOCK_M=BLOCK_M, BLOCK_N=bn, STAGES=stages, CAUSAL=bool(causal),
+        HAS_USED=used is not None, PIPE=pipe, num_warps=4,
+    )  # fmt: skip
+    return out, lse
