@@ -1,29 +1,39 @@
 """Fill Triton's disk cache before a GPU check: every kernel specialization the check will
 launch, compiled once, in parallel, by processes that share the cache.
 
-    python tools/warm_cache.py [--jobs N] [--record-s S] [--compile-s S] [--world-sizes "2 4"]
-                               [--suite NAME ...] [--json FILE]
+    python tools/warm_cache.py [--limit-s S] [--jobs N] [--record-s S] [--compile-s S]
+                               [--world-sizes "2 4"] [--suite NAME ...] [--json FILE]
 
 Why: on a cold machine each process of a check compiles what it launches, one kernel at a
 time, and the processes compile the same kernels side by side (a harness rank, a pytest
 worker, an example); a cold one-GPU check once spent most of its nine minutes compiling. Here
-each specialization is compiled once, by one of ``--jobs`` processes, into the
-``TRITON_CACHE_DIR`` that the check's processes then read.
+each specialization is compiled once, by one of ``--jobs`` processes (default: one a core),
+into the ``TRITON_CACHE_DIR`` that the check's processes then read.
 
 How:
 1. Record (CPU tensors, nothing executes; ``tools/compile_sm90.py``'s recorder): the kernel
    test files (compile_sm90's ``DRIVERS``), the harness's default and sweep cases at each
    world size of the check (torchrun, gloo on CPU), and the public calls at the benchmark
-   shapes (each part optional), at the same time, each cut off at ``--record-s``. What a
-   recorder found before its cut-off is kept.
+   shapes (each part optional), at the same time, each cut off at the recorders' limit. What
+   a recorder found before its cut-off is kept. ``--recorded-file`` is created when the
+   recording ends (``scripts/gpu_check.sh`` starts its unit lane then).
 2. Compile: each distinct specialization goes through Triton's own JIT (``warmup``: compile
    and cache, no launch) with arguments of its types, divisibility and constexprs and the
    options every launch of the package takes, so its cache key is the one a real launch
-   computes. Work not started by ``--compile-s`` is left to the check.
+   computes. What is not done by the compile step's limit is left to the check (the
+   processes still compiling then are killed).
+
+Limits: with ``--limit-s`` the whole run, counted from this process's start, ends within it:
+the recorders stop at ``--record-s`` or at half the limit, whichever comes first, and the
+compile step gets whatever the recording left (less ``RESERVE_S`` for the summary; at most
+``--compile-s`` when that is given). Without it, ``--record-s`` and ``--compile-s`` apply as
+they are (defaults 90 s and 150 s).
 
 The harness's GPU-sized cases (``--large``) are not recorded (the harness refuses them on
-CPU): their kernels compile in the check, as before. Prints one summary line; exit status 0
-when every recorded specialization compiled, 1 when one failed (its error is printed), 2 when
+CPU): their kernels compile in the check. Prints one summary line each for the recording and
+the compile step (compiled, failed, not reached: what the limit left to the check). Exit
+status 0 when no recorded specialization failed to compile (also when the limit left some
+to the check: the summary counts them), 1 when one failed (its error is printed), 2 when
 nothing could be recorded.
 """
 
@@ -40,7 +50,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+STARTED = time.monotonic()  # --limit-s counts from here (before torch and Triton are imported)
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("compile_sm90", ROOT / "tools" / "compile_sm90.py")
@@ -49,6 +62,26 @@ _spec.loader.exec_module(compile_sm90)
 
 # Triton's type names (compile_sm90's recorded signatures) -> torch dtypes
 _DTYPES = {v: k for k, v in compile_sm90._TYPES.items()}
+
+RECORD_S = 90.0  # the recorders' limit (--record-s)
+COMPILE_S = 150.0  # the compile step's limit without --limit-s (--compile-s)
+RESERVE_S = 5.0  # of --limit-s, kept for the summary and the compile pool's end
+
+
+def record_limit(limit_s: float | None, record_s: float) -> float:
+    """The recorders' limit: ``record_s``; with an overall ``limit_s``, at most half of it
+    (the other half at least is the compile step's)."""
+    return record_s if limit_s is None else max(0.0, min(record_s, limit_s / 2))
+
+
+def compile_limit(limit_s: float | None, compile_s: float | None, elapsed_s: float) -> float:
+    """The compile step's limit: without an overall ``limit_s``, ``compile_s`` (default
+    ``COMPILE_S``); with one, what ``elapsed_s`` (the start and the recording) left of it less
+    ``RESERVE_S``, and at most ``compile_s`` when that is given."""
+    if limit_s is None:
+        return COMPILE_S if compile_s is None else compile_s
+    left = max(0.0, limit_s - elapsed_s - RESERVE_S)
+    return left if compile_s is None else min(left, compile_s)
 
 
 class _Stream(dict):
@@ -288,31 +321,48 @@ def record_all(
     return list(specs.values()), notes
 
 
-def compile_all(specs: list[dict], jobs: int, limit_s: float) -> list[dict | None]:
-    """:func:`warm_one` for each spec in ``jobs`` fresh processes sharing this process's
-    ``TRITON_CACHE_DIR``; None for a spec not started within ``limit_s``."""
+def compile_all(
+    specs: list, jobs: int, limit_s: float, work: Callable = warm_one
+) -> list[dict | None]:
+    """``work`` (:func:`warm_one`) for each spec in ``jobs`` fresh processes sharing this
+    process's ``TRITON_CACHE_DIR``; None for a spec not done within ``limit_s``. The
+    processes still working then are killed, so this process can exit at once (the pool's
+    exit handler would otherwise wait for every spec already handed to a process)."""
     import multiprocessing
 
     results: list[dict | None] = [None] * len(specs)
     ctx = multiprocessing.get_context("spawn")
     pool = concurrent.futures.ProcessPoolExecutor(max(1, jobs), mp_context=ctx)
-    futures = {pool.submit(warm_one, spec): i for i, spec in enumerate(specs)}
+    futures = {pool.submit(work, spec): i for i, spec in enumerate(specs)}
     try:
         for future in concurrent.futures.as_completed(futures, timeout=limit_s):
             results[futures[future]] = future.result()
     except concurrent.futures.TimeoutError:
         pass
     pool.shutdown(wait=False, cancel_futures=True)
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):  # still compiling
+    workers = list((getattr(pool, "_processes", None) or {}).values())  # shutdown forgets them
+    for proc in workers:
         proc.kill()
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--limit-s",
+        type=float,
+        help="the whole run's limit, from this process's start: the compile step gets what "
+        "the recording left",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--record-s", type=float, default=90.0, help="each recorder's limit")
-    parser.add_argument("--compile-s", type=float, default=150.0, help="the compile step's limit")
+    parser.add_argument(
+        "--record-s", type=float, default=RECORD_S, help="each recorder's limit (default 90)"
+    )
+    parser.add_argument(
+        "--compile-s",
+        type=float,
+        help="the compile step's limit (default 150; with --limit-s: what is left of it)",
+    )
     parser.add_argument(
         "--world-sizes", default="2", help="the harness's, space separated ('' for none)"
     )
@@ -329,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", nargs="+", default=None, help="the harness's (default: all)")
     parser.add_argument("--json", help="write the specializations and results here")
     parser.add_argument("--log", help="append the recorders' output here")
+    parser.add_argument("--recorded-file", help="create this file when the recording ends")
     parser.add_argument("--dry-run", action="store_true", help="record only; compile nothing")
     parser.add_argument("--record-pytest", help=argparse.SUPPRESS)
     parser.add_argument("--record-harness", help=argparse.SUPPRESS)
@@ -340,29 +391,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.record_harness:
         record_harness(args.record_harness, args.rest)
         return 0
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     world_sizes = [int(p) for p in args.world_sizes.split()]
     drivers = [str(ROOT / d) for d in args.drivers]
-    specs, notes = record_all(
-        world_sizes, args.suite, args.record_s, args.log, drivers, not args.no_shapes
-    )
-    recorded_s = time.perf_counter() - t0
+    record_s = record_limit(args.limit_s, args.record_s)
+    specs, notes = record_all(world_sizes, args.suite, record_s, args.log, drivers,
+                              not args.no_shapes)  # fmt: skip
+    if args.recorded_file:
+        Path(args.recorded_file).touch()
+    t1 = time.monotonic()
     by = ", ".join(f"{k} {v}" for k, v in notes.items())
-    print(f"warm_cache: {len(specs)} specializations recorded in {recorded_s:.0f} s ({by})")
+    print(f"warm_cache: {len(specs)} specializations recorded in {t1 - t0:.0f} s ({by})")
     if not specs:
         return 2
+    compile_s = compile_limit(args.limit_s, args.compile_s, t1 - STARTED)
     if args.dry_run:
         results: list[dict | None] = [None] * len(specs)
     else:
-        results = compile_all(specs, args.jobs, args.compile_s)
+        results = compile_all(specs, args.jobs, compile_s)
     done = [r for r in results if r is not None]
     failed = [(s, r) for s, r in zip(specs, results, strict=True) if r and not r["ok"]]
     for spec, res in failed[:10]:
         print(f"warm_cache: {spec['kernel']} {spec['constexprs']} did not compile: {res['error']}")
+    left = len(specs) - len(done)
+    cut = f" (the compile step's {compile_s:.0f} s ran out)" if left and not args.dry_run else ""
     print(
-        f"warm_cache: {len(done) - len(failed)} compiled, {len(failed)} failed, "
-        f"{len(specs) - len(done)} not reached, in {time.perf_counter() - t0 - recorded_s:.0f} s "
-        f"({args.jobs} processes; {time.perf_counter() - t0:.0f} s in all)"
+        f"warm_cache: {len(done) - len(failed)} compiled, {len(failed)} failed, {left} not "
+        f"reached{cut}, in {time.monotonic() - t1:.0f} s ({args.jobs} processes; "
+        f"{time.monotonic() - STARTED:.0f} s in all)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps({"specs": specs, "results": results}))

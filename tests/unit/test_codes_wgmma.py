@@ -119,7 +119,7 @@ CASES = [  # B, S, hq, hkv, D, causal, used
 
 @pytest.mark.skipif(not HOPPER, reason="the warpgroup-MMA kernel runs on Hopper GPUs")
 @pytest.mark.parametrize("pipe", [True, False])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-S{}-h{}:{}-D{}-causal{:d}-used{:d}".format(*c[:6], c[6] is not None))  # fmt: skip
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-{c[6]}")
 def test_matches_reference_and_triton_kernel(case, pipe):
     B, S, hq, hkv, D, causal, used = case
     lq = _lq(B, S, hq, hkv, D, "cuda")

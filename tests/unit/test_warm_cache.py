@@ -1,13 +1,18 @@
 """tools/warm_cache.py on CPU: the arguments it builds for a recorded specialization specialize
 the kernel as recorded (what makes the warm-up's cache key the one a real launch computes),
-and the recorders' files are read back, a line cut short included. The recording itself:
-tests/slow/test_warm_cache_record.py; the compile step needs a GPU (`make gpu-check`)."""
+the recorders' files are read back, a line cut short included, and one overall limit
+(--limit-s) gives the compile step what the recording left, the pool cut off at its limit
+letting the process exit at once. The recording itself: tests/slow/test_warm_cache_record.py;
+the compile step needs a GPU (`make gpu-check`)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,10 +143,6 @@ def test_a_cut_off_recorder_leaves_no_process_behind(tmp_path):
     """A recorder cut off at its deadline is killed with every process below it, also those
     in a session of their own (torchrun starts each rank so): killing its group alone left the
     ranks running."""
-    import subprocess
-    import sys
-    import time
-
     pid_file = tmp_path / "child"
     code = (
         "import subprocess, sys, time; "
@@ -163,3 +164,86 @@ def test_a_cut_off_recorder_leaves_no_process_behind(tmp_path):
         time.sleep(0.05)
     assert not _alive(proc.pid)
     assert not _alive(child), "the rank in its own session survived"
+
+
+@pytest.mark.parametrize(
+    "limit_s,record_s,want",
+    [(None, 90, 90), (240, 90, 90), (100, 90, 50), (235, 120, 117.5), (0, 90, 0)],
+)
+def test_the_recorders_keep_at_most_half_the_limit(limit_s, record_s, want):
+    assert warm_cache.record_limit(limit_s, record_s) == want
+
+
+@pytest.mark.parametrize(
+    "limit_s,compile_s,elapsed_s,want",
+    [
+        (None, None, 60, warm_cache.COMPILE_S),  # no overall limit: the fixed one
+        (None, 80, 60, 80),
+        (240, None, 60, 240 - 60 - warm_cache.RESERVE_S),  # whatever the recording left
+        (240, None, 130, 240 - 130 - warm_cache.RESERVE_S),
+        (240, 50, 60, 50),  # at most --compile-s
+        (100, None, 99, 0),  # nothing left
+    ],
+)
+def test_the_compile_step_gets_what_the_recording_left(limit_s, compile_s, elapsed_s, want):
+    assert warm_cache.compile_limit(limit_s, compile_s, elapsed_s) == want
+
+
+def _stub_run(monkeypatch, tmp_path, elapsed_s: float, argv: list[str]):
+    """main() with the recorders and the compile pool stubbed, started ``elapsed_s`` ago: (its
+    exit status, the limits it handed the recorders and the compile step)."""
+    marker = tmp_path / "recorded"
+    seen = {}
+
+    def record_all(world_sizes, suites, limit_s, log, drivers, shapes):
+        seen["record_s"] = limit_s
+        return [{"kernel": "a", "constexprs": []}, {"kernel": "b", "constexprs": []}], {"x": "2"}
+
+    def compile_all(specs, jobs, limit_s):
+        seen["marker"] = marker.exists()  # the recording's end is announced before compiling
+        seen["compile"] = (jobs, limit_s)
+        return [{"ok": True, "seconds": 1.0, "error": None}, None]
+
+    monkeypatch.setattr(warm_cache, "record_all", record_all)
+    monkeypatch.setattr(warm_cache, "compile_all", compile_all)
+    monkeypatch.setattr(warm_cache, "STARTED", time.monotonic() - elapsed_s)
+    code = warm_cache.main([*argv, "--drivers", "--recorded-file", str(marker)])
+    return code, seen
+
+
+def test_one_limit_for_the_whole_run(monkeypatch, tmp_path, capsys):
+    code, seen = _stub_run(monkeypatch, tmp_path, 100, ["--limit-s", "240", "--jobs", "16"])
+    out = capsys.readouterr().out
+    assert code == 0, out  # a spec the limit left to the check is no failure ...
+    assert seen["record_s"] == 90 and seen["marker"], seen
+    jobs, limit = seen["compile"]
+    assert jobs == 16 and 240 - 100 - warm_cache.RESERVE_S - 1 < limit <= 135, seen
+    # ... and the summary says so (gpu_check.sh reads ", 0 not reached," as a finished warm-up)
+    assert "1 compiled, 0 failed, 1 not reached (the compile step's 135 s ran out)," in out, out
+
+
+def test_without_a_limit_the_fixed_ones_apply(monkeypatch, tmp_path, capsys):
+    _, seen = _stub_run(monkeypatch, tmp_path, 100, ["--record-s", "30", "--jobs", "2"])
+    assert seen["record_s"] == 30 and seen["compile"] == (2, warm_cache.COMPILE_S), seen
+    _, seen = _stub_run(monkeypatch, tmp_path, 100, ["--compile-s", "40", "--limit-s", "400"])
+    assert seen["record_s"] == warm_cache.RECORD_S and seen["compile"][1] == 40, seen
+
+
+def test_a_cut_off_compile_pool_lets_the_process_exit_at_once():
+    """Specs still in the pool's processes at the limit are killed with them: the pool's exit
+    handler waited for every spec already handed to a process (once ~60 s past a warm-up's
+    summary line, so its row timed out)."""
+    code = (
+        "import importlib.util, time\n"
+        f"spec = importlib.util.spec_from_file_location('wc', {str(_spec.origin)!r})\n"
+        "wc = importlib.util.module_from_spec(spec); spec.loader.exec_module(wc)\n"
+        "t0 = time.monotonic()\n"
+        "res = wc.compile_all([60.0] * 6, 2, 2.0, work=time.sleep)\n"
+        "print('returned', len(res), res.count(None), round(time.monotonic() - t0))\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "returned 6 6" in proc.stdout, proc.stdout
+    assert took < 45, f"the process exited {took:.0f} s after starting (a 2 s limit)"
