@@ -37,7 +37,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ulysses.kernels.codes_attention import CodesConfig, codes_attention, transpose_v  # noqa: E402
+from ulysses.kernels.codes_attention import (  # noqa: E402
+    GPU_DEFAULT,
+    CodesConfig,
+    codes_attention,
+    transpose_v,
+)
 from ulysses.kernels.codes_wgmma import (  # noqa: E402
     WgmmaConfig,
     codes_attention_wgmma,
@@ -158,14 +163,15 @@ def providers(q, k, v, causal, cfg=None, with_sage=True, wg_configs=WG_DEFAULT):
     lq = exchange_qkv(q, k, v)
     lq8 = exchange_qkv(q, k, v, v_format="int8")
     kw = dict(q_group=lq.q_group, k_group=lq.k_group, causal=causal)
+    tcfg = cfg or (GPU_DEFAULT if q.is_cuda else None)  # "codes": the Triton kernel
     out = {
         "sdpa": lambda: sdpa(q, k, v, causal),
         "dequant+sdpa": lambda: sdpa(*lq.dequantize(), causal),
         "codes": lambda: codes_attention(
-            lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale, config=cfg, **kw
+            lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale, config=tcfg, **kw
         )[0],  # fmt: skip
         "codes-v8": lambda: codes_attention(
-            lq8.q, lq8.k, lq8.v, lq8.q_scale, lq8.k_scale, lq8.v_scale, config=cfg, **kw
+            lq8.q, lq8.k, lq8.v, lq8.q_scale, lq8.k_scale, lq8.v_scale, config=tcfg, **kw
         )[0],  # fmt: skip
     }
     for wcfg in wg_configs:

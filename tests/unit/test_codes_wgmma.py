@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ulysses.kernels import codes_wgmma as W
-from ulysses.kernels.codes_attention import codes_attention, transpose_v
+from ulysses.kernels.codes_attention import GPU_DEFAULT, codes_attention, transpose_v
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -130,7 +130,13 @@ def test_matches_reference_and_triton_kernel(case, pipe):
         lq.q, lq.k, transpose_v(lq.v, used_t), lq.q_scale, lq.k_scale, lq.v_scale,
         config=W.WgmmaConfig(64, 3, pipe), **kw,
     )  # fmt: skip
-    out_t, lse_t = codes_attention(lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale, **kw)
+    out_t, lse_t = codes_attention(
+        lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale, config=GPU_DEFAULT, **kw
+    )
+    # the default (config None) is this kernel on Hopper
+    out_d, _ = codes_attention(lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale, **kw)
+    if pipe:
+        assert torch.equal(out_d, out)
     ref, ref_lse = _ref(lq, causal, used_t)
     # the bound of P in e4m3: 2^-4 max|v| a channel, plus the output's bf16 rounding
     vmax = lq.dequantize()[2].float().abs().amax(dim=1, keepdim=True)  # [B, 1, hkv, D]

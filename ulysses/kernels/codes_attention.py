@@ -51,6 +51,8 @@ import triton.language as tl
 
 from ._quant import e4m3_code
 from ._runtime import cdiv, compiled_for_gpu, launch
+from .codes_wgmma import DEFAULT as WGMMA_DEFAULT
+from .codes_wgmma import WgmmaConfig, codes_attention_wgmma, wgmma_unsupported
 from .lowp_dequant import round_to
 
 __all__ = ["codes_attention", "codes_supported", "transpose_v", "CodesConfig", "LOG2E"]
@@ -455,14 +457,17 @@ def codes_attention(
     doc_ids: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     k_shift: int = 0,
-    config: CodesConfig | None = None,
+    config: CodesConfig | WgmmaConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, S, hq, D] out_dtype, lse [B, hq, S] fp32)``: attention of the codes (module
     docstring for shapes and math). ``used``: None or an int32 tensor [B] of live rows a batch
     row; ``doc_ids``: None or an integer tensor [B, S] of non-decreasing document ids;
     ``sm_scale`` defaults to ``D ** -0.5``; ``k_shift`` moves the K-scale index (a planted
-    fault for the harness; 0 otherwise). Launcher: invariants are asserted, the layer
-    validates user input."""
+    fault for the harness; 0 otherwise). ``config``: None runs Hopper's warpgroup-MMA kernel
+    (:mod:`.codes_wgmma`) where it supports the call, else this module's kernel with its
+    default configuration; a :class:`CodesConfig` this module's kernel, a ``WgmmaConfig`` the
+    warpgroup-MMA kernel. Launcher: invariants are asserted, the layer validates user
+    input."""
     B, S, HQ, D = q.shape
     HKV = k.shape[2]
     assert q.dtype == torch.int8 and k.dtype == torch.int8
@@ -475,6 +480,19 @@ def codes_attention(
     assert codes_supported(q.device, D, out_dtype) is None, codes_supported(q.device, D, out_dtype)
     device = q.device
     gpu = compiled_for_gpu(device)
+    if config is None or isinstance(config, WgmmaConfig):  # Hopper's warpgroup-MMA kernel
+        wg = config or WGMMA_DEFAULT
+        if device.type == "cuda" and doc_ids is None and not wgmma_unsupported(
+            q, k, v, k_group=k_group, docs=False, k_shift=k_shift, config=wg
+        ):  # fmt: skip
+            if used is not None:
+                used = used.to(torch.int32).contiguous()
+            return codes_attention_wgmma(
+                q, k, transpose_v(v, used), q_scale, k_scale, v_scale, q_group=q_group,
+                k_group=k_group, causal=causal, sm_scale=sm_scale, used=used,
+                out_dtype=out_dtype, config=wg,
+            )  # fmt: skip
+        assert config is None, wgmma_unsupported(q, k, v, k_group=k_group, docs=doc_ids is not None)
     cfg = config or (GPU_DEFAULT if gpu else _CPU_CONFIG)
     v_int8 = v.dtype == torch.int8
     pv = "fp16" if v_int8 else cfg.pv
