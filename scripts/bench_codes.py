@@ -155,7 +155,12 @@ def rel_err(out, ref, rows=1024):
     return ((o - ref).abs().max() / ref.abs().max()).item()
 
 
-WG_SWEEP = [WgmmaConfig(64, s, pipe) for pipe in (True, False) for s in (2, 3, 4, 6)]
+WG_SWEEP = [
+    WgmmaConfig(s, pipe, pair)
+    for pair in (False, True)
+    for pipe in (True, False)
+    for s in ((4, 6) if pair else (2, 3, 4, 6))
+]
 WG_DEFAULT = (WgmmaConfig(),)
 
 

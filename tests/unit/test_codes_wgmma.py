@@ -45,8 +45,11 @@ def test_unsupported_names_the_reason():
 
 
 @pytest.mark.skipif(W._GLUON_ERROR is not None, reason="no Gluon in this Triton")
-@pytest.mark.parametrize("D,causal,used", [(128, False, False), (64, True, True)])
-def test_compiles_for_sm90(D, causal, used):
+@pytest.mark.parametrize(
+    "D,causal,used,pair",
+    [(128, False, False, False), (64, True, True, False), (128, True, False, True)],
+)
+def test_compiles_for_sm90(D, causal, used, pair):
     """Through ptxas to a cubin for sm_90 with the installed Triton: no spills."""
     import triton
     from triton._C.libtriton import native_specialize_impl
@@ -69,7 +72,9 @@ def test_compiles_for_sm90(D, causal, used):
         desc(vt, [D, 256], [256, 1], [D, bn], gl.float8e4nv),
         *["*fp32"] * 3, "*i32", "*bf16", "*fp32", *["i32"] * 7, "fp32",
     ]  # fmt: skip
-    consts = dict(D=D, BLOCK_M=64, BLOCK_N=bn, STAGES=4, CAUSAL=causal, HAS_USED=used, PIPE=True)
+    consts = dict(
+        D=D, BLOCK_M=64, BLOCK_N=bn, STAGES=4, CAUSAL=causal, HAS_USED=used, PIPE=True, PAIR=pair
+    )
     names = W._codes_wgmma_kernel.arg_names
     signature = dict(zip(names, sig + ["constexpr"] * len(consts), strict=True))
     constexprs = {(names.index(n),): v for n, v in consts.items()}
@@ -118,9 +123,9 @@ CASES = [  # B, S, hq, hkv, D, causal, used
 
 
 @pytest.mark.skipif(not HOPPER, reason="the warpgroup-MMA kernel runs on Hopper GPUs")
-@pytest.mark.parametrize("pipe", [True, False])
+@pytest.mark.parametrize("pipe,pair", [(True, False), (False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-{c[6]}")
-def test_matches_reference_and_triton_kernel(case, pipe):
+def test_matches_reference_and_triton_kernel(case, pipe, pair):
     B, S, hq, hkv, D, causal, used = case
     lq = _lq(B, S, hq, hkv, D, "cuda")
     used_t = None if used is None else torch.tensor(used, dtype=torch.int32, device="cuda")
@@ -128,14 +133,14 @@ def test_matches_reference_and_triton_kernel(case, pipe):
     assert W.wgmma_unsupported(lq.q, lq.k, lq.v, k_group=lq.k_group, docs=False) is None
     out, lse = W.codes_attention_wgmma(
         lq.q, lq.k, transpose_v(lq.v, used_t), lq.q_scale, lq.k_scale, lq.v_scale,
-        config=W.WgmmaConfig(64, 3, pipe), **kw,
+        config=W.WgmmaConfig(4, pipe, pair), **kw,
     )  # fmt: skip
     out_t, lse_t = codes_attention(
         lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale, config=GPU_DEFAULT, **kw
     )
     # the default (config None) is this kernel on Hopper
     out_d, _ = codes_attention(lq.q, lq.k, lq.v, lq.q_scale, lq.k_scale, lq.v_scale, **kw)
-    if pipe:
+    if (pipe, pair) == (W.DEFAULT.pipe, W.DEFAULT.pair):
         assert torch.equal(out_d, out)
     ref, ref_lse = _ref(lq, causal, used_t)
     # the bound of P in e4m3: 2^-4 max|v| a channel, plus the output's bf16 rounding

@@ -50,23 +50,28 @@ LOG2E = 1.4426950408889634
 
 
 class WgmmaConfig(tuple):
-    """(BLOCK_N, STAGES, PIPE): key block, ring slots, the one-block-ahead schedule."""
+    """(STAGES, PIPE, PAIR): ring slots of 64 keys; P·V of a block under the next one's
+    softmax; two key blocks a softmax update."""
 
     __slots__ = ()
 
-    def __new__(cls, block_n=64, stages=4, pipe=True):
-        assert block_n in (64, 128) and 2 <= stages <= 8
-        return super().__new__(cls, (block_n, stages, bool(pipe)))
+    def __new__(cls, stages=4, pipe=True, pair=False):
+        assert 2 <= stages <= 8 and (stages >= 4 or not pair)
+        return super().__new__(cls, (stages, bool(pipe), bool(pair)))
 
-    block_n = property(lambda self: self[0])
-    stages = property(lambda self: self[1])
-    pipe = property(lambda self: self[2])
+    def __getnewargs__(self):
+        return tuple(self)
+
+    stages = property(lambda self: self[0])
+    pipe = property(lambda self: self[1])
+    pair = property(lambda self: self[2])
 
     def __repr__(self) -> str:
-        return f"wg-N{self[0]}-s{self[1]}{'-pipe' if self[2] else ''}"
+        return f"wg-s{self[0]}{'-pipe' if self[1] else ''}{'-pair' if self[2] else ''}"
 
 
 BLOCK_M = 64  # query rows of one consumer warpgroup (the warpgroup MMA's M)
+BLOCK_N = 64  # keys of one ring slot (one K group of 64 rows, or several slots a group)
 CONSUMERS = 2
 DEFAULT = WgmmaConfig()
 
@@ -126,12 +131,157 @@ if _GLUON_ERROR is None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
+    def _one_block(
+        q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr, k_group,
+        i, o_n, o_m, hi_k, p_layout: gl.constexpr, row_o: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """Key block ``i`` folded into (acc, m_i, l_i), nothing left in flight."""
+        s = i % STAGES
+        mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+        bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
+        bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
+        p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
+                                            i * BLOCK_N, o_n, o_m, hi_k, MASKED,
+                                            CAUSAL)  # fmt: skip
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _pipelined_blocks(
+        q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr, k_group,
+        n, o_n, o_m, hi_k, p_layout: gl.constexpr, row_o: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """Unmasked key blocks ``[0, n)`` (n >= 1), one ahead: the scores of block ``i`` and
+        P·V of block ``i - 1`` are issued together, the softmax of ``i`` runs while P·V of
+        ``i - 1`` is in flight."""
+        mbarrier.wait(kv_ready.index(0), 0)
+        bits = warpgroup_mma(q_c, k_smem.index(0).permute((1, 0)), bias, is_async=True)
+        bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
+        p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group, 0, o_n,
+                                            o_m, hi_k, False, CAUSAL)  # fmt: skip
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        for i in range(1, n):
+            s = i % STAGES
+            s_prev = (i - 1) % STAGES
+            mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
+            bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
+            acc = warpgroup_mma(p8, v_smem.index(s_prev).permute((1, 0)), acc, is_async=True)
+            bits = warpgroup_mma_wait(num_outstanding=1, deps=(bits,))
+            p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
+                                                i * BLOCK_N, o_n, o_m, hi_k, False,
+                                                CAUSAL)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(kv_empty.index(s_prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        s_last = (n - 1) % STAGES
+        acc = warpgroup_mma(p8, v_smem.index(s_last).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(kv_empty.index(s_last), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _softmax_pair(bits0, bits1, m_i, l_i, a_row, ks_ptr, k_group, start_n,
+                      BLOCK_N: gl.constexpr):  # fmt: skip
+        """:func:`_softmax_block` of two unmasked key blocks at once: one max, one alpha."""
+        ab0 = a_row * gl.load(ks_ptr + start_n // k_group)
+        ab1 = a_row * gl.load(ks_ptr + (start_n + BLOCK_N) // k_group)
+        mx0 = gl.max(bits0, 1).to(gl.float32, bitcast=True) - _BIAS
+        mx1 = gl.max(bits1, 1).to(gl.float32, bitcast=True) - _BIAS
+        m_new = gl.maximum(m_i, gl.maximum(mx0 * ab0, mx1 * ab1))
+        c0 = 8.0 - m_new - _BIAS * ab0
+        c1 = 8.0 - m_new - _BIAS * ab1
+        p0 = gl.exp2(gl.fma(bits0.to(gl.float32, bitcast=True), gl.expand_dims(ab0, 1),
+                            gl.expand_dims(c0, 1)))  # fmt: skip
+        p1 = gl.exp2(gl.fma(bits1.to(gl.float32, bitcast=True), gl.expand_dims(ab1, 1),
+                            gl.expand_dims(c1, 1)))  # fmt: skip
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + (gl.sum(p0, 1) + gl.sum(p1, 1))
+        return p0, p1, m_new, l_i, alpha
+
+    @gluon.jit
+    def _pair_scores(q_c, k_smem, kv_ready, bias, i0, STAGES: gl.constexpr):
+        """The scores of key blocks ``i0`` and ``i0 + 1``, issued (in flight)."""
+        s0 = i0 % STAGES
+        s1 = (i0 + 1) % STAGES
+        mbarrier.wait(kv_ready.index(s0), (i0 // STAGES) & 1)
+        mbarrier.wait(kv_ready.index(s1), ((i0 + 1) // STAGES) & 1)
+        b0 = warpgroup_mma(q_c, k_smem.index(s0).permute((1, 0)), bias, is_async=True)
+        b1 = warpgroup_mma(q_c, k_smem.index(s1).permute((1, 0)), bias, is_async=True)
+        return b0, b1
+
+    @gluon.jit
+    def _paired_blocks(
+        q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr, k_group,
+        n_pairs, p_layout: gl.constexpr, row_o: gl.constexpr, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr, PIPE: gl.constexpr,
+    ):  # fmt: skip
+        """Unmasked key blocks ``[0, 2 n_pairs)`` (n_pairs >= 1) two at a time: one softmax
+        update and one rescale of the accumulator a pair; with ``PIPE`` P·V of the previous
+        pair runs under this pair's softmax."""
+        if PIPE:
+            b0, b1 = _pair_scores(q_c, k_smem, kv_ready, bias, 0, STAGES)
+            b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(b0, b1))
+            p0, p1, m_i, l_i, alpha = _softmax_pair(b0, b1, m_i, l_i, a_row, ks_ptr, k_group,
+                                                    0, BLOCK_N)  # fmt: skip
+            p80 = gl.convert_layout(p0.to(gl.float8e4nv), p_layout)
+            p81 = gl.convert_layout(p1.to(gl.float8e4nv), p_layout)
+            for j in range(1, n_pairs):
+                i0 = 2 * j
+                t0 = (i0 - 2) % STAGES
+                t1 = (i0 - 1) % STAGES
+                b0, b1 = _pair_scores(q_c, k_smem, kv_ready, bias, i0, STAGES)
+                acc = warpgroup_mma(p80, v_smem.index(t0).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(p81, v_smem.index(t1).permute((1, 0)), acc, is_async=True)
+                b0, b1 = warpgroup_mma_wait(num_outstanding=2, deps=(b0, b1))
+                p0, p1, m_i, l_i, alpha = _softmax_pair(b0, b1, m_i, l_i, a_row, ks_ptr,
+                                                        k_group, i0 * BLOCK_N, BLOCK_N)  # fmt: skip
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(t0), count=1)
+                mbarrier.arrive(kv_empty.index(t1), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p80 = gl.convert_layout(p0.to(gl.float8e4nv), p_layout)
+                p81 = gl.convert_layout(p1.to(gl.float8e4nv), p_layout)
+            t0 = (2 * n_pairs - 2) % STAGES
+            t1 = (2 * n_pairs - 1) % STAGES
+            acc = warpgroup_mma(p80, v_smem.index(t0).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(p81, v_smem.index(t1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(kv_empty.index(t0), count=1)
+            mbarrier.arrive(kv_empty.index(t1), count=1)
+        else:
+            for j in range(n_pairs):
+                i0 = 2 * j
+                s0 = i0 % STAGES
+                s1 = (i0 + 1) % STAGES
+                b0, b1 = _pair_scores(q_c, k_smem, kv_ready, bias, i0, STAGES)
+                b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(b0, b1))
+                p0, p1, m_i, l_i, alpha = _softmax_pair(b0, b1, m_i, l_i, a_row, ks_ptr,
+                                                        k_group, i0 * BLOCK_N, BLOCK_N)  # fmt: skip
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p80 = gl.convert_layout(p0.to(gl.float8e4nv), p_layout)
+                p81 = gl.convert_layout(p1.to(gl.float8e4nv), p_layout)
+                acc = warpgroup_mma(p80, v_smem.index(s0).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(p81, v_smem.index(s1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(kv_empty.index(s0), count=1)
+                mbarrier.arrive(kv_empty.index(s1), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
     def _consumer_partition(
         q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
         q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
         b, h, hk, m0, S, HQ, HKV, used, hi_k, n_blocks, q_group, k_group, n_qg, n_kg, qk_scale,
         D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, PIPE: gl.constexpr, CONSUMER: gl.constexpr,
+        CAUSAL: gl.constexpr, PIPE: gl.constexpr, PAIR: gl.constexpr, CONSUMER: gl.constexpr,
     ):  # fmt: skip
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
@@ -169,62 +319,33 @@ if _GLUON_ERROR is None:
         q_c = q_smem.slice(CONSUMER * BLOCK_M, BLOCK_M, dim=0)
         mbarrier.wait(q_bar, 0)
 
-        run_pipe = n_full > 0
-        if not PIPE:
-            run_pipe = False
-        if run_pipe:
-            mbarrier.wait(kv_ready.index(0), 0)
-            bits = warpgroup_mma(q_c, k_smem.index(0).permute((1, 0)), bias, is_async=True)
-            bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
-            p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group, 0, o_n,
-                                                o_m, hi_k, False, CAUSAL)  # fmt: skip
-            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-            for i in range(1, n_full):
-                s = i % STAGES
-                s_prev = (i - 1) % STAGES
-                mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
-                bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
-                acc = warpgroup_mma(p8, v_smem.index(s_prev).permute((1, 0)), acc,
-                                    is_async=True)  # fmt: skip
-                bits = warpgroup_mma_wait(num_outstanding=1, deps=(bits,))
-                p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
-                                                    i * BLOCK_N, o_n, o_m, hi_k, False,
-                                                    CAUSAL)  # fmt: skip
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(kv_empty.index(s_prev), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-            s_last = (n_full - 1) % STAGES
-            acc = warpgroup_mma(p8, v_smem.index(s_last).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(s_last), count=1)
-        else:
-            for i in range(0, n_full):
-                s = i % STAGES
-                mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
-                bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
-                bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
-                p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
-                                                    i * BLOCK_N, o_n, o_m, hi_k, False,
-                                                    CAUSAL)  # fmt: skip
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-                acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(kv_empty.index(s), count=1)
+        first = 0
+        if PAIR:
+            n_pairs = n_full // 2
+            if n_pairs > 0:
+                acc, m_i, l_i = _paired_blocks(
+                    q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row,
+                    ks_ptr, k_group, n_pairs, p_layout, row_o, STAGES, BLOCK_N, PIPE,
+                )  # fmt: skip
+                first = 2 * n_pairs
+        elif PIPE:
+            if n_full > 0:
+                acc, m_i, l_i = _pipelined_blocks(
+                    q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row,
+                    ks_ptr, k_group, n_full, o_n, o_m, hi_k, p_layout, row_o, STAGES, BLOCK_N,
+                    CAUSAL,
+                )  # fmt: skip
+                first = n_full
+        for i in range(first, n_full):
+            acc, m_i, l_i = _one_block(
+                q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr,
+                k_group, i, o_n, o_m, hi_k, p_layout, row_o, STAGES, BLOCK_N, False, CAUSAL,
+            )  # fmt: skip
         for i in range(n_full, my_n):  # the causal diagonal and the end of the keys
-            s = i % STAGES
-            mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
-            bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
-            bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
-            p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
-                                                i * BLOCK_N, o_n, o_m, hi_k, True,
-                                                CAUSAL)  # fmt: skip
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-            acc = warpgroup_mma(p8, v_smem.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(kv_empty.index(s), count=1)
+            acc, m_i, l_i = _one_block(
+                q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr,
+                k_group, i, o_n, o_m, hi_k, p_layout, row_o, STAGES, BLOCK_N, True, CAUSAL,
+            )  # fmt: skip
         for i in range(my_n, n_blocks):  # the other warpgroup's blocks: release only
             s = i % STAGES
             mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
@@ -250,7 +371,7 @@ if _GLUON_ERROR is None:
         desc_q, desc_k, desc_vt, q_scale_ptr, k_scale_ptr, v_scale_ptr, used_ptr, out_ptr, lse_ptr,
         S, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale,
         D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HAS_USED: gl.constexpr, PIPE: gl.constexpr,
+        CAUSAL: gl.constexpr, HAS_USED: gl.constexpr, PIPE: gl.constexpr, PAIR: gl.constexpr,
     ):  # fmt: skip
         i_m = gl.program_id(0)
         if CAUSAL:  # the longest rows first
@@ -292,12 +413,12 @@ if _GLUON_ERROR is None:
                                        q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
                                        b, h, hk, m0, S, HQ, HKV, used, hi_k, n_blocks, q_group,
                                        k_group, n_qg, n_kg, qk_scale, D, BLOCK_M, BLOCK_N,
-                                       STAGES, CAUSAL, PIPE, 0)),
+                                       STAGES, CAUSAL, PIPE, PAIR, 0)),
                 (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
                                        q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
                                        b, h, hk, m0, S, HQ, HKV, used, hi_k, n_blocks, q_group,
                                        k_group, n_qg, n_kg, qk_scale, D, BLOCK_M, BLOCK_N,
-                                       STAGES, CAUSAL, PIPE, 1)),
+                                       STAGES, CAUSAL, PIPE, PAIR, 1)),
             ],
             [4, 4],
             [232, 232],
@@ -329,8 +450,8 @@ def wgmma_unsupported(
         return f"the warpgroup-MMA codes kernel reads V as e4m3 codes, got {v.dtype}"
     if docs:
         return "the warpgroup-MMA codes kernel does not skip documents"
-    if k_group % config.block_n or k_shift:
-        return f"the K group ({k_group}) must be a multiple of the key block ({config.block_n})"
+    if k_group % BLOCK_N or k_shift:
+        return f"the K group ({k_group}) must be a multiple of the key block ({BLOCK_N})"
     for name, x in (("q", q), ("k", k)):
         if _rows_view(x) is None:
             return f"{name}'s strides {tuple(x.stride())} are not evenly spaced rows"
@@ -362,7 +483,7 @@ def codes_attention_wgmma(
     HKV = k.shape[2]
     S_pad = vt.shape[3]
     assert vt.shape == (B, HKV, D, S_pad) and vt.is_contiguous() and S_pad % 128 == 0
-    bn, stages, pipe = config
+    bn = BLOCK_N
     q_scale, k_scale, v_scale = (x.contiguous() for x in (q_scale, k_scale, v_scale))
     out = torch.empty((B, S, HQ, D), dtype=out_dtype, device=q.device)
     lse = torch.empty((B, HQ, S), dtype=torch.float32, device=q.device)
@@ -384,7 +505,7 @@ def codes_attention_wgmma(
         desc_q, desc_k, desc_vt, q_scale, k_scale, v_scale,
         used if used is not None else q_scale, out, lse,
         S, HQ, HKV, q_group, k_group, cdiv(S, q_group), cdiv(S, k_group), sm_scale * LOG2E,
-        D=D, BLOCK_M=BLOCK_M, BLOCK_N=bn, STAGES=stages, CAUSAL=bool(causal),
-        HAS_USED=used is not None, PIPE=pipe, num_warps=4,
+        D=D, BLOCK_M=BLOCK_M, BLOCK_N=bn, STAGES=config.stages, CAUSAL=bool(causal),
+        HAS_USED=used is not None, PIPE=config.pipe, PAIR=config.pair, num_warps=4,
     )  # fmt: skip
     return out, lse
