@@ -12,16 +12,18 @@
 # one budget:
 #   lane 1  (a) the unit suite on CUDA: ULYSSES_TEST_DEVICE=cuda pytest -n 8 -m "not dist"
 #           tests, 200 s a test (on the last GPU): the tests that start processes would
-#           inherit the CUDA switch, and the harness rows run their suites on the GPUs
+#           inherit the CUDA switch, and the harness rows run their suites on the GPUs. It
+#           starts when the warm-up's recording has ended (below)
 #   lane 2  (w) warm_cache: tools/warm_cache.py records the kernel specializations of the
-#           harness's cases and of the public calls at the benchmark shapes (CPU, nothing
-#           runs) and compiles each once, in a process pool, into the Triton cache the ranks
-#           share; then (b) the harness at P = 2, 4, 6, 8 (dist_tests.validate), every suite,
-#           best backend: NCCL when there is a GPU per rank, else gloo on CUDA tensors; the
-#           world sizes run at the same time. --large (the GPU-sized and sweep cases) is
-#           sized to the machine (GPU_CHECK_LARGE): by default every world size with a GPU
-#           per rank takes it, and on fewer GPUs only the smallest one does, the others
-#           running the default cases
+#           harness's cases at the smallest and largest world size and of the public calls
+#           at the benchmark shapes (CPU, nothing runs; at most 90 s), then compiles each
+#           once, with one process a core (nproc), into the Triton cache the ranks share,
+#           until the warm-up's limit (GPU_CHECK_WARM_S, one deadline: the compile step gets
+#           whatever the recording left); then (b) the harness at P = 2, 4, 6, 8
+#           (dist_tests.validate), every suite, best backend: NCCL when there is a GPU per
+#           rank, else gloo on CUDA tensors; the world sizes run at the same time. --large
+#           (the GPU-sized and sweep cases) is sized to the machine and to the budget left
+#           (GPU_CHECK_LARGE, GPU_CHECK_LARGE_MIN_S, below)
 #   lane 3  (c) dist_tests.compile_check --cuda-graph at P = 2 (NCCL with two GPUs);
 #           (d) opcheck (tests/unit/test_ops.py -k opcheck, ULYSSES_TEST_DEVICE=cuda);
 #           (e) scripts/gpu_reliability.py (on GPU 0);
@@ -32,11 +34,28 @@
 # and per-rank logs under OUTDIR/harness_P<P>/); the table is printed and written to
 # OUTDIR/gpu_check_table.md. Every row says what ran: PASS / FAIL / TIMEOUT with what the
 # check got through (pytest's closing line, or the tests done of those collected; the
-# harness's cases and checks, or the cases done of those selected) or SKIP with its reason. Exit status 0 only if no check
-# failed or timed out; a skipped row does not fail the run.
+# harness's cases and checks, or the cases done of those selected; the warm-up's
+# specializations compiled, failed and not reached) or SKIP with its reason. Exit status 0
+# only if no check failed or timed out; a skipped row does not fail the run (nor does a
+# warm-up that left specializations to the harness: its row counts them).
 #
 # Without a GPU the script still runs, to test its plumbing: GPU-only rows are skipped with
 # the reason, the others run on CPU (gloo, Triton interpreter), without --large.
+#
+# The timeline on a cold one-GPU machine (16 cores, the default 540 s). With a 150 s warm-up
+# compiling on half the cores and the unit lane started at once, the recorders found 479
+# specializations in 59 s beside the unit lane's 8 workers, the pool compiled 208 of them in
+# 80 s (2.6 a second), the harness at P = 2 spent 304 s compiling the rest and P = 4 to 8
+# were skipped for the budget (warm, afterwards: 73 / 29 / 43 s). Hence:
+#   0 s        the recorders (21 processes) and lane 3 (opcheck 116 s, gpu_reliability 66 s,
+#              the examples 10 s each); the unit lane waits: it took 288 s from 0 s, so a
+#              start ~60 s later still ends well within the budget
+#   ~60 s      the compile step on nproc processes: 479 at ~5 a second, ~100 s; the unit
+#              lane starts beside it
+#   ~160 s     the harness, P = 2, 4, 6, 8 at once, reading their kernels from the cache
+#   ~350 s     the unit lane ends, the last of the three
+# A warm-up still compiling at 240 s leaves the rest to the harness: its table row counts
+# what was compiled and not reached, and the first world size then runs alone (below).
 #
 # Environment:
 #   PYTHON                 interpreter with torch and triton (default python3)
@@ -48,11 +67,17 @@
 #                          only). A run with it set is a partial check: its table says so.
 #   GPU_CHECK_LARGE        which world sizes take the harness's --large cases: auto (default:
 #                          those with a GPU per rank, and the smallest once the warm-up
-#                          finished), all, none
+#                          compiled everything it recorded), all, none
 #   GPU_CHECK_LARGE_MIN_S  --large only if the harness starts with at least this much of the
-#                          budget left (default 300 s); else the default cases, and the row
-#                          says so
-#   GPU_CHECK_WARM_S       the warm-up's limit (default 150 s; 0: no warm-up)
+#                          budget left (default 400 s); else the default cases, and the row
+#                          says so. The warm-up does not record the GPU-sized cases, so their
+#                          kernels compile in the harness: P = 2 with --large on a cold one-GPU
+#                          machine was stopped at 434 s and its lowp suite alone took 213 s.
+#                          A cold one-GPU run at the default budget therefore runs the default
+#                          cases everywhere (its warm-up ends at ~160 s, leaving less than
+#                          400 s); a carried cache (GPU_CHECK_CACHE_IN: the warm-up then only
+#                          loads) or a larger budget brings --large in at P = 2
+#   GPU_CHECK_WARM_S       the warm-up's limit (default 240 s; 0: no warm-up)
 #   GPU_CHECK_CACHE_OUT    a folder: after the run, Triton's compile cache is saved there as
 #                          triton_cache.tgz.part00, part01, ... (15 MiB each)
 #   GPU_CHECK_CACHE_IN     a folder holding such parts: restored before the run. A cold
@@ -72,8 +97,11 @@ quick=${GPU_CHECK_QUICK:-0}
 budget=${GPU_CHECK_BUDGET_S:-540}
 if [ "$quick" = 1 ]; then world_sizes=${GPU_CHECK_WORLD_SIZES:-2}; else world_sizes=${GPU_CHECK_WORLD_SIZES:-"2 4 6 8"}; fi
 large_policy=${GPU_CHECK_LARGE:-auto}
-large_min_s=${GPU_CHECK_LARGE_MIN_S:-300}
-warm_s=${GPU_CHECK_WARM_S:-150}
+large_min_s=${GPU_CHECK_LARGE_MIN_S:-400}
+warm_s=${GPU_CHECK_WARM_S:-240}
+warm_record_s=90                # the warm-up's recorders' limit (they took 59 s)
+recorded="$out/.warm_recorded"  # made when the warm-up's recording ends (or it did not run)
+rm -f "$recorded"
 case $large_policy in auto | all | none) ;; *)
     echo "gpu_check: GPU_CHECK_LARGE=$large_policy: expected auto, all or none" >&2
     exit 2
@@ -168,7 +196,19 @@ run_check() {
 # sweeps are in (compiled, they are quick).
 UNIT_CUDA_MARKERS="not dist"
 
+# The unit lane waits for the warm-up's recording (the recorders are 21 CPU-bound processes;
+# beside its 8 workers they took 59 s) and then starts beside the compile step.
+wait_for_recording() {
+    if [ "$ngpu" -eq 0 ] || [ "$warm_s" -eq 0 ]; then return; fi # no warm-up
+    local until=$(($(date +%s) + warm_record_s + 30))
+    while [ ! -e "$recorded" ] && [ "$(date +%s)" -lt "$until" ]; do sleep 1; done
+    local why="the warm-up's recording has ended"
+    if [ ! -e "$recorded" ]; then why="no end of the warm-up's recording seen in $((warm_record_s + 30)) s"; fi
+    echo "[gpu_check] the unit lane starts at $(($(date +%s) - start)) s ($why)"
+}
+
 lane_unit() {
+    wait_for_recording
     if [ "$quick" = 1 ]; then
         run_check 1 unit_tests "cpu (quick: test_grid.py)" "$(limit_for 300)" \
             "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_grid.py
@@ -186,15 +226,24 @@ lane_unit() {
 
 # the harness's --large cases at world size P? (GPU_CHECK_LARGE; $2: the smallest world size;
 # none when less than GPU_CHECK_LARGE_MIN_S of the budget is left; with auto, none for ranks
-# sharing GPUs when the warm-up did not finish (lane_harness's $warmed): on a cold cache the
-# GPU-sized cases of one world size compile for longer than the whole budget)
+# sharing GPUs when the warm-up did not compile everything it recorded (lane_harness's
+# $warmed): on a cold cache the GPU-sized cases of one world size compile for longer than the
+# whole budget). Why not, when it says no and the policy would have said yes: $large_why.
 large_for() {
+    large_why=
     if [ "$ngpu" -eq 0 ] || [ "$large_policy" = none ]; then return 1; fi
-    if [ "$(limit_for 100000)" -lt "$large_min_s" ]; then return 1; fi
-    if [ "$large_policy" = all ]; then return 0; fi
-    if [ "${warmed:-1}" = 0 ] && [ "$ngpu" -lt "$1" ]; then return 1; fi
-    if [ "$ngpu" -ge "$1" ] || [ "$1" = "$2" ]; then return 0; fi
-    return 1
+    if [ "$large_policy" = auto ] && [ "$ngpu" -lt "$1" ] && [ "$1" != "$2" ]; then return 1; fi
+    local left
+    left=$(limit_for 100000)
+    if [ "$left" -lt "$large_min_s" ]; then
+        large_why="${left} s of the budget left, --large needs GPU_CHECK_LARGE_MIN_S=${large_min_s} s"
+        return 1
+    fi
+    if [ "$large_policy" = auto ] && [ "${warmed:-1}" = 0 ] && [ "$ngpu" -lt "$1" ]; then
+        large_why="ranks sharing a GPU take --large only after a finished warm-up"
+        return 1
+    fi
+    return 0
 }
 
 # one world size of the harness: run_check, then put the backend the harness really used
@@ -223,8 +272,10 @@ harness_one() {
 }
 
 # The kernels every world size needs, compiled once before the harness starts
-# (tools/warm_cache.py): the recorders run on CPU beside the unit lane, the compile pool takes
-# half the cores. Without a GPU there is nothing to compile (the interpreter runs the kernels).
+# (tools/warm_cache.py): the recorders run on CPU while the unit lane waits, then the compile
+# pool takes one process a core, until the warm-up's limit (less 5 s, so warm_cache.py prints
+# its summary before the timeout). Without a GPU there is nothing to compile (the interpreter
+# runs the kernels).
 warm_cache() {
     if [ "$ngpu" -eq 0 ]; then
         skip 20 warm_cache - "no GPU: Triton's interpreter compiles nothing"
@@ -236,31 +287,38 @@ warm_cache() {
     fi
     local limit jobs sizes smallest largest
     limit=$(limit_for "$warm_s")
-    jobs=$(($(nproc) / 2 > 0 ? $(nproc) / 2 : 1))
+    jobs=$(nproc)
     smallest=${world_sizes%% *}
     largest=${world_sizes##* }
     sizes=$smallest
     if [ "$largest" != "$smallest" ]; then sizes="$smallest $largest"; fi
     # shellcheck disable=SC2086 # the suite names are words
     run_check 20 warm_cache "cuda ($jobs processes)" "$limit" \
-        "$PY" tools/warm_cache.py --jobs "$jobs" --record-s $((limit * 2 / 5)) \
-        --compile-s $((limit * 3 / 5 - 10)) --world-sizes "$sizes" --drivers \
-        --log "$out/warm_cache_recorders.log" ${GPU_CHECK_SUITES:+--suite $GPU_CHECK_SUITES}
+        "$PY" tools/warm_cache.py --jobs "$jobs" --limit-s $((limit - 5)) \
+        --record-s "$warm_record_s" --world-sizes "$sizes" --drivers \
+        --recorded-file "$recorded" --log "$out/warm_cache_recorders.log" \
+        ${GPU_CHECK_SUITES:+--suite $GPU_CHECK_SUITES}
 }
 
-# After the warm-up every world size runs at once and loads its kernels from the cache. With
-# no warm-up and fewer than 32 cores, the first world size runs alone and fills the cache,
-# then the others run at once (compilation is CPU bound: 20 ranks compiling at once on 16
-# cores took longer than one world size followed by three).
+# After a finished warm-up (every recorded specialization compiled) every world size runs at
+# once and loads its kernels from the cache. Else, with fewer than 32 cores, the first world
+# size runs alone and fills the cache, then the others run at once (compilation is CPU bound:
+# 20 ranks compiling at once on 16 cores took longer than one world size followed by three).
 lane_harness() {
-    local i=0 P extra first=1 smallest=${world_sizes%% *} warmed=0
+    local i=0 P extra first=1 smallest=${world_sizes%% *} warmed=0 large_why=
     warm_cache
-    if [ -f "$rows/20" ] && grep -q '|PASS|' "$rows/20"; then warmed=1; fi
+    touch "$recorded" # also when the warm-up was skipped or ended before its recording did
+    if [ -f "$rows/20" ] && grep -q '|PASS|' "$rows/20" &&
+        grep -q ', 0 not reached,' "$out/warm_cache.log"; then warmed=1; fi
     for P in $world_sizes; do
         i=$((i + 1))
         extra=()
-        if large_for "$P" "$smallest"; then extra=(--large); fi
-        if [ "$quick" = 1 ]; then extra+=(--cases smooth_k/L1-H3-D128,lowp/L1-); fi
+        if large_for "$P" "$smallest"; then
+            extra=(--large)
+        elif [ -n "$large_why" ]; then
+            echo "[gpu_check] harness_P$P: the default cases ($large_why)"
+        fi
+        if [ "$quick" = 1 ]; then extra+=(--cases "smooth_k/L1-H3-D128,lowp/L1-"); fi
         # shellcheck disable=SC2206 # the suite names are words
         if [ -n "${GPU_CHECK_SUITES:-}" ]; then extra+=(--suite ${GPU_CHECK_SUITES}); fi
         if [ "$first" = 1 ] && [ "$warmed" = 0 ] && [ "$(nproc)" -lt 32 ]; then
@@ -323,7 +381,7 @@ if [ -n "${GPU_CHECK_CACHE_OUT:-}" ]; then
     if [ -d "$tcache" ]; then
         mkdir -p "$GPU_CHECK_CACHE_OUT" && rm -f "$GPU_CHECK_CACHE_OUT"/triton_cache.tgz.part* &&
             tar czf - -C "$tcache" . | split -b 15m -d - "$GPU_CHECK_CACHE_OUT/triton_cache.tgz.part" &&
-            echo "gpu_check: Triton cache saved to $GPU_CHECK_CACHE_OUT: $(ls "$GPU_CHECK_CACHE_OUT" | tr '\n' ' ')"
+            echo "gpu_check: Triton cache saved to $GPU_CHECK_CACHE_OUT: $(cd "$GPU_CHECK_CACHE_OUT" && echo triton_cache.tgz.part*)"
     else
         echo "gpu_check: no Triton cache at $tcache to save"
     fi

@@ -339,8 +339,8 @@ def compile_all(
             results[futures[future]] = future.result()
     except concurrent.futures.TimeoutError:
         pass
-    pool.shutdown(wait=False, cancel_futures=True)
     workers = list((getattr(pool, "_processes", None) or {}).values())  # shutdown forgets them
+    pool.shutdown(wait=False, cancel_futures=True)
     for proc in workers:
         proc.kill()
     return results
