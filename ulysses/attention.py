@@ -515,7 +515,10 @@ def ulysses_attention(
         lowp=comm == "lowp", int8_output=int8_output, lowp_backward=lowp_backward,
         training=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
     )  # fmt: skip
-    on_codes = codes.use_codes(mode, comm=comm, q=q, custom=attn is not None, options=options)
+    on_codes = codes.use_codes(
+        mode, comm=comm, q=q, custom=attn is not None, options=options, v_format=v_format,
+        documents=plan is not None, k_group=k_group,
+    )  # fmt: skip
 
     def attend(q_h, k_h, v_h):
         """The attention on this rank's heads (or a chunk of them), every row."""

@@ -98,14 +98,49 @@ def unsupported_reason(q: torch.Tensor, *, options: dict) -> str | None:
     return None
 
 
-def use_codes(mode: str | None, *, comm: str, q: torch.Tensor, custom: bool,
-              options: dict) -> bool:  # fmt: skip
+# Whether attn=None attends on the codes where Hopper's warpgroup-MMA kernel runs the call
+# (default_reason): the kernel against torch's attention is in docs/BENCHMARKS.md
+CODES_BY_DEFAULT = False
+
+
+def _is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU of compute capability 9.x."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def default_reason(q: torch.Tensor, *, options: dict, v_format: str, documents: bool,
+                   k_group: int) -> str | None:  # fmt: skip
+    """Why a ``comm="lowp"`` call with ``attn=None`` attends over the dequantized values, or
+    None: it attends on the codes, where Hopper's warpgroup-MMA kernel runs it (a CUDA
+    device of compute capability 9.x, D 64 or 128, bf16/fp16, V as e4m3 codes, no documents,
+    K groups a multiple of 64 rows, no window, soft cap or dropout)."""
+    if not CODES_BY_DEFAULT:
+        return "the codes path is off by default (CODES_BY_DEFAULT)"
+    if not _is_hopper(q.device):
+        return "not a Hopper GPU"
+    if q.shape[3] not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
+        return f"head dim {q.shape[3]} / dtype {q.dtype}"
+    if v_format != "fp8" or documents or k_group % 64:
+        return "int8 V, documents or K groups not a multiple of 64 rows"
+    return unsupported_reason(q, options=options)
+
+
+def use_codes(
+    mode: str | None, *, comm: str, q: torch.Tensor, custom: bool, options: dict,
+    v_format: str = "fp8", documents: bool = False, k_group: int = 64,
+) -> bool:  # fmt: skip
     """Whether a call attends on the codes: ``mode`` "codes" (raises ValueError naming why a
-    call cannot), "sdpa" or None (the default: never; the dequantized path)."""
-    if mode is None or mode == "sdpa":
-        # The default stays the dequantized path: on an H100 the kernel measured 0.82-1.13x
-        # torch's cuDNN attention and its training step slower (docs/BENCHMARKS.md)
+    call cannot), "sdpa" (never) or None (the default: a ``comm="lowp"`` call that
+    :func:`default_reason` lets through; the others attend over the dequantized values)."""
+    if mode == "sdpa":
         return False
+    if mode is None:
+        return (
+            comm == "lowp"
+            and not custom
+            and default_reason(q, options=options, v_format=v_format, documents=documents,
+                               k_group=k_group) is None
+        )  # fmt: skip
     assert mode == "codes", mode
     if comm != "lowp":
         raise ValueError(

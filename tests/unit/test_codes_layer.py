@@ -344,23 +344,32 @@ def _fake_q(device, D=64, dtype=DT):
     return types.SimpleNamespace(device=torch.device(device), shape=(1, 8, 2, D), dtype=dtype)
 
 
-def test_default_rule():
-    """attn=None with comm="lowp": the dequantized path everywhere (the codes are opt-in);
-    attn="codes": the codes wherever the kernel runs the call."""
+@pytest.mark.parametrize("hopper", [False, True])
+def test_default_rule(hopper, monkeypatch):
+    """attn=None with comm="lowp": the codes where Hopper's warpgroup-MMA kernel runs the call
+    (D 64/128, e4m3 V, no documents, K groups of 64 rows, no window, soft cap or dropout),
+    else the dequantized path; attn="codes": the codes wherever a codes kernel runs the call."""
+    monkeypatch.setattr(codes, "_is_hopper", lambda device: hopper and device.type == "cuda")
+    monkeypatch.setattr(codes, "CODES_BY_DEFAULT", True)
     use = codes.use_codes
     kw = {"custom": False, "options": {}}
-    assert not use(None, comm="lowp", q=_fake_q("cuda"), **kw)
-    assert not use(None, comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw)
+    assert use(None, comm="lowp", q=_fake_q("cuda"), **kw) == hopper
+    assert use(None, comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw) == hopper
     assert use("codes", comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw)
     assert not use(None, comm="bf16", q=_fake_q("cuda"), **kw)
     assert not use(None, comm="lowp", q=_fake_q("cpu"), **kw)
     assert not use("sdpa", comm="lowp", q=_fake_q("cuda"), **kw)
     assert use("codes", comm="lowp", q=_fake_q("cpu"), **kw)
+    assert not use(None, comm="lowp", q=_fake_q("cuda", D=32), **kw)
     assert not use(None, comm="lowp", q=_fake_q("cuda", D=96), **kw)
     assert not use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "custom": True})
+    for extra in ({"v_format": "int8"}, {"documents": True}, {"k_group": 32}):
+        assert not use(None, comm="lowp", q=_fake_q("cuda"), **kw, **extra)
     for opt in ({"window_size": (4, 0)}, {"softcap": 5.0}, {"dropout_p": 0.1}):
         assert not use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "options": opt})
     assert use("codes", comm="lowp", q=_fake_q("cuda"), **{**kw, "options": {"dropout_p": 0.0}})
+    monkeypatch.setattr(codes, "CODES_BY_DEFAULT", False)
+    assert not use(None, comm="lowp", q=_fake_q("cuda"), **kw)
 
 
 def test_cpu_default_is_the_dequantized_path():
