@@ -105,7 +105,9 @@ CODES_BY_DEFAULT = False
 
 def _is_hopper(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA GPU of compute capability 9.x."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    from .kernels._runtime import hopper_memory
+
+    return hopper_memory(device)
 
 
 def default_reason(q: torch.Tensor, *, options: dict, v_format: str, documents: bool,

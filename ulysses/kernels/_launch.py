@@ -60,6 +60,13 @@ def compiled_for_gpu(device: torch.device) -> bool:
     return device.type == "cuda" or (_MIRROR_TO_CUDA and device.type == "cpu")
 
 
+def hopper_memory(device: torch.device) -> bool:
+    """Whether tensors on ``device`` live on a CUDA GPU of compute capability 9.x: kernels
+    that build tensor-memory-accelerator descriptors of their operands (``codes_wgmma``)
+    need the memory itself on the GPU, which the test mirror's CPU tensors are not."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 _PARAMS: dict[object, tuple[tuple[str, ...], tuple[int, ...]]] = {}
 _CONSTEXPR, _SPECIALIZED, _NOT_SPECIALIZED = 0, 1, 2
 

@@ -18,7 +18,14 @@ from ._interp import TRITON_LOCK, triton_state
 from ._launch import _CONSTEXPR as _CONSTEXPR
 from ._launch import _NOT_SPECIALIZED as _NOT_SPECIALIZED
 from ._launch import _SPECIALIZED as _SPECIALIZED
-from ._launch import COMPILE_OPTIONS, Launch, compiled_for_gpu, first_launch_stats, launch
+from ._launch import (
+    COMPILE_OPTIONS,
+    Launch,
+    compiled_for_gpu,
+    first_launch_stats,
+    hopper_memory,
+    launch,
+)
 from ._launch import _params as _params
 from ._scratch import (
     Part,
@@ -61,6 +68,7 @@ __all__ = [
     "cdiv",
     "channel_block",
     "compiled_for_gpu",
+    "hopper_memory",
     "counters",
     "device_constant",
     "f32_bits",

@@ -482,7 +482,7 @@ def codes_attention(
     gpu = compiled_for_gpu(device)
     if config is None or isinstance(config, WgmmaConfig):  # Hopper's warpgroup-MMA kernel
         wg = config or WGMMA_DEFAULT
-        if device.type == "cuda" and doc_ids is None and not wgmma_unsupported(
+        if doc_ids is None and not wgmma_unsupported(
             q, k, v, k_group=k_group, docs=False, k_shift=k_shift, config=wg
         ):  # fmt: skip
             if used is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ._runtime import cdiv
+from ._runtime import cdiv, hopper_memory
 
 try:  # Gluon (Triton >= 3.5); the module imports without it and reports the reason
     from triton.experimental import gluon
@@ -441,7 +441,7 @@ def wgmma_unsupported(
     """None where :func:`codes_attention_wgmma` runs the call, else the reason in words."""
     if _GLUON_ERROR is not None:
         return _GLUON_ERROR
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not hopper_memory(q.device):
         return "the warpgroup-MMA codes kernel runs on Hopper GPUs (compute capability 9.x)"
     D = q.shape[3]
     if D not in (64, 128):
