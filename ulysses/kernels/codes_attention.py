@@ -413,6 +413,8 @@ class CodesConfig(tuple):
 # a block, so the K scale folds into the row factor), three stages, the biased accumulator.
 # On CPU (the interpreter): small one-warp tiles, the same code path.
 GPU_DEFAULT = CodesConfig(128, 64, 4, 3, "fp8t", 1)
+# config=None on Hopper runs the warpgroup-MMA kernel (codes_wgmma) where it supports the call
+WGMMA_BY_DEFAULT = False
 _CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t", 1)
 _CUDA_D = (32, 64, 128)  # compiled and tested; 64 and 128 measured (docs/BENCHMARKS.md)
 
@@ -480,8 +482,8 @@ def codes_attention(
     assert codes_supported(q.device, D, out_dtype) is None, codes_supported(q.device, D, out_dtype)
     device = q.device
     gpu = compiled_for_gpu(device)
-    if config is None or isinstance(config, WgmmaConfig):  # Hopper's warpgroup-MMA kernel
-        wg = config or WGMMA_DEFAULT
+    if (config is None and WGMMA_BY_DEFAULT) or isinstance(config, WgmmaConfig):
+        wg = config or WGMMA_DEFAULT  # Hopper's warpgroup-MMA kernel
         if doc_ids is None and not wgmma_unsupported(
             q, k, v, k_group=k_group, docs=False, k_shift=k_shift, config=wg
         ):  # fmt: skip
@@ -492,7 +494,9 @@ def codes_attention(
                 k_group=k_group, causal=causal, sm_scale=sm_scale, used=used,
                 out_dtype=out_dtype, config=wg,
             )  # fmt: skip
-        assert config is None, wgmma_unsupported(q, k, v, k_group=k_group, docs=doc_ids is not None)
+        assert config is None, wgmma_unsupported(
+            q, k, v, k_group=k_group, docs=doc_ids is not None, k_shift=k_shift
+        )
     cfg = config or (GPU_DEFAULT if gpu else _CPU_CONFIG)
     v_int8 = v.dtype == torch.int8
     pv = "fp16" if v_int8 else cfg.pv
