@@ -12,7 +12,8 @@ shape (B, H, D; L = S / P rows a rank) and mode (``bf16``; ``lowp``; ``lowp-int8
 ``int8_output=True``; ``lowp-bwdlowp``: ``backward_comm="lowp"``, where the layer has it;
 ``lowp-sdpa``: ``attn="sdpa"``, the dequantized path; ``lowp-codes``: ``attn="codes"``, the
 attention on the codes, its backward the library's default fused one; ``lowp-codes-flash``:
-the same with torch's flash backward),
+the same with torch's flash backward; ``lowp-codes-triton`` / ``lowp-codes-wgmma``: ``attn="codes"``
+on the Triton kernel / Hopper's warpgroup-MMA kernel),
 eager and ``torch.compile(fullgraph=True, dynamic=False)``:
 
 * ``fwd``: one call under ``torch.no_grad()``; ``fwd+bwd``: the call, then
@@ -76,6 +77,8 @@ MODES = {
     "lowp-sdpa": dict(comm="lowp", attn="sdpa"),
     "lowp-codes": dict(comm="lowp", attn="codes"),
     "lowp-codes-flash": dict(comm="lowp", attn="codes", codes_backward="flash"),
+    "lowp-codes-triton": dict(comm="lowp", attn="codes", codes_kernel="triton"),
+    "lowp-codes-wgmma": dict(comm="lowp", attn="codes", codes_kernel="wgmma"),
 }
 PATHS = ("eager", "compiled")
 KINDS = ("fwd", "train")  # train: forward + backward
@@ -208,11 +211,21 @@ def make_calls(q, k, v, dout, causal: bool, kw: dict, backend: str | None) -> di
     """{"fwd": fn, "train": fn} for one mode: fwd returns the output (no grad), train returns
     (output, dq, dk, dv). ``backend``: torch.compile's (None: eager)."""
 
+    from ulysses.kernels import codes_attention as codes_kernels
+
     kw = dict(kw)
     fused = kw.pop("codes_backward", ulysses.codes.FUSED_BACKWARD)
+    kernel = kw.pop("codes_kernel", None)  # None: the library's choice
 
     def layer(q, k, v):
-        return ulysses.ulysses_attention(q, k, v, causal=causal, **kw)
+        if kernel is None:
+            return ulysses.ulysses_attention(q, k, v, causal=causal, **kw)
+        before = codes_kernels.WGMMA_BY_DEFAULT
+        codes_kernels.WGMMA_BY_DEFAULT = kernel == "wgmma"
+        try:
+            return ulysses.ulysses_attention(q, k, v, causal=causal, **kw)
+        finally:
+            codes_kernels.WGMMA_BY_DEFAULT = before
 
     if backend is not None:
         layer = torch.compile(layer, fullgraph=True, dynamic=False, backend=backend)
