@@ -100,7 +100,7 @@ def unsupported_reason(q: torch.Tensor, *, options: dict) -> str | None:
 
 # Whether attn=None attends on the codes where Hopper's warpgroup-MMA kernel runs the call
 # (default_reason): the kernel against torch's attention is in docs/BENCHMARKS.md
-CODES_BY_DEFAULT = True
+CODES_BY_DEFAULT = False
 
 
 def _is_hopper(device: torch.device) -> bool:

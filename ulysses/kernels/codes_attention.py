@@ -414,7 +414,7 @@ class CodesConfig(tuple):
 # On CPU (the interpreter): small one-warp tiles, the same code path.
 GPU_DEFAULT = CodesConfig(128, 64, 4, 3, "fp8t", 1)
 # config=None on Hopper runs the warpgroup-MMA kernel (codes_wgmma) where it supports the call
-WGMMA_BY_DEFAULT = True
+WGMMA_BY_DEFAULT = False
 _CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t", 1)
 _CUDA_D = (32, 64, 128)  # compiled and tested; 64 and 128 measured (docs/BENCHMARKS.md)
 
