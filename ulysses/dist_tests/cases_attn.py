@@ -314,6 +314,10 @@ DEFAULT_CASES = (
     # the attention on the exchange's codes (attn="codes"): GQA within a rank, causal; per-row
     # counts, documents, the INT8 output and backward wires; V as INT8, padding, compiled
     Case("lowp", L=40, hq=2, kv="gqa", D=64, dtype="bf16", causal=True, used="none", attn="codes"),
+    # D 128: Hopper's warpgroup-MMA kernel on a GPU (the Triton kernel on CPU)
+    Case(
+        "lowp", L=40, hq=2, kv="gqa", D=128, dtype="bf16", causal=False, used="tail", attn="codes"
+    ),  # fmt: skip
     Case(
         "lowpbw8",
         L=16,

@@ -414,7 +414,9 @@ class CodesConfig(tuple):
 # On CPU (the interpreter): small one-warp tiles, the same code path.
 GPU_DEFAULT = CodesConfig(128, 64, 4, 3, "fp8t", 1)
 # config=None on Hopper runs the warpgroup-MMA kernel (codes_wgmma) where it supports the call
-WGMMA_BY_DEFAULT = False
+# at these head dims (faster than this module's kernel at D 128, slower at 64: BENCHMARKS)
+WGMMA_BY_DEFAULT = True
+WGMMA_HEAD_DIMS = (128,)
 _CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t", 1)
 _CUDA_D = (32, 64, 128)  # compiled and tested; 64 and 128 measured (docs/BENCHMARKS.md)
 
@@ -482,7 +484,9 @@ def codes_attention(
     assert codes_supported(q.device, D, out_dtype) is None, codes_supported(q.device, D, out_dtype)
     device = q.device
     gpu = compiled_for_gpu(device)
-    if (config is None and WGMMA_BY_DEFAULT) or isinstance(config, WgmmaConfig):
+    if (config is None and WGMMA_BY_DEFAULT and D in WGMMA_HEAD_DIMS) or isinstance(
+        config, WgmmaConfig
+    ):  # fmt: skip
         wg = config or WGMMA_DEFAULT  # Hopper's warpgroup-MMA kernel
         if doc_ids is None and not wgmma_unsupported(
             q, k, v, k_group=k_group, docs=False, k_shift=k_shift, config=wg

@@ -55,7 +55,7 @@ class WgmmaConfig(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, stages=4, pipe=True, pair=False):
+    def __new__(cls, stages=6, pipe=False, pair=True):
         assert 2 <= stages <= 8 and (stages >= 4 or not pair)
         return super().__new__(cls, (stages, bool(pipe), bool(pair)))
 
