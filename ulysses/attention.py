@@ -517,7 +517,7 @@ def ulysses_attention(
     )  # fmt: skip
     on_codes = codes.use_codes(
         mode, comm=comm, q=q, custom=attn is not None, options=options, v_format=v_format,
-        documents=plan is not None, k_group=k_group,
+        documents=plan is not None, k_group=k_group, causal=causal, chunks=chunks,
     )  # fmt: skip
 
     def attend(q_h, k_h, v_h):

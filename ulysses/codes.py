@@ -98,9 +98,8 @@ def unsupported_reason(q: torch.Tensor, *, options: dict) -> str | None:
     return None
 
 
-# Whether attn=None attends on the codes where Hopper's warpgroup-MMA kernel runs the call
-# (default_reason): the kernel against torch's attention is in docs/BENCHMARKS.md
-CODES_BY_DEFAULT = False
+# Whether attn=None may attend on the codes (default_reason says where it does)
+CODES_BY_DEFAULT = True
 
 
 def _is_hopper(device: torch.device) -> bool:
@@ -111,16 +110,21 @@ def _is_hopper(device: torch.device) -> bool:
 
 
 def default_reason(q: torch.Tensor, *, options: dict, v_format: str, documents: bool,
-                   k_group: int) -> str | None:  # fmt: skip
+                   k_group: int, causal: bool, chunks: int) -> str | None:  # fmt: skip
     """Why a ``comm="lowp"`` call with ``attn=None`` attends over the dequantized values, or
-    None: it attends on the codes, where Hopper's warpgroup-MMA kernel runs it (a CUDA
-    device of compute capability 9.x, D 64 or 128, bf16/fp16, V as e4m3 codes, no documents,
-    K groups a multiple of 64 rows, no window, soft cap or dropout)."""
+    None: it attends on the codes. The rule follows docs/BENCHMARKS.md (an H100): the codes
+    win where Hopper's warpgroup-MMA kernel runs and the attention is causal (at full
+    attention the layer's dequantized path was faster), so the call must be causal on a CUDA
+    GPU of compute capability 9.x, with batch 1 (the receive buffer interleaves batch rows,
+    which the kernel's TMA loads cannot read), one head chunk, D 128, bf16/fp16, V as e4m3
+    codes, no documents, K groups a multiple of 64 rows, no window, soft cap or dropout."""
     if not CODES_BY_DEFAULT:
         return "the codes path is off by default (CODES_BY_DEFAULT)"
     if not _is_hopper(q.device):
         return "not a Hopper GPU"
-    if q.shape[3] not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
+    if not causal or q.shape[0] != 1 or chunks != 1:
+        return "full attention, batch > 1 or head chunks"
+    if q.shape[3] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
         return f"head dim {q.shape[3]} / dtype {q.dtype}"
     if v_format != "fp8" or documents or k_group % 64:
         return "int8 V, documents or K groups not a multiple of 64 rows"
@@ -129,7 +133,8 @@ def default_reason(q: torch.Tensor, *, options: dict, v_format: str, documents: 
 
 def use_codes(
     mode: str | None, *, comm: str, q: torch.Tensor, custom: bool, options: dict,
-    v_format: str = "fp8", documents: bool = False, k_group: int = 64,
+    v_format: str = "fp8", documents: bool = False, k_group: int = 64, causal: bool = True,
+    chunks: int = 1,
 ) -> bool:  # fmt: skip
     """Whether a call attends on the codes: ``mode`` "codes" (raises ValueError naming why a
     call cannot), "sdpa" (never) or None (the default: a ``comm="lowp"`` call that
@@ -141,7 +146,7 @@ def use_codes(
             comm == "lowp"
             and not custom
             and default_reason(q, options=options, v_format=v_format, documents=documents,
-                               k_group=k_group) is None
+                               k_group=k_group, causal=causal, chunks=chunks) is None
         )  # fmt: skip
     assert mode == "codes", mode
     if comm != "lowp":

@@ -340,8 +340,8 @@ def test_codes_compiled_equals_eager(rows_docs):
 # ---- which calls run on the codes ------------------------------------------------------------
 
 
-def _fake_q(device, D=64, dtype=DT):
-    return types.SimpleNamespace(device=torch.device(device), shape=(1, 8, 2, D), dtype=dtype)
+def _fake_q(device, D=64, dtype=DT, B=1):
+    return types.SimpleNamespace(device=torch.device(device), shape=(B, 8, 2, D), dtype=dtype)
 
 
 @pytest.mark.parametrize("hopper", [False, True])
@@ -352,9 +352,13 @@ def test_default_rule(hopper, monkeypatch):
     monkeypatch.setattr(codes, "_is_hopper", lambda device: hopper and device.type == "cuda")
     monkeypatch.setattr(codes, "CODES_BY_DEFAULT", True)
     use = codes.use_codes
-    kw = {"custom": False, "options": {}}
-    assert use(None, comm="lowp", q=_fake_q("cuda"), **kw) == hopper
+    kw = {"custom": False, "options": {}, "causal": True}
+    assert use(None, comm="lowp", q=_fake_q("cuda", D=128), **kw) == hopper
     assert use(None, comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw) == hopper
+    assert not use(None, comm="lowp", q=_fake_q("cuda", D=64), **kw)  # the Triton kernel's D
+    for extra in ({"causal": False}, {"chunks": 2}):
+        assert not use(None, comm="lowp", q=_fake_q("cuda", D=128), **{**kw, **extra})
+    assert not use(None, comm="lowp", q=_fake_q("cuda", D=128, B=2), **kw)
     assert use("codes", comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw)
     assert not use(None, comm="bf16", q=_fake_q("cuda"), **kw)
     assert not use(None, comm="lowp", q=_fake_q("cpu"), **kw)
@@ -364,12 +368,12 @@ def test_default_rule(hopper, monkeypatch):
     assert not use(None, comm="lowp", q=_fake_q("cuda", D=96), **kw)
     assert not use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "custom": True})
     for extra in ({"v_format": "int8"}, {"documents": True}, {"k_group": 32}):
-        assert not use(None, comm="lowp", q=_fake_q("cuda"), **kw, **extra)
+        assert not use(None, comm="lowp", q=_fake_q("cuda", D=128), **kw, **extra)
     for opt in ({"window_size": (4, 0)}, {"softcap": 5.0}, {"dropout_p": 0.1}):
-        assert not use(None, comm="lowp", q=_fake_q("cuda"), **{**kw, "options": opt})
+        assert not use(None, comm="lowp", q=_fake_q("cuda", D=128), **{**kw, "options": opt})
     assert use("codes", comm="lowp", q=_fake_q("cuda"), **{**kw, "options": {"dropout_p": 0.0}})
     monkeypatch.setattr(codes, "CODES_BY_DEFAULT", False)
-    assert not use(None, comm="lowp", q=_fake_q("cuda"), **kw)
+    assert not use(None, comm="lowp", q=_fake_q("cuda", D=128), **kw)
 
 
 def test_cpu_default_is_the_dequantized_path():
