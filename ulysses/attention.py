@@ -405,10 +405,11 @@ def ulysses_attention(
       ``documents.document_attention``; no statistic of "lowp" depends on documents.
     * ``attn="codes"`` (with "lowp" only): the attention on the codes, also on CPU (Triton's
       interpreter: slow, for tests); a call the kernel cannot run raises ValueError naming
-      the reason. ``attn="sdpa"``: the default attention over the dequantized values
-      (today's "lowp" path, and with "bf16" the default). At P = 1 (no group),
-      ``ulysses_attention(q, k, v, comm="lowp", attn="codes")`` is an 8-bit attention of one
-      device: smooth-K INT8 Q/K (K centred by its mean), FP8 V, the same kernel.
+      the reason. ``attn="sdpa"``: the default attention over the dequantized values.
+      ``attn=None`` with "lowp": the codes for causal batch-1 calls at D 128 in one head
+      chunk on Hopper (``ulysses.codes.default_reason``), else as ``attn="sdpa"``. At P = 1
+      (no group), ``ulysses_attention(q, k, v, comm="lowp", attn="codes")`` is an 8-bit
+      attention of one device: smooth-K INT8 Q/K (K centred by its mean), FP8 V.
     * ``attn(q_h, k_h, v_h, *, causal, scale, used_sequence) -> [B, S, hq, D]`` on head shards
       [B, S, h, D] (k_h/v_h with ``hkv`` heads, see the module docstring); default
       :func:`sdpa_attention`. ``used_sequence`` reaches it as None, an int or a tuple of B

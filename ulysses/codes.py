@@ -40,12 +40,14 @@ The head shards' gradients then go back exactly as the dequantized path's do
 as INT8 codes).
 
 Which calls run here (:func:`use_codes`): those that pass ``attn="codes"`` with
-``comm="lowp"`` (on CPU: Triton's interpreter, slowly); a call the kernel cannot run (head dim
+``comm="lowp"`` (on CPU: Triton's interpreter, slowly); a call the kernels cannot run (head dim
 other than 32, 64 or 128 on CUDA, a window, soft cap or dropout) raises ValueError naming the
-reason. With ``head_chunks`` each chunk's codes are attended where they land
-(:func:`chunk_pair`, ``ulysses.overlap``). ``attn=None`` (the default) and ``attn="sdpa"``
-attend over the dequantized values: measured on an H100 the kernel is not yet faster than
-torch's cuDNN attention at every shape (docs/BENCHMARKS.md), so it is not the default.
+reason. ``attn=None`` (the default) attends on the codes where :func:`default_reason` lets it
+(causal, batch 1, D 128, one head chunk, on Hopper: where docs/BENCHMARKS.md measured the
+codes path faster) and over the dequantized values elsewhere; ``attn="sdpa"`` always over the
+dequantized values. On Hopper at D 128 the kernel is ``ulysses.kernels.codes_wgmma`` where the
+codes' rows are evenly spaced (``codes_attention`` picks it). With ``head_chunks`` each chunk's
+codes are attended where they land (:func:`chunk_pair`, ``ulysses.overlap``).
 """
 
 from __future__ import annotations
