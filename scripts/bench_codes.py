@@ -155,11 +155,14 @@ def rel_err(out, ref, rows=1024):
     return ((o - ref).abs().max() / ref.abs().max()).item()
 
 
-WG_SWEEP = [
-    WgmmaConfig(s, pipe, pair)
-    for pair in (False, True)
-    for pipe in (True, False)
-    for s in ((4, 6) if pair else (2, 3, 4, 6))
+WG_SWEEP = [  # (stages, pipe, keys blocks a softmax update, lazy rescale)
+    WgmmaConfig(4, True, 1),
+    WgmmaConfig(6, False, 2),
+    WgmmaConfig(8, False, 2),
+    WgmmaConfig(6, False, 2, True),
+    WgmmaConfig(8, False, 4),
+    WgmmaConfig(8, False, 4, True),
+    WgmmaConfig(12, False, 4, True),
 ]
 WG_DEFAULT = (WgmmaConfig(),)
 
@@ -229,6 +232,12 @@ def write_csv(path, rows):
         w.writerows(rows)
 
 
+def wg_configs(args):
+    if args.wg:
+        return [WgmmaConfig(*map(int, c.split(","))) for c in args.wg.split(";") if c]
+    return WG_SWEEP if args.wg_sweep else WG_DEFAULT
+
+
 def run_table(shapes, args):
     rows = []
     env = env_row()
@@ -236,9 +245,7 @@ def run_table(shapes, args):
     print(f"{'shape':<16} {'provider':<22} {'ms':>8} {'TFLOP/s':>8} {'x sdpa':>7} {'err':>9}")
     for name, B, S, h, hkv, D, causal in shapes:
         q, k, v = inputs(B, S, h, hkv, D, "cuda")
-        fns, lq = providers(
-            q, k, v, causal, wg_configs=WG_SWEEP if args.wg_sweep else (WgmmaConfig(),)
-        )
+        fns, lq = providers(q, k, v, causal, wg_configs=wg_configs(args))
         backend = sdpa_backend(q, k, v, causal)
         ref = ref_attention(q, k, v, causal)
         ref_dq = ref_attention(*lq.dequantize(), causal)
@@ -339,6 +346,12 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="codes-kernel launch configurations")
     p.add_argument(
         "--wg-sweep", action="store_true", help="the warpgroup-MMA kernel's configurations"
+    )
+    p.add_argument(
+        "--wg",
+        default="",
+        help="the warpgroup-MMA kernel's configuration(s) to time: stages,pipe,update,lazy "
+        "(0/1 flags), several separated by ';' (default: its default; --wg-sweep: a sweep)",
     )
     p.add_argument("--smoke", action="store_true", help="a CPU check of the script")
     p.add_argument(

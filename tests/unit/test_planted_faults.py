@@ -33,7 +33,7 @@ NOT_GRID = {
     "error", "hang", "head_order", "key_mask", "backward_a2a", "grad_scales", "dout_scales",
     "uneven_heads", "document_runs", "per_row_used", "window_shift", "no_verify",
     "head_chunk_order", "per_row_stats", "channel_block", "v_int8_scale", "compiled_a2a",
-    "compiled_a2a_twice", "codes_k_shift",
+    "compiled_a2a_twice", "codes_k_shift", "codes_k_block",
 }  # fmt: skip
 GRID_FAULTS = sorted(set(faults.FAULTS) - NOT_GRID)
 

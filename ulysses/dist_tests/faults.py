@@ -60,6 +60,9 @@ named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=NAME``).
     codes_k_shift   codes_k_shift           attn="codes": the kernel reads each key's K scale
                                             one row further on (the last row of a K group takes
                                             the next group's scale)
+    codes_k_block   codes_k_shift           attn="codes": the kernel reads each key block's K
+                                            scale from the next group (the warpgroup-MMA
+                                            kernel's block-wise indexing on Hopper at D 128)
     error           entered                 k_grouped_amax raises on the last rank
     hang            entered                 make_k_full blocks forever on the last rank
 
@@ -207,6 +210,7 @@ FAULTS: dict[str, _hooks.Hooks] = {
     "grad_scales": H(grads_received=_scales_of_previous_rank(lambda kw: kw["hq"] + 2 * kw["hkv"])),
     "dout_scales": H(dout_received=_scales_of_previous_rank(lambda kw: kw["h"])),
     "codes_k_shift": H(codes_k_shift=1),
+    "codes_k_block": H(codes_k_shift=64),
     "error": H(entered=_raise_on_last_rank),
     "hang": H(entered=_hang_on_last_rank),
 }
@@ -304,6 +308,12 @@ SHOWCASE: tuple[Showcase, ...] = (
         "codes_k_shift",
         "attention",
         "lowp-L40-hq2-gqa-D64-bf16-causal-used_none-codes",
+        "out within the codes bound",
+    ),
+    Showcase(
+        "codes_k_block",
+        "attention",
+        "lowp-L40-hq2-gqa-D128-bf16-full-used_tail-codes",
         "out within the codes bound",
     ),
     Showcase(

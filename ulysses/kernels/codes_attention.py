@@ -496,7 +496,7 @@ def codes_attention(
             return codes_attention_wgmma(
                 q, k, transpose_v(v, used), q_scale, k_scale, v_scale, q_group=q_group,
                 k_group=k_group, causal=causal, sm_scale=sm_scale, used=used,
-                out_dtype=out_dtype, config=wg,
+                out_dtype=out_dtype, config=wg, k_shift=k_shift,
             )  # fmt: skip
         assert config is None, wgmma_unsupported(
             q, k, v, k_group=k_group, docs=doc_ids is not None, k_shift=k_shift
