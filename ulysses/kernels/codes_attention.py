@@ -416,7 +416,7 @@ GPU_DEFAULT = CodesConfig(128, 64, 4, 3, "fp8t", 1)
 # config=None on Hopper runs the warpgroup-MMA kernel (codes_wgmma) where it supports the call
 # at these head dims (faster than this module's kernel at D 128, slower at 64: BENCHMARKS)
 WGMMA_BY_DEFAULT = True
-WGMMA_HEAD_DIMS = (128,)
+WGMMA_HEAD_DIMS = (64, 128)
 _CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t", 1)
 _CUDA_D = (32, 64, 128)  # compiled and tested; 64 and 128 measured (docs/BENCHMARKS.md)
 

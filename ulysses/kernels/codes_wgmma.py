@@ -29,7 +29,7 @@ class WgmmaConfig(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, stages=6, pipe=False, update=2, lazy=False):
+    def __new__(cls, stages=8, pipe=False, update=4, lazy=False):
         assert update in (1, 2, 4) and 2 <= stages <= 12 and stages >= 2 * update
         assert not (pipe and (update == 4 or lazy)) and not (lazy and update == 1)
         return super().__new__(cls, (stages, bool(pipe), int(update), bool(lazy)))
@@ -46,7 +46,7 @@ class WgmmaConfig(tuple):
         return f"wg-s{self[0]}{'-pipe' if self[1] else ''}-u{self[2]}{'-lazy' if self[3] else ''}"
 
 
-DEFAULT = WgmmaConfig()
+DEFAULT = WgmmaConfig(8, False, 4)  # the fastest in bench_codes.py --wg-sweep
 
 
 def _rows_view(x: torch.Tensor) -> tuple[int, int] | None:
