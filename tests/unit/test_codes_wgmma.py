@@ -73,10 +73,10 @@ def test_compiles_for_sm90(D, causal, used, update, lazy):
         desc(buf[:, :, :2], [256, 2 * D], [buf.stride(1), 1], [128, D], gl.int8),
         desc(buf[:, :, 2:3], [256, D], [buf.stride(1), 1], [bn, D], gl.int8),
         desc(vt, [D, 256], [256, 1], [D, bn], gl.float8e4nv),
-        *["*fp32"] * 3, "*i32", "*bf16", "*fp32", *["i32"] * 6, "fp32", "i32",
+        *["*fp32"] * 3, "*i32", "*bf16", "*fp32", *["i32"] * 4, "fp32", "i32",
     ]  # fmt: skip
     consts = dict(
-        k_group=64, D=D, BLOCK_M=64, BLOCK_N=bn, STAGES=8, CAUSAL=causal, HAS_USED=used,
+        k_group=64, D=D, STAGES=8, CAUSAL=causal, HAS_USED=used,
         PIPE=update == 1, UPDATE=update, LAZY=lazy, K_SHIFT=0,
     )  # fmt: skip
     names = W._codes_wgmma_kernel.arg_names

@@ -131,9 +131,8 @@ def codes_attention_wgmma(
     _codes_wgmma_kernel[grid](
         desc_q, desc_k, desc_vt, q_scale, k_scale, v_scale,
         used if used is not None else q_scale, out, lse,
-        S, HQ, HKV, q_group, cdiv(S, q_group), cdiv(S, k_group), sm_scale * LOG2E, BIAS_BITS,
-        k_group,
-        D=D, BLOCK_M=BLOCK_M, BLOCK_N=bn, STAGES=config.stages, CAUSAL=bool(causal),
+        S, HQ, HKV, q_group, sm_scale * LOG2E, BIAS_BITS, k_group,
+        D=D, STAGES=config.stages, CAUSAL=bool(causal),
         HAS_USED=used is not None, PIPE=config.pipe, UPDATE=config.update, LAZY=config.lazy,
         K_SHIFT=k_shift, num_warps=4,
     )  # fmt: skip

@@ -57,6 +57,8 @@ BLOCK_N = 64  # keys of one ring slot (one K group of 64 rows, or several slots 
 if GLUON_ERROR is None:
     LN2 = gl.constexpr(0.6931471805599453)
     _BIAS = gl.constexpr(12582912.0)
+    _BLOCK_M = gl.constexpr(BLOCK_M)
+    _BLOCK_N = gl.constexpr(BLOCK_N)
     # log2 units a row max may grow before a lazy rescale (margin for the folded constant)
     LAZY_GROWTH = gl.constexpr(0.5)
 
@@ -466,11 +468,14 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _codes_wgmma_kernel(
         desc_q, desc_k, desc_vt, q_scale_ptr, k_scale_ptr, v_scale_ptr, used_ptr, out_ptr, lse_ptr,
-        S, HQ, HKV, q_group, n_qg, n_kg, qk_scale, bias_bits, k_group: gl.constexpr,
-        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HAS_USED: gl.constexpr, PIPE: gl.constexpr, UPDATE: gl.constexpr,
-        LAZY: gl.constexpr, K_SHIFT: gl.constexpr,
+        S, HQ, HKV, q_group, qk_scale, bias_bits, k_group: gl.constexpr, D: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_USED: gl.constexpr, PIPE: gl.constexpr,
+        UPDATE: gl.constexpr, LAZY: gl.constexpr, K_SHIFT: gl.constexpr,
     ):  # fmt: skip
+        BLOCK_M: gl.constexpr = _BLOCK_M
+        BLOCK_N: gl.constexpr = _BLOCK_N
+        n_qg = (S + q_group - 1) // q_group  # Q and K scales a (batch, head)
+        n_kg = (S + k_group - 1) // k_group
         i_m = gl.program_id(0)
         if CAUSAL:  # the longest rows first
             i_m = gl.num_programs(0) - 1 - i_m
