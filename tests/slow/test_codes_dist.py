@@ -1,6 +1,9 @@
 """The attention suite's cases on the exchange's codes (``attn="codes"``) under torchrun (2 ranks,
 gloo, CPU: Triton's interpreter runs the kernel): they pass, and the planted fault
-``codes_k_shift`` (the kernel reads each K scale one row on) fails the bound check."""
+``codes_k_shift`` (the kernel reads each K scale one row on) fails the bound check.
+
+Slow tier: CI covers both already (``make wheel-check`` runs every default case at P = 2,
+these included, and ``tests/dist/test_planted_faults_run.py`` the fault's showcase case)."""
 
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ def _tail(proc) -> str:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_codes_cases_pass(tmp_path):
     assert len(CODES_IDS) >= 3
     proc, summary = _harness(tmp_path)
@@ -54,6 +58,7 @@ def test_codes_cases_pass(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_codes_k_shift_fault_is_caught(tmp_path):
     proc, summary = _harness(tmp_path, "--fault", "codes_k_shift")
     assert proc.returncode != 0, _tail(proc)
