@@ -45,9 +45,9 @@ other than 32, 64 or 128 on CUDA, a window, soft cap or dropout) raises ValueErr
 reason. ``attn=None`` (the default) attends on the codes where :func:`default_reason` lets it
 (causal, batch 1, D 128, one head chunk, on Hopper: where docs/BENCHMARKS.md measured the
 codes path faster) and over the dequantized values elsewhere; ``attn="sdpa"`` always over the
-dequantized values. On Hopper at D 128 the kernel is ``ulysses.kernels.codes_wgmma`` where the
-codes' rows are evenly spaced (``codes_attention`` picks it). With ``head_chunks`` each chunk's
-codes are attended where they land (:func:`chunk_pair`, ``ulysses.overlap``).
+dequantized values. On Hopper at D 64 and 128 the kernel is ``ulysses.kernels.codes_wgmma``
+where the codes' rows are evenly spaced (``codes_attention`` picks it). With ``head_chunks``
+each chunk's codes are attended where they land (:func:`chunk_pair`, ``ulysses.overlap``).
 """
 
 from __future__ import annotations

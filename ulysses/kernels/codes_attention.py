@@ -414,7 +414,7 @@ class CodesConfig(tuple):
 # On CPU (the interpreter): small one-warp tiles, the same code path.
 GPU_DEFAULT = CodesConfig(128, 64, 4, 3, "fp8t", 1)
 # config=None on Hopper runs the warpgroup-MMA kernel (codes_wgmma) where it supports the call
-# at these head dims (faster than this module's kernel at D 128, slower at 64: BENCHMARKS)
+# at these head dims (faster than this module's kernel at both: docs/BENCHMARKS.md)
 WGMMA_BY_DEFAULT = True
 WGMMA_HEAD_DIMS = (64, 128)
 _CPU_CONFIG = CodesConfig(32, 32, 1, 1, "fp8t", 1)
