@@ -496,9 +496,7 @@ def codes_attention(
                 k_group=k_group, causal=causal, sm_scale=sm_scale, used=used,
                 out_dtype=out_dtype, config=wg,
             )  # fmt: skip
-        assert config is None, wgmma_unsupported(
-            q, k, v, k_group=k_group, docs=doc_ids is not None
-        )
+        assert config is None, wgmma_unsupported(q, k, v, k_group=k_group, docs=doc_ids is not None)
     cfg = config or (GPU_DEFAULT if gpu else _CPU_CONFIG)
     v_int8 = v.dtype == torch.int8
     pv = "fp16" if v_int8 else cfg.pv
