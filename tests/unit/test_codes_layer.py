@@ -546,8 +546,23 @@ def test_opcheck_codes_op():
     ids = _doc_ids(2, 24, seed=2).to(torch.int32)
     args = (x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, ids)
     kw = {"q_group": 32, "k_group": 64, "causal": True, "sm_scale": None, "used_rows": [20, 24],
-          "out_dtype": DT, "k_shift": 0}  # fmt: skip
+          "out_dtype": DT}  # fmt: skip
     torch.library.opcheck(torch.ops.ulysses.codes_attention.default, args, kw)
+
+
+def test_opcheck_codes_backward_op():
+    """The backward's op (what a compiled graph calls): schema, fake and dispatch agree with
+    the eager call, and no planted-fault argument is part of either op's schema."""
+    q, k, v = _qkv(2, 24, 2, 1, 32, seed=92)
+    x = ulysses.lowp.exchange_qkv(q, k, v, used_sequence=(20, 24), v_format="int8")
+    out, lse = codes.attend(x, causal=True, scale=None, used=(20, 24))
+    dout = torch.randn_like(out)
+    args = (dout, x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, x.k_mean, out, lse, None)
+    kw = {"q_group": 32, "k_group": 64, "causal": True, "sm_scale": None, "used_rows": [20, 24],
+          "per_row": True, "on_codes": False}  # fmt: skip
+    torch.library.opcheck(torch.ops.ulysses.codes_backward.default, args, kw)
+    for op in (torch.ops.ulysses.codes_attention, torch.ops.ulysses.codes_backward):
+        assert "shift" not in str(op.default._schema), op.default._schema
 
 
 def _head_slice(x, c: int, n: int):
