@@ -134,6 +134,10 @@ def _row(mode, B, causal, way, status, detail, secs):
 
 def run(args) -> int:
     device = torch.device(args.device)
+    if args.try_dequant_capture:
+        from ulysses import codes
+
+        codes.REFUSE_CAPTURE = False
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -210,6 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="*", default=None, help=f"a subset of {list(MODES)}")
     p.add_argument("--out", default=None)
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--try-dequant-capture", action="store_true",
+                   help="let the codes path's dequantizing backward be captured (it refuses)")
     return run(p.parse_args(argv))
 
 
