@@ -100,7 +100,7 @@ def _leaves(xs):
 
 def _diff(got, exp) -> float:
     worst = 0.0
-    for a, b in zip(got, exp):
+    for a, b in zip(got, exp, strict=True):
         if not torch.isfinite(a.float()).all():
             return float("inf")
         scale = b.float().abs().max().clamp_min(1e-6)
@@ -121,7 +121,7 @@ def _graph_run(step, inputs, fresh):
     with torch.cuda.graph(graph):
         captured = step(*static)
     with torch.no_grad():
-        for s, f in zip(static, fresh):
+        for s, f in zip(static, fresh, strict=True):
             s.copy_(f)
     graph.replay()
     torch.cuda.synchronize()
@@ -129,7 +129,8 @@ def _graph_run(step, inputs, fresh):
 
 
 def _row(mode, B, causal, way, status, detail, secs):
-    return f"| {mode} | {B} | {'causal' if causal else 'full'} | {way} | {status} | {detail} | {secs:.1f} |"
+    mask = "causal" if causal else "full"
+    return f"| {mode} | {B} | {mask} | {way} | {status} | {detail} | {secs:.1f} |"
 
 
 def run(args) -> int:
@@ -214,8 +215,11 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="*", default=None, help=f"a subset of {list(MODES)}")
     p.add_argument("--out", default=None)
     p.add_argument("--verbose", action="store_true")
-    p.add_argument("--try-dequant-capture", action="store_true",
-                   help="let the codes path's dequantizing backward be captured (it refuses)")
+    p.add_argument(
+        "--try-dequant-capture",
+        action="store_true",
+        help="let the codes path's dequantizing backward be captured (it refuses)",
+    )
     return run(p.parse_args(argv))
 
 
