@@ -152,7 +152,7 @@ def run(args) -> int:
             if args.modes and mode not in args.modes:
                 continue
             for B in args.batches:
-                for causal in (True, False):
+                for causal in args.masks:
                     inputs = _inputs(B, args.rows, args.heads, args.kv_heads, args.head_dim,
                                      device, seed=B + 2 * causal)  # fmt: skip
                     fresh = _inputs(B, args.rows, args.heads, args.kv_heads, args.head_dim,
@@ -212,6 +212,13 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
+    p.add_argument(
+        "--masks",
+        nargs="+",
+        default=[True, False],
+        type=lambda m: m == "causal",
+        help="causal and/or full",
+    )
     p.add_argument("--modes", nargs="*", default=None, help=f"a subset of {list(MODES)}")
     p.add_argument("--out", default=None)
     p.add_argument("--verbose", action="store_true")
