@@ -423,12 +423,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | 
 
 
 def chunk_forward(x: lowp.LowpQKV, *, causal: bool, scale: float | None, used=None,
-                  document_ids=None) -> tuple[torch.Tensor, tuple]:  # fmt: skip
+                  document_ids=None, backward_attn=None) -> tuple[torch.Tensor, tuple]:  # fmt: skip
     """The attention of one exchange's (or one head chunk's) codes: ``(out_h, saved)``;
     pass ``saved`` to :func:`chunk_backward` with the gradient of ``out_h``. ``saved`` holds
-    the codes (half the bytes of the dequantized values), ``out_h`` and ``lse``."""
+    the codes (half the bytes of the dequantized values), ``out_h``, ``lse`` and which
+    backward runs (``backward_attn``: None/"dequant" or "codes")."""
     out_h, lse = attend(x, causal=causal, scale=scale, used=used, document_ids=document_ids)
-    return out_h, (x, out_h, lse, causal, scale, used, document_ids)
+    return out_h, (x, out_h, lse, causal, scale, used, document_ids, backward_attn)
 
 
 # Whether a CUDA-graph capture of the dequantizing backward raises (it failed on an H100);
@@ -510,14 +511,16 @@ def chunk_backward(dout_h: torch.Tensor, saved: tuple) -> tuple:
     )  # fmt: skip
 
 
-def chunk_pair(*, causal: bool, scale, used, plan, device: torch.device) -> tuple:
+def chunk_pair(*, causal: bool, scale, used, plan, device: torch.device,
+               backward_attn=None) -> tuple:  # fmt: skip
     """``(forward, backward)`` of one head chunk's codes with a call's options, for the
     pipelined exchange (``ulysses.overlap``): :func:`chunk_forward` and :func:`chunk_backward`.
     ``plan``: the call's DocumentPlan or None."""
     ids = None if plan is None else plan.ids.to(device=device, dtype=torch.int32)
 
     def forward(x: lowp.LowpQKV):
-        return chunk_forward(x, causal=causal, scale=scale, used=used, document_ids=ids)
+        return chunk_forward(x, causal=causal, scale=scale, used=used, document_ids=ids,
+                             backward_attn=backward_attn)  # fmt: skip
 
     return forward, chunk_backward
 
@@ -533,7 +536,7 @@ class _CodesToHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, document_ids, hd, pg, used, q_group, k_group, lowp_backward,
-                v_format, causal, scale):  # fmt: skip
+                v_format, causal, scale, backward_attn):  # fmt: skip
         _hooks.step("exchange", q.shape, k.shape)
         x = lowp.exchange_qkv(q, k, v, group=pg, used_sequence=used, q_group=q_group,
                               k_group=k_group, v_format=v_format)  # fmt: skip
@@ -543,22 +546,24 @@ class _CodesToHeads(torch.autograd.Function):
                                   out_h, lse, document_ids)  # fmt: skip
             ctx.hd, ctx.pg, ctx.used, ctx.lowp_backward = hd, pg, used, lowp_backward
             ctx.groups, ctx.causal, ctx.scale = (q_group, k_group), causal, scale
+            ctx.backward_attn = backward_attn
         return out_h
 
     @staticmethod
     def backward(ctx, dout_h):
         qc, kc, vc, qs, ks, vs, km, out_h, lse, document_ids = ctx.saved_tensors
         x = lowp.LowpQKV(qc, kc, vc, qs, ks, vs, km, ctx.used, *ctx.groups)
-        saved = (x, out_h, lse, ctx.causal, ctx.scale, ctx.used, document_ids)
+        saved = (x, out_h, lse, ctx.causal, ctx.scale, ctx.used, document_ids, ctx.backward_attn)
         dq, dk, dv = chunk_backward(dout_h, saved)
         grads = _heads.grads_to_seq(dq, dk, dv, ctx.hd, ctx.pg, ctx.lowp_backward)
-        return (*grads, *(None,) * 10)
+        return (*grads, *(None,) * 11)
 
 
 def exchange_attend(q, k, v, *, grad: bool, hd, pg, used, q_group: int, k_group: int,
-                    lowp_backward: bool, v_format: str, causal: bool, scale, plan):  # fmt: skip
+                    lowp_backward: bool, v_format: str, causal: bool, scale, plan,
+                    backward_attn=None):  # fmt: skip
     """The layer's ``comm="lowp"`` steps 1 and 2 on the codes: ``out_h`` [B, S, hq, D] (an
     autograd node where ``grad``). ``plan``: the call's DocumentPlan or None."""
     ids = None if plan is None else plan.ids.to(device=q.device, dtype=torch.int32)
     return _heads.run_node(_CodesToHeads, grad, q, k, v, ids, hd, pg, used, q_group, k_group,
-                           lowp_backward, v_format, causal, scale)  # fmt: skip
+                           lowp_backward, v_format, causal, scale, backward_attn)  # fmt: skip
