@@ -24,7 +24,10 @@
 #           rank, else gloo on CUDA tensors; the world sizes run at the same time. --large
 #           (the GPU-sized and sweep cases) is sized to the machine and to the budget left
 #           (GPU_CHECK_LARGE, GPU_CHECK_LARGE_MIN_S, below)
-#   lane 3  (c) dist_tests.compile_check --cuda-graph at P = 2 (NCCL with two GPUs);
+#   lane 3  (l) tools/cuda_layer_check.py on GPU 0: the layer eager, compiled (fullgraph,
+#           forward + backward) and captured in a CUDA graph, every attention mode, rank 1
+#           of torch's fake group at P = 8 (the one-GPU compiled and captured coverage);
+#           (c) dist_tests.compile_check --cuda-graph at P = 2 (NCCL with two GPUs);
 #           (d) opcheck (tests/unit/test_ops.py -k opcheck, ULYSSES_TEST_DEVICE=cuda);
 #           (e) scripts/gpu_reliability.py (on GPU 0);
 #           (f) examples/ulysses_int8_attention.py --device cuda under torchrun at P = 2;
@@ -343,6 +346,8 @@ crashes in torch); run it on a 2-GPU machine"
             -m ulysses.dist_tests.compile_check --cuda-graph --timeout-s 140
     fi
     if [ "$ngpu" -gt 0 ]; then
+        CUDA_VISIBLE_DEVICES=0 run_check 30 layer_compiled_captured cuda:0 "$(limit_for 200)" \
+            "$PY" tools/cuda_layer_check.py --out "$out/layer_compiled_captured.md"
         ULYSSES_TEST_DEVICE=cuda run_check 32 opcheck_cuda cuda "$(limit_for 180)" \
             "$PY" -m pytest -v -p no:cacheprovider tests/unit/test_ops.py -k opcheck
         CUDA_VISIBLE_DEVICES=0 run_check 33 gpu_reliability cuda:0 "$(limit_for 150)" \
@@ -354,6 +359,7 @@ crashes in torch); run it on a 2-GPU machine"
             "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
             examples/ulysses_lowp_attention.py --device cuda
     else
+        skip 30 layer_compiled_captured - "no GPU: tools/cuda_layer_check.py --device cpu runs its compiled rows on CPU"
         skip 31 compile_check_cuda_graph - "no GPU: CUDA graphs need CUDA (the CPU compile path runs in tests/unit/test_ops.py)"
         run_check 32 opcheck cpu "$(limit_for 200)" \
             "$PY" -m pytest -v -p no:cacheprovider tests/unit/test_ops.py -k opcheck

@@ -85,6 +85,13 @@ def detail(name, result, out):
         )
     if name.startswith("opcheck"):
         return pytest_detail(text)
+    if name == "layer_compiled_captured":  # its closing line: "cuda_layer_check: N failed"
+        rows = [l for l in text.splitlines() if l.startswith("| ") and " | " in l[2:]]
+        ran = [r for r in rows if " PASS " in r or " FAIL " in r]
+        failed = [r for r in rows if " FAIL " in r]
+        return f"{len(ran)} rows ({len(failed)} failed)" + (
+            ": " + "; ".join(r.strip("| ")[:80] for r in failed[:3]) if failed else ""
+        )
     return ""
 
 

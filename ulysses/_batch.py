@@ -131,6 +131,26 @@ def _check_v_format(v_format, comm) -> None:
         raise ValueError(f"v_format={v_format!r} needs comm='lowp', got comm={comm!r}")
 
 
+BACKWARD_ATTNS = (None, "dequant", "codes")  # backward_attn=: None is "dequant"
+
+
+def _check_backward_attn(backward_attn, comm) -> None:
+    """``backward_attn``: None / "dequant" (the codes dequantized once, then the attention's
+    backward over the values) or "codes" (the backward kernel on the codes, comm="lowp")."""
+    if backward_attn is not None and not isinstance(backward_attn, str):
+        raise TypeError(
+            f"backward_attn must be None or a str, one of {BACKWARD_ATTNS[1:]}, got "
+            f"{type(backward_attn).__name__}"
+        )
+    if backward_attn not in BACKWARD_ATTNS:
+        raise ValueError(f"backward_attn must be one of {BACKWARD_ATTNS}, got {backward_attn!r}")
+    if backward_attn == "codes" and comm != "lowp":
+        raise ValueError(
+            f"backward_attn='codes' runs the backward on the 8-bit codes of comm='lowp', got "
+            f"comm={comm!r}; pass comm='lowp' and attn='codes', or backward_attn=None"
+        )
+
+
 def _check_backward_comm(backward_comm, comm) -> None:
     if not isinstance(backward_comm, str):
         raise TypeError(
@@ -319,11 +339,12 @@ def _plan_field(document_ids) -> int | None:
 def _verify_batch(pg, P: int, q, k, wire: dict, used, document_ids, *, causal=False,
                   scale=None, options=None, groups=(32, 64)) -> None:  # fmt: skip
     """Every rank must call with the same sizes, dtype, wire (``comm``, ``int8_output``,
-    ``backward_comm``, ``head_chunks``, ``v_format``, ``attn``, ``q_group``, ``k_group``),
-    live counts, document-id shape, DocumentPlan, ``causal``, ``scale`` and attention options
-    (window, soft cap, dropout): checked on every call (``comm.verify_call``), so that a rank that
-    differs gets the same ValueError on every rank instead of a backend abort, a hang or
-    silently wrong rows. Not under torch.compile (the watchdog bounds what that leaves)."""
+    ``backward_comm``, ``backward_attn``, ``head_chunks``, ``v_format``, ``attn``,
+    ``q_group``, ``k_group``), live counts, document-id shape, DocumentPlan, ``causal``,
+    ``scale`` and attention options (window, soft cap, dropout): checked on every call
+    (``comm.verify_call``), so that a rank that differs gets the same ValueError on every
+    rank instead of a backend abort, a hang or silently wrong rows. Not under torch.compile
+    (the watchdog bounds what that leaves)."""
     if P == 1 or _ops.is_compiling() or _hooks.active.skip_batch_check:
         return
     B, L, Hq, D = q.shape
@@ -400,6 +421,8 @@ def _readable_disagreement(exc: ValueError, pg, P: int, device, used, B: int) ->
         values = [COMM_MODES[x] for x in values]
     elif name == "backward_comm":
         values = [BACKWARD_COMMS[x] for x in values]
+    elif name == "backward_attn":
+        values = [BACKWARD_ATTNS[x] for x in values]
     elif name == "int8_output":
         values = [bool(x) for x in values]
     elif name == "head_chunks":

@@ -51,11 +51,13 @@ from . import _hooks, codes, comm, documents, lowp, overlap
 # here: the unit tests reach them as ``attention.<name>``.
 from ._batch import (
     ATTN_OPTIONS,
+    BACKWARD_ATTNS,
     BACKWARD_COMMS,
     COMM_MODES,
     _check_4d,
     _check_attn_kwargs,
     _check_attn_output,
+    _check_backward_attn,
     _check_backward_comm,
     _check_call,
     _check_int8_output,
@@ -350,6 +352,7 @@ def ulysses_attention(
     attn_kwargs: dict | None = None,
     head_chunks: int | str = 1,
     v_format: str = "fp8",
+    backward_attn: str | None = None,
 ) -> torch.Tensor:
     """Ulysses sequence-parallel attention: this rank's sequence shard in, its shard out.
 
@@ -437,6 +440,11 @@ def ulysses_attention(
       each chunk is dequantized and attended by the default attention; ``attn="codes"``
       attends each chunk's codes where they land (the output has one chunk's bits, the
       gradients differ by a rounding: each chunk's backward sums over its own heads).
+    * ``backward_attn`` (with a forward on the codes only): None or "dequant" (default: the
+      codes dequantized once, then the attention's backward over the values: torch's fused
+      backward on CUDA where it takes the call, else a blockwise fp32 one) or "codes" (the
+      backward kernel on the codes, ``ulysses.kernels.codes_backward``: no dequantize pass,
+      and it captures in a CUDA graph).
     * ``v_format`` (with "lowp" only): "fp8" (default: V as float8_e4m3fn codes, scale
       ``amax/448`` per (head, channel)) or "int8" (V as int8 codes, scale ``amax/127`` per
       (head, channel), the amax over the whole live sequence: the same bytes, an error of
@@ -465,7 +473,8 @@ def ulysses_attention(
             that disagree (see above); ``document_ids`` not [B, L] (a plan: not [B, S]),
             decreasing along a row's global sequence or negative; unknown ``comm``,
             ``backward_comm`` or ``layout``; ``int8_output=True`` or
-            ``backward_comm="lowp"`` or ``v_format="int8"`` without ``comm="lowp"``; a
+            ``backward_comm="lowp"`` or ``v_format="int8"`` without ``comm="lowp"``;
+            ``backward_attn="codes"`` on a call whose forward is not on the codes; a
             ``v_format`` other than "fp8" or "int8"; with "lowp" a head dim D that is not a
             multiple of 16 up to 256; what ``exchange_qkv`` rejects
             for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``;
@@ -490,6 +499,7 @@ def ulysses_attention(
     _check_int8_output(int8_output, comm)
     _check_backward_comm(backward_comm, comm)
     _check_v_format(v_format, comm)
+    _check_backward_attn(backward_attn, comm)
     overlap.check_head_chunks(head_chunks)
     lowp_backward = backward_comm == "lowp"
     if layout == "bhsd":
@@ -502,6 +512,7 @@ def ulysses_attention(
         "backward_comm": BACKWARD_COMMS.index(backward_comm),
         "head_chunks": overlap.wire_code(head_chunks),
         "v_format": lowp.V_FORMATS.index(v_format),
+        "backward_attn": BACKWARD_ATTNS.index(backward_attn),
         # the attention: default (0), "sdpa", "codes", or a callable (ranks must run the same)
         "attn": 3 if attn is not None else 0 if mode is None else 1 + ATTN_MODES.index(mode),
     }  # fmt: skip
@@ -520,6 +531,12 @@ def ulysses_attention(
         mode, comm=comm, q=q, custom=attn is not None, options=options, v_format=v_format,
         documents=plan is not None, k_group=k_group, causal=causal, chunks=chunks,
     )  # fmt: skip
+    if backward_attn == "codes" and not on_codes:
+        raise ValueError(
+            f"backward_attn='codes' needs the forward on the codes (comm='lowp' with "
+            f"attn='codes'), got attn={attn if attn is not None else mode!r}; pass "
+            f"attn='codes', or backward_attn=None"
+        )
 
     def attend(q_h, k_h, v_h):
         """The attention on this rank's heads (or a chunk of them), every row."""
@@ -535,7 +552,7 @@ def ulysses_attention(
         pair = None  # attn="codes": each chunk's codes attended where they land
         if on_codes:
             pair = codes.chunk_pair(causal=causal, scale=scale, used=used, plan=plan,
-                                    device=q.device)  # fmt: skip
+                                    device=q.device, backward_attn=backward_attn)  # fmt: skip
         out = overlap.pipelined_attention(
             q, k, v, hd=hd, pg=pg, chunks=chunks, attend=attend, lowp=comm == "lowp",
             used_sequence=used, q_group=q_group, k_group=k_group, int8_output=int8_output,
@@ -551,7 +568,7 @@ def ulysses_attention(
         out_h = codes.exchange_attend(
             q, k, v, grad=grad, hd=hd, pg=pg, used=used, q_group=q_group, k_group=k_group,
             lowp_backward=lowp_backward, v_format=v_format, causal=causal, scale=scale,
-            plan=plan,
+            plan=plan, backward_attn=backward_attn,
         )  # fmt: skip
     elif comm == "lowp":
         q_h, k_h, v_h = run_node(_LowpToHeads, grad, q, k, v, hd, pg, used, q_group, k_group,

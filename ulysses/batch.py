@@ -33,10 +33,12 @@ padding, no collective.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm, documents
 
@@ -177,7 +179,10 @@ class SequenceShard:
     ``tensors``: each token tensor's rows ``[rank*L, (rank+1)*L)`` of the padded ``[B, S]``
     (``shift_labels`` in place of ``labels``); ``used_sequence``: each batch row's live rows
     of the global sequence (what ``ulysses_attention`` takes); ``seq_len`` S, ``local_len``
-    L, ``rank``, ``world_size`` P.
+    L, ``rank``, ``world_size`` P; ``plan``: a ``documents.DocumentPlan`` of the global
+    document ids [B, S] (the padding rows a document of their own), None for a batch of one
+    document a row and no padding; ``token``: a one-element int64 tensor that each attention
+    call through ``ulysses.hf`` adds 1 to (what :func:`causal_lm_loss` checks).
     """
 
     tensors: dict
@@ -186,6 +191,8 @@ class SequenceShard:
     local_len: int
     rank: int
     world_size: int
+    plan: documents.DocumentPlan | None = None
+    token: torch.Tensor | None = None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]
@@ -196,12 +203,18 @@ class SequenceShard:
     def model_inputs(self) -> dict:
         """The keyword arguments of a Hugging Face model call: ``input_ids`` (or whatever
         token tensors came in, minus the labels and the attention mask), ``position_ids``,
-        ``used_sequence`` and, for packed documents, ``document_ids`` (which the attention
-        registered by ``ulysses.hf.register`` reads). ``attention_mask`` is left out: the
-        padding is in ``used_sequence``."""
-        skip = ("shift_labels", "attention_mask")
+        ``used_sequence``, ``ulysses_token`` and, for packed documents or padding,
+        ``document_ids`` as the :attr:`plan` (which the attention registered by
+        ``ulysses.hf.register`` reads: no collective, no host read, a graph that holds for
+        any document count under torch.compile). ``attention_mask`` is left out: the
+        padding is in ``used_sequence`` (and the plan)."""
+        skip = ("shift_labels", "attention_mask", "document_ids")
         inputs = {k: v for k, v in self.tensors.items() if k not in skip}
         inputs["used_sequence"] = self.used_sequence
+        if self.plan is not None:
+            inputs["document_ids"] = self.plan
+        if self.token is not None:
+            inputs["ulysses_token"] = self.token
         return inputs
 
 
@@ -212,6 +225,7 @@ def shard_batch(
     cu_seqlens=None,
     pad_value: int = 0,
     ignore_index: int = IGNORE_INDEX,
+    check_ranks: bool = True,
 ) -> SequenceShard:
     """Cut this rank's rows out of a batch of token tensors ``[B, S0]`` (the same batch on
     every rank of the Ulysses group), padded at the end to ``S = ceil(S0 / P) * P`` rows.
@@ -234,8 +248,14 @@ def shard_batch(
       rows continue their own run.
     * ``input_ids`` and any other tensor: padded with ``pad_value``.
 
+    ``check_ranks`` (default True): the ranks of the group compare a digest of the batch
+    (its shape, its keys and a weighted sum of every tensor's values: one all_gather of four
+    int64 a rank): ranks fed different batches (a sampler over the whole world instead of
+    the data-parallel dimension, a loader that drifts) get the same ValueError on every rank
+    instead of a loss that matches neither batch. No collective at P = 1.
+
     Returns a :class:`SequenceShard`: ``shard["input_ids"]`` ``[B, L]``, ``shard.used_sequence``
-    (per batch row), ``shard.model_inputs()`` for a model call.
+    (per batch row), ``shard.plan``, ``shard.model_inputs()`` for a model call.
 
     Raises:
         TypeError: ``batch`` not a mapping of tensors; ids, labels, masks not integer tensors.
@@ -245,7 +265,8 @@ def shard_batch(
             live token; document ids that are negative, decrease, or continue from live rows
             into padding (the batch cannot be padded: the padding must be a document of its
             own); position ids that disagree with the document ids (the message names the
-            first place); both ``document_ids`` and ``cu_seqlens``.
+            first place); both ``document_ids`` and ``cu_seqlens``; ranks of the group that
+            hold different batches (``check_ranks``: on every rank).
     """
     if not isinstance(batch, Mapping) or not batch:
         raise TypeError(
@@ -272,7 +293,9 @@ def shard_batch(
     for key in _KNOWN[1:]:
         if key in batch:
             _check_ids(batch[key], f"batch[{key!r}]", B, S0)
-    _, rank, P = comm.resolve_group(group, ref.device)
+    pg, rank, P = comm.resolve_group(group, ref.device)
+    if check_ranks and P > 1:
+        _check_same_batch(batch, cu_seqlens, pg, rank, P, ref.device)
     S = -(-S0 // P) * P
     L = S // P
 
@@ -306,7 +329,78 @@ def shard_batch(
         out["shift_labels"] = _pad_rows(target, S, ignore_index)
     rows = slice(rank * L, (rank + 1) * L)
     tensors = {k: v[:, rows] for k, v in out.items()}
-    return SequenceShard(tensors, used, S, L, rank, P)
+    plan = _plan(out.get("document_ids"), used, B, S, ref.device)
+    token = torch.zeros(1, dtype=torch.int64, device=ref.device)
+    shard = SequenceShard(tensors, used, S, L, rank, P, plan, token)
+    if "shift_labels" in tensors:
+        _TOKENS[tensors["shift_labels"]] = token
+    return shard
+
+
+# shift_labels tensor of a shard -> its token: causal_lm_loss finds the batch's token by the
+# labels it is given
+_TOKENS = WeakIdKeyDictionary()
+
+
+def _plan(ids_padded, used: tuple[int, ...], B: int, S: int, device):
+    """The DocumentPlan of the padded global ids [B, S], the padding rows (used_b and past) a
+    document of their own; None when every row is one live document."""
+    padding_only = ids_padded is None
+    if padding_only:
+        if all(u == S for u in used):
+            return None
+        live = torch.tensor(used, device=device)[:, None]
+        ids_padded = (torch.arange(S, device=device)[None, :] >= live).long()
+    plan = documents.plan_documents(ids_padded)
+    # (eager calls then attend with used_sequence alone, as without a plan)
+    object.__setattr__(plan, "_ulysses_padding_only", padding_only)
+    return plan
+
+
+def _digest(x: torch.Tensor) -> torch.Tensor:
+    """An int64 digest of a tensor's values (a position-weighted sum, wrapping)."""
+    if x.is_floating_point():
+        x = x.float().view(torch.int32)
+    flat = x.reshape(-1).long()
+    weights = (torch.arange(flat.numel(), device=x.device, dtype=torch.int64) * 2654435761
+               + 97) % 2147483647  # fmt: skip
+    return (flat * weights).sum()
+
+
+def _check_same_batch(batch, cu_seqlens, pg, rank: int, P: int, device) -> None:
+    """Every rank of the group holds the same batch (one all_gather of 4 int64), else the same
+    ValueError on every rank."""
+    ref = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
+    keys = 0
+    for key in sorted(batch):
+        keys = (keys * 1000003 + zlib.crc32(str(key).encode())) & 0x3FFFFFFFFFFF
+    value = torch.zeros((), dtype=torch.int64, device=device)
+    for key in sorted(batch):
+        value = value * 31 + _digest(batch[key].to(device))
+    if cu_seqlens is not None:
+        cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens)
+        value = value * 31 + _digest(cu.to(device))
+    head = torch.tensor([ref.shape[0], ref.shape[1], keys], dtype=torch.int64, device=device)
+    table = comm.all_gather(torch.cat([head, value[None]]), pg, P).cpu().tolist()
+    if all(row == table[0] for row in table):
+        return
+    shapes = [tuple(row[:2]) for row in table]
+    if len(set(shapes)) > 1:
+        what = f"batches of different shapes [B, S] per rank: {shapes}"
+    elif len({row[2] for row in table}) > 1:
+        what = "batches with different keys"
+    else:
+        groups: dict = {}
+        for r, row in enumerate(table):
+            groups.setdefault(row[3], []).append(r)
+        what = f"different batches (ranks holding the same one: {sorted(groups.values())})"
+    raise ValueError(
+        f"shard_batch: the ranks of the Ulysses group hold {what}; every rank of the group "
+        "must pass the same whole batch (each cuts out its own rows). A sampler over the whole "
+        "world instead of the data-parallel dimension? Sample over the data-parallel "
+        "dimension (ulysses.train.ShardedLoader does) and give every sequence-parallel rank "
+        "of one replica the same batch"
+    )
 
 
 def _used_from_mask(mask, B: int, S0: int) -> tuple[int, ...]:
@@ -409,7 +503,8 @@ def _pad_positions(pos, ids_padded, S0: int, *, B=None, S=None, device=None) -> 
 # ---- the loss --------------------------------------------------------------------------------
 
 
-def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNORE_INDEX):
+def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNORE_INDEX,
+                   check_attention: bool = True):  # fmt: skip
     """The mean next-token cross entropy over the live targets of the **whole** batch.
 
     ``logits`` ``[B, L, V]`` (any float dtype; the loss is computed in fp32) and
@@ -424,10 +519,18 @@ def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNO
     parallel), as for any replicated weight. A batch with no live target gives 0 (and zero
     gradients).
 
+    ``check_attention`` (default True): when ``shift_labels`` is ``shard["shift_labels"]`` of
+    a :func:`shard_batch` whose ``model_inputs()`` went to a Hugging Face model, the shard's
+    token says whether any attention call ran through ``ulysses.hf``; none on any rank (the
+    model not registered, or left on SDPA / "eager") raises RuntimeError on every rank (the
+    flag travels in the loss's all_gather: no extra collective, no extra host read).
+
     Raises:
         TypeError: ``logits`` not a floating tensor; ``shift_labels`` not an integer tensor.
         ValueError: ``logits`` not 3-D; ``shift_labels`` not ``[B, L]`` of the logits (on
             every rank when any rank's are not).
+        RuntimeError: the batch's attention did not run through ``ulysses.hf`` (see
+            ``check_attention``), on every rank.
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         what = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -456,8 +559,25 @@ def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNO
         )
         local_count = (target != ignore_index).sum()
     flag = torch.full((), float(bad), dtype=torch.float64, device=logits.device)
-    payload = torch.stack([local_sum.detach().double(), local_count.double(), flag])
+    token = _TOKENS.get(shift_labels)
+    if token is None or not check_attention:
+        missed = torch.zeros((), dtype=torch.float64, device=logits.device)
+    else:
+        missed = (token.reshape(()) == 0).to(device=logits.device, dtype=torch.float64)
+    payload = torch.stack([local_sum.detach().double(), local_count.double(), flag, missed])
     gathered = comm.all_gather(payload, pg, P)
+    missed_ranks = gathered[:, 3].nonzero().flatten().tolist()
+    if missed_ranks:
+        raise RuntimeError(
+            f"the model's attention did not run through ulysses for this batch (ranks "
+            f"{missed_ranks}): no attention call of the model reached the implementation "
+            "that ulysses.hf.register made, so each rank attended over its own rows only, a "
+            "silently wrong loss. Register it before creating the model "
+            "(ulysses.hf.register('ulysses', group=sp)) and switch the model to it "
+            "(model.set_attn_implementation('ulysses')), not SDPA or 'eager'; "
+            "ulysses.hf.check_model(model, 'ulysses') checks both. (A model that calls "
+            "ulysses_attention itself: pass check_attention=False)"
+        )
     bad_ranks = gathered[:, 2].nonzero().flatten().tolist()
     if bad_ranks:
         where = f"rank {rank}" if bad else f"ranks {bad_ranks}"

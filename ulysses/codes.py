@@ -52,6 +52,7 @@ each chunk's codes are attended where they land (:func:`chunk_pair`, ``ulysses.o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -197,18 +198,16 @@ def _attend_codes(
     sm_scale: float | None,
     used_rows: list[int] | None,
     out_dtype: torch.dtype,
-    k_shift: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     used = None if used_rows is None else _used_tensor(tuple(used_rows), q.device)
     return _kernel().codes_attention(
         q, k, v, q_scale, k_scale, v_scale, q_group=q_group, k_group=k_group, causal=causal,
         sm_scale=sm_scale, used=used, doc_ids=document_ids, out_dtype=out_dtype,
-        k_shift=k_shift,
     )  # fmt: skip
 
 
 def _attend_codes_fake(q, k, v, q_scale, k_scale, v_scale, document_ids, *, q_group, k_group,
-                       causal, sm_scale, used_rows, out_dtype, k_shift):  # fmt: skip
+                       causal, sm_scale, used_rows, out_dtype):  # fmt: skip
     B, S, hq, D = q.shape
     return q.new_empty((B, S, hq, D), dtype=out_dtype), q.new_empty((B, hq, S), dtype=torch.float32)
 
@@ -224,17 +223,31 @@ def _used_rows(used, B: int) -> list[int] | None:
     return list(used) if isinstance(used, tuple) else [used] * B
 
 
+def _planted(x: lowp.LowpQKV) -> lowp.LowpQKV:
+    """The codes as the harness's planted faults hand them to the kernel (through data, never
+    a kernel argument): ``Hooks.codes_k_shift`` 1 moves the K codes one row on against their
+    scales; a whole group (``k_group``) rolls the K scales by one group."""
+    shift = _hooks.active.codes_k_shift
+    if not shift:
+        return x
+    if shift % x.k_group == 0:
+        k_scale = torch.roll(x.k_scale, -(shift // x.k_group), dims=2).contiguous()
+        return dataclasses.replace(x, k_scale=k_scale)
+    return dataclasses.replace(x, k=torch.roll(x.k, -shift, dims=1))
+
+
 def attend(
     x: lowp.LowpQKV, *, causal: bool, scale: float | None, used=None, document_ids=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on one exchange's codes: ``(out_h [B, S, hq, D] in the input dtype, lse
     [B, hq, S] fp32)``. ``used``: None, an int or a tuple of B live counts; ``document_ids``:
     None or int32 [B, S] on the codes' device (global ids)."""
+    if _hooks.active.codes_k_shift:
+        x = _planted(x)
     return codes_op(
         q=x.q, k=x.k, v=x.v, q_scale=x.q_scale, k_scale=x.k_scale, v_scale=x.v_scale,
         document_ids=document_ids, q_group=x.q_group, k_group=x.k_group, causal=causal,
         sm_scale=scale, used_rows=_used_rows(used, x.q.shape[0]), out_dtype=x.k_mean.dtype,
-        k_shift=_hooks.active.codes_k_shift or 0,  # (not 0: a planted fault)
     )  # fmt: skip
 
 
@@ -410,38 +423,104 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float | 
 
 
 def chunk_forward(x: lowp.LowpQKV, *, causal: bool, scale: float | None, used=None,
-                  document_ids=None) -> tuple[torch.Tensor, tuple]:  # fmt: skip
+                  document_ids=None, backward_attn=None) -> tuple[torch.Tensor, tuple]:  # fmt: skip
     """The attention of one exchange's (or one head chunk's) codes: ``(out_h, saved)``;
     pass ``saved`` to :func:`chunk_backward` with the gradient of ``out_h``. ``saved`` holds
-    the codes (half the bytes of the dequantized values), ``out_h`` and ``lse``."""
+    the codes (half the bytes of the dequantized values), ``out_h``, ``lse`` and which
+    backward runs (``backward_attn``: None/"dequant" or "codes")."""
     out_h, lse = attend(x, causal=causal, scale=scale, used=used, document_ids=document_ids)
-    return out_h, (x, out_h, lse, causal, scale, used, document_ids)
+    return out_h, (x, out_h, lse, causal, scale, used, document_ids, backward_attn)
+
+
+# Whether a CUDA-graph capture of the dequantizing backward raises (it failed on an H100);
+# tools/cuda_layer_check.py turns it off to try the capture.
+REFUSE_CAPTURE = True
+BACKWARD_ATTN = ("dequant", "codes")  # the strings ``backward_attn=`` takes
+
+
+def _backward_impl(
+    dout_h: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_mean: torch.Tensor,
+    out_h: torch.Tensor,
+    lse: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    *,
+    q_group: int,
+    k_group: int,
+    causal: bool,
+    sm_scale: float | None,
+    used_rows: list[int] | None,
+    per_row: bool,
+    on_codes: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    used = None if used_rows is None else tuple(used_rows) if per_row else used_rows[0]
+    if on_codes:
+        from .kernels.codes_backward import codes_attention_backward
+
+        used_t = None if used_rows is None else _used_tensor(tuple(used_rows), q.device)
+        return codes_attention_backward(
+            dout_h.contiguous(), out_h, lse, q, k, v, q_scale, k_scale, v_scale,
+            q_group=q_group, k_group=k_group, causal=causal, sm_scale=sm_scale, used=used_t,
+            doc_ids=document_ids,
+        )  # fmt: skip
+    if REFUSE_CAPTURE and dout_h.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "attn='codes': the dequantizing backward cannot be captured in a CUDA graph "
+            "(capturing it fails on an H100); capture the forward alone (inference), use "
+            "backward_attn='codes', or attn='sdpa', whose forward and backward capture"
+        )
+    x = lowp.LowpQKV(q, k, v, q_scale, k_scale, v_scale, k_mean, used, q_group, k_group)
+    qd, kd, vd = x.dequantize()
+    return attention_backward(dout_h, qd, kd, vd, out_h, lse, causal=causal, scale=sm_scale,
+                              used=used, document_ids=document_ids)  # fmt: skip
+
+
+def _backward_fake(dout_h, q, k, v, q_scale, k_scale, v_scale, k_mean, out_h, lse,
+                   document_ids, *, q_group, k_group, causal, sm_scale, used_rows, per_row,
+                   on_codes):  # fmt: skip
+    dt = out_h.dtype
+    return (q.new_empty(q.shape, dtype=dt), k.new_empty(k.shape, dtype=dt),
+            v.new_empty(v.shape, dtype=dt))  # fmt: skip
+
+
+# the backward as one op of a compiled graph: Dynamo never traces the backend choice or the
+# capture check (eager calls run the function directly)
+backward_op = _ops.define_op("codes_backward", _backward_impl, _backward_fake)
 
 
 def chunk_backward(dout_h: torch.Tensor, saved: tuple) -> tuple:
     """(dq_h [B, S, hq, D], dk_h, dv_h [B, S, hkv, D]) in the input dtype: the
-    straight-through gradients of :func:`chunk_forward`'s attention (the codes dequantized
-    once, then :func:`attention_backward`)."""
-    x, out_h, lse, causal, scale, used, document_ids = saved
-    if dout_h.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "attn='codes': the backward cannot be captured in a CUDA graph (capturing it "
-            "fails on an H100); capture the forward alone (inference), or use attn='sdpa', "
-            "whose forward and backward capture"
-        )
-    q, k, v = x.dequantize()
-    return attention_backward(dout_h, q, k, v, out_h, lse, causal=causal, scale=scale,
-                              used=used, document_ids=document_ids)  # fmt: skip
+    straight-through gradients of :func:`chunk_forward`'s attention: the codes dequantized
+    once, then :func:`attention_backward`; or, where ``saved`` asks for it
+    (``backward_attn="codes"``), the backward kernel on the codes
+    (``ulysses.kernels.codes_backward``)."""
+    x, out_h, lse, causal, scale, used, document_ids = saved[:7]
+    on_codes = len(saved) > 7 and saved[7] == "codes"
+    return backward_op(
+        dout_h=dout_h, q=x.q, k=x.k, v=x.v, q_scale=x.q_scale, k_scale=x.k_scale,
+        v_scale=x.v_scale, k_mean=x.k_mean, out_h=out_h, lse=lse, document_ids=document_ids,
+        q_group=x.q_group, k_group=x.k_group, causal=causal, sm_scale=scale,
+        used_rows=_used_rows(used, x.q.shape[0]), per_row=isinstance(used, tuple),
+        on_codes=on_codes,
+    )  # fmt: skip
 
 
-def chunk_pair(*, causal: bool, scale, used, plan, device: torch.device) -> tuple:
+def chunk_pair(*, causal: bool, scale, used, plan, device: torch.device,
+               backward_attn=None) -> tuple:  # fmt: skip
     """``(forward, backward)`` of one head chunk's codes with a call's options, for the
     pipelined exchange (``ulysses.overlap``): :func:`chunk_forward` and :func:`chunk_backward`.
     ``plan``: the call's DocumentPlan or None."""
     ids = None if plan is None else plan.ids.to(device=device, dtype=torch.int32)
 
     def forward(x: lowp.LowpQKV):
-        return chunk_forward(x, causal=causal, scale=scale, used=used, document_ids=ids)
+        return chunk_forward(x, causal=causal, scale=scale, used=used, document_ids=ids,
+                             backward_attn=backward_attn)  # fmt: skip
 
     return forward, chunk_backward
 
@@ -457,7 +536,7 @@ class _CodesToHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, document_ids, hd, pg, used, q_group, k_group, lowp_backward,
-                v_format, causal, scale):  # fmt: skip
+                v_format, causal, scale, backward_attn):  # fmt: skip
         _hooks.step("exchange", q.shape, k.shape)
         x = lowp.exchange_qkv(q, k, v, group=pg, used_sequence=used, q_group=q_group,
                               k_group=k_group, v_format=v_format)  # fmt: skip
@@ -467,22 +546,24 @@ class _CodesToHeads(torch.autograd.Function):
                                   out_h, lse, document_ids)  # fmt: skip
             ctx.hd, ctx.pg, ctx.used, ctx.lowp_backward = hd, pg, used, lowp_backward
             ctx.groups, ctx.causal, ctx.scale = (q_group, k_group), causal, scale
+            ctx.backward_attn = backward_attn
         return out_h
 
     @staticmethod
     def backward(ctx, dout_h):
         qc, kc, vc, qs, ks, vs, km, out_h, lse, document_ids = ctx.saved_tensors
         x = lowp.LowpQKV(qc, kc, vc, qs, ks, vs, km, ctx.used, *ctx.groups)
-        saved = (x, out_h, lse, ctx.causal, ctx.scale, ctx.used, document_ids)
+        saved = (x, out_h, lse, ctx.causal, ctx.scale, ctx.used, document_ids, ctx.backward_attn)
         dq, dk, dv = chunk_backward(dout_h, saved)
         grads = _heads.grads_to_seq(dq, dk, dv, ctx.hd, ctx.pg, ctx.lowp_backward)
-        return (*grads, *(None,) * 10)
+        return (*grads, *(None,) * 11)
 
 
 def exchange_attend(q, k, v, *, grad: bool, hd, pg, used, q_group: int, k_group: int,
-                    lowp_backward: bool, v_format: str, causal: bool, scale, plan):  # fmt: skip
+                    lowp_backward: bool, v_format: str, causal: bool, scale, plan,
+                    backward_attn=None):  # fmt: skip
     """The layer's ``comm="lowp"`` steps 1 and 2 on the codes: ``out_h`` [B, S, hq, D] (an
     autograd node where ``grad``). ``plan``: the call's DocumentPlan or None."""
     ids = None if plan is None else plan.ids.to(device=q.device, dtype=torch.int32)
     return _heads.run_node(_CodesToHeads, grad, q, k, v, ids, hd, pg, used, q_group, k_group,
-                           lowp_backward, v_format, causal, scale)  # fmt: skip
+                           lowp_backward, v_format, causal, scale, backward_attn)  # fmt: skip

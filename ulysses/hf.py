@@ -11,18 +11,31 @@ Models that look their attention up in ``transformers.ALL_ATTENTION_FUNCTIONS`` 
 train with Ulysses without edits:
 
     import ulysses.hf
-    ulysses.hf.register("ulysses", comm="lowp", group=sp_group)     # once, before the model
-    model = LlamaForCausalLM(config, attn_implementation="ulysses")  # or from_pretrained(...)
-    ulysses.hf.check_model(model, "ulysses")                         # optional: fail early
+    ulysses.hf.register("ulysses", comm="lowp", group=sp_group)  # once, before the model
+    model = LlamaForCausalLM(config)                              # or from_pretrained(...)
+    model.set_attn_implementation("ulysses")
+    ulysses.hf.check_model(model, "ulysses")       # fail early; refuse labels= under SP
     shard = ulysses.batch.shard_batch(batch, group=sp_group)
-    logits = model(**shard.model_inputs()).logits                   # [B, L, V]
+    logits = model(**shard.model_inputs()).logits  # [B, L, V]
     loss = ulysses.batch.causal_lm_loss(logits, shard["shift_labels"], group=sp_group)
 
 What the model call must carry (``shard.model_inputs()`` does): this rank's rows of
 ``input_ids``, the **global** ``position_ids`` (transformers would number each rank's rows
 from 0), ``used_sequence`` for padding at the end of the rows and ``document_ids`` for packed
-documents; these two reach the attention as keyword arguments. No ``attention_mask``: a
-padding mask of one rank's rows cannot say which global rows are live.
+documents (a ``DocumentPlan`` of the global ids: no collective, no host read) and
+``ulysses_token``, a one-element tensor each attention call through the library adds 1 to
+(``causal_lm_loss`` raises on every rank when a batch of ``shard_batch`` reached no such
+call: a model left on SDPA or "eager" would attend over one rank's rows only); these reach
+the attention as keyword arguments. No ``attention_mask``: a padding mask of one rank's rows
+cannot say which global rows are live. No ``labels=``: transformers' own loss would shift
+each rank's labels again and average per rank (:func:`check_model` makes such a call raise).
+
+Under ``torch.compile(model, fullgraph=True)`` the attention traces without a graph break:
+the checks that read tensors on the host (positions, padding mask) run in eager calls only
+(``shard_batch`` builds the inputs they check, eagerly), and a batch with padding or packed
+documents attends through a mask built from the plan's ids on the device, so batches that
+differ in padding or in their document count reuse one graph (``used_sequence`` is then
+carried by the plan: its padding rows are a document of their own).
 
 Needs ``pip install ulysses-lowp[hf]`` (transformers); importing this module without it
 raises ImportError naming the extra.
@@ -34,8 +47,11 @@ import functools
 import weakref
 
 import torch
+import torch.nn.functional as F
 
+from . import attention as _attention
 from . import comm as _comm
+from . import documents as _documents
 from . import mesh as _mesh
 from .attention import ulysses_attention
 
@@ -48,15 +64,17 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
         "(or pip install transformers)"
     ) from e
 
-__all__ = ["register", "check_model", "attention_forward", "calls"]
+__all__ = ["register", "check_model", "attention_forward", "calls", "plan_attention"]
 
 # Attention calls made through a registered implementation, per process: check_model's hooks
 # compare it before and after each attention module's forward.
 _CALLS = [0]
+_GROUPS: dict = {}  # registered name -> its group (check_model's labels= check reads its size)
 
 
 def calls() -> int:
-    """How many attention calls went through a registered Ulysses implementation so far."""
+    """How many eager attention calls went through a registered Ulysses implementation so far
+    (compiled calls do not count: a counter the trace read would be a guard)."""
     return _CALLS[0]
 
 
@@ -112,6 +130,7 @@ def register(
     settings = dict(comm=comm, backward_comm=backward_comm, head_chunks=head_chunks,
                     group=group, **options)  # fmt: skip
     AttentionInterface.register(name, functools.partial(attention_forward, settings=settings))
+    _GROUPS[name] = group
     # transformers builds masks per implementation and passes none to one it does not know,
     # dropping a padding mask silently: this one checks the mask and builds none
     AttentionMaskInterface.register(name, functools.partial(_mask, group=group))
@@ -122,7 +141,7 @@ def _mask(*args, group=None, attention_mask=None, **kwargs):
     """transformers' mask function for the registered name: no mask (the attention is
     causal by itself, padding and documents come as ``used_sequence`` / ``document_ids``);
     a padding mask raises ValueError on every rank."""
-    if attention_mask is not None:
+    if attention_mask is not None and not torch.compiler.is_compiling():
         _check_no_padding(attention_mask, group)
     return None
 
@@ -143,6 +162,7 @@ def attention_forward(
     position_ids=None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    ulysses_token=None,
     **kwargs,
 ):
     """transformers' attention-function signature -> :func:`ulysses.ulysses_attention`.
@@ -150,9 +170,17 @@ def attention_forward(
     ``query`` [B, Hq, L, D], ``key``/``value`` [B, Hkv, L, D]: this rank's rows. Causal unless
     ``is_causal`` (or the module's ``is_causal``) is False; ``scaling`` is the softmax
     scale; ``dropout`` > 0 (training), ``sliding_window`` (transformers' convention) and
-    ``softcap`` pass to the attention. Returns (output
+    ``softcap`` pass to the attention. ``used_sequence`` and ``document_ids`` (local ids
+    [B, L] or a ``DocumentPlan`` of the global ids) pass to the attention; ``ulysses_token``
+    (a one-element integer tensor from ``shard_batch``) gets 1 added per call. Returns (output
     [B, L, Hq, D], None). Other keyword arguments transformers passes along (``use_cache``,
     ``output_attentions``, ...) are ignored.
+
+    Under torch.compile the host-reading checks below are skipped (run the step once eagerly,
+    or build the inputs with ``shard_batch``, to have them), and a ``DocumentPlan`` is
+    attended by :func:`plan_attention` (a mask from the plan's ids on the device) with
+    ``used_sequence`` left to the plan, so that the graph does not depend on the document
+    count or the live counts.
 
     Raises:
         ValueError: keys of another length than the queries (a KV cache: train with
@@ -176,7 +204,8 @@ def attention_forward(
             f"{tuple(getattr(attention_mask, 'shape', ()))}; call the model without "
             "attention_mask and with ulysses.batch.shard_batch(...).model_inputs()"
         )
-    if position_ids is not None:
+    compiling = torch.compiler.is_compiling()
+    if position_ids is not None and not compiling:
         _check_positions(position_ids, document_ids is not None, query.shape[2], group,
                          query.device)  # fmt: skip
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -189,12 +218,63 @@ def attention_forward(
         attn_kwargs["window_size"] = (w - 1, 0) if causal else (w, w)
     if softcap is not None:
         attn_kwargs["softcap"] = float(softcap)
-    _CALLS[0] += 1
+    if ulysses_token is not None:
+        ulysses_token.add_(1)  # (an in-place add on a graph input: traceable)
+    if not compiling:
+        _CALLS[0] += 1
+        if getattr(document_ids, "_ulysses_padding_only", False):
+            document_ids = None  # a plan of padding alone: used_sequence says it all
+    elif isinstance(document_ids, _documents.DocumentPlan) and not callable(settings.get("attn")):
+        # the plan's documents (its padding rows a document of their own) as a mask from its
+        # ids: the trace reads no run boundary and no live count, so it holds for any batch
+        # of this shape
+        if settings.get("attn") != "codes":
+            settings = {**settings, "attn": plan_attention}
+        used_sequence = None
     out = ulysses_attention(
         query, key, value, causal=bool(causal), scale=scaling, used_sequence=used_sequence,
         document_ids=document_ids, layout="bhsd", attn_kwargs=attn_kwargs or None, **settings,
     )  # fmt: skip
     return out.transpose(1, 2), None
+
+
+def plan_attention(q_h, k_h, v_h, *, causal, scale, used_sequence=None, document_ids=None,
+                   window_size=None, softcap=None, dropout_p=0.0):  # fmt: skip
+    """An ``attn`` for :func:`ulysses.ulysses_attention` that reads packed documents from the
+    global ids ``document_ids`` [B, S] on the device (no host read, so a compiled graph holds
+    for any document count): query i attends key j iff both have one id (and ``j <= i`` when
+    ``causal``, inside ``window_size``), with ``used_sequence`` rows ``[used_b, S)`` never
+    attended. torch's SDPA with a boolean mask ``[B, 1, S, S]``; a soft cap goes through
+    :func:`ulysses.attention.masked_attention` (fp32 scores). ``q_h`` [B, S, hq, D],
+    ``k_h``/``v_h`` [B, S, hkv, D] -> [B, S, hq, D]."""
+    if softcap is not None or used_sequence is not None:
+        return _attention.masked_attention(
+            q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used_sequence,
+            document_ids=document_ids, window_size=window_size, softcap=softcap,
+            dropout_p=dropout_p,
+        )  # fmt: skip
+    S = q_h.shape[1]
+    rows = torch.arange(S, device=q_h.device)
+    allowed = torch.ones(S, S, dtype=torch.bool, device=q_h.device)
+    if causal:
+        allowed = allowed & (rows[None, :] <= rows[:, None])
+    if window_size is not None:
+        left, right = window_size
+        if left >= 0:
+            allowed = allowed & (rows[None, :] >= rows[:, None] - left)
+        if right >= 0:
+            allowed = allowed & (rows[None, :] <= rows[:, None] + right)
+    if document_ids is not None:
+        ids = document_ids.to(q_h.device)
+        allowed = allowed[None] & (ids[:, :, None] == ids[:, None, :])  # [B, S, S]
+    else:
+        allowed = allowed[None]
+    gqa = {"enable_gqa": True} if k_h.shape[2] != q_h.shape[2] else {}
+    out = F.scaled_dot_product_attention(
+        q_h.transpose(1, 2), k_h.transpose(1, 2), v_h.transpose(1, 2),
+        attn_mask=allowed[:, None], dropout_p=dropout_p, scale=scale, **gqa,
+    )  # fmt: skip
+    return out.transpose(1, 2)
 
 
 # Checks that read tensors back to the host run once per tensor (every layer gets the same
@@ -240,8 +320,16 @@ def _check_positions(position_ids, documents: bool, L: int, group, device) -> No
     restarts = int(bool((pos[:, 1:] != pos[:, :-1] + 1).any())) if pos.shape[-1] > 1 else 0
     starts = pos[:, 0]
     first, last = int(starts.min()), int(starts.max())
-    seen = _agree([restarts, first, last, int(documents)], group, device)
+    seen = _agree([restarts, first, last, int(documents), L], group, device)
     P = seen.shape[0]
+    if len(set(seen[:, 4].tolist())) > 1:
+        _CHECKED.pop("positions", None)
+        raise ValueError(
+            f"the ranks hold different numbers of rows: per-rank L {seen[:, 4].tolist()}; every "
+            "rank of the Ulysses group must hold L = S / P rows of the same batch (a loader "
+            "that feeds the ranks sequences of different lengths? shard one batch on every "
+            "rank with ulysses.batch.shard_batch, or use ulysses.train.ShardedLoader)"
+        )
     if bool(seen[:, 3].any()) and not bool(seen[:, 3].all()):
         _CHECKED.pop("positions", None)
         ranks = seen[:, 3].nonzero().flatten().tolist()
@@ -295,10 +383,19 @@ def check_model(model, name: str = "ulysses") -> None:
 
     Raises:
         ValueError: ``name`` not registered (call :func:`register`); the model's config asks
-            for another implementation (create the model with ``attn_implementation=name``
-            or call ``model.set_attn_implementation(name)``); no attention module found.
+            for another implementation (call ``model.set_attn_implementation(name)``, or pass
+            ``attn_implementation=name`` to ``from_pretrained`` / ``from_config``); no
+            attention module found.
         RuntimeError (at forward): an attention module whose forward does not look up
             ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``.
+        ValueError (at forward): ``labels=`` passed to the model while the registered group
+            has more than one rank: transformers' loss would shift each rank's labels again
+            (losing each rank's last target) and average per rank; call the model without
+            labels and take ``ulysses.batch.causal_lm_loss(logits, shard["shift_labels"],
+            group=...)`` (or ``ulysses.train.tiled_causal_lm_loss``).
+
+    Under torch.compile the forward hooks do nothing (a counter read while tracing would be
+    a guard): the loss helper's check (``ulysses_token``) covers compiled models.
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -311,9 +408,9 @@ def check_model(model, name: str = "ulysses") -> None:
     got = getattr(config, "_attn_implementation", None)
     if got != name:
         raise ValueError(
-            f"the model's attention implementation is {got!r}, not {name!r}: create it with "
-            f"attn_implementation={name!r} (from_pretrained/from_config/the model class) or call "
-            f"model.set_attn_implementation({name!r})"
+            f"the model's attention implementation is {got!r}, not {name!r}: call "
+            f"model.set_attn_implementation({name!r}) (or pass attn_implementation={name!r} "
+            "to from_pretrained / from_config)"
         )
     modules = _attention_modules(model)
     if not modules:
@@ -322,6 +419,10 @@ def check_model(model, name: str = "ulysses") -> None:
             "'...Attention'): Ulysses cannot tell whether its attention uses "
             f"ALL_ATTENTION_FUNCTIONS[{name!r}]"
         )
+    if not getattr(model, "_ulysses_hf_labels_hook", False):
+        model._ulysses_hf_labels_hook = True
+        model.register_forward_pre_hook(functools.partial(_no_labels, name=name),
+                                        with_kwargs=True)  # fmt: skip
     for path, m in modules:
         if getattr(m, "_ulysses_hf_checked", False):
             continue
@@ -330,11 +431,33 @@ def check_model(model, name: str = "ulysses") -> None:
         m.register_forward_hook(functools.partial(_after, path=path or type(model).__name__))
 
 
+def _no_labels(module, args, kwargs, *, name: str):
+    """Refuse transformers' own loss under sequence parallelism (every rank passes the same
+    arguments, so every rank raises here, before any collective)."""
+    if kwargs.get("labels") is None:
+        return None
+    device = next(module.parameters()).device
+    _, _, P = _comm.resolve_group(_GROUPS.get(name), device)
+    if P > 1:
+        raise ValueError(
+            f"labels= passed to {type(module).__name__} under Ulysses (P = {P}): transformers' "
+            "loss would shift each rank's labels again (losing the target of each rank's last "
+            "row) and average per rank, a silently wrong loss. Call the model without labels "
+            "and take loss = ulysses.batch.causal_lm_loss(logits, shard['shift_labels'], "
+            "group=sp) (or ulysses.train.tiled_causal_lm_loss for long sequences)"
+        )
+    return None
+
+
 def _before(module, args):
+    if torch.compiler.is_compiling():
+        return
     module._ulysses_hf_calls = _CALLS[0]
 
 
 def _after(module, args, output, *, path: str):
+    if torch.compiler.is_compiling():
+        return
     if _CALLS[0] == getattr(module, "_ulysses_hf_calls", _CALLS[0]):
         raise RuntimeError(
             f"{path} ({type(module).__name__}) ran without calling the Ulysses attention "

@@ -13,6 +13,7 @@ from ._batch import (
     COMM_MODES,
     LAYOUTS,
     _check_attn_kwargs,
+    _check_backward_attn,
     _check_backward_comm,
     _check_int8_output,
     _check_v_format,
@@ -41,6 +42,8 @@ class UlyssesAttention(torch.nn.Module):
         ulysses.UlyssesAttention(attn_kwargs={"window_size": (256, 0)})
         # the all-to-alls overlapped with the attention, over head chunks
         ulysses.UlyssesAttention(head_chunks="auto")
+        # attention and its backward on the 8-bit codes
+        ulysses.UlyssesAttention(comm="lowp", attn="codes", backward_attn="codes")
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class UlyssesAttention(torch.nn.Module):
         attn_kwargs: dict | None = None,
         head_chunks: int | str = 1,
         v_format: str = "fp8",
+        backward_attn: str | None = None,
     ):
         super().__init__()
         if comm not in COMM_MODES:
@@ -64,7 +68,8 @@ class UlyssesAttention(torch.nn.Module):
         _check_int8_output(int8_output, comm)
         _check_backward_comm(backward_comm, comm)
         _check_v_format(v_format, comm)
-        self.v_format = v_format
+        _check_backward_attn(backward_attn, comm)
+        self.v_format, self.backward_attn = v_format, backward_attn
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         mode, custom = _attn_mode(attn)
@@ -90,6 +95,7 @@ class UlyssesAttention(torch.nn.Module):
             k_group=self.k_group, layout=self.layout, int8_output=self.int8_output,
             backward_comm=self.backward_comm, document_ids=document_ids, attn_kwargs=options,
             head_chunks=self.head_chunks, v_format=self.v_format,
+            backward_attn=self.backward_attn,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
@@ -106,4 +112,6 @@ class UlyssesAttention(torch.nn.Module):
             out += f", head_chunks={self.head_chunks!r}"
         if self.v_format != "fp8":
             out += f", v_format={self.v_format!r}"
+        if self.backward_attn is not None:
+            out += f", backward_attn={self.backward_attn!r}"
         return f"attn={name}, comm={self.comm!r}, layout={self.layout!r}{out}"

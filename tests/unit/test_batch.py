@@ -17,6 +17,7 @@ IGN = ub.IGNORE_INDEX
 def _as_rank(monkeypatch, rank: int, P: int):
     """Make the helpers see rank ``rank`` of ``P`` (no collective runs in shard_batch)."""
     monkeypatch.setattr(ub.comm, "resolve_group", lambda group, device: (None, rank, P))
+    monkeypatch.setattr(ub, "_check_same_batch", lambda *args: None)  # (tested on its own)
 
 
 def _gather(monkeypatch, batch, P, **kwargs):
@@ -89,7 +90,11 @@ def test_shards_cover_the_padded_batch(monkeypatch, P):
             assert int(full["position_ids"][b, t]) == p, (b, t)
     assert "labels" not in shards[0] and "shift_labels" in shards[0]
     inputs = shards[-1].model_inputs()
-    assert set(inputs) == {"input_ids", "position_ids", "document_ids", "used_sequence"}
+    assert set(inputs) == {"input_ids", "position_ids", "document_ids", "used_sequence",
+                           "ulysses_token"}  # fmt: skip
+    plan = inputs["document_ids"]  # the global ids, the padding rows a document of their own
+    assert isinstance(plan, ulysses.documents.DocumentPlan)
+    assert torch.equal(plan.ids, full["document_ids"])
 
 
 def test_the_target_of_a_ranks_last_row_is_on_the_next_rank(monkeypatch):

@@ -546,8 +546,23 @@ def test_opcheck_codes_op():
     ids = _doc_ids(2, 24, seed=2).to(torch.int32)
     args = (x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, ids)
     kw = {"q_group": 32, "k_group": 64, "causal": True, "sm_scale": None, "used_rows": [20, 24],
-          "out_dtype": DT, "k_shift": 0}  # fmt: skip
+          "out_dtype": DT}  # fmt: skip
     torch.library.opcheck(torch.ops.ulysses.codes_attention.default, args, kw)
+
+
+def test_opcheck_codes_backward_op():
+    """The backward's op (what a compiled graph calls): schema, fake and dispatch agree with
+    the eager call, and no planted-fault argument is part of either op's schema."""
+    q, k, v = _qkv(2, 24, 2, 1, 32, seed=92)
+    x = ulysses.lowp.exchange_qkv(q, k, v, used_sequence=(20, 24), v_format="int8")
+    out, lse = codes.attend(x, causal=True, scale=None, used=(20, 24))
+    dout = torch.randn_like(out)
+    args = (dout, x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, x.k_mean, out, lse, None)
+    kw = {"q_group": 32, "k_group": 64, "causal": True, "sm_scale": None, "used_rows": [20, 24],
+          "per_row": True, "on_codes": False}  # fmt: skip
+    torch.library.opcheck(torch.ops.ulysses.codes_backward.default, args, kw)
+    for op in (torch.ops.ulysses.codes_attention, torch.ops.ulysses.codes_backward):
+        assert "shift" not in str(op.default._schema), op.default._schema
 
 
 def _head_slice(x, c: int, n: int):
@@ -600,3 +615,97 @@ def test_codes_scale_argument():
     want = torch.autograd.grad(want_out, deq, dout.float())
     for name, g, w in zip("qkv", got, want, strict=True):
         assert ((g.float() - w).norm() / w.norm()).item() < 3e-2, name
+
+
+# ---- backward_attn: which backward a forward on the codes runs --------------------------------
+
+
+def _has_codes_backward() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ulysses.kernels.codes_backward") is not None
+
+
+@pytest.mark.parametrize("chunks", [1, 2], ids=["plain", "head-chunks"])
+def test_backward_attn_codes_selects_the_backward_kernel(chunks):
+    """``backward_attn="codes"`` reaches ``codes.chunk_backward`` on the plain and the
+    head-chunk path: the backward runs the kernel on the codes (``ulysses.kernels.
+    codes_backward``), whose gradients are those of fp32 attention of the dequantized values;
+    where that module is not installed, the backward fails importing it (and only then:
+    the default backward of the same call runs)."""
+    B, S, H, D = 1, 48, 2, 32
+    q, k, v = _qkv(B, S, H, H, D, seed=101, grad=True)
+    kw = {"comm": "lowp", "attn": "codes", "causal": True, "head_chunks": chunks}
+    dout = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(7)).to(DT)
+    want = torch.autograd.grad(ulysses.ulysses_attention(q, k, v, **kw), (q, k, v), dout)
+    out = ulysses.ulysses_attention(q, k, v, backward_attn="codes", **kw)
+    if not _has_codes_backward():
+        with pytest.raises(ModuleNotFoundError, match="codes_backward"):
+            torch.autograd.grad(out, (q, k, v), dout)
+        pytest.skip("ulysses.kernels.codes_backward is not installed: selection checked only")
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 3e-2, name
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"comm": "bf16", "backward_attn": "codes"}, ValueError, "backward_attn='codes'.*comm"),
+        ({"comm": "lowp", "attn": "sdpa", "backward_attn": "codes"}, ValueError,
+         "backward_attn='codes'.*attn='codes'"),
+        ({"comm": "lowp", "backward_attn": "codes"}, ValueError, "backward_attn='codes'"),
+        ({"comm": "lowp", "attn": "codes", "backward_attn": "flash"}, ValueError,
+         "backward_attn must be one of"),
+        ({"comm": "lowp", "attn": "codes", "backward_attn": 1}, TypeError, "backward_attn"),
+    ],
+    ids=["bf16", "sdpa", "default-on-cpu", "unknown", "not-a-str"],
+)  # fmt: skip
+def test_backward_attn_is_checked(kwargs, exc, match):
+    """A call whose forward is not on the codes cannot ask for the backward on them; the
+    error names the option (the module checks at construction what it can)."""
+    if kwargs.get("attn") is None and _CUDA:
+        pytest.skip("the default may attend on the codes on a GPU")
+    q, k, v = _qkv(1, 32, 2, 2, 32, seed=103)
+    with pytest.raises(exc, match=match):
+        ulysses.ulysses_attention(q, k, v, **kwargs)
+    if kwargs["comm"] == "bf16" or "attn" not in kwargs or kwargs["attn"] == "codes":
+        module_kw = {n: x for n, x in kwargs.items() if n != "attn"}
+        if kwargs["comm"] == "bf16" or exc is TypeError or "one of" in match:
+            with pytest.raises(exc, match=match.split(".*")[0]):
+                ulysses.UlyssesAttention(**module_kw)
+
+
+@pytest.fixture
+def fake_world(request):
+    """torch's fake process group as rank 1 of ``request.param`` ranks."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=request.param)
+    yield request.param
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
+def test_backward_attn_is_in_the_ranks_signature(fake_world):
+    """Ranks that differ in ``backward_attn`` differ in one field of the signature the layer
+    checks (so they raise together instead of running different backwards)."""
+    from unittest import mock
+
+    from ulysses import comm
+
+    def fields(**kwargs):
+        seen = {}
+
+        def capture(pg, P, device, fn, force, **got):
+            seen.update(got)
+            raise KeyboardInterrupt
+
+        q, k, v = _qkv(1, 8, 4, 4, 32, seed=105)
+        with mock.patch.object(comm, "verify_call", capture), pytest.raises(KeyboardInterrupt):
+            ulysses.ulysses_attention(q, k, v, comm="lowp", attn="codes", **kwargs)
+        return seen
+
+    base, changed = fields(), fields(backward_attn="codes")
+    assert sorted(f for f in base if base[f] != changed[f]) == ["backward_attn"]
