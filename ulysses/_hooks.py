@@ -87,18 +87,18 @@ active = Hooks()
 @contextlib.contextmanager
 def installed(hooks: Hooks) -> Iterator[Hooks]:
     """``hooks`` in place of :data:`active` for the block (then the previous ones again), every
-    cached layout and plan forgotten on entry and on exit."""
+    cache emptied on entry and on exit (``_plans.clear_caches``)."""
     global active
     if not isinstance(hooks, Hooks):
         raise TypeError(f"hooks must be a ulysses._hooks.Hooks, got {type(hooks).__name__}")
     previous = active
     active = hooks
-    _plans.clear_all()
+    _plans.clear_caches()
     try:
         yield hooks
     finally:
         active = previous
-        _plans.clear_all()
+        _plans.clear_caches()
 
 
 def step(kind: str, *sizes) -> None:

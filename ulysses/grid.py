@@ -330,7 +330,7 @@ class Layout:
         )
 
 
-_LAYOUTS = _plans.PlanCache(max_plans=1024)
+_LAYOUTS = _plans.PlanCache(f"{__name__}._LAYOUTS", max_plans=1024)
 
 
 def layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
@@ -380,7 +380,6 @@ def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
     return lay if hook is None else hook(lay)
 
 
-def clear_caches() -> None:
-    """Forget cached layouts and every call plan built from them (``ulysses._plans``: the
-    layouts, the plan caches of ``stats``, ``amax`` and ``lowp``)."""
-    _plans.clear_all()
+# every cache of the package emptied: cached layouts, the plans built from them, the prepared
+# launches (``ulysses.clear_caches``, ``ulysses._plans``)
+clear_caches = _plans.clear_caches

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._plans import register_cache
 from ._fields import GridFields
 from ._launch import compiled_for_gpu
 
@@ -173,7 +174,7 @@ def counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-_SM_COUNT: dict[int, int] = {}
+_SM_COUNT: dict = register_cache(f"{__name__}._SM_COUNT", {})  # device index -> SMs
 
 
 def sm_count(device: torch.device) -> int:
@@ -185,7 +186,7 @@ def sm_count(device: torch.device) -> int:
     return n
 
 
-_TILES: dict[tuple, tuple[int, int]] = {}
+_TILES: dict = register_cache(f"{__name__}._TILES", {})  # tile()'s arguments -> its result
 
 
 def tile(

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._plans import register_cache
 from ._runtime import (
     ROW_WIDTH,
     GridFields,
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 MODE_MEAN, MODE_FUSED, MODE_MERGE = 0, 1, 2
-_SOURCES: dict[tuple, torch.Tensor] = {}
+_SOURCES: dict = register_cache(f"{__name__}._SOURCES", {})  # _sources()'s arguments -> table
 
 
 # The kernel's grid values, in the order of its int32 table (``values_ptr``; the per-row

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._plans import register_cache
 from ._runtime import (
     GridFields,
     Launch,
@@ -201,7 +202,7 @@ def _block_s(D: int, device: torch.device) -> tuple[int, int]:
 
 # Dequantize launches by configuration (shapes, strides, device, groups, dtype): the one
 # cache of this module, so that repeat calls take the launch's fast path (kernels/_launch.py).
-_PREPARED: dict[tuple, Launch] = {}
+_PREPARED: dict = register_cache(f"{__name__}._PREPARED", {})
 _MAX_PREPARED = 256
 
 
