@@ -387,6 +387,14 @@ class _Hybrid(torch.autograd.Function):
 # ---- public ------------------------------------------------------------------------------------
 
 
+def _plain():
+    """``ulysses.ulysses_attention``, through the package: ``ulysses.attention`` calls into
+    this module (:func:`dispatch`), so this module does not import it back."""
+    import ulysses
+
+    return ulysses.ulysses_attention
+
+
 def hybrid_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -442,9 +450,7 @@ def hybrid_attention(
     g = _resolve(mesh, q.device)
     _check(q, k, v, g, comm, causal, scale, layout, used_sequence, q_group, k_group, v_format)
     if g.P_r == 1:  # the plain call on the Ulysses group (zigzag over one segment: contiguous)
-        from .attention import ulysses_attention
-
-        return ulysses_attention(q, k, v, group=g.uly_pg, comm=comm, causal=causal, scale=scale,
+        return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal, scale=scale,
                                  used_sequence=used_sequence, q_group=q_group, k_group=k_group,
                                  v_format=v_format)  # fmt: skip
     B, L, Hq, D = q.shape
@@ -486,11 +492,9 @@ def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=
         raise TypeError(f"ulysses_attention got unexpected keyword arguments {unknown}")
     g = _resolve(group, q.device)
     if g.P_r == 1:  # every option of the plain call (zigzag over one segment: contiguous)
-        from .attention import ulysses_attention
-
         if ring_layout not in RING_LAYOUTS:
             raise ValueError(f"ring_layout must be one of {RING_LAYOUTS}, got {ring_layout!r}")
-        return ulysses_attention(q, k, v, group=g.uly_pg, comm=comm, causal=causal,
+        return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal,
                                  scale=scale, used_sequence=used_sequence, q_group=q_group,
                                  k_group=k_group, layout=layout, v_format=v_format,
                                  **options)  # fmt: skip
