@@ -51,10 +51,8 @@ SWEEP_SHAPES = [(1, 32768, 4, 128, False), (1, 32768, 4, 128, True)]
 SWEEP = [
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2),
     CB.BackwardConfig(64, 128, 8, 1, 128, 64, 8, 1),
-    CB.BackwardConfig(64, 64, 4, 2, 128, 64, 8, 3),
+    CB.BackwardConfig(64, 64, 4, 2, 128, 128, 8, 2),
     CB.BackwardConfig(32, 128, 8, 2, 64, 64, 4, 2),
-    CB.BackwardConfig(64, 128, 8, 3, 128, 128, 8, 2),
-    CB.BackwardConfig(32, 64, 4, 2, 128, 32, 4, 2),
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, False, True),
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, True, False),
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, False, False),
