@@ -387,6 +387,16 @@ class _Hybrid(torch.autograd.Function):
 # ---- public ------------------------------------------------------------------------------------
 
 
+def _check_groups(g: _Groups) -> list[tuple]:
+    """Where the ranks' signature check runs: the world group when the mesh spans it (one
+    check, so a rank that differs raises the same ValueError on every rank), else the Ulysses
+    group and then the ring group (the watchdog bounds a rank left waiting between them)."""
+    P = g.P_r * g.P_u
+    if P > 1 and dist.is_initialized() and dist.get_world_size() == P:
+        return [(dist.group.WORLD, P)]
+    return [(g.uly_pg, g.P_u), (g.ring_pg, g.P_r)]
+
+
 def _plain():
     """``ulysses.ulysses_attention``, through the package: ``ulysses.attention`` calls into
     this module (:func:`dispatch`), so this module does not import it back."""
@@ -445,7 +455,8 @@ def hybrid_attention(
         ValueError: shapes that disagree; heads the Ulysses dimension does not split; an
             unknown ``comm``, ``layout`` or ``v_format``; zigzag with ``used_sequence`` or an
             odd segment; "lowp" blocks that are not whole groups; ranks that disagree on the
-            call (one 8-byte all_gather on each of the two groups).
+            call, the mesh shape included (one 8-byte all_gather on the world group when the
+            mesh spans it, else on each of the two groups).
     """
     g = _resolve(mesh, q.device)
     _check(q, k, v, g, comm, causal, scale, layout, used_sequence, q_group, k_group, v_format)
@@ -456,7 +467,7 @@ def hybrid_attention(
     B, L, Hq, D = q.shape
     S = L * g.P_r * g.P_u
     used = _used_rows(used_sequence, B, S)
-    for pg, P in ((g.uly_pg, g.P_u), (g.ring_pg, g.P_r)):
+    for pg, P in _check_groups(g):
         if P > 1:
             _comm.verify_call(
                 pg, P, q.device, "ring_attention", False, B=B, L=L, Hq=Hq, Hkv=k.shape[2], D=D,

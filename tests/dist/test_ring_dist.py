@@ -41,7 +41,14 @@ def test_ring_suite_at_world_size_4(tmp_path):
     ids = summary["case_ids"]
     for mesh in ("2x2", "4x1", "1x4"):
         assert any(f"-{mesh}-" in i for i in ids), (mesh, ids)
-    for part in ("fault_unshifted", "fault_drop_block", "yunchang", "lowp-4x1", "zigzag"):
+    for part in (
+        "fault_unshifted",
+        "fault_drop_block",
+        "yunchang",
+        "lowp-4x1",
+        "zigzag",
+        "disagree_causal",
+    ):
         assert any(part in i for i in ids), (part, ids)
     # the lowp bound at ring sizes 1, 2 and 4 on the same data: each case printed its error
     errors = {

@@ -23,6 +23,8 @@ A case id reads ``{comm}-{P_r}x{P_u}-S{S}-H{Hq}kv{Hkv}-D{D}-{causal|full}-{layou
     fault_{name}   a planted fault of the ring's log-sum-exp merge (``unshifted``: no max
                    shift; ``drop_block``: ring step 1's partial never merged); the case
                    passes when the comparison with the reference fails
+    disagree_causal  rank 0 passes ``causal`` the other way: every rank must raise the same
+                   ValueError naming it (the ranks' check covers the mesh shape too)
     yunchang       yunchang's test_hybrid_attn.py case (batch 1, 32 heads, head dim 40, bf16,
                    its forward tolerance atol 1e-2), the sequence scaled down
 
@@ -56,6 +58,7 @@ class Case:
     big: bool = False
     yunchang: bool = False
     fault: str = ""
+    disagree: bool = False
 
     @property
     def id(self) -> str:
@@ -70,6 +73,7 @@ class Case:
             + ("-big" if self.big else "")
             + ("-yunchang" if self.yunchang else "")
             + (f"-fault_{self.fault}" if self.fault else "")
+            + ("-disagree_causal" if self.disagree else "")
         )
 
 
@@ -139,6 +143,10 @@ def select_cases(*, large: bool = False, sweep: bool = False) -> list[Case]:
     for P_r, P_u in MESHES.get(P, [(P, 1)]):
         out += mesh_cases(P_r, P_u)
     out += fault_cases(*MESHES.get(P, [(P, 1)])[0])
+    if P > 1:
+        P_r, P_u = MESHES.get(P, [(P, 1)])[0]
+        out.append(Case("bf16", P_r, P_u, 16, 2 * P_u, P_u, 32, True, "contiguous",
+                        disagree=True))  # fmt: skip
     if P == 4:
         out += yunchang_cases(2, 2)
         out += [c for c in lowp_degree_cases() if c not in out]

@@ -139,11 +139,14 @@ def run_case(ctx: Context, case: cases_ring.Case, seed: int) -> CaseRun:
     r = ctx.rank  # the mesh's own numbering: ring index * P_u + Ulysses index
     tensors, used = _inputs(case, seed)
     mesh = run.collective("mesh", lambda: _mesh(ctx, case.P_r, case.P_u))
+    if case.disagree:
+        return _disagree(run, case, mesh, tensors, r)
 
     def call():
         q, k, v = (_shard(case, x, r).clone().requires_grad_() for x in tensors[:3])
-        out = ring.hybrid_attention(q, k, v, mesh=mesh, causal=case.causal, comm=case.comm,
-                                    used_sequence=used, layout=case.layout)  # fmt: skip
+        # through ring.dispatch: what ulysses_attention(..., group=mesh) calls
+        out = ring.dispatch(q, k, v, group=mesh, causal=case.causal, comm=case.comm,
+                            used_sequence=used, ring_layout=case.layout)  # fmt: skip
         out.backward(_shard(case, tensors[3], r))
         return [_gather(case, t) for t in (out.detach(), q.grad, k.grad, v.grad)]
 
@@ -163,6 +166,26 @@ def run_case(ctx: Context, case: cases_ring.Case, seed: int) -> CaseRun:
                   f"the planted fault {case.fault!r} went unnoticed")  # fmt: skip
         return run
     _compare(run, case, got, exp)
+    return run
+
+
+def _disagree(run: CaseRun, case, mesh, tensors, r: int) -> CaseRun:
+    """Rank 0 passes ``causal`` the other way: every rank must raise the same ValueError
+    naming it, none may hang or go on."""
+
+    def call():
+        q, k, v = (_shard(case, x, r) for x in tensors[:3])
+        try:
+            ring.dispatch(q, k, v, group=mesh, causal=case.causal != (r == 0), comm=case.comm)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    msg = run.collective("disagreeing call", call)
+    if not run.errored:
+        ok = msg is not None and "causal" in msg
+        run.check("every rank raises ValueError naming causal",
+                  None if ok else f"rank {r}: {msg!r}")  # fmt: skip
     return run
 
 
