@@ -15,8 +15,9 @@ A case id reads ``{comm}-{P_r}x{P_u}-S{S}-H{Hq}kv{Hkv}-D{D}-{causal|full}-{layou
     causal | full  causal attention, or every query attends every live key
     layout         contiguous (rank r holds rows [r*L, (r+1)*L)) or zigzag
                    (``ulysses.ring.zigzag_shard``)
-    used_{kind}    none (no padding) or tail (the last live row mid-way through the last
-                   ring segment's first rank)
+    used_{kind}    none (no padding), tail (the last live row mid-way through the last
+                   ring segment's first rank) or rows (one count per batch row: the tail, then
+                   no padding)
     B{B}           batch size
     big            q and k scaled by 16: scores of several hundred, where a log-sum-exp merge
                    without its max shift overflows
@@ -101,6 +102,9 @@ def mesh_cases(P_r: int, P_u: int) -> list[Case]:
     ]
     if P_u <= 2 and P_r > 1:
         out.append(Case("lowp", P_r, P_u, 128 // P_u, P_u, 1, 32, True, "zigzag"))
+    if P_r > 1 and P_u > 1:  # padding on the 8-bit ring: per-row statistics and masked blocks
+        out.append(Case("lowp", P_r, P_u, 128 // P_u if P_u != 3 else 64, P_u, P_u, 32, False,
+                        "contiguous", "rows", B=2))  # fmt: skip
     return out
 
 

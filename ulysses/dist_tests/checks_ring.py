@@ -61,23 +61,27 @@ def _inputs(case: cases_ring.Case, seed: int):
     if case.big:
         q, k = q * 16, k * 16
     used = None
-    if case.used == "tail":
-        used = S - case.L * case.P_u + case.L // 2
-        for x in (q, k, v):
-            x[:, used:] = 0
+    if case.used in ("tail", "rows"):
+        tail = S - case.L * case.P_u + case.L // 2
+        # rows: one count per batch row (the tail, then a row without padding, ...)
+        used = tail if case.used == "tail" else tuple(tail if b % 2 == 0 else S for b in range(B))
+        for b, n in enumerate(used if case.used == "rows" else (used,) * B):
+            for x in (q, k, v):
+                x[b, n:] = 0
     return [x.to(dtype) for x in (q, k, v, dout)], used
 
 
 def _attention(q, k, v, *, causal: bool, used):
-    """fp32 attention of [B, S, hq, D] over [B, S, hkv, D], live rows [0, used); rows past
-    used are 0."""
+    """fp32 attention of [B, S, hq, D] over [B, S, hkv, D], live rows [0, used) (None, an int
+    or one count per batch row); rows past used are 0."""
     B, S, hq, D = q.shape
     g = hq // k.shape[2]
     k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
     s = torch.einsum("bihd,bjhd->bhij", q, k) * D**-0.5
-    n = S if used is None else used
-    allowed = torch.zeros(S, S, dtype=torch.bool)
-    allowed[:n, :n] = True
+    counts = used if isinstance(used, tuple) else (S if used is None else used,) * B
+    allowed = torch.zeros(B, 1, S, S, dtype=torch.bool)
+    for b, n in enumerate(counts):
+        allowed[b, :, :n, :n] = True
     if causal:
         allowed &= torch.ones(S, S, dtype=torch.bool).tril()
     s = s.masked_fill(~allowed, -math.inf)
