@@ -12,9 +12,9 @@ What runs: this process is global rank 1 of P on torch's fake process group, on 
 group, the ring's P2P transfers through a second one (``ulysses._ring_comm.ring_link``), both
 at the row's link speed (a device -> pinned-host copy on its own stream lasting ``bytes /
 GB/s``, the receive buffer filled with what this rank sent: real values, other ranks' data
-modelled by this rank's). The ring group's statistics all_gather (``comm="lowp"``: a few KB)
-is not modelled. The ring's transfers run on the communication stream beside the attention
-of the block in hand, so the table shows how much of the ring the attention hides.
+modelled by this rank's); the 8-bit ring's statistics all_gather (a few KB, on the ring group)
+goes through the first one. The ring's transfers run on the communication stream beside the
+attention of the block in hand, so the table shows how much of the ring the attention hides.
 
 Per mesh and link: ``ulysses`` (pure Ulysses over all P ranks, where Hq % P == 0 and Hkv and
 P divide one another), ``hybrid-bf16``, ``hybrid-lowp`` (the 8-bit ring, codes kernel);
@@ -132,11 +132,23 @@ def run_mesh(P, P_r, P_u, gbps, args, device, failures) -> list[dict]:
             ),
         )
     rows = []
+    uly_pg = uly_link.pg
+
+    def quantize_on_the_link(q_h, k_h, v_h, g, cfg):
+        """The 8-bit ring's statistics all_gather on the ring group through the link too (real
+        values: every ring rank holds this rank's data, as the link models)."""
+        uly_link.pg, uly_link.P = g.ring_pg, g.P_r
+        try:
+            return real_quantize(q_h, k_h, v_h, g, cfg)
+        finally:
+            uly_link.pg, uly_link.P = uly_pg, P_u
+
+    real_quantize = ring._quantize
     for kind in args.kinds:
         for name, (link, fn) in providers.items():
             run = _runner(fn, kind, q, k, v, dout)
             previous = _ring_comm.ring_link
-            _ring_comm.ring_link = ring_link
+            _ring_comm.ring_link, ring._quantize = ring_link, quantize_on_the_link
             try:
                 with link:
                     for _ in range(args.warmup):
@@ -158,7 +170,7 @@ def run_mesh(P, P_r, P_u, gbps, args, device, failures) -> list[dict]:
                 failures.append(f"{name} {kind} P {P} {gbps:g} GB/s: {type(exc).__name__}: {exc}")
                 continue
             finally:
-                _ring_comm.ring_link = previous
+                _ring_comm.ring_link, ring._quantize = previous, real_quantize
             times.sort()
             rows.append(dict(P=P, mesh=f"{P_r}x{P_u}", gbps=gbps, kind=kind, provider=name,
                              ms=times[len(times) // 2] * 1e3, ring_mb=sent / 1e6))  # fmt: skip
