@@ -77,24 +77,9 @@ K_STATS = GridFields(
     "sup_at",
     hinted=("stride_kb", "stride_kl", "stride_kh"),
 )  # fmt: skip
-_KS_stride_kb = K_STATS.at("stride_kb")
-_KS_stride_kl = K_STATS.at("stride_kl")
-_KS_stride_kh = K_STATS.at("stride_kh")
-_KS_rows_at = K_STATS.at("rows_at")
-_KS_tag = K_STATS.at("tag")
-_KS_tag_last = K_STATS.at("tag_last")
-_KS_L = K_STATS.at("L")
-_KS_H = K_STATS.at("H")
-_KS_row0 = K_STATS.at("row0")
-_KS_used = K_STATS.at("used")
-_KS_tail_group = K_STATS.at("tail_group")
-_KS_g_first = K_STATS.at("g_first")
-_KS_n_touched = K_STATS.at("n_touched")
-_KS_n_mm = K_STATS.at("n_mm")
-_KS_block_first = K_STATS.at("block_first")
-_KS_n_blocks = K_STATS.at("n_blocks")
-_KS_bnd_at = K_STATS.at("bnd_at")
-_KS_sup_at = K_STATS.at("sup_at")
+(_KS_stride_kb, _KS_stride_kl, _KS_stride_kh, _KS_rows_at, _KS_tag, _KS_tag_last, _KS_L, _KS_H,
+ _KS_row0, _KS_used, _KS_tail_group, _KS_g_first, _KS_n_touched, _KS_n_mm, _KS_block_first,
+ _KS_n_blocks, _KS_bnd_at, _KS_sup_at) = K_STATS.offsets()  # fmt: skip
 
 
 @triton.jit

@@ -66,20 +66,9 @@ FINALIZE = GridFields(
     "N", "stride_p", "H", "P", "bhd", "n_slots", "n_touched", "n_hblocks", "n_chunks",
     "slots_per_program", "n_src_first", "n_src_last", "divisor", "rows_at",
 )  # fmt: skip
-_FZ_N = FINALIZE.at("N")
-_FZ_stride_p = FINALIZE.at("stride_p")
-_FZ_H = FINALIZE.at("H")
-_FZ_P = FINALIZE.at("P")
-_FZ_bhd = FINALIZE.at("bhd")
-_FZ_n_slots = FINALIZE.at("n_slots")
-_FZ_n_touched = FINALIZE.at("n_touched")
-_FZ_n_hblocks = FINALIZE.at("n_hblocks")
-_FZ_n_chunks = FINALIZE.at("n_chunks")
-_FZ_slots_per_program = FINALIZE.at("slots_per_program")
-_FZ_n_src_first = FINALIZE.at("n_src_first")
-_FZ_n_src_last = FINALIZE.at("n_src_last")
-_FZ_divisor = FINALIZE.at("divisor")
-_FZ_rows_at = FINALIZE.at("rows_at")
+(_FZ_N, _FZ_stride_p, _FZ_H, _FZ_P, _FZ_bhd, _FZ_n_slots, _FZ_n_touched, _FZ_n_hblocks,
+ _FZ_n_chunks, _FZ_slots_per_program, _FZ_n_src_first, _FZ_n_src_last, _FZ_divisor, _FZ_rows_at
+) = FINALIZE.offsets()  # fmt: skip
 
 
 @triton.jit

@@ -76,23 +76,9 @@ DEQUANT = GridFields(
     "n_kg",
     hinted=("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_vsb"),
 )  # fmt: skip
-_DQ_stride_qb = DEQUANT.at("stride_qb")
-_DQ_stride_qs = DEQUANT.at("stride_qs")
-_DQ_stride_qh = DEQUANT.at("stride_qh")
-_DQ_stride_kb = DEQUANT.at("stride_kb")
-_DQ_stride_ks = DEQUANT.at("stride_ks")
-_DQ_stride_kh = DEQUANT.at("stride_kh")
-_DQ_stride_vb = DEQUANT.at("stride_vb")
-_DQ_stride_vs = DEQUANT.at("stride_vs")
-_DQ_stride_vh = DEQUANT.at("stride_vh")
-_DQ_stride_vsb = DEQUANT.at("stride_vsb")
-_DQ_S = DEQUANT.at("S")
-_DQ_HQ = DEQUANT.at("HQ")
-_DQ_HKV = DEQUANT.at("HKV")
-_DQ_q_group = DEQUANT.at("q_group")
-_DQ_k_group = DEQUANT.at("k_group")
-_DQ_n_qg = DEQUANT.at("n_qg")
-_DQ_n_kg = DEQUANT.at("n_kg")
+(_DQ_stride_qb, _DQ_stride_qs, _DQ_stride_qh, _DQ_stride_kb, _DQ_stride_ks, _DQ_stride_kh,
+ _DQ_stride_vb, _DQ_stride_vs, _DQ_stride_vh, _DQ_stride_vsb, _DQ_S, _DQ_HQ, _DQ_HKV, _DQ_q_group,
+ _DQ_k_group, _DQ_n_qg, _DQ_n_kg) = DEQUANT.offsets()  # fmt: skip
 
 
 @triton.jit

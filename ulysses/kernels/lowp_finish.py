@@ -60,25 +60,9 @@ LOWP_FINISH = GridFields(
     "stride_p", "first_q0", "first_e0", "first_n", "last_q0", "last_e0", "last_n", "n_bhd",
     "n_bh", "n_slots", "n_touched", "H", "h", "head0", "q_off", "v_off", "P", "D", "prog0",
 )  # fmt: skip
-_LF_stride_p = LOWP_FINISH.at("stride_p")
-_LF_first_q0 = LOWP_FINISH.at("first_q0")
-_LF_first_e0 = LOWP_FINISH.at("first_e0")
-_LF_first_n = LOWP_FINISH.at("first_n")
-_LF_last_q0 = LOWP_FINISH.at("last_q0")
-_LF_last_e0 = LOWP_FINISH.at("last_e0")
-_LF_last_n = LOWP_FINISH.at("last_n")
-_LF_n_bhd = LOWP_FINISH.at("n_bhd")
-_LF_n_bh = LOWP_FINISH.at("n_bh")
-_LF_n_slots = LOWP_FINISH.at("n_slots")
-_LF_n_touched = LOWP_FINISH.at("n_touched")
-_LF_H = LOWP_FINISH.at("H")
-_LF_h = LOWP_FINISH.at("h")
-_LF_head0 = LOWP_FINISH.at("head0")
-_LF_q_off = LOWP_FINISH.at("q_off")
-_LF_v_off = LOWP_FINISH.at("v_off")
-_LF_P = LOWP_FINISH.at("P")
-_LF_D = LOWP_FINISH.at("D")
-_LF_prog0 = LOWP_FINISH.at("prog0")
+(_LF_stride_p, _LF_first_q0, _LF_first_e0, _LF_first_n, _LF_last_q0, _LF_last_e0, _LF_last_n,
+ _LF_n_bhd, _LF_n_bh, _LF_n_slots, _LF_n_touched, _LF_H, _LF_h, _LF_head0, _LF_q_off, _LF_v_off,
+ _LF_P, _LF_D, _LF_prog0) = LOWP_FINISH.offsets()  # fmt: skip
 
 
 @triton.jit

@@ -32,45 +32,12 @@ PACK = GridFields(
         "stride_vb", "stride_vl", "stride_vh", "ROW", "CB", "E4",
     ),
 )  # fmt: skip
-PK_L = PACK.at("L")
-PK_H = PACK.at("H")
-PK_h = PACK.at("h")
-PK_HE = PACK.at("HE")
-PK_hkv = PACK.at("hkv")
-PK_n_lanes = PACK.at("n_lanes")
-PK_row0 = PACK.at("row0")
-PK_n_slots_q = PACK.at("n_slots_q")
-PK_n_slots_k = PACK.at("n_slots_k")
-PK_n_rblocks = PACK.at("n_rblocks")
-PK_n_code = PACK.at("n_code")
-PK_n_qcode = PACK.at("n_qcode")
-PK_n_scales = PACK.at("n_scales")
-PK_B = PACK.at("B")
-PK_shift = PACK.at("shift")
-PK_n_qgroups = PACK.at("n_qgroups")
-PK_q_whole_lo = PACK.at("q_whole_lo")
-PK_q_whole_hi = PACK.at("q_whole_hi")
-PK_tail_group_q = PACK.at("tail_group_q")
-PK_live_end = PACK.at("live_end")
-PK_h_src = PACK.at("h_src")
-PK_hkv_src = PACK.at("hkv_src")
-PK_q_off = PACK.at("q_off")
-PK_k_off = PACK.at("k_off")
-PK_HS = PACK.at("HS")
-PK_HKS = PACK.at("HKS")
-PK_kv_rep = PACK.at("kv_rep")
-PK_stride_qb = PACK.at("stride_qb")
-PK_stride_ql = PACK.at("stride_ql")
-PK_stride_qh = PACK.at("stride_qh")
-PK_stride_kb = PACK.at("stride_kb")
-PK_stride_kl = PACK.at("stride_kl")
-PK_stride_kh = PACK.at("stride_kh")
-PK_stride_vb = PACK.at("stride_vb")
-PK_stride_vl = PACK.at("stride_vl")
-PK_stride_vh = PACK.at("stride_vh")
-PK_ROW = PACK.at("ROW")
-PK_CB = PACK.at("CB")
-PK_E4 = PACK.at("E4")
+(PK_L, PK_H, PK_h, PK_HK, PK_HE, PK_hkv, PK_n_lanes, PK_row0, PK_n_slots_q, PK_n_slots_k,
+ PK_n_rblocks, PK_n_code, PK_n_qcode, PK_n_scales, PK_B, PK_shift, PK_n_qgroups, PK_q_whole_lo,
+ PK_q_whole_hi, PK_tail_group_q, PK_live_end, PK_h_src, PK_hkv_src, PK_q_off, PK_k_off, PK_HS,
+ PK_HKS, PK_kv_rep, PK_stride_qb, PK_stride_ql, PK_stride_qh, PK_stride_kb, PK_stride_kl,
+ PK_stride_kh, PK_stride_vb, PK_stride_vl, PK_stride_vh, PK_ROW, PK_CB, PK_E4
+) = PACK.offsets()  # fmt: skip
 PK_ROWS_AT = tl.constexpr(len(PACK))  # the per-row table follows the values
 
 

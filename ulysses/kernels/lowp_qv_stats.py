@@ -69,28 +69,10 @@ QV_STATS = GridFields(
     "q_skip_lo", "q_skip_hi", "payload_at", "vamax_at", "cnt_at", "vacc_at",
     hinted=("stride_qb", "stride_ql", "stride_qh", "stride_vb", "stride_vl", "stride_vh"),
 )  # fmt: skip
-_QV_stride_qb = QV_STATS.at("stride_qb")
-_QV_stride_ql = QV_STATS.at("stride_ql")
-_QV_stride_qh = QV_STATS.at("stride_qh")
-_QV_stride_vb = QV_STATS.at("stride_vb")
-_QV_stride_vl = QV_STATS.at("stride_vl")
-_QV_stride_vh = QV_STATS.at("stride_vh")
-_QV_rows_at = QV_STATS.at("rows_at")
-_QV_L = QV_STATS.at("L")
-_QV_H = QV_STATS.at("H")
-_QV_HV = QV_STATS.at("HV")
-_QV_row0 = QV_STATS.at("row0")
-_QV_n_slots = QV_STATS.at("n_slots")
-_QV_n_touched = QV_STATS.at("n_touched")
-_QV_n_spans = QV_STATS.at("n_spans")
-_QV_tail_group = QV_STATS.at("tail_group")
-_QV_live_end = QV_STATS.at("live_end")
-_QV_q_skip_lo = QV_STATS.at("q_skip_lo")
-_QV_q_skip_hi = QV_STATS.at("q_skip_hi")
-_QV_payload_at = QV_STATS.at("payload_at")
-_QV_vamax_at = QV_STATS.at("vamax_at")
-_QV_cnt_at = QV_STATS.at("cnt_at")
-_QV_vacc_at = QV_STATS.at("vacc_at")
+(_QV_stride_qb, _QV_stride_ql, _QV_stride_qh, _QV_stride_vb, _QV_stride_vl, _QV_stride_vh,
+ _QV_rows_at, _QV_L, _QV_H, _QV_HV, _QV_row0, _QV_n_slots, _QV_n_touched, _QV_n_spans,
+ _QV_tail_group, _QV_live_end, _QV_q_skip_lo, _QV_q_skip_hi, _QV_payload_at, _QV_vamax_at,
+ _QV_cnt_at, _QV_vacc_at) = QV_STATS.offsets()  # fmt: skip
 
 
 @triton.jit
