@@ -42,17 +42,12 @@ from ._runtime import (
     grid_table,
     sm_count,
     tile,
-)
+)  # fmt: skip
 from ._tl import head_block_program
 
 __all__ = [
-    "finalize_part",
-    "finalize_stats",
-    "prepare_finalize",
-    "MODE_MEAN",
-    "MODE_FUSED",
-    "MODE_MERGE",
-]
+    "finalize_part", "finalize_stats", "prepare_finalize", "MODE_MEAN", "MODE_FUSED", "MODE_MERGE",
+]  # fmt: skip
 
 MODE_MEAN, MODE_FUSED, MODE_MERGE = 0, 1, 2
 _SOURCES: dict = register_cache(f"{__name__}._SOURCES", {})  # _sources()'s arguments -> table
@@ -73,23 +68,11 @@ FINALIZE = GridFields(
 
 @triton.jit
 def _finalize_kernel(
-    gathered_ptr,
-    mm_ptr,
-    part_in_ptr,
-    mean_ptr,
-    part_ptr,
-    final_ptr,
-    src_ptr,
+    gathered_ptr, mm_ptr, part_in_ptr, mean_ptr, part_ptr, final_ptr, src_ptr,
     values_ptr,  # int32 [len(FINALIZE)], then the per-row table
-    tag,
-    FLOOR: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    MODE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
+    tag, FLOOR: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, MODE: tl.constexpr,
+    USE_PDL: tl.constexpr, PER_ROW: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     N = tl.load(values_ptr + _FZ_N)
     stride_p = tl.load(values_ptr + _FZ_stride_p)
     H = tl.load(values_ptr + _FZ_H)
@@ -215,25 +198,11 @@ def prepare_finalize(gathered, minmax=None, **config) -> Launch:
 
 
 def finalize_part(
-    gathered: torch.Tensor,
-    minmax: torch.Tensor | None = None,
-    *,
-    mode: int,
-    dtype: torch.dtype,
-    B: int,
-    H: int,
-    D: int,
-    n_slots: int,
-    n_touched: int,
-    divisor: int,
-    tag: float,
-    first_sources: list[int],
-    last_sources: list[int],
-    floor: float,
-    use_pdl: bool,
-    mean: torch.Tensor | None = None,
-    per_row: tuple | None = None,
-) -> Part:
+    gathered: torch.Tensor, minmax: torch.Tensor | None = None, *, mode: int, dtype: torch.dtype,
+    B: int, H: int, D: int, n_slots: int, n_touched: int, divisor: int, tag: float,
+    first_sources: list[int], last_sources: list[int], floor: float, use_pdl: bool,
+    mean: torch.Tensor | None = None, per_row: tuple | None = None,
+) -> Part:  # fmt: skip
     """The finalize's programs (:func:`prepare_finalize`; the call's slots are the
     arguments that are None)."""
     P, N = gathered.shape
@@ -268,19 +237,12 @@ def finalize_part(
         n_src_last=len(last_sources), divisor=divisor,
     )  # fmt: skip
     args = dict(
-        gathered_ptr=gathered,
-        src_ptr=_sources(first_sources, last_sources, P, device),
-        tag=float(tag),
-        FLOOR=floor,
-        D=D,
-        BLOCK_H=block_h,
-        MODE=mode,
-        USE_PDL=use_pdl,
+        gathered_ptr=gathered, src_ptr=_sources(first_sources, last_sources, P, device),
+        tag=float(tag), FLOOR=floor, D=D, BLOCK_H=block_h, MODE=mode, USE_PDL=use_pdl,
         PER_ROW=per_row is not None,
         DB=channel_block(D),  # channels [D, DB) of a tile masked off
-        **fixed,
-        **dict.fromkeys(slots),
-    )
+        **fixed, **dict.fromkeys(slots),
+    )  # fmt: skip
     # per-row counts: each row's divisor
     section = Section(FINALIZE, values, per_row or ((0, 0, 0),))
     return Part(B * n_chunks * n_hblocks, num_warps, section, args)

@@ -46,7 +46,7 @@ from ._runtime import (
     compiled_for_gpu,
     grid_table,
     table_int,
-)
+)  # fmt: skip
 
 __all__ = ["dequantize_qkv", "prepare_dequant", "round_to"]
 
@@ -83,26 +83,12 @@ DEQUANT = GridFields(
 
 @triton.jit
 def _dequant_qkv_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    q_scale_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    q_index_ptr,
-    k_index_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    v_out_ptr,
+    q_ptr, k_ptr, v_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, q_index_ptr, k_index_ptr, q_out_ptr,
+    k_out_ptr, v_out_ptr,
     values_ptr,  # int32 [len(DEQUANT)]
-    HINTS: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HW_ROUND: tl.constexpr,
-    DB: tl.constexpr,
-    V_INT8: tl.constexpr,
-    SCALES_FROM_RECV: tl.constexpr,
-):
+    HINTS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, HW_ROUND: tl.constexpr,
+    DB: tl.constexpr, V_INT8: tl.constexpr, SCALES_FROM_RECV: tl.constexpr,
+):  # fmt: skip
     stride_qb = table_int(values_ptr, _DQ_stride_qb, HINTS)
     stride_qs = table_int(values_ptr, _DQ_stride_qs, HINTS)
     stride_qh = table_int(values_ptr, _DQ_stride_qh, HINTS)
@@ -193,18 +179,11 @@ _MAX_PREPARED = 256
 
 
 def prepare_dequant(
-    q_shape: tuple[int, int, int, int],
-    kv_shape: tuple[int, int, int, int],
-    strides: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
-    device: torch.device,
-    *,
-    q_group: int,
-    k_group: int,
-    dtype: torch.dtype,
-    v_int8: bool = False,
-    scale_index: tuple[torch.Tensor, torch.Tensor] | None = None,
-    v_scale_stride: int | None = None,
-) -> Launch:
+    q_shape: tuple[int, int, int, int], kv_shape: tuple[int, int, int, int],
+    strides: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], device: torch.device, *,
+    q_group: int, k_group: int, dtype: torch.dtype, v_int8: bool = False,
+    scale_index: tuple[torch.Tensor, torch.Tensor] | None = None, v_scale_stride: int | None = None,
+) -> Launch:  # fmt: skip
     """The dequantize launch for codes q of ``q_shape`` [B, S, hq, D] and k, v of ``kv_shape``
     with ``strides`` (q's, k's, v's) into outputs of ``dtype``, prepared once per
     configuration (the compiled kernel is specialized on the output dtype): call it with
@@ -255,17 +234,9 @@ def prepare_dequant(
 
 
 def dequantize_qkv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    *,
-    q_group: int,
-    k_group: int,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+    v_scale: torch.Tensor, *, q_group: int, k_group: int, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(q, k, v)`` [B, S, h, D] contiguous in ``dtype``: ``code * scale`` in fp32, rounded to
     nearest, in one launch (module docstring for shapes). Launcher: invariants are asserted;
     ``ulysses`` validates user input."""

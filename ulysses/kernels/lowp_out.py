@@ -48,14 +48,9 @@ from ._runtime import Launch, cdiv, channel_block, compiled_for_gpu
 from .lowp_dequant import round_to
 
 __all__ = [
-    "quantize_out",
-    "dequantize_out",
-    "quantize_to_heads",
-    "dequantize_to_heads",
-    "quantize_grads",
-    "dequantize_grads",
-    "out_chunk_bytes",
-]
+    "quantize_out", "dequantize_out", "quantize_to_heads", "dequantize_to_heads", "quantize_grads",
+    "dequantize_grads", "out_chunk_bytes",
+]  # fmt: skip
 
 FLOOR = 1e-7
 
@@ -72,26 +67,10 @@ def out_chunk_bytes(B: int, L: int, h: int, D: int) -> int:
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _quant_out_kernel(
-    x_ptr,
-    stride_xb,
-    stride_xp,
-    stride_xs,
-    stride_xh,
-    send_ptr,
-    scale_ptr,
-    B,
-    S,
-    L,
-    H,
-    HT,
-    h_off,
-    chunk,
-    D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    FLOOR: tl.constexpr,
-    HW_ROUND: tl.constexpr,
+    x_ptr, stride_xb, stride_xp, stride_xs, stride_xh, send_ptr, scale_ptr, B, S, L, H, HT, h_off,
+    chunk, D: tl.constexpr, BLOCK_S: tl.constexpr, FLOOR: tl.constexpr, HW_ROUND: tl.constexpr,
     DB: tl.constexpr,
-):
+):  # fmt: skip
     i_s, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
@@ -124,24 +103,9 @@ def _quant_out_kernel(
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _dequant_out_kernel(
-    recv_ptr,
-    scale_ptr,
-    out_ptr,
-    stride_ob,
-    stride_ol,
-    stride_op,
-    stride_oh,
-    B,
-    L,
-    H,
-    HT,
-    h_off,
-    chunk,
-    D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HW_ROUND: tl.constexpr,
-    DB: tl.constexpr,
-):
+    recv_ptr, scale_ptr, out_ptr, stride_ob, stride_ol, stride_op, stride_oh, B, L, H, HT, h_off,
+    chunk, D: tl.constexpr, BLOCK_S: tl.constexpr, HW_ROUND: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     i_l, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_p = i_slot // H  # the grid's axis 1 runs over P * H (chunk, head) pairs
     i_h = i_slot - i_p * H
@@ -353,16 +317,9 @@ def quantize_grads(
 
 
 def dequantize_grads(
-    recv: torch.Tensor,
-    *,
-    B: int,
-    L: int,
-    hq: int,
-    hkv: int,
-    D: int,
-    world_size: int,
+    recv: torch.Tensor, *, B: int, L: int, hq: int, hkv: int, D: int, world_size: int,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq [B, L, P*hq, D], dk [B, L, P*hkv, D], dv)`` in ``dtype`` from the received chunks
     (chunk p: rank p's gradients of its heads, for this rank's rows), three launches. Head
     ``p*h + i`` holds head i of chunk p: with K/V heads repeated over ranks (hkv = 1) it is

@@ -51,21 +51,10 @@ def _source_head(x, per, per_src, off):
 
 @triton.jit
 def _pack_q_group(
-    i_q,
-    q_ptr,
-    amax_q_ptr,
-    send_ptr,
-    values_ptr,
-    HINTS: tl.constexpr,
-    D: tl.constexpr,
-    GQ: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HW_ROUND: tl.constexpr,
-    FLOOR: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
+    i_q, q_ptr, amax_q_ptr, send_ptr, values_ptr, HINTS: tl.constexpr, D: tl.constexpr,
+    GQ: tl.constexpr, BLOCK_H: tl.constexpr, HW_ROUND: tl.constexpr, FLOOR: tl.constexpr,
+    EVICT: tl.constexpr, PER_ROW: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     """Q_ONCE program ``i_q`` of the pack launch: one per (batch, Q group this rank touches,
     head block). The group's [GQ, BLOCK_H, D] tile is read once, in one go. A group this
     rank holds whole takes its amax from the tile (the statistics kernel's value: the tail

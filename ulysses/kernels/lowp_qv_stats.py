@@ -49,7 +49,7 @@ from ._runtime import (
     next_pow2,
     table_int,
     tile,
-)
+)  # fmt: skip
 
 __all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats", "qv_stats_part"]
 
@@ -77,67 +77,25 @@ QV_STATS = GridFields(
 
 @triton.jit
 def _qv_stats_kernel(
-    q_ptr,
-    v_ptr,
-    amax_ptr,
-    payload_ptr,
-    cnt_ptr,
+    q_ptr, v_ptr, amax_ptr, payload_ptr, cnt_ptr,
     values_ptr,  # int32 [len(QV_STATS)], then the per-row table
-    HINTS: tl.constexpr,
-    FLOOR: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    SPAN: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
+    HINTS: tl.constexpr, FLOOR: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPAN: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     _qv_stats_program(
-        tl.program_id(0).to(tl.int64),
-        q_ptr,
-        v_ptr,
-        amax_ptr,
-        payload_ptr,
-        cnt_ptr,
-        values_ptr,
-        HINTS,
-        FLOOR,
-        G,
-        D,
-        SPAN,
-        BLOCK_H,
-        ROWS,
-        USE_PDL,
-        EVICT,
-        PER_ROW,
-        DB,
-    )
+        tl.program_id(0).to(tl.int64), q_ptr, v_ptr, amax_ptr, payload_ptr, cnt_ptr, values_ptr,
+        HINTS, FLOOR, G, D, SPAN, BLOCK_H, ROWS, USE_PDL, EVICT, PER_ROW, DB,
+    )  # fmt: skip
 
 
 @triton.jit
 def _qv_stats_program(
-    i_pid,
-    q_ptr,
-    v_ptr,
-    amax_ptr,
-    payload_ptr,
-    cnt_ptr,
-    values_ptr,
-    HINTS: tl.constexpr,
-    FLOOR: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    SPAN: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
+    i_pid, q_ptr, v_ptr, amax_ptr, payload_ptr, cnt_ptr, values_ptr, HINTS: tl.constexpr,
+    FLOOR: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPAN: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     """Program ``i_pid`` of the Q/V statistics (this launch's, or the exchange's statistics
     launch, kernels/lowp_stats.py), its grid values at ``values_ptr`` (``QV_STATS``)."""
     stride_qb = table_int(values_ptr, _QV_stride_qb, HINTS)
@@ -266,32 +224,14 @@ def prepare_qv_stats(shape, q_strides, v_strides, device, payload, amax, **confi
 
 
 def qv_stats_part(
-    shape: tuple[int, int, int, int],
-    q_strides: tuple[int, int, int, int],
-    v_strides: tuple[int, int, int, int],
-    device: torch.device,
-    payload: torch.Tensor,
-    amax: torch.Tensor,
-    *,
-    group_size: int,
-    row0: int,
-    n_slots: int,
-    n_touched: int,
-    tail_group: int,
-    live_end: int,
-    floor: float,
-    use_pdl: bool,
-    q_boundary_only: bool = False,
-    v_heads: int | None = None,
-    per_row: tuple | None = None,
-    span: int | None = None,
-    rows: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    evict: bool = False,
-    payload_at: int = 0,
-    counters_at: int = 0,
-) -> Part:
+    shape: tuple[int, int, int, int], q_strides: tuple[int, int, int, int],
+    v_strides: tuple[int, int, int, int], device: torch.device, payload: torch.Tensor,
+    amax: torch.Tensor, *, group_size: int, row0: int, n_slots: int, n_touched: int,
+    tail_group: int, live_end: int, floor: float, use_pdl: bool, q_boundary_only: bool = False,
+    v_heads: int | None = None, per_row: tuple | None = None, span: int | None = None,
+    rows: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+    evict: bool = False, payload_at: int = 0, counters_at: int = 0,
+) -> Part:  # fmt: skip
     """The Q/V statistics programs writing ``payload`` (from its element ``payload_at``: a
     launch may take a larger buffer) and ``amax``. ``shape`` is q's [B, L, H, D]; v has
     ``v_heads`` heads (H when None; H must be a multiple). ``q_boundary_only``: Q's amax for
@@ -340,33 +280,17 @@ def qv_stats_part(
     # instead of ``live_end`` and ``tail_group``
     section = Section(QV_STATS, values, per_row or ((0, 0, 0),))
     args = dict(
-        q_ptr=None,
-        v_ptr=None,
-        amax_ptr=amax,
-        payload_ptr=payload,
-        cnt_ptr=counters(counters_at + n_counters, device),
-        PER_ROW=per_row is not None,
-        G=G,
-        D=D,
-        SPAN=span,
-        BLOCK_H=block_h,
-        ROWS=rows,
-        FLOOR=floor,
-        USE_PDL=use_pdl,
-        EVICT=evict,
-        DB=DB,
-    )
+        q_ptr=None, v_ptr=None, amax_ptr=amax, payload_ptr=payload,
+        cnt_ptr=counters(counters_at + n_counters, device), PER_ROW=per_row is not None, G=G, D=D,
+        SPAN=span, BLOCK_H=block_h, ROWS=rows, FLOOR=floor, USE_PDL=use_pdl, EVICT=evict, DB=DB,
+    )  # fmt: skip
     return Part(B * n_spans * n_hblocks, num_warps or auto_warps, section, args, n_counters)
 
 
 def qv_stats(
-    q: torch.Tensor,
-    v: torch.Tensor,
-    payload: torch.Tensor | None = None,
-    *,
-    n_slots: int,
+    q: torch.Tensor, v: torch.Tensor, payload: torch.Tensor | None = None, *, n_slots: int,
     **config,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One read of the shards ``q`` [B, L, H, D] and ``v`` [B, L, HV, D] (HV divides H):
     ``(payload, amax_q_partial)``; ``config``: the keyword arguments of
     :func:`qv_stats_part` but ``n_slots``, ``v_heads`` and the offsets.
