@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import struct
 import weakref
 from typing import NamedTuple
@@ -16,6 +17,7 @@ __all__ = [
     "cdiv",
     "counters",
     "f32_bits",
+    "LaunchConfig",
     "Part",
     "Section",
     "grid_table",
@@ -26,6 +28,23 @@ __all__ = [
     "tile",
     "workspace",
 ]
+
+
+class LaunchConfig(tuple):
+    """A launch configuration: a tuple (hashable, a cache key or a benchmark's label) whose
+    entries are also read by the names in the subclass's ``FIELDS``; the subclass's
+    ``__new__`` checks and orders them."""
+
+    __slots__ = ()
+    FIELDS: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for i, name in enumerate(cls.FIELDS):
+            setattr(cls, name, property(operator.itemgetter(i)))
+
+    def __getnewargs__(self):
+        return tuple(self)
 
 
 def cdiv(a: int, b: int) -> int:

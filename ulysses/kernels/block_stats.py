@@ -41,7 +41,7 @@ from ._runtime import (
     table_int,
     tile,
     workspace,
-)  # fmt: skip
+)
 
 __all__ = [
     "local_stats", "k_stats_part", "LocalStats", "payload_numel", "MINMAX_NONE", "MINMAX_BOUNDARY",
@@ -180,12 +180,8 @@ def _k_stats_program(
         if MINMAX != 0:
             if SUB == G:
                 i_s = group - tl.load(values_ptr + _KS_g_first)
-                _store_minmax(
-                    mm_ptr,
-                    payload_ptr + tl.load(values_ptr + _KS_bnd_at),  # the boundary records
-                    b_min, b_max, b_nan, i_b, i_s, tl.load(values_ptr + _KS_n_touched),
-                    tl.load(values_ptr + _KS_n_mm), H, D, o_hd, m_hd, MINMAX,
-                )  # fmt: skip
+                _store_minmax(mm_ptr, payload_ptr, values_ptr, b_min, b_max, b_nan, i_b, i_s, H,
+                              D, o_hd, m_hd, MINMAX)  # fmt: skip
                 b_min = tl.full([BLOCK_H, DB], float("inf"), tl.float32)
                 b_max = tl.full([BLOCK_H, DB], float("-inf"), tl.float32)
                 b_nan = tl.zeros([BLOCK_H, DB], dtype=tl.int1)
@@ -201,12 +197,8 @@ def _k_stats_program(
     if MINMAX != 0:
         if SUB != G:  # G > 64: the span is one group
             i_s = span0 // G - tl.load(values_ptr + _KS_g_first)
-            _store_minmax(
-                mm_ptr,
-                payload_ptr + tl.load(values_ptr + _KS_bnd_at),  # the boundary records
-                b_min, b_max, b_nan, i_b, i_s, tl.load(values_ptr + _KS_n_touched),
-                tl.load(values_ptr + _KS_n_mm), H, D, o_hd, m_hd, MINMAX,
-            )  # fmt: skip
+            _store_minmax(mm_ptr, payload_ptr, values_ptr, b_min, b_max, b_nan, i_b, i_s, H, D,
+                          o_hd, m_hd, MINMAX)  # fmt: skip
 
     # ---- the ordered sum of the block sums, finished by the last programs (no second launch)
     # The association is fixed by global positions (docs/DESIGN.md "Mean"): the blocks of each
@@ -262,12 +254,16 @@ def _ordered_sum(p, j0, j1, step, m_hd, BLOCK_H: tl.constexpr, DB: tl.constexpr)
 
 @triton.jit
 def _store_minmax(
-    mm_ptr, bnd_ptr, b_min, b_max, b_nan, i_b, i_s, n_touched, n_mm, H, D: tl.constexpr, o_hd, m_hd,
-    MINMAX: tl.constexpr,
+    mm_ptr, payload_ptr, values_ptr, b_min, b_max, b_nan, i_b, i_s, H, D: tl.constexpr, o_hd,
+    m_hd, MINMAX: tl.constexpr,
 ):  # fmt: skip
     """Store one slot's min/max (NaN wins over both): every touched slot into mm
     [B, n_mm, 2, H, D] (k's dtype, exact) with MINMAX_ALL, and the first and last touched slot
-    into the fp32 boundary records bnd [B, 2 (first, last), 2 (min, max), H, D] of the payload."""
+    into the fp32 boundary records bnd [B, 2 (first, last), 2 (min, max), H, D] of the payload
+    (at ``bnd_at``)."""
+    bnd_ptr = payload_ptr + tl.load(values_ptr + _KS_bnd_at)
+    n_touched = tl.load(values_ptr + _KS_n_touched)
+    n_mm = tl.load(values_ptr + _KS_n_mm)
     b_min = tl.where(b_nan, float("nan"), b_min)
     b_max = tl.where(b_nan, float("nan"), b_max)
     if MINMAX == 2:

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ._quant import e4m3_code
-from ._runtime import cdiv, compiled_for_gpu, launch
+from ._runtime import LaunchConfig, cdiv, compiled_for_gpu, launch
 from .codes_wgmma import DEFAULT as WGMMA_DEFAULT
 from .codes_wgmma import WgmmaConfig, codes_attention_wgmma, wgmma_unsupported
 from .lowp_dequant import round_to
@@ -82,9 +82,7 @@ def _seeded_scores(b_q, k_src, stride_ks, start_n, o_n, o_d):
 
 @triton.jit
 def _key_block(
-    acc, l_i, m_i, b_q, b_a, b_dq,
-    k_src, v_src, ks_base, doc_base,
-    stride_ks, stride_vs, stride_vd,
+    acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base, stride_ks, stride_vs, stride_vd,
     start_n, o_m, o_n, o_d, lo, hi_k, k_group, n_kg,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
     KS_BLOCK: tl.constexpr, KS_PAIR: tl.constexpr, PV_FP8: tl.constexpr, V_T: tl.constexpr,
@@ -203,12 +201,9 @@ def _key_block(
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _codes_attn_fwd_kernel(
-    q_ptr, stride_qb, stride_qs, stride_qh,
-    k_ptr, stride_kb, stride_ks, stride_kh,
-    v_ptr, stride_vb, stride_vs, stride_vh, stride_vd,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr,
-    used_ptr, doc_ptr, bounds_ptr,
-    out_ptr, lse_ptr,
+    q_ptr, stride_qb, stride_qs, stride_qh, k_ptr, stride_kb, stride_ks, stride_kh,
+    v_ptr, stride_vb, stride_vs, stride_vh, stride_vd, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    used_ptr, doc_ptr, bounds_ptr, out_ptr, lse_ptr,
     S, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_USED: tl.constexpr, DOCS: tl.constexpr, KS_BLOCK: tl.constexpr, KS_PAIR: tl.constexpr,
@@ -362,47 +357,25 @@ def transpose_v(v: torch.Tensor, used: torch.Tensor | None = None) -> torch.Tens
     gpu = compiled_for_gpu(v.device)
     block_s = 64 if gpu else 128
     launch(
-        _v_transpose_kernel,
-        (cdiv(S_pad, block_s), B * HKV),
-        v.device,
-        num_warps=4 if gpu else 1,
-        v_ptr=v,
-        stride_vb=v.stride(0),
-        stride_vs=v.stride(1),
-        stride_vh=v.stride(2),
-        vt_ptr=vt,
-        used_ptr=used if used is not None else vt,
-        S=S,
-        used_max=S,
-        S_pad=S_pad,
-        HKV=HKV,
-        D=D,
-        BLOCK_S=block_s,
-        HAS_USED=used is not None,
-    )
+        _v_transpose_kernel, (cdiv(S_pad, block_s), B * HKV), v.device, num_warps=4 if gpu else 1,
+        v_ptr=v, stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2), vt_ptr=vt,
+        used_ptr=used if used is not None else vt, S=S, used_max=S, S_pad=S_pad, HKV=HKV, D=D,
+        BLOCK_S=block_s, HAS_USED=used is not None,
+    )  # fmt: skip
     return vt
 
 
-class CodesConfig(tuple):
+class CodesConfig(LaunchConfig):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, pv, opt): one launch configuration. ``pv``:
     "fp8t" (fp8 P·V on a transposed V copy), "fp8" (fp8 P·V on V as it lies) or "fp16";
     ``opt``: the kernel's OPT bits (see ``_key_block``)."""
 
     __slots__ = ()
+    FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "pv", "opt")
 
     def __new__(cls, block_m, block_n, num_warps, num_stages, pv="fp8t", opt=0):
         assert pv in ("fp8t", "fp8", "fp16") and 0 <= opt < 32
         return super().__new__(cls, (block_m, block_n, num_warps, num_stages, pv, opt))
-
-    def __getnewargs__(self):
-        return tuple(self)
-
-    block_m = property(lambda self: self[0])
-    block_n = property(lambda self: self[1])
-    num_warps = property(lambda self: self[2])
-    num_stages = property(lambda self: self[3])
-    pv = property(lambda self: self[4])
-    opt = property(lambda self: self[5])
 
     def __repr__(self) -> str:
         return f"M{self[0]}-N{self[1]}-w{self[2]}-s{self[3]}-{self[4]}-o{self[5]}"
@@ -446,22 +419,12 @@ def document_bounds(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def codes_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    *,
-    q_group: int,
-    k_group: int,
-    causal: bool = False,
-    sm_scale: float | None = None,
-    used: torch.Tensor | None = None,
-    doc_ids: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+    v_scale: torch.Tensor, *, q_group: int, k_group: int, causal: bool = False,
+    sm_scale: float | None = None, used: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
     config: CodesConfig | WgmmaConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out [B, S, hq, D] out_dtype, lse [B, hq, S] fp32)``: attention of the codes (module
     docstring for shapes and math). ``used``: None or an int32 tensor [B] of live rows a batch
     row; ``doc_ids``: None or an integer tensor [B, S] of non-decreasing document ids;
@@ -520,52 +483,19 @@ def codes_attention(
     else:
         v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2), 1)
     launch(
-        _codes_attn_fwd_kernel,
-        (cdiv(S, cfg.block_m), B * HQ),
-        device,
-        num_warps=cfg.num_warps,
-        q_ptr=q,
-        stride_qb=q.stride(0),
-        stride_qs=q.stride(1),
-        stride_qh=q.stride(2),
-        k_ptr=k,
-        stride_kb=k.stride(0),
-        stride_ks=k.stride(1),
-        stride_kh=k.stride(2),
-        v_ptr=v_arg,
-        stride_vb=v_strides[0],
-        stride_vs=v_strides[1],
-        stride_vh=v_strides[2],
-        stride_vd=v_strides[3],
-        q_scale_ptr=q_scale,
-        k_scale_ptr=k_scale,
-        v_scale_ptr=v_scale,
+        _codes_attn_fwd_kernel, (cdiv(S, cfg.block_m), B * HQ), device, num_warps=cfg.num_warps,
+        q_ptr=q, stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2), k_ptr=k,
+        stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2), v_ptr=v_arg,
+        stride_vb=v_strides[0], stride_vs=v_strides[1], stride_vh=v_strides[2],
+        stride_vd=v_strides[3], q_scale_ptr=q_scale, k_scale_ptr=k_scale, v_scale_ptr=v_scale,
         used_ptr=used if used is not None else q_scale,
         doc_ptr=doc_ids if doc_ids is not None else q_scale,
-        bounds_ptr=bounds if bounds is not None else q_scale,
-        out_ptr=out,
-        lse_ptr=lse,
-        S=S,
-        HQ=HQ,
-        HKV=HKV,
-        q_group=q_group,
-        k_group=k_group,
-        n_qg=cdiv(S, q_group),
-        n_kg=cdiv(S, k_group),
-        qk_scale=sm_scale * LOG2E,
-        D=D,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        CAUSAL=bool(causal),
-        HAS_USED=used is not None,
-        DOCS=doc_ids is not None,
-        KS_BLOCK=k_group % cfg.block_n == 0,
-        KS_PAIR=cfg.block_n == 2 * k_group,
-        PV_FP8=pv != "fp16",
-        V_T=pv == "fp8t",
-        V_INT8=v_int8,
-        NUM_STAGES=cfg.num_stages,
-        HW_ROUND=gpu,
-        OPT=cfg.opt,
-    )
+        bounds_ptr=bounds if bounds is not None else q_scale, out_ptr=out, lse_ptr=lse, S=S, HQ=HQ,
+        HKV=HKV, q_group=q_group, k_group=k_group, n_qg=cdiv(S, q_group), n_kg=cdiv(S, k_group),
+        qk_scale=sm_scale * LOG2E, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=bool(causal), HAS_USED=used is not None, DOCS=doc_ids is not None,
+        KS_BLOCK=k_group % cfg.block_n == 0, KS_PAIR=cfg.block_n == 2 * k_group,
+        PV_FP8=pv != "fp16", V_T=pv == "fp8t", V_INT8=v_int8, NUM_STAGES=cfg.num_stages,
+        HW_ROUND=gpu, OPT=cfg.opt,
+    )  # fmt: skip
     return out, lse

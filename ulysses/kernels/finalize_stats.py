@@ -42,7 +42,7 @@ from ._runtime import (
     grid_table,
     sm_count,
     tile,
-)  # fmt: skip
+)
 from ._tl import head_block_program
 
 __all__ = [

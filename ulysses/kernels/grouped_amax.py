@@ -26,7 +26,7 @@ from ._runtime import (
     next_pow2,
     sm_count,
     tile,
-)  # fmt: skip
+)
 from ._tl import head_block_program
 
 __all__ = ["aligned_fits", "grouped_amax", "prepare_grouped_amax"]

@@ -46,7 +46,8 @@ from ._runtime import (
     compiled_for_gpu,
     grid_table,
     table_int,
-)  # fmt: skip
+)
+from ._tl import row_block_program
 
 __all__ = ["dequantize_qkv", "prepare_dequant", "round_to"]
 
@@ -82,6 +83,28 @@ DEQUANT = GridFields(
 
 
 @triton.jit
+def _dequant_grouped(
+    c_ptr, scale_ptr, index_ptr, out_ptr, i_b, i_h, n_heads, stride_b, stride_s, stride_h,
+    n_groups, group, S, o_s, o_s64, o_d, m_s, m_sd, D: tl.constexpr, HW_ROUND: tl.constexpr,
+    SCALES_FROM_RECV: tl.constexpr,
+):  # fmt: skip
+    """Rows ``o_s`` of head ``i_h`` of Q's or K's int8 codes, one scale a group of ``group``
+    rows: ``code * scale`` rounded into ``out_ptr`` [B, S, n_heads, D]."""
+    p_c = c_ptr + i_b.to(tl.int64) * stride_b + i_h.to(tl.int64) * stride_h
+    b_c = tl.load(p_c + o_s64[:, None] * stride_s + o_d[None, :], mask=m_sd, other=0)
+    # [BLOCK_S] row scales: rows of one group share a scale (L1 serves the repeats)
+    o_g = (i_b * n_heads + i_h) * n_groups + o_s // group
+    if SCALES_FROM_RECV:  # the group's word in the receive buffer, by the fixed index
+        p_s = scale_ptr + tl.load(index_ptr + o_g, mask=m_s, other=0)
+    else:
+        p_s = scale_ptr + o_g
+    b_s = tl.load(p_s, mask=m_s, other=0.0)
+    b_x = round_to(b_c.to(tl.float32) * b_s[:, None], out_ptr.dtype.element_ty, HW_ROUND)
+    p_o = out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * n_heads + i_h) * D + o_d[None, :]
+    tl.store(p_o, b_x, mask=m_sd)
+
+
+@triton.jit
 def _dequant_qkv_kernel(
     q_ptr, k_ptr, v_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, q_index_ptr, k_index_ptr, q_out_ptr,
     k_out_ptr, v_out_ptr,
@@ -106,44 +129,19 @@ def _dequant_qkv_kernel(
     k_group = tl.load(values_ptr + _DQ_k_group)
     n_qg = tl.load(values_ptr + _DQ_n_qg)
     n_kg = tl.load(values_ptr + _DQ_n_kg)
-    i_s, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
-    m_s = o_s < S
-    if DB == D:  # a power of two: no channel mask (the code of a D-wide tile)
-        m_sd = m_s[:, None]
-    else:  # channels [D, DB) masked off
-        m_sd = m_s[:, None] & (o_d[None, :] < D)
+    # the grid's axis 1: q's heads, then k's, then v's
+    i_slot, i_b, o_s, o_d, m_s, m_sd = row_block_program(S, BLOCK_S, D, DB)
     o_s64 = o_s.to(tl.int64)
     out_dtype = q_out_ptr.dtype.element_ty
     # names differ per branch: Triton 3.6 rejects a name bound to different types in branches
     if i_slot < HQ:
-        i_hq = i_slot
-        p_qc = q_ptr + i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh
-        b_qc = tl.load(p_qc + o_s64[:, None] * stride_qs + o_d[None, :], mask=m_sd, other=0)
-        # [BLOCK_S] row scales: rows of one group share a scale (L1 serves the repeats)
-        o_qg = (i_b * HQ + i_hq) * n_qg + o_s // q_group
-        if SCALES_FROM_RECV:  # the group's word in the receive buffer, by the fixed index
-            p_qs = q_scale_ptr + tl.load(q_index_ptr + o_qg, mask=m_s, other=0)
-        else:
-            p_qs = q_scale_ptr + o_qg
-        b_qs = tl.load(p_qs, mask=m_s, other=0.0)
-        b_q = round_to(b_qc.to(tl.float32) * b_qs[:, None], out_dtype, HW_ROUND)
-        p_q = q_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HQ + i_hq) * D + o_d[None, :]
-        tl.store(p_q, b_q, mask=m_sd)
+        _dequant_grouped(q_ptr, q_scale_ptr, q_index_ptr, q_out_ptr, i_b, i_slot, HQ, stride_qb,
+                         stride_qs, stride_qh, n_qg, q_group, S, o_s, o_s64, o_d, m_s, m_sd, D,
+                         HW_ROUND, SCALES_FROM_RECV)  # fmt: skip
     elif i_slot < HQ + HKV:
-        i_hk = i_slot - HQ
-        p_kc = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
-        b_kc = tl.load(p_kc + o_s64[:, None] * stride_ks + o_d[None, :], mask=m_sd, other=0)
-        o_kg = (i_b * HKV + i_hk) * n_kg + o_s // k_group
-        if SCALES_FROM_RECV:
-            p_ks = k_scale_ptr + tl.load(k_index_ptr + o_kg, mask=m_s, other=0)
-        else:
-            p_ks = k_scale_ptr + o_kg
-        b_ks = tl.load(p_ks, mask=m_s, other=0.0)
-        b_k = round_to(b_kc.to(tl.float32) * b_ks[:, None], out_dtype, HW_ROUND)
-        p_k = k_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_hk) * D + o_d[None, :]
-        tl.store(p_k, b_k, mask=m_sd)
+        _dequant_grouped(k_ptr, k_scale_ptr, k_index_ptr, k_out_ptr, i_b, i_slot - HQ, HKV,
+                         stride_kb, stride_ks, stride_kh, n_kg, k_group, S, o_s, o_s64, o_d, m_s,
+                         m_sd, D, HW_ROUND, SCALES_FROM_RECV)  # fmt: skip
     else:
         i_hv = i_slot - HQ - HKV
         p_vc = v_ptr + i_b.to(tl.int64) * stride_vb + i_hv.to(tl.int64) * stride_vh

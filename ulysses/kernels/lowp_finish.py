@@ -38,7 +38,7 @@ from ._runtime import (
     grid_table,
     next_pow2,
     starts,
-)  # fmt: skip
+)
 from .finalize_stats import FINALIZE, MODE_FUSED, _finalize_kernel
 
 __all__ = [

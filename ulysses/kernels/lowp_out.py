@@ -45,6 +45,7 @@ from .._plans import register_cache
 from ._launch import View
 from ._quant import canonical_nan_bits, int8_code
 from ._runtime import Launch, cdiv, channel_block, compiled_for_gpu
+from ._tl import row_block_program
 from .lowp_dequant import round_to
 
 __all__ = [
@@ -71,14 +72,8 @@ def _quant_out_kernel(
     chunk, D: tl.constexpr, BLOCK_S: tl.constexpr, FLOOR: tl.constexpr, HW_ROUND: tl.constexpr,
     DB: tl.constexpr,
 ):  # fmt: skip
-    i_s, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
-    m_s = o_s < S
-    if DB == D:  # a power of two: no channel mask (the code of a D-wide tile)
-        m_sd = m_s[:, None]
-    else:  # channels [D, DB) masked off (they load as 0: the amax is over the D channels)
-        m_sd = m_s[:, None] & (o_d[None, :] < D)
+    # channels [D, DB) masked off (they load as 0: the amax is over the D channels)
+    i_h, i_b, o_s, o_d, m_s, m_sd = row_block_program(S, BLOCK_S, D, DB)
     # source row s goes to rank s // L, as its row s % L
     o_s64 = o_s.to(tl.int64)
     i_p = o_s64 // L

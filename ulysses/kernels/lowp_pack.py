@@ -58,7 +58,7 @@ from ._runtime import (
     next_pow2,
     table_int,
     tile,
-)  # fmt: skip
+)
 from .lowp_pack_q import (
     PACK,
     PK_B,
@@ -98,7 +98,7 @@ from .lowp_pack_q import (
     PK_stride_vl,
     _pack_q_group,
     _source_head,
-)  # fmt: skip
+)
 
 __all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 

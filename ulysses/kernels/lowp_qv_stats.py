@@ -49,7 +49,7 @@ from ._runtime import (
     next_pow2,
     table_int,
     tile,
-)  # fmt: skip
+)
 
 __all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats", "qv_stats_part"]
 
