@@ -67,11 +67,9 @@ from .lowp_pack_q import (
     PK_H,
     PK_HE,
     PK_HKS,
-    PK_HS,
     PK_L,
     PK_ROW,
     PK_h,
-    PK_h_src,
     PK_hkv,
     PK_hkv_src,
     PK_k_off,
@@ -83,20 +81,17 @@ from .lowp_pack_q import (
     PK_n_scales,
     PK_n_slots_k,
     PK_n_slots_q,
-    PK_q_off,
     PK_q_whole_hi,
     PK_q_whole_lo,
     PK_row0,
     PK_stride_kb,
     PK_stride_kh,
     PK_stride_kl,
-    PK_stride_qb,
-    PK_stride_qh,
-    PK_stride_ql,
     PK_stride_vb,
     PK_stride_vh,
     PK_stride_vl,
     _pack_q_group,
+    _q_source,
     _source_head,
 )
 
@@ -145,12 +140,7 @@ def _pack_kernel(
         HE = tl.load(values_ptr + PK_HE)
         n_lanes = tl.load(values_ptr + PK_n_lanes)
         n_rblocks = tl.load(values_ptr + PK_n_rblocks)
-        h_src = tl.load(values_ptr + PK_h_src)
-        q_off = tl.load(values_ptr + PK_q_off)
-        HS = tl.load(values_ptr + PK_HS)
-        stride_qb = table_int(values_ptr, PK_stride_qb, HINTS)
-        stride_ql = table_int(values_ptr, PK_stride_ql, HINTS)
-        stride_qh = table_int(values_ptr, PK_stride_qh, HINTS)
+        h_src, q_off, HS, stride_qb, stride_ql, stride_qh = _q_source(values_ptr, HINTS)
         stride_kb = table_int(values_ptr, PK_stride_kb, HINTS)
         stride_kl = table_int(values_ptr, PK_stride_kl, HINTS)
         stride_kh = table_int(values_ptr, PK_stride_kh, HINTS)
@@ -262,9 +252,7 @@ def _pack_kernel(
         B = tl.load(values_ptr + PK_B)
         q_whole_lo = tl.load(values_ptr + PK_q_whole_lo)
         q_whole_hi = tl.load(values_ptr + PK_q_whole_hi)
-        h_src = tl.load(values_ptr + PK_h_src)
-        q_off = tl.load(values_ptr + PK_q_off)
-        HS = tl.load(values_ptr + PK_HS)
+        h_src, q_off, HS, _, _, _ = _q_source(values_ptr, HINTS)
         nf_q = B * h * n_slots_q
         nf = nf_q + B * hkv * n_slots_k
         hkv_d = tl.maximum(hkv, 1)  # a divisor (hkv 0: every used slot is Q's)

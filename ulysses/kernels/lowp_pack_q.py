@@ -50,6 +50,18 @@ def _source_head(x, per, per_src, off):
 
 
 @triton.jit
+def _q_source(values_ptr, HINTS: tl.constexpr):
+    """The pack's Q heads in the source tensor: ``(h_src, q_off, HS, stride_qb, stride_ql,
+    stride_qh)`` from its table (the heads a destination, the first packed one, all heads,
+    q's strides)."""
+    return (
+        tl.load(values_ptr + PK_h_src), tl.load(values_ptr + PK_q_off), tl.load(values_ptr + PK_HS),
+        table_int(values_ptr, PK_stride_qb, HINTS), table_int(values_ptr, PK_stride_ql, HINTS),
+        table_int(values_ptr, PK_stride_qh, HINTS),
+    )  # fmt: skip
+
+
+@triton.jit
 def _pack_q_group(
     i_q, q_ptr, amax_q_ptr, send_ptr, values_ptr, HINTS: tl.constexpr, D: tl.constexpr,
     GQ: tl.constexpr, BLOCK_H: tl.constexpr, HW_ROUND: tl.constexpr, FLOOR: tl.constexpr,
@@ -72,12 +84,7 @@ def _pack_q_group(
     q_whole_hi = tl.load(values_ptr + PK_q_whole_hi)
     tail_group_q = tl.load(values_ptr + PK_tail_group_q)
     live_end = tl.load(values_ptr + PK_live_end)
-    h_src = tl.load(values_ptr + PK_h_src)
-    q_off = tl.load(values_ptr + PK_q_off)
-    HS = tl.load(values_ptr + PK_HS)
-    stride_qb = table_int(values_ptr, PK_stride_qb, HINTS)
-    stride_ql = table_int(values_ptr, PK_stride_ql, HINTS)
-    stride_qh = table_int(values_ptr, PK_stride_qh, HINTS)
+    h_src, q_off, HS, stride_qb, stride_ql, stride_qh = _q_source(values_ptr, HINTS)
     ROW = table_int(values_ptr, PK_ROW, HINTS)
     CB = table_int(values_ptr, PK_CB, HINTS)
     E4 = table_int(values_ptr, PK_E4, HINTS)
