@@ -238,7 +238,8 @@ def _attend_codes(x: _Codes, lq, n, kb, lk, m, *, causal: bool, sm: float, out_d
     Gq, Gk = x.q_group, x.k_group
     out, lse = codes_attention(
         x.q[:, lq : lq + n], k[:, lk : lk + m], v[:, lk : lk + m],
-        x.q_scale[..., lq // Gq : (lq + n) // Gq], k_scale[..., lk // Gk : (lk + m) // Gk],
+        x.q_scale[..., lq // Gq : (lq + n) // Gq].contiguous(),
+        k_scale[..., lk // Gk : (lk + m) // Gk].contiguous(),
         x.v_scale, q_group=Gq, k_group=Gk, causal=causal, sm_scale=sm, out_dtype=out_dtype,
     )  # fmt: skip
     return out.float(), lse

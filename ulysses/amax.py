@@ -40,7 +40,7 @@ class _AmaxPlan:
 # Plans by call signature: shapes, strides, dtypes and devices of both tensors and every other
 # argument with its type (the 16-byte alignment of k's data pointer, the one rule a signature
 # cannot carry, is checked each call). The one cache of this function.
-_PLANS = PlanCache(max_plans=256)
+_PLANS = PlanCache(f"{__name__}._PLANS", max_plans=256)
 clear_plans = _PLANS.clear
 
 

@@ -409,8 +409,10 @@ def ulysses_attention(
     * ``attn="codes"`` (with "lowp" only): the attention on the codes, also on CPU (Triton's
       interpreter: slow, for tests); a call the kernel cannot run raises ValueError naming
       the reason. ``attn="sdpa"``: the default attention over the dequantized values.
-      ``attn=None`` with "lowp": the codes for causal batch-1 calls at D 128 in one head
-      chunk on Hopper (``ulysses.codes.default_reason``), else as ``attn="sdpa"``. At P = 1
+      ``attn=None`` with "lowp": the codes where the signature's row of
+      ``ulysses.layer.default.CODES_RULES`` says they win (device class, causal, head dim,
+      batch, sequence length, head chunks; today causal batch-1 calls at D 128 in one head
+      chunk on Hopper), else as ``attn="sdpa"``. At P = 1
       (no group), ``ulysses_attention(q, k, v, comm="lowp", attn="codes")`` is an 8-bit
       attention of one device: smooth-K INT8 Q/K (K centred by its mean), FP8 V.
     * ``attn(q_h, k_h, v_h, *, causal, scale, used_sequence) -> [B, S, hq, D]`` on head shards
@@ -529,7 +531,7 @@ def ulysses_attention(
     )  # fmt: skip
     on_codes = codes.use_codes(
         mode, comm=comm, q=q, custom=attn is not None, options=options, v_format=v_format,
-        documents=plan is not None, k_group=k_group, causal=causal, chunks=chunks,
+        documents=plan is not None, k_group=k_group, causal=causal, chunks=chunks, seq=S,
     )  # fmt: skip
     if backward_attn == "codes" and not on_codes:
         raise ValueError(

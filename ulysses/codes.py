@@ -59,6 +59,7 @@ import torch
 
 from . import _heads, _hooks, _ops, lowp
 from .kernels._runtime import device_constant
+from .layer.default import default_attention, device_class
 
 __all__ = [
     "ATTN_MODES",
@@ -107,37 +108,31 @@ CODES_BY_DEFAULT = True
 
 def _is_hopper(device: torch.device) -> bool:
     """Whether ``device`` is a CUDA GPU of compute capability 9.x."""
-    from .kernels._runtime import hopper_memory
-
-    return hopper_memory(device)
+    return device_class(device) == "hopper"
 
 
 def default_reason(q: torch.Tensor, *, options: dict, v_format: str, documents: bool,
-                   k_group: int, causal: bool, chunks: int) -> str | None:  # fmt: skip
+                   k_group: int, causal: bool, chunks: int,
+                   seq: int | None = None) -> str | None:  # fmt: skip
     """Why a ``comm="lowp"`` call with ``attn=None`` attends over the dequantized values, or
-    None: it attends on the codes. The rule follows docs/BENCHMARKS.md (an H100): the codes
-    win where Hopper's warpgroup-MMA kernel runs and the attention is causal (at full
-    attention the layer's dequantized path was faster), so the call must be causal on a CUDA
-    GPU of compute capability 9.x, with batch 1 (the receive buffer interleaves batch rows,
-    which the kernel's TMA loads cannot read), one head chunk, D 128, bf16/fp16, V as e4m3
-    codes, no documents, K groups a multiple of 64 rows, no window, soft cap or dropout."""
+    None: it attends on the codes. The rule is ``ulysses.layer.default`` (a table of the
+    signatures where the codes path measured faster: device class, causal, head dim, batch,
+    sequence length, head chunks), then the kernel's own limits
+    (:func:`unsupported_reason`). ``seq``: the global rows S (default: q's rows)."""
     if not CODES_BY_DEFAULT:
         return "the codes path is off by default (CODES_BY_DEFAULT)"
-    if not _is_hopper(q.device):
-        return "not a Hopper GPU"
-    if not causal or q.shape[0] != 1 or chunks != 1:
-        return "full attention, batch > 1 or head chunks"
-    if q.shape[3] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
-        return f"head dim {q.shape[3]} / dtype {q.dtype}"
-    if v_format != "fp8" or documents or k_group % 64:
-        return "int8 V, documents or K groups not a multiple of 64 rows"
-    return unsupported_reason(q, options=options)
+    why = default_attention(
+        device=device_class(q.device), causal=causal, head_dim=q.shape[3], batch=q.shape[0],
+        seq=q.shape[1] if seq is None else seq, chunks=chunks, dtype=q.dtype,
+        v_format=v_format, documents=documents, k_group=k_group,
+    )  # fmt: skip
+    return why or unsupported_reason(q, options=options)
 
 
 def use_codes(
     mode: str | None, *, comm: str, q: torch.Tensor, custom: bool, options: dict,
     v_format: str = "fp8", documents: bool = False, k_group: int = 64, causal: bool = True,
-    chunks: int = 1,
+    chunks: int = 1, seq: int | None = None,
 ) -> bool:  # fmt: skip
     """Whether a call attends on the codes: ``mode`` "codes" (raises ValueError naming why a
     call cannot), "sdpa" (never) or None (the default: a ``comm="lowp"`` call that
@@ -149,7 +144,8 @@ def use_codes(
             comm == "lowp"
             and not custom
             and default_reason(q, options=options, v_format=v_format, documents=documents,
-                               k_group=k_group, causal=causal, chunks=chunks) is None
+                               k_group=k_group, causal=causal, chunks=chunks,
+                               seq=seq) is None
         )  # fmt: skip
     assert mode == "codes", mode
     if comm != "lowp":

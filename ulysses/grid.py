@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from . import _hooks, _plans
+from .kernels._fields import ROW_FIELDS
 
 # rows per block of the mean's fixed association (independent of G), blocks per superblock
 # (1024 global rows): the block-stats kernel's order, docs/DESIGN.md "Mean"
@@ -140,10 +141,16 @@ def one_count(used_sequence):
 
 
 def row_values(used: tuple, global_sequence: int, group_size: int) -> tuple:
-    """Per batch row ``(live_end, tail_group, divisor)`` of per-row counts ``used``: each
-    row's statistics use that row's live rows, by the single-count rules."""
+    """Per batch row ``(live_end, tail_group, divisor)`` of per-row counts ``used`` (the
+    kernels' per-row table, ``kernels/_fields.ROW_FIELDS``): each row's statistics use that
+    row's live rows, by the single-count rules."""
     S, G = global_sequence, group_size
-    return tuple((u, tail_group(u, S, G), mean_divisor(u, S)) for u in used)
+    return tuple(
+        tuple(ROW_FIELDS.pack(
+            {"live_end": u, "tail_group": tail_group(u, S, G), "divisor": mean_divisor(u, S)}
+        ))
+        for u in used
+    )  # fmt: skip
 
 
 def kv_split(q_heads: int, kv_heads: int, world_size: int) -> tuple[int, int]:
@@ -323,7 +330,7 @@ class Layout:
         )
 
 
-_LAYOUTS = _plans.PlanCache(max_plans=1024)
+_LAYOUTS = _plans.PlanCache(f"{__name__}._LAYOUTS", max_plans=1024)
 
 
 def layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
@@ -373,7 +380,6 @@ def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
     return lay if hook is None else hook(lay)
 
 
-def clear_caches() -> None:
-    """Forget cached layouts and every call plan built from them (``ulysses._plans``: the
-    layouts, the plan caches of ``stats``, ``amax`` and ``lowp``)."""
-    _plans.clear_all()
+# every cache of the package emptied: cached layouts, the plans built from them, the prepared
+# launches (``ulysses.clear_caches``, ``ulysses._plans``)
+clear_caches = _plans.clear_caches

@@ -131,10 +131,42 @@ def register(
                     group=group, **options)  # fmt: skip
     AttentionInterface.register(name, functools.partial(attention_forward, settings=settings))
     _GROUPS[name] = group
+    _guard_causal_lm_loss()
     # transformers builds masks per implementation and passes none to one it does not know,
     # dropping a padding mask silently: this one checks the mask and builds none
     AttentionMaskInterface.register(name, functools.partial(_mask, group=group))
     return name
+
+
+def _guard_causal_lm_loss() -> None:
+    """Wrap transformers' causal-LM loss (``LOSS_MAPPING["ForCausalLM"]``, what a model
+    called with ``labels=`` computes) so that a call with inputs from ``shard_batch`` raises:
+    those labels would be shifted a second time and averaged per rank."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # pragma: no cover - another transformers layout
+        return
+    loss = LOSS_MAPPING.get("ForCausalLM")
+    if loss is None or getattr(loss, "_ulysses_guard", False):
+        return
+
+    @functools.wraps(loss)
+    def guarded(*args, **kwargs):
+        if "ulysses_token" in kwargs:
+            raise ValueError(_LABELS_MESSAGE.format(model="the model"))
+        return loss(*args, **kwargs)
+
+    guarded._ulysses_guard = True
+    LOSS_MAPPING["ForCausalLM"] = guarded
+
+
+_LABELS_MESSAGE = (
+    "labels= passed to {model} with inputs from ulysses.batch.shard_batch: transformers' loss "
+    "would shift this rank's labels again (losing the target of each rank's last row) and "
+    "average per rank, a silently wrong loss. Call the model without labels and take loss = "
+    "ulysses.batch.causal_lm_loss(logits, shard['shift_labels'], group=sp) (or "
+    "ulysses.train.tiled_causal_lm_loss for long sequences)"
+)
 
 
 def _mask(*args, group=None, attention_mask=None, **kwargs):
@@ -438,14 +470,8 @@ def _no_labels(module, args, kwargs, *, name: str):
         return None
     device = next(module.parameters()).device
     _, _, P = _comm.resolve_group(_GROUPS.get(name), device)
-    if P > 1:
-        raise ValueError(
-            f"labels= passed to {type(module).__name__} under Ulysses (P = {P}): transformers' "
-            "loss would shift each rank's labels again (losing the target of each rank's last "
-            "row) and average per rank, a silently wrong loss. Call the model without labels "
-            "and take loss = ulysses.batch.causal_lm_loss(logits, shard['shift_labels'], "
-            "group=sp) (or ulysses.train.tiled_causal_lm_loss for long sequences)"
-        )
+    if P > 1 or "ulysses_token" in kwargs:
+        raise ValueError(_LABELS_MESSAGE.format(model=type(module).__name__))
     return None
 
 

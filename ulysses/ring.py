@@ -387,6 +387,24 @@ class _Hybrid(torch.autograd.Function):
 # ---- public ------------------------------------------------------------------------------------
 
 
+def _check_groups(g: _Groups) -> list[tuple]:
+    """Where the ranks' signature check runs: the world group when the mesh spans it (one
+    check, so a rank that differs raises the same ValueError on every rank), else the Ulysses
+    group and then the ring group (the watchdog bounds a rank left waiting between them)."""
+    P = g.P_r * g.P_u
+    if P > 1 and dist.is_initialized() and dist.get_world_size() == P:
+        return [(dist.group.WORLD, P)]
+    return [(g.uly_pg, g.P_u), (g.ring_pg, g.P_r)]
+
+
+def _plain():
+    """``ulysses.ulysses_attention``, through the package: ``ulysses.attention`` calls into
+    this module (:func:`dispatch`), so this module does not import it back."""
+    import ulysses
+
+    return ulysses.ulysses_attention
+
+
 def hybrid_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -437,20 +455,19 @@ def hybrid_attention(
         ValueError: shapes that disagree; heads the Ulysses dimension does not split; an
             unknown ``comm``, ``layout`` or ``v_format``; zigzag with ``used_sequence`` or an
             odd segment; "lowp" blocks that are not whole groups; ranks that disagree on the
-            call (one 8-byte all_gather on each of the two groups).
+            call, the mesh shape included (one 8-byte all_gather on the world group when the
+            mesh spans it, else on each of the two groups).
     """
     g = _resolve(mesh, q.device)
     _check(q, k, v, g, comm, causal, scale, layout, used_sequence, q_group, k_group, v_format)
     if g.P_r == 1:  # the plain call on the Ulysses group (zigzag over one segment: contiguous)
-        from .attention import ulysses_attention
-
-        return ulysses_attention(q, k, v, group=g.uly_pg, comm=comm, causal=causal, scale=scale,
+        return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal, scale=scale,
                                  used_sequence=used_sequence, q_group=q_group, k_group=k_group,
                                  v_format=v_format)  # fmt: skip
     B, L, Hq, D = q.shape
     S = L * g.P_r * g.P_u
     used = _used_rows(used_sequence, B, S)
-    for pg, P in ((g.uly_pg, g.P_u), (g.ring_pg, g.P_r)):
+    for pg, P in _check_groups(g):
         if P > 1:
             _comm.verify_call(
                 pg, P, q.device, "ring_attention", False, B=B, L=L, Hq=Hq, Hkv=k.shape[2], D=D,
@@ -486,11 +503,9 @@ def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=
         raise TypeError(f"ulysses_attention got unexpected keyword arguments {unknown}")
     g = _resolve(group, q.device)
     if g.P_r == 1:  # every option of the plain call (zigzag over one segment: contiguous)
-        from .attention import ulysses_attention
-
         if ring_layout not in RING_LAYOUTS:
             raise ValueError(f"ring_layout must be one of {RING_LAYOUTS}, got {ring_layout!r}")
-        return ulysses_attention(q, k, v, group=g.uly_pg, comm=comm, causal=causal,
+        return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal,
                                  scale=scale, used_sequence=used_sequence, q_group=q_group,
                                  k_group=k_group, layout=layout, v_format=v_format,
                                  **options)  # fmt: skip

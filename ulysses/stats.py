@@ -209,7 +209,7 @@ class _StatsPlan:
 
 # Plans by call signature (shape, strides, dtype, device, the group, every argument with its
 # type, and the stream: the scratch buffers are per stream). The one cache of the statistics.
-_PLANS = PlanCache(max_plans=256)
+_PLANS = PlanCache(f"{__name__}._PLANS", max_plans=256)
 clear_plans = _PLANS.clear
 
 

@@ -346,10 +346,11 @@ def _fake_q(device, D=64, dtype=DT, B=1):
 
 @pytest.mark.parametrize("hopper", [False, True])
 def test_default_rule(hopper, monkeypatch):
-    """attn=None with comm="lowp": the codes where Hopper's warpgroup-MMA kernel runs the call
-    (D 64/128, e4m3 V, no documents, K groups of 64 rows, no window, soft cap or dropout),
-    else the dequantized path; attn="codes": the codes wherever a codes kernel runs the call."""
-    monkeypatch.setattr(codes, "_is_hopper", lambda device: hopper and device.type == "cuda")
+    """attn=None with comm="lowp": the codes where the default rule's table covers the call
+    and the kernel runs it (no window, soft cap or dropout), else the dequantized path;
+    attn="codes": the codes wherever a codes kernel runs the call."""
+    cls = lambda device: "hopper" if hopper and device.type == "cuda" else device.type  # noqa: E731
+    monkeypatch.setattr(codes, "device_class", cls)
     monkeypatch.setattr(codes, "CODES_BY_DEFAULT", True)
     use = codes.use_codes
     kw = {"custom": False, "options": {}, "causal": True}
@@ -374,6 +375,38 @@ def test_default_rule(hopper, monkeypatch):
     assert use("codes", comm="lowp", q=_fake_q("cuda"), **{**kw, "options": {"dropout_p": 0.0}})
     monkeypatch.setattr(codes, "CODES_BY_DEFAULT", False)
     assert not use(None, comm="lowp", q=_fake_q("cuda", D=128), **kw)
+
+
+def test_default_rule_reads_its_table():
+    """``ulysses.layer.default.default_attention``: one function of the signature and the
+    table; a row allows exactly the calls it names (batch, S threshold, head chunks, V
+    format, documents, K groups), and a table without the device's row allows none."""
+    from ulysses.layer.default import CodesRule, default_attention
+
+    call = {"device": "hopper", "causal": True, "head_dim": 128, "batch": 1, "seq": 8192,
+            "chunks": 1, "dtype": DT, "v_format": "fp8", "documents": False,
+            "k_group": 64}  # fmt: skip
+    assert default_attention(**call) is None  # the shipped table: Hopper, causal, D 128
+    for change, words in [
+        ({"device": "cpu"}, "no default codes rule for a cpu"),
+        ({"causal": False}, "causal=False"),
+        ({"head_dim": 64}, "head dim 64"),
+        ({"batch": 2}, "batch 2 > 1"),
+        ({"chunks": 2}, "2 head chunks"),
+        ({"v_format": "int8"}, "v_format 'int8'"),
+        ({"documents": True}, "documents"),
+        ({"k_group": 32}, "k_group 32"),
+        ({"dtype": torch.float32}, "dtype"),
+    ]:
+        assert words in default_attention(**{**call, **change}), change
+    rules = (CodesRule("hopper", True, 128, max_batch=4, min_seq=16384, chunks=True),
+             CodesRule("cpu", False, 64))  # fmt: skip
+    got = lambda **c: default_attention(**{**call, **c, "rules": rules})  # noqa: E731
+    assert "S 8192 < 16384" in got()
+    assert got(seq=16384) is None and got(seq=16384, batch=4, chunks=4) is None
+    assert "batch 5 > 4" in got(seq=16384, batch=5)
+    assert got(device="cpu", causal=False, head_dim=64) is None
+    assert "causal=True" in got(device="cpu", head_dim=64)
 
 
 def test_cpu_default_is_the_dequantized_path():

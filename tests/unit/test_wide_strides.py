@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import ulysses
-from ulysses.kernels._scratch import Section, grid_table
+from ulysses.kernels._scratch import GridFields, Section, grid_table
 
 WIDE = 2**31 + 4096
 
@@ -27,8 +27,9 @@ def _qkv(L=200, Hq=4, Hkv=2, D=16):
 
 
 def test_table_is_int64_only_where_a_value_needs_it():
-    narrow, _ = grid_table((Section(("a", "b"), {"a": 3, "b": 2**31 - 1}),), torch.device("cpu"))
-    wide, _ = grid_table((Section(("a", "b"), {"a": 3, "b": WIDE}),), torch.device("cpu"))
+    ab = GridFields("a", "b")
+    narrow, _ = grid_table((Section(ab, {"a": 3, "b": 2**31 - 1}),), torch.device("cpu"))
+    wide, _ = grid_table((Section(ab, {"a": 3, "b": WIDE}),), torch.device("cpu"))
     assert narrow.dtype == torch.int32 and narrow.tolist() == [3, 2**31 - 1]
     assert wide.dtype == torch.int64 and wide.tolist() == [3, WIDE]
 

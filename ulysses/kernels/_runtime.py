@@ -3,7 +3,8 @@
 * ``_launch.py``: launches (:class:`Launch`, :func:`launch`), Triton's JIT on CUDA with one
   fast path behind ``_direct_launcher``, the test mirror, ``compiled_for_gpu``;
 * ``_interp.py``: CPU launches in Triton's interpreter, leaving no trace in the process;
-* ``_scratch.py``: scratch buffers, output templates, tile sizes;
+* ``_scratch.py``: scratch buffers, output templates, tile sizes, the grid-value tables;
+* ``_fields.py``: each kernel's grid values declared once by name (:class:`GridFields`);
 * ``_tl.py``: the ``@triton.jit`` helpers the kernels share.
 
 A few private names stay readable here for scripts and tests (``_params`` and the parameter
@@ -14,6 +15,14 @@ modes). A setting is changed where it is defined (``_launch._MIRROR_TO_CUDA``,
 
 from __future__ import annotations
 
+from ._fields import (
+    ROW_WIDTH,
+    GridFields,
+    ROW_divisor,
+    ROW_live_end,
+    ROW_tail_group,
+    starts,
+)
 from ._interp import TRITON_LOCK, triton_state
 from ._launch import _CONSTEXPR as _CONSTEXPR
 from ._launch import _NOT_SPECIALIZED as _NOT_SPECIALIZED
@@ -38,7 +47,6 @@ from ._scratch import (
     grid_table,
     next_pow2,
     output_template,
-    row_table,
     sm_count,
     stream_key,
     tile,
@@ -60,6 +68,12 @@ HAS_GDC = gdc_wait is not None
 
 __all__ = [
     "COMPILE_OPTIONS",
+    "GridFields",
+    "ROW_divisor",
+    "ROW_live_end",
+    "ROW_tail_group",
+    "ROW_WIDTH",
+    "starts",
     "HAS_GDC",
     "Launch",
     "Part",
@@ -80,7 +94,6 @@ __all__ = [
     "load_streamed",
     "next_pow2",
     "output_template",
-    "row_table",
     "sm_count",
     "stream_key",
     "table_int",

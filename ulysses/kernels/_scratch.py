@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import torch
 
+from .._plans import register_cache
+from ._fields import GridFields
 from ._launch import compiled_for_gpu
 
 __all__ = [
@@ -19,7 +21,6 @@ __all__ = [
     "grid_table",
     "next_pow2",
     "output_template",
-    "row_table",
     "sm_count",
     "stream_key",
     "tile",
@@ -76,25 +77,6 @@ def device_constant(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-ROW_FIELDS = 3  # (live_end, tail_group, divisor) a batch row
-_ROW_TABLES: dict[tuple, torch.Tensor] = {}
-
-
-def row_table(rows: tuple | None, device: torch.device) -> torch.Tensor:
-    """int32 [B, ROW_FIELDS] on ``device``: per batch row the grid values of per-row live counts
-    (``ulysses.grid.Layout.per_row``), which a kernel built with ``PER_ROW`` reads at its
-    batch row instead of its scalar arguments; with ``rows`` None one row of zeros that no
-    kernel reads. Cached per rows and device."""
-    key = (rows, device)
-    found = _ROW_TABLES.get(key)
-    if found is None:
-        if len(_ROW_TABLES) >= 256:
-            _ROW_TABLES.clear()
-        host = torch.tensor(rows or ((0,) * ROW_FIELDS,), dtype=torch.int32).view(-1, ROW_FIELDS)
-        found = _ROW_TABLES[key] = device_constant(host, device)
-    return found
-
-
 def f32_bits(x: float) -> int:
     """The int32 bits of ``x`` rounded to fp32 (as a float parameter of a kernel is): a float
     in a kernel's int32 grid table."""
@@ -102,15 +84,14 @@ def f32_bits(x: float) -> int:
 
 
 class Section(NamedTuple):
-    """One kind of program's grid values in a kernel's int32 table (:func:`grid_table`):
-    ``values`` in the order of ``names``; ``hinted``, the names Triton would have specialized
-    as parameters (strides, row sizes); ``rows``, per-row live counts (:func:`row_table`'s
-    rows) or None. A name ``rows_at`` is set to where the per-row table starts, counted from
-    the section's first entry."""
+    """One kind of program's grid values in a kernel's int table (:func:`grid_table`):
+    ``values`` by the names of the kernel's record ``fields`` (every field but ``rows_at``,
+    which :func:`grid_table` sets to where the per-row table starts, counted from the
+    section's first entry); ``rows``, per-row live counts (rows of ``_fields.ROW_FIELDS``)
+    or None."""
 
-    names: tuple[str, ...]
+    fields: GridFields
     values: dict
-    hinted: tuple[str, ...] = ()
     rows: tuple | None = None
 
 
@@ -134,16 +115,17 @@ def grid_table(sections: tuple[Section, ...], device: torch.device) -> tuple[tor
     a multiple of 16, for the kernel's ``table_int`` (``kernels/_tl.py``): the divisibility
     Triton's specialization of an int parameter gave the compiler."""
     table, rows, hints = [], [], 0
-    n_values = sum(len(s.names) for s in sections)
+    n_values = sum(len(s.fields) for s in sections)
     for s in sections:
-        assert set(s.hinted) <= set(s.names) and ("rows_at" in s.names) <= (s.rows is not None)
+        names, hinted = s.fields.names, s.fields.hinted
+        assert ("rows_at" in names) <= (s.rows is not None)
         base = len(table)
         values = dict(s.values)
-        if "rows_at" in s.names:
+        if "rows_at" in names:
             values["rows_at"] = n_values + len(rows) - base
-        table += [values[n] for n in s.names]
-        hints |= sum(1 << base + i for i, n in enumerate(s.names)
-                     if n in s.hinted and values[n] % 16 == 0)  # fmt: skip
+        table += s.fields.pack(values)
+        hints |= sum(1 << base + i for i, n in enumerate(names)
+                     if n in hinted and values[n] % 16 == 0)  # fmt: skip
         rows += [x for row in s.rows or () for x in row]
     table += rows
     assert all(type(x) is int and -(2**63) <= x < 2**63 for x in table), f"not int64: {table}"
@@ -192,7 +174,7 @@ def counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-_SM_COUNT: dict[int, int] = {}
+_SM_COUNT: dict = register_cache(f"{__name__}._SM_COUNT", {})  # device index -> SMs
 
 
 def sm_count(device: torch.device) -> int:
@@ -204,7 +186,7 @@ def sm_count(device: torch.device) -> int:
     return n
 
 
-_TILES: dict[tuple, tuple[int, int]] = {}
+_TILES: dict = register_cache(f"{__name__}._TILES", {})  # tile()'s arguments -> its result
 
 
 def tile(

@@ -51,6 +51,6 @@ def table_int(values_ptr, i: tl.constexpr, HINTS: tl.constexpr):
     of an int parameter told it (strides and row sizes: their alignment vectorizes the loads
     and stores); other entries serve every value with one compilation."""
     x = tl.load(values_ptr + i)
-    if (HINTS >> i) & 1:
+    if (HINTS // 2**i) % 2:  # bit i (``i`` a constexpr global: an int has no ``>>`` for it)
         x = tl.multiple_of(x, 16)
     return x

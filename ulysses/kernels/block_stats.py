@@ -22,8 +22,12 @@ import triton
 import triton.language as tl
 
 from ._runtime import (
+    ROW_WIDTH,
+    GridFields,
     Launch,
     Part,
+    ROW_live_end,
+    ROW_tail_group,
     Section,
     cdiv,
     channel_block,
@@ -67,12 +71,30 @@ MINMAX_NONE, MINMAX_BOUNDARY, MINMAX_ALL = 0, 1, 2
 # into the compilation (``HINTS``, kernels/_tl.py ``table_int``), as their specialization as
 # parameters did: the 16-byte alignment lets the loads vectorize. ``tag`` is the call tag's
 # fp32 bits.
-K_STATS_VALUES = (
+K_STATS = GridFields(
     "stride_kb", "stride_kl", "stride_kh", "rows_at", "tag", "tag_last", "L", "H", "row0",
     "used", "tail_group", "g_first", "n_touched", "n_mm", "block_first", "n_blocks", "bnd_at",
     "sup_at",
+    hinted=("stride_kb", "stride_kl", "stride_kh"),
 )  # fmt: skip
-_K_HINTED = K_STATS_VALUES[:3]
+_KS_stride_kb = K_STATS.at("stride_kb")
+_KS_stride_kl = K_STATS.at("stride_kl")
+_KS_stride_kh = K_STATS.at("stride_kh")
+_KS_rows_at = K_STATS.at("rows_at")
+_KS_tag = K_STATS.at("tag")
+_KS_tag_last = K_STATS.at("tag_last")
+_KS_L = K_STATS.at("L")
+_KS_H = K_STATS.at("H")
+_KS_row0 = K_STATS.at("row0")
+_KS_used = K_STATS.at("used")
+_KS_tail_group = K_STATS.at("tail_group")
+_KS_g_first = K_STATS.at("g_first")
+_KS_n_touched = K_STATS.at("n_touched")
+_KS_n_mm = K_STATS.at("n_mm")
+_KS_block_first = K_STATS.at("block_first")
+_KS_n_blocks = K_STATS.at("n_blocks")
+_KS_bnd_at = K_STATS.at("bnd_at")
+_KS_sup_at = K_STATS.at("sup_at")
 
 
 @triton.jit
@@ -82,7 +104,7 @@ def _block_stats_kernel(
     mm_ptr,
     cnt_ptr,
     payload_ptr,
-    values_ptr,  # int32 [len(K_STATS_VALUES)], then the per-row table
+    values_ptr,  # int32 [len(K_STATS)], then the per-row table
     HINTS: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
@@ -136,15 +158,15 @@ def _k_stats_program(
     DB: tl.constexpr,
 ):
     """Program ``i_pid`` of K's statistics (this launch's, or the exchange's statistics launch,
-    kernels/lowp_stats.py), its grid values at ``values_ptr`` (``K_STATS_VALUES``)."""
+    kernels/lowp_stats.py), its grid values at ``values_ptr`` (``K_STATS``)."""
     # values used after the row loops are loaded there, not held in registers across them
     # (as kernel parameters they sat in the constant bank)
-    stride_kl = table_int(values_ptr, 1, HINTS)
-    L = tl.load(values_ptr + 6)
-    H = tl.load(values_ptr + 7)
-    row0 = tl.load(values_ptr + 8)
-    used = tl.load(values_ptr + 9)
-    tail_group = tl.load(values_ptr + 10)
+    stride_kl = table_int(values_ptr, _KS_stride_kl, HINTS)
+    L = tl.load(values_ptr + _KS_L)
+    H = tl.load(values_ptr + _KS_H)
+    row0 = tl.load(values_ptr + _KS_row0)
+    used = tl.load(values_ptr + _KS_used)
+    tail_group = tl.load(values_ptr + _KS_tail_group)
     SUB: tl.constexpr = G if G < 64 else 64  # rows between two stores of sum or min/max
     SPAN: tl.constexpr = G if G > 64 else 64
     N_SUB: tl.constexpr = SPAN // SUB
@@ -165,13 +187,13 @@ def _k_stats_program(
         gdc_wait()
 
     span0 = (span_first + i_sp) * SPAN  # first global row of this span
-    stride_kb = table_int(values_ptr, 0, HINTS)
-    stride_kh = table_int(values_ptr, 2, HINTS)
+    stride_kb = table_int(values_ptr, _KS_stride_kb, HINTS)
+    stride_kh = table_int(values_ptr, _KS_stride_kh, HINTS)
     p_k = k_ptr + i_b * stride_kb + o_h[:, None] * stride_kh + o_d[None, :]
     if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
-        rows_ptr = values_ptr + tl.load(values_ptr + 3)
-        used = tl.load(rows_ptr + i_b * 3)
-        tail_group = tl.load(rows_ptr + i_b * 3 + 1)
+        rows_ptr = values_ptr + tl.load(values_ptr + _KS_rows_at)
+        used = tl.load(rows_ptr + i_b * ROW_WIDTH + ROW_live_end)
+        tail_group = tl.load(rows_ptr + i_b * ROW_WIDTH + ROW_tail_group)
     live_end = used - row0  # local rows below this are live
 
     b_sum = tl.zeros([BLOCK_H, DB], dtype=tl.float32)
@@ -208,25 +230,25 @@ def _k_stats_program(
                     b_max = tl.where(m_mm, tl.maximum(b_max, b_k), b_max)
                     b_nan = b_nan | tl.where(m_mm, b_k != b_k, False)
         if SUB == SUM_BLOCK_C:
-            block_first = tl.load(values_ptr + 14)
-            n_blocks = tl.load(values_ptr + 15)
+            block_first = tl.load(values_ptr + _KS_block_first)
+            n_blocks = tl.load(values_ptr + _KS_n_blocks)
             i_blk = sub0 // SUB - block_first
             if (i_blk >= 0) & (i_blk < n_blocks):
                 tl.store(sum_ptr + (i_b * n_blocks + i_blk) * H * D + o_hd, b_sum, mask=m_hd)
             b_sum = tl.zeros([BLOCK_H, DB], dtype=tl.float32)
         if MINMAX != 0:
             if SUB == G:
-                i_s = group - tl.load(values_ptr + 11)  # g_first
+                i_s = group - tl.load(values_ptr + _KS_g_first)
                 _store_minmax(
                     mm_ptr,
-                    payload_ptr + tl.load(values_ptr + 16),  # the boundary records
+                    payload_ptr + tl.load(values_ptr + _KS_bnd_at),  # the boundary records
                     b_min,
                     b_max,
                     b_nan,
                     i_b,
                     i_s,
-                    tl.load(values_ptr + 12),  # n_touched
-                    tl.load(values_ptr + 13),  # n_mm
+                    tl.load(values_ptr + _KS_n_touched),
+                    tl.load(values_ptr + _KS_n_mm),
                     H,
                     D,
                     o_hd,
@@ -239,25 +261,25 @@ def _k_stats_program(
 
     if USE_PDL:
         gdc_launch_dependents()
-    block_first = tl.load(values_ptr + 14)
-    n_blocks = tl.load(values_ptr + 15)
+    block_first = tl.load(values_ptr + _KS_block_first)
+    n_blocks = tl.load(values_ptr + _KS_n_blocks)
     if SUB != SUM_BLOCK_C:  # G < 64: the span is one sum block
         i_blk = span0 // SUM_BLOCK_C - block_first
         if (i_blk >= 0) & (i_blk < n_blocks):
             tl.store(sum_ptr + (i_b * n_blocks + i_blk) * H * D + o_hd, b_sum, mask=m_hd)
     if MINMAX != 0:
         if SUB != G:  # G > 64: the span is one group
-            i_s = span0 // G - tl.load(values_ptr + 11)  # g_first
+            i_s = span0 // G - tl.load(values_ptr + _KS_g_first)
             _store_minmax(
                 mm_ptr,
-                payload_ptr + tl.load(values_ptr + 16),  # the boundary records
+                payload_ptr + tl.load(values_ptr + _KS_bnd_at),  # the boundary records
                 b_min,
                 b_max,
                 b_nan,
                 i_b,
                 i_s,
-                tl.load(values_ptr + 12),  # n_touched
-                tl.load(values_ptr + 13),  # n_mm
+                tl.load(values_ptr + _KS_n_touched),
+                tl.load(values_ptr + _KS_n_mm),
                 H,
                 D,
                 o_hd,
@@ -289,7 +311,7 @@ def _k_stats_program(
         tl.store(p_cnt + i_c, 0)
         p_sum = sum_ptr + i_b * n_blocks * H * D + o_hd
         b_acc = _ordered_sum(p_sum, c_lo, c_hi, H * D, m_hd, BLOCK_H, DB)
-        sup_ptr = sum_ptr + tl.load(values_ptr + 17)
+        sup_ptr = sum_ptr + tl.load(values_ptr + _KS_sup_at)
         tl.store(sup_ptr + (i_b * n_super + i_c) * H * D + o_hd, b_acc, mask=m_hd)
         tl.debug_barrier()
         n_sup = tl.atomic_add(p_cnt + n_super, 1, sem="acq_rel")
@@ -299,9 +321,9 @@ def _k_stats_program(
             b_tot = _ordered_sum(p_sup, 0, n_super, H * D, m_hd, BLOCK_H, DB)
             tl.store(payload_ptr + 1 + i_b * H * D + o_hd, b_tot, mask=m_hd)
     if i_pid == 0:  # the call tag at both ends of the payload
-        tag = tl.load(values_ptr + 4).to(tl.int32).to(tl.float32, bitcast=True)  # int64 table
+        tag = tl.load(values_ptr + _KS_tag).to(tl.int32).to(tl.float32, bitcast=True)  # int64 table
         tl.store(payload_ptr, tag)
-        tl.store(payload_ptr + tl.load(values_ptr + 5), tag)
+        tl.store(payload_ptr + tl.load(values_ptr + _KS_tag_last), tag)
 
 
 @triton.jit
@@ -433,7 +455,7 @@ def k_stats_part(
     )  # fmt: skip
     # per-row counts (``ulysses.grid.Layout.per_row``): read at each batch row instead of
     # ``used`` and ``tail_group``
-    section = Section(K_STATS_VALUES, values, _K_HINTED, per_row or ((0, 0, 0),))
+    section = Section(K_STATS, values, per_row or ((0, 0, 0),))
     args = dict(
         k_ptr=None,
         sum_ptr=sums,

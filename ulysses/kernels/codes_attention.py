@@ -60,7 +60,7 @@ __all__ = ["codes_attention", "codes_supported", "transpose_v", "CodesConfig", "
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-_NOT_SPECIALIZED = ["S", "HQ", "HKV", "q_group", "k_group", "n_qg", "n_kg", "k_shift", "S_pad"]
+_NOT_SPECIALIZED = ["S", "HQ", "HKV", "q_group", "k_group", "n_qg", "n_kg", "S_pad"]
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def _key_block(
     acc, l_i, m_i, b_q, b_a, b_dq,
     k_src, v_src, ks_base, doc_base,
     stride_ks, stride_vs, stride_vd,
-    start_n, o_m, o_n, o_d, lo, hi_k, k_group, n_kg, k_shift,
+    start_n, o_m, o_n, o_d, lo, hi_k, k_group, n_kg,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
     KS_BLOCK: tl.constexpr, KS_PAIR: tl.constexpr, PV_FP8: tl.constexpr, V_T: tl.constexpr,
     V_INT8: tl.constexpr, HW_ROUND: tl.constexpr, OPT: tl.constexpr, b_pre=None,
@@ -131,7 +131,7 @@ def _key_block(
             b_x = b_x * b_ks[None, :]
             b_ab = b_a
         else:
-            b_ks = tl.load(ks_base + tl.minimum((o_c + k_shift) // k_group, n_kg - 1))  # [BN]
+            b_ks = tl.load(ks_base + tl.minimum(o_c // k_group, n_kg - 1))  # [BN]
             b_x = b_x * b_ks[None, :]
             b_ab = b_a
         if MASKED:
@@ -209,7 +209,7 @@ def _codes_attn_fwd_kernel(
     q_scale_ptr, k_scale_ptr, v_scale_ptr,
     used_ptr, doc_ptr, bounds_ptr,
     out_ptr, lse_ptr,
-    S, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale, k_shift,
+    S, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_USED: tl.constexpr, DOCS: tl.constexpr, KS_BLOCK: tl.constexpr, KS_PAIR: tl.constexpr,
     PV_FP8: tl.constexpr, V_T: tl.constexpr, V_INT8: tl.constexpr,
@@ -286,7 +286,7 @@ def _codes_attn_fwd_kernel(
                 acc, l_i, m_i = _key_block(
                     acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                     stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                    k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8,
+                    k_group, n_kg, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8,
                     V_T, V_INT8, HW_ROUND, OPT,
                 )  # fmt: skip
         if (OPT & 17) == 17 and KS_BLOCK:  # the scores one block ahead
@@ -299,7 +299,7 @@ def _codes_attn_fwd_kernel(
                     acc, l_i, m_i = _key_block(
                         acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                         stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                        k_group, n_kg, k_shift, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK,
+                        k_group, n_kg, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK,
                         KS_PAIR, PV_FP8, V_T, V_INT8, HW_ROUND, OPT, b_pre,
                     )  # fmt: skip
                     b_pre = b_next
@@ -309,14 +309,14 @@ def _codes_attn_fwd_kernel(
                 acc, l_i, m_i = _key_block(
                     acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                     stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                    k_group, n_kg, k_shift, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK, KS_PAIR,
+                    k_group, n_kg, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK, KS_PAIR,
                     PV_FP8, V_T, V_INT8, HW_ROUND, OPT,
                 )  # fmt: skip
         for start_n in tl.range(tail, hi, BLOCK_N):
             acc, l_i, m_i = _key_block(
                 acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                 stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8, V_T,
+                k_group, n_kg, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8, V_T,
                 V_INT8, HW_ROUND, OPT,
             )  # fmt: skip
         b_vs = tl.load(v_scale_ptr + (i_b * HKV + i_hk) * D + o_d)  # [D]
@@ -460,14 +460,12 @@ def codes_attention(
     used: torch.Tensor | None = None,
     doc_ids: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    k_shift: int = 0,
     config: CodesConfig | WgmmaConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, S, hq, D] out_dtype, lse [B, hq, S] fp32)``: attention of the codes (module
     docstring for shapes and math). ``used``: None or an int32 tensor [B] of live rows a batch
     row; ``doc_ids``: None or an integer tensor [B, S] of non-decreasing document ids;
-    ``sm_scale`` defaults to ``D ** -0.5``; ``k_shift`` moves the K-scale index (a planted
-    fault for the harness; 0 otherwise). ``config``: None runs Hopper's warpgroup-MMA kernel
+    ``sm_scale`` defaults to ``D ** -0.5``. ``config``: None runs Hopper's warpgroup-MMA kernel
     (:mod:`.codes_wgmma`) where it supports the call, else this module's kernel with its
     default configuration; a :class:`CodesConfig` this module's kernel, a ``WgmmaConfig`` the
     warpgroup-MMA kernel. Launcher: invariants are asserted, the layer validates user
@@ -489,18 +487,16 @@ def codes_attention(
     ):  # fmt: skip
         wg = config or WGMMA_DEFAULT  # Hopper's warpgroup-MMA kernel
         if doc_ids is None and not wgmma_unsupported(
-            q, k, v, k_group=k_group, docs=False, k_shift=k_shift, config=wg
+            q, k, v, k_group=k_group, docs=False, config=wg
         ):  # fmt: skip
             if used is not None:
                 used = used.to(torch.int32).contiguous()
             return codes_attention_wgmma(
                 q, k, transpose_v(v, used), q_scale, k_scale, v_scale, q_group=q_group,
                 k_group=k_group, causal=causal, sm_scale=sm_scale, used=used,
-                out_dtype=out_dtype, config=wg, k_shift=k_shift,
+                out_dtype=out_dtype, config=wg,
             )  # fmt: skip
-        assert config is None, wgmma_unsupported(
-            q, k, v, k_group=k_group, docs=doc_ids is not None, k_shift=k_shift
-        )
+        assert config is None, wgmma_unsupported(q, k, v, k_group=k_group, docs=doc_ids is not None)
     cfg = config or (GPU_DEFAULT if gpu else _CPU_CONFIG)
     v_int8 = v.dtype == torch.int8
     pv = "fp16" if v_int8 else cfg.pv
@@ -557,15 +553,14 @@ def codes_attention(
         n_qg=cdiv(S, q_group),
         n_kg=cdiv(S, k_group),
         qk_scale=sm_scale * LOG2E,
-        k_shift=int(k_shift),
         D=D,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         CAUSAL=bool(causal),
         HAS_USED=used is not None,
         DOCS=doc_ids is not None,
-        KS_BLOCK=k_group % cfg.block_n == 0 and k_shift == 0,
-        KS_PAIR=cfg.block_n == 2 * k_group and k_shift == 0,
+        KS_BLOCK=k_group % cfg.block_n == 0,
+        KS_PAIR=cfg.block_n == 2 * k_group,
         PV_FP8=pv != "fp16",
         V_T=pv == "fp8t",
         V_INT8=v_int8,

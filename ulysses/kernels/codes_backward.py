@@ -119,12 +119,13 @@ def _int_dot_f32(b_a, b_b):
 @triton.jit
 def _int8_rows(b_x):
     """Per-row INT8 codes of fp32 ``b_x`` [M, N]: ``(codes int8, row scale amax / 127)``; a
-    row of zeros gets codes 0 and scale 0. Rounding to nearest even by adding 1.5 * 2^23
-    (|x * 127 / amax| <= 127, so the sum lies in [2^23, 2^24), where the fp32 step is 1)."""
+    row of zeros gets codes 0 and scale 0. Rounding to nearest even by adding 1.5 * 2^23 in
+    one fused multiply-add (|x * 127 / amax| <= 127 (+ an ulp), so the sum lies in [2^23,
+    2^24), where the fp32 step is 1, and its low byte is the two's-complement code)."""
     b_amax = tl.max(tl.abs(b_x), 1)
     b_inv = tl.where(b_amax > 0.0, 127.0 / b_amax, 0.0)
-    b_y = b_x * b_inv[:, None] + MAGIC_F
-    b_code = (b_y.to(tl.int32, bitcast=True) - MAGIC_I).to(tl.int8)
+    b_y = tl.fma(b_x, b_inv[:, None], MAGIC_F)  # one rounding: rne(x * inv) in the low bits
+    b_code = b_y.to(tl.int32, bitcast=True).to(tl.int8)  # the low byte (MAGIC_I's is 0)
     return b_code, b_amax * (1.0 / 127.0)
 
 
@@ -259,7 +260,7 @@ def _dkdv_block(
     b_l2 = tl.load(lse_row + o_m)  # [BM] lse * log2(e), +inf on dead rows
     b_dl = tl.load(delta_row + o_m)  # [BM]
     b_xt = _int_dot_f32(b_k, tl.trans(b_q))  # [BN, BM] exact q . k
-    b_arg = (b_xt * b_kr[:, None]) * b_qa[None, :] + (8.0 - b_l2)[None, :]
+    b_arg = tl.fma(b_xt * b_kr[:, None], b_qa[None, :], (8.0 - b_l2)[None, :])
     b_p = tl.math.exp2(b_arg)  # 2^8 p^T
     if MASKED:
         m_ok = key_live[:, None] & (o_m < hi)[None, :]
@@ -285,7 +286,7 @@ def _dkdv_block(
     if DS_INT8:
         b_c, b_r = _int8_rows(b_ds)
         b_qt = tl.load(qt_bh + o_d[:, None] * S_pad + o_m[None, :])  # [D, BM] int8
-        acc_dk += _int_dot_f32(b_c, tl.trans(b_qt)) * b_r[:, None]
+        acc_dk = tl.fma(_int_dot_f32(b_c, tl.trans(b_qt)), b_r[:, None], acc_dk)
     else:
         acc_dk = _dot16(round_to(b_ds, tl.bfloat16, HW_ROUND),
                         b_q.to(tl.float32).to(tl.bfloat16), acc_dk, HW_ROUND)  # fmt: skip
@@ -425,7 +426,7 @@ def _dq_block(
         b_k = tl.load(k_src + o_n[:, None].to(tl.int64) * stride_ks + o_d[None, :])
     b_kr = tl.load(kr_row + o_n)  # [BN]
     b_x = _int_dot_f32(b_q, tl.trans(b_k))  # [BM, BN]
-    b_arg = (b_x * b_kr[None, :]) * b_qa[:, None] + (8.0 - b_l2)[:, None]
+    b_arg = tl.fma(b_x * b_kr[None, :], b_qa[:, None], (8.0 - b_l2)[:, None])
     b_p = tl.math.exp2(b_arg)  # 2^8 p
     if MASKED:
         m_ok = (o_n < hi_k)[None, :]
@@ -442,7 +443,7 @@ def _dq_block(
     if DS_INT8:
         b_c, b_r = _int8_rows(b_ds)
         b_kt = tl.load(kt_bh + o_d[:, None] * S_pad + o_n[None, :])  # [D, BN] int8
-        acc += _int_dot_f32(b_c, tl.trans(b_kt)) * b_r[:, None]
+        acc = tl.fma(_int_dot_f32(b_c, tl.trans(b_kt)), b_r[:, None], acc)
     else:
         acc = _dot16(round_to(b_ds, tl.bfloat16, HW_ROUND), b_k.to(tl.float32).to(tl.bfloat16),
                      acc, HW_ROUND)  # fmt: skip

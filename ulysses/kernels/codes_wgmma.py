@@ -60,7 +60,7 @@ def _rows_view(x: torch.Tensor) -> tuple[int, int] | None:
 
 def wgmma_unsupported(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, k_group: int, docs: bool,
-    k_shift: int = 0, config: WgmmaConfig = DEFAULT,
+    config: WgmmaConfig = DEFAULT,
 ) -> str | None:  # fmt: skip
     """None where :func:`codes_attention_wgmma` runs the call, else the reason in words."""
     if GLUON_ERROR is not None:
@@ -76,8 +76,6 @@ def wgmma_unsupported(
         return "the warpgroup-MMA codes kernel does not skip documents"
     if k_group % BLOCK_N:
         return f"the K group ({k_group}) must be a multiple of the key block ({BLOCK_N})"
-    if k_shift % BLOCK_N:
-        return f"a K-scale shift (a planted fault) of whole key blocks ({BLOCK_N}), got {k_shift}"
     for name, x in (("q", q), ("k", k)):
         if _rows_view(x) is None:
             return f"{name}'s strides {tuple(x.stride())} are not evenly spaced rows"
@@ -101,7 +99,6 @@ def codes_attention_wgmma(
     used: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     config: WgmmaConfig = DEFAULT,
-    k_shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, S, hq, D], lse [B, hq, S])`` as :func:`.codes_attention.codes_attention`;
     ``vt`` is :func:`.codes_attention.transpose_v` of the V codes. The caller checked
@@ -134,6 +131,6 @@ def codes_attention_wgmma(
         S, HQ, HKV, q_group, sm_scale * LOG2E, BIAS_BITS, k_group,
         D=D, STAGES=config.stages, CAUSAL=bool(causal),
         HAS_USED=used is not None, PIPE=config.pipe, UPDATE=config.update, LAZY=config.lazy,
-        K_SHIFT=k_shift, num_warps=4,
+        num_warps=4,
     )  # fmt: skip
     return out, lse

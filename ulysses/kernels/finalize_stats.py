@@ -25,9 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .._plans import register_cache
 from ._runtime import (
+    ROW_WIDTH,
+    GridFields,
     Launch,
     Part,
+    ROW_divisor,
     Section,
     cdiv,
     channel_block,
@@ -51,17 +55,31 @@ __all__ = [
 ]
 
 MODE_MEAN, MODE_FUSED, MODE_MERGE = 0, 1, 2
-_SOURCES: dict[tuple, torch.Tensor] = {}
+_SOURCES: dict = register_cache(f"{__name__}._SOURCES", {})  # _sources()'s arguments -> table
 
 
 # The kernel's grid values, in the order of its int32 table (``values_ptr``; the per-row
 # table follows at ``rows_at``): ints that only bound masks, loops and grid indices, loaded as
 # the unspecialized int32 parameters they replace, so one compilation serves every shape,
 # rank and padding of a dtype and tile (first compilations dominated the GPU harness).
-FINALIZE_VALUES = (
+FINALIZE = GridFields(
     "N", "stride_p", "H", "P", "bhd", "n_slots", "n_touched", "n_hblocks", "n_chunks",
     "slots_per_program", "n_src_first", "n_src_last", "divisor", "rows_at",
 )  # fmt: skip
+_FZ_N = FINALIZE.at("N")
+_FZ_stride_p = FINALIZE.at("stride_p")
+_FZ_H = FINALIZE.at("H")
+_FZ_P = FINALIZE.at("P")
+_FZ_bhd = FINALIZE.at("bhd")
+_FZ_n_slots = FINALIZE.at("n_slots")
+_FZ_n_touched = FINALIZE.at("n_touched")
+_FZ_n_hblocks = FINALIZE.at("n_hblocks")
+_FZ_n_chunks = FINALIZE.at("n_chunks")
+_FZ_slots_per_program = FINALIZE.at("slots_per_program")
+_FZ_n_src_first = FINALIZE.at("n_src_first")
+_FZ_n_src_last = FINALIZE.at("n_src_last")
+_FZ_divisor = FINALIZE.at("divisor")
+_FZ_rows_at = FINALIZE.at("rows_at")
 
 
 @triton.jit
@@ -73,7 +91,7 @@ def _finalize_kernel(
     part_ptr,
     final_ptr,
     src_ptr,
-    values_ptr,  # int32 [len(FINALIZE_VALUES)], then the per-row table
+    values_ptr,  # int32 [len(FINALIZE)], then the per-row table
     tag,
     FLOOR: tl.constexpr,
     D: tl.constexpr,
@@ -83,23 +101,23 @@ def _finalize_kernel(
     PER_ROW: tl.constexpr,
     DB: tl.constexpr,
 ):
-    N = tl.load(values_ptr + 0)
-    stride_p = tl.load(values_ptr + 1)
-    H = tl.load(values_ptr + 2)
-    P = tl.load(values_ptr + 3)
-    bhd = tl.load(values_ptr + 4)
-    n_slots = tl.load(values_ptr + 5)
-    n_touched = tl.load(values_ptr + 6)
-    n_hblocks = tl.load(values_ptr + 7)
-    n_chunks = tl.load(values_ptr + 8)
-    slots_per_program = tl.load(values_ptr + 9)
-    n_src_first = tl.load(values_ptr + 10)
-    n_src_last = tl.load(values_ptr + 11)
-    divisor = tl.load(values_ptr + 12)
-    rows_ptr = values_ptr + tl.load(values_ptr + 13)
+    N = tl.load(values_ptr + _FZ_N)
+    stride_p = tl.load(values_ptr + _FZ_stride_p)
+    H = tl.load(values_ptr + _FZ_H)
+    P = tl.load(values_ptr + _FZ_P)
+    bhd = tl.load(values_ptr + _FZ_bhd)
+    n_slots = tl.load(values_ptr + _FZ_n_slots)
+    n_touched = tl.load(values_ptr + _FZ_n_touched)
+    n_hblocks = tl.load(values_ptr + _FZ_n_hblocks)
+    n_chunks = tl.load(values_ptr + _FZ_n_chunks)
+    slots_per_program = tl.load(values_ptr + _FZ_slots_per_program)
+    n_src_first = tl.load(values_ptr + _FZ_n_src_first)
+    n_src_last = tl.load(values_ptr + _FZ_n_src_last)
+    divisor = tl.load(values_ptr + _FZ_divisor)
+    rows_ptr = values_ptr + tl.load(values_ptr + _FZ_rows_at)
     i_b, i_ch, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_chunks, H, BLOCK_H, D, DB)
     if PER_ROW:  # per-row live counts: this batch row's divisor (block_stats.py's table)
-        divisor = tl.load(rows_ptr + i_b * 3 + 2)
+        divisor = tl.load(rows_ptr + i_b * ROW_WIDTH + ROW_divisor)
     o_hd = o_h[:, None] * D + o_d[None, :]
 
     if USE_PDL:
@@ -275,7 +293,7 @@ def finalize_part(
         **dict.fromkeys(slots),
     )
     # per-row counts: each row's divisor
-    section = Section(FINALIZE_VALUES, values, (), per_row or ((0, 0, 0),))
+    section = Section(FINALIZE, values, per_row or ((0, 0, 0),))
     return Part(B * n_chunks * n_hblocks, num_warps, section, args)
 
 

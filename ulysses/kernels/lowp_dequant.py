@@ -36,7 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._plans import register_cache
 from ._runtime import (
+    GridFields,
     Launch,
     Section,
     cdiv,
@@ -68,12 +70,29 @@ def round_to(b_x, out_dtype: tl.constexpr, HW_ROUND: tl.constexpr):
 # compilation serves every S and head count); the strides carry their divisibility by 16
 # into the compilation (``HINTS``, kernels/_tl.py ``table_int``), as their specialization as
 # parameters did.
-DEQUANT_VALUES = (
+DEQUANT = GridFields(
     "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
     "stride_vs", "stride_vh", "stride_vsb", "S", "HQ", "HKV", "q_group", "k_group", "n_qg",
     "n_kg",
+    hinted=("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_vsb"),
 )  # fmt: skip
-_DEQUANT_HINTED = DEQUANT_VALUES[:10]
+_DQ_stride_qb = DEQUANT.at("stride_qb")
+_DQ_stride_qs = DEQUANT.at("stride_qs")
+_DQ_stride_qh = DEQUANT.at("stride_qh")
+_DQ_stride_kb = DEQUANT.at("stride_kb")
+_DQ_stride_ks = DEQUANT.at("stride_ks")
+_DQ_stride_kh = DEQUANT.at("stride_kh")
+_DQ_stride_vb = DEQUANT.at("stride_vb")
+_DQ_stride_vs = DEQUANT.at("stride_vs")
+_DQ_stride_vh = DEQUANT.at("stride_vh")
+_DQ_stride_vsb = DEQUANT.at("stride_vsb")
+_DQ_S = DEQUANT.at("S")
+_DQ_HQ = DEQUANT.at("HQ")
+_DQ_HKV = DEQUANT.at("HKV")
+_DQ_q_group = DEQUANT.at("q_group")
+_DQ_k_group = DEQUANT.at("k_group")
+_DQ_n_qg = DEQUANT.at("n_qg")
+_DQ_n_kg = DEQUANT.at("n_kg")
 
 
 @triton.jit
@@ -89,7 +108,7 @@ def _dequant_qkv_kernel(
     q_out_ptr,
     k_out_ptr,
     v_out_ptr,
-    values_ptr,  # int32 [len(DEQUANT_VALUES)]
+    values_ptr,  # int32 [len(DEQUANT)]
     HINTS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -98,23 +117,23 @@ def _dequant_qkv_kernel(
     V_INT8: tl.constexpr,
     SCALES_FROM_RECV: tl.constexpr,
 ):
-    stride_qb = table_int(values_ptr, 0, HINTS)
-    stride_qs = table_int(values_ptr, 1, HINTS)
-    stride_qh = table_int(values_ptr, 2, HINTS)
-    stride_kb = table_int(values_ptr, 3, HINTS)
-    stride_ks = table_int(values_ptr, 4, HINTS)
-    stride_kh = table_int(values_ptr, 5, HINTS)
-    stride_vb = table_int(values_ptr, 6, HINTS)
-    stride_vs = table_int(values_ptr, 7, HINTS)
-    stride_vh = table_int(values_ptr, 8, HINTS)
-    stride_vsb = table_int(values_ptr, 9, HINTS)
-    S = tl.load(values_ptr + 10)
-    HQ = tl.load(values_ptr + 11)
-    HKV = tl.load(values_ptr + 12)
-    q_group = tl.load(values_ptr + 13)
-    k_group = tl.load(values_ptr + 14)
-    n_qg = tl.load(values_ptr + 15)
-    n_kg = tl.load(values_ptr + 16)
+    stride_qb = table_int(values_ptr, _DQ_stride_qb, HINTS)
+    stride_qs = table_int(values_ptr, _DQ_stride_qs, HINTS)
+    stride_qh = table_int(values_ptr, _DQ_stride_qh, HINTS)
+    stride_kb = table_int(values_ptr, _DQ_stride_kb, HINTS)
+    stride_ks = table_int(values_ptr, _DQ_stride_ks, HINTS)
+    stride_kh = table_int(values_ptr, _DQ_stride_kh, HINTS)
+    stride_vb = table_int(values_ptr, _DQ_stride_vb, HINTS)
+    stride_vs = table_int(values_ptr, _DQ_stride_vs, HINTS)
+    stride_vh = table_int(values_ptr, _DQ_stride_vh, HINTS)
+    stride_vsb = table_int(values_ptr, _DQ_stride_vsb, HINTS)
+    S = tl.load(values_ptr + _DQ_S)
+    HQ = tl.load(values_ptr + _DQ_HQ)
+    HKV = tl.load(values_ptr + _DQ_HKV)
+    q_group = tl.load(values_ptr + _DQ_q_group)
+    k_group = tl.load(values_ptr + _DQ_k_group)
+    n_qg = tl.load(values_ptr + _DQ_n_qg)
+    n_kg = tl.load(values_ptr + _DQ_n_kg)
     i_s, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
@@ -183,7 +202,7 @@ def _block_s(D: int, device: torch.device) -> tuple[int, int]:
 
 # Dequantize launches by configuration (shapes, strides, device, groups, dtype): the one
 # cache of this module, so that repeat calls take the launch's fast path (kernels/_launch.py).
-_PREPARED: dict[tuple, Launch] = {}
+_PREPARED: dict = register_cache(f"{__name__}._PREPARED", {})
 _MAX_PREPARED = 256
 
 
@@ -223,7 +242,7 @@ def prepare_dequant(
         stride_kh=skh, stride_vb=svb, stride_vs=svs, stride_vh=svh, stride_vsb=v_scale_stride,
         S=S, HQ=HQ, HKV=HKV, q_group=q_group, k_group=k_group, n_qg=n_qg, n_kg=n_kg,
     )  # fmt: skip
-    table, hints = grid_table((Section(DEQUANT_VALUES, values, _DEQUANT_HINTED),), device)
+    table, hints = grid_table((Section(DEQUANT, values),), device)
     # not read without SCALES_FROM_RECV: a small constant tensor (a pointer argument like any
     # other on every launch path, never a None)
     q_index = k_index = table

@@ -27,8 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, Part, Section, cdiv, compiled_for_gpu, gdc_wait, grid_table, next_pow2
-from .finalize_stats import FINALIZE_VALUES, MODE_FUSED, _finalize_kernel
+from ._runtime import (
+    GridFields,
+    Launch,
+    Part,
+    Section,
+    cdiv,
+    compiled_for_gpu,
+    gdc_wait,
+    grid_table,
+    next_pow2,
+    starts,
+)
+from .finalize_stats import FINALIZE, MODE_FUSED, _finalize_kernel
 
 __all__ = [
     "lowp_finish_part",
@@ -45,10 +56,29 @@ MAX_UNROLL = 8
 # The kernel's grid values, in the order of its int32 table (``values_ptr``): ints that
 # only bound masks, loops and grid indices, loaded as the unspecialized int32 parameters
 # they replace (one compilation serves every shape, rank and padding)
-LOWP_FINISH_VALUES = (
+LOWP_FINISH = GridFields(
     "stride_p", "first_q0", "first_e0", "first_n", "last_q0", "last_e0", "last_n", "n_bhd",
     "n_bh", "n_slots", "n_touched", "H", "h", "head0", "q_off", "v_off", "P", "D", "prog0",
 )  # fmt: skip
+_LF_stride_p = LOWP_FINISH.at("stride_p")
+_LF_first_q0 = LOWP_FINISH.at("first_q0")
+_LF_first_e0 = LOWP_FINISH.at("first_e0")
+_LF_first_n = LOWP_FINISH.at("first_n")
+_LF_last_q0 = LOWP_FINISH.at("last_q0")
+_LF_last_e0 = LOWP_FINISH.at("last_e0")
+_LF_last_n = LOWP_FINISH.at("last_n")
+_LF_n_bhd = LOWP_FINISH.at("n_bhd")
+_LF_n_bh = LOWP_FINISH.at("n_bh")
+_LF_n_slots = LOWP_FINISH.at("n_slots")
+_LF_n_touched = LOWP_FINISH.at("n_touched")
+_LF_H = LOWP_FINISH.at("H")
+_LF_h = LOWP_FINISH.at("h")
+_LF_head0 = LOWP_FINISH.at("head0")
+_LF_q_off = LOWP_FINISH.at("q_off")
+_LF_v_off = LOWP_FINISH.at("v_off")
+_LF_P = LOWP_FINISH.at("P")
+_LF_D = LOWP_FINISH.at("D")
+_LF_prog0 = LOWP_FINISH.at("prog0")
 
 
 @triton.jit
@@ -57,30 +87,30 @@ def _lowp_finish_kernel(
     amax_q_ptr,
     amax_v_ptr,
     v_scale_ptr,
-    values_ptr,  # int32 [len(LOWP_FINISH_VALUES)]
+    values_ptr,  # int32 [len(LOWP_FINISH)]
     N_UNROLL: tl.constexpr,
     BLOCK: tl.constexpr,
     V_MAX: tl.constexpr,
 ):
-    stride_p = tl.load(values_ptr + 0)
-    first_q0 = tl.load(values_ptr + 1)
-    first_e0 = tl.load(values_ptr + 2)
-    first_n = tl.load(values_ptr + 3)
-    last_q0 = tl.load(values_ptr + 4)
-    last_e0 = tl.load(values_ptr + 5)
-    last_n = tl.load(values_ptr + 6)
-    n_bhd = tl.load(values_ptr + 7)
-    n_bh = tl.load(values_ptr + 8)
-    n_slots = tl.load(values_ptr + 9)
-    n_touched = tl.load(values_ptr + 10)
-    H = tl.load(values_ptr + 11)
-    h = tl.load(values_ptr + 12)
-    head0 = tl.load(values_ptr + 13)
-    q_off = tl.load(values_ptr + 14)
-    v_off = tl.load(values_ptr + 15)
-    P = tl.load(values_ptr + 16)
-    D = tl.load(values_ptr + 17)
-    prog0 = tl.load(values_ptr + 18)
+    stride_p = tl.load(values_ptr + _LF_stride_p)
+    first_q0 = tl.load(values_ptr + _LF_first_q0)
+    first_e0 = tl.load(values_ptr + _LF_first_e0)
+    first_n = tl.load(values_ptr + _LF_first_n)
+    last_q0 = tl.load(values_ptr + _LF_last_q0)
+    last_e0 = tl.load(values_ptr + _LF_last_e0)
+    last_n = tl.load(values_ptr + _LF_last_n)
+    n_bhd = tl.load(values_ptr + _LF_n_bhd)
+    n_bh = tl.load(values_ptr + _LF_n_bh)
+    n_slots = tl.load(values_ptr + _LF_n_slots)
+    n_touched = tl.load(values_ptr + _LF_n_touched)
+    H = tl.load(values_ptr + _LF_H)
+    h = tl.load(values_ptr + _LF_h)
+    head0 = tl.load(values_ptr + _LF_head0)
+    q_off = tl.load(values_ptr + _LF_q_off)
+    v_off = tl.load(values_ptr + _LF_v_off)
+    P = tl.load(values_ptr + _LF_P)
+    D = tl.load(values_ptr + _LF_D)
+    prog0 = tl.load(values_ptr + _LF_prog0)
     # prog0: the programs before this kernel's in the grid (the post-gather launch's finalize)
     i_prog = tl.program_id(0) - prog0
     o_e = i_prog.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -124,6 +154,13 @@ def _lowp_finish_kernel(
         tl.store(amax_q_ptr + o_e * n_slots + slot, b_m.to(tl.float32, bitcast=True), mask=m_q)
 
 
+# The post-gather launch's table: its head (how many programs are the finalize's), then the
+# finalize's section, then the finish's (``grid_table``'s order)
+POST_GATHER = GridFields("n_fin")
+_PG_n_fin = POST_GATHER.at("n_fin")
+_, _PG_FINALIZE_AT, _PG_FINISH_AT = starts(POST_GATHER, FINALIZE, LOWP_FINISH)
+
+
 @triton.jit
 def _post_gather_kernel(
     gathered_ptr,
@@ -136,7 +173,7 @@ def _post_gather_kernel(
     amax_q_ptr,
     amax_v_ptr,
     v_scale_ptr,
-    values_ptr,  # int32: n_fin, FINALIZE_VALUES, LOWP_FINISH_VALUES, the per-row table
+    values_ptr,  # int32: POST_GATHER, FINALIZE, LOWP_FINISH, the per-row table
     tag,
     FLOOR: tl.constexpr,
     D: tl.constexpr,
@@ -153,8 +190,8 @@ def _post_gather_kernel(
     (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. Small launches
     after a collective are bound by their cold latency, not their bytes: one launch runs
     both sets of programs at once. Each reads its grid values from its section of the
-    table (the finalize's from index 1, the finish's from 15)."""
-    if tl.program_id(0) < tl.load(values_ptr):
+    table (from ``_PG_FINALIZE_AT`` and ``_PG_FINISH_AT``)."""
+    if tl.program_id(0) < tl.load(values_ptr + _PG_n_fin):
         _finalize_kernel(
             gathered_ptr,
             mm_ptr,
@@ -163,7 +200,7 @@ def _post_gather_kernel(
             part_ptr,
             final_ptr,
             src_ptr,
-            values_ptr + 1,
+            values_ptr + _PG_FINALIZE_AT,
             tag,
             FLOOR,
             D,
@@ -181,14 +218,11 @@ def _post_gather_kernel(
             amax_q_ptr,
             amax_v_ptr,
             v_scale_ptr,
-            values_ptr + 15,
+            values_ptr + _PG_FINISH_AT,
             N_UNROLL,
             BLOCK,
             V_MAX,
         )
-
-
-assert 1 + len(FINALIZE_VALUES) == 15  # the finish's section in the post-gather table
 
 
 def prepare_post_gather(finalize: Part, finish: Part) -> Launch:
@@ -202,7 +236,7 @@ def prepare_post_gather(finalize: Part, finish: Part) -> Launch:
     fv, lv = finalize.section.values, finish.section.values
     assert fv["stride_p"] == lv["stride_p"] and fv["P"] == lv["P"] and fin["D"] == lv["D"]
     assert fv["H"] == lv["H"], "finalize and finish disagree"
-    head = Section(("n_fin",), {"n_fin": finalize.programs})
+    head = Section(POST_GATHER, {"n_fin": finalize.programs})
     lf_section = finish.section._replace(values={**lv, "prog0": finalize.programs})
     table, _ = grid_table((head, finalize.section, lf_section), fin["gathered_ptr"].device)
     return Launch(
@@ -316,4 +350,4 @@ def lowp_finish_part(
         V_MAX=float(v_max),
     )
     programs = cdiv(max(n_bhd, B * Hq), block)
-    return Part(programs, num_warps, Section(LOWP_FINISH_VALUES, values), args)
+    return Part(programs, num_warps, Section(LOWP_FINISH, values), args)

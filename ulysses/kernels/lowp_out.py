@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._plans import register_cache
 from ._launch import View
 from ._quant import canonical_nan_bits, int8_code
 from ._runtime import Launch, cdiv, channel_block, compiled_for_gpu
@@ -194,7 +195,7 @@ def _new_send(P: int, chunk: int, used: int, device: torch.device) -> torch.Tens
 # The launches prepared per configuration (shapes, strides, dtypes, device and whether it runs
 # compiled; the tensors are the slots): a call looks its launch up by a short key instead of
 # naming every argument
-_PREPARED: dict[tuple, object] = {}
+_PREPARED: dict = register_cache(f"{__name__}._PREPARED", {})
 _MAX_PREPARED = 256
 
 

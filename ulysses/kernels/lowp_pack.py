@@ -59,7 +59,46 @@ from ._runtime import (
     table_int,
     tile,
 )
-from .lowp_pack_q import _pack_q_group, _source_head
+from .lowp_pack_q import (
+    PACK,
+    PK_B,
+    PK_CB,
+    PK_E4,
+    PK_H,
+    PK_HE,
+    PK_HKS,
+    PK_HS,
+    PK_L,
+    PK_ROW,
+    PK_h,
+    PK_h_src,
+    PK_hkv,
+    PK_hkv_src,
+    PK_k_off,
+    PK_kv_rep,
+    PK_n_code,
+    PK_n_lanes,
+    PK_n_qcode,
+    PK_n_rblocks,
+    PK_n_scales,
+    PK_n_slots_k,
+    PK_n_slots_q,
+    PK_q_off,
+    PK_q_whole_hi,
+    PK_q_whole_lo,
+    PK_row0,
+    PK_stride_kb,
+    PK_stride_kh,
+    PK_stride_kl,
+    PK_stride_qb,
+    PK_stride_qh,
+    PK_stride_ql,
+    PK_stride_vb,
+    PK_stride_vh,
+    PK_stride_vl,
+    _pack_q_group,
+    _source_head,
+)
 
 __all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 
@@ -74,26 +113,6 @@ __all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 # slot arithmetic in int32 takes 137 instructions on Triton 3.9.
 
 
-# The pack's grid values, in the order of its int32 table (``values_ptr``; the per-row table
-# follows at index len(PACK_VALUES)), so that the kernel keeps few parameters. Ints that only
-# bound masks, loops and grid indices are loaded as the unspecialized int32 parameters they
-# replace: one compilation serves every shape, rank and padding of a dtype and tile (first
-# compilations dominated the GPU harness). The strides and the row layout (``ROW``, ``CB``,
-# ``E4``) carry their divisibility by 16 into the compilation (``HINTS``, kernels/_tl.py
-# ``table_int``), as their specialization as parameters did: the 16-byte alignment lets the
-# loads and stores vectorize.
-PACK_VALUES = (
-    "L", "H", "h", "HK", "HE", "hkv", "n_lanes", "row0", "n_slots_q", "n_slots_k", "n_rblocks",
-    "n_code", "n_qcode", "n_scales", "B", "shift", "n_qgroups", "q_whole_lo", "q_whole_hi",
-    "tail_group_q", "live_end", "h_src", "hkv_src", "q_off", "k_off", "HS", "HKS", "kv_rep",
-    "stride_qb", "stride_ql", "stride_qh", "stride_kb", "stride_kl", "stride_kh", "stride_vb",
-    "stride_vl", "stride_vh", "ROW", "CB", "E4",
-)  # fmt: skip
-# the entries Triton specialized as parameters: the kernel is told which are multiples of 16
-_PACK_HINTED = PACK_VALUES[28:]
-assert len(PACK_VALUES) == 40  # the per-row table's index in the kernels
-
-
 @triton.jit
 def _pack_kernel(
     q_ptr,
@@ -104,7 +123,7 @@ def _pack_kernel(
     mean_ptr,
     amax_v_ptr,
     send_ptr,
-    values_ptr,  # int32 [len(PACK_VALUES)], then the per-row table
+    values_ptr,  # int32 [len(PACK)], then the per-row table
     HINTS: tl.constexpr,
     D: tl.constexpr,
     GQ: tl.constexpr,
@@ -123,40 +142,40 @@ def _pack_kernel(
     V_INT8: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
-    L = tl.load(values_ptr + 0)
-    h = tl.load(values_ptr + 2)
-    hkv = tl.load(values_ptr + 5)
-    row0 = tl.load(values_ptr + 7)
-    n_slots_q = tl.load(values_ptr + 8)
-    n_slots_k = tl.load(values_ptr + 9)
-    n_code = tl.load(values_ptr + 11)
-    n_qcode = tl.load(values_ptr + 12)
-    hkv_src = tl.load(values_ptr + 22)
-    k_off = tl.load(values_ptr + 24)
-    HKS = tl.load(values_ptr + 26)
-    kv_rep = tl.load(values_ptr + 27)
-    ROW = table_int(values_ptr, 37, HINTS)
-    CB = table_int(values_ptr, 38, HINTS)
-    E4 = table_int(values_ptr, 39, HINTS)
+    L = tl.load(values_ptr + PK_L)
+    h = tl.load(values_ptr + PK_h)
+    hkv = tl.load(values_ptr + PK_hkv)
+    row0 = tl.load(values_ptr + PK_row0)
+    n_slots_q = tl.load(values_ptr + PK_n_slots_q)
+    n_slots_k = tl.load(values_ptr + PK_n_slots_k)
+    n_code = tl.load(values_ptr + PK_n_code)
+    n_qcode = tl.load(values_ptr + PK_n_qcode)
+    hkv_src = tl.load(values_ptr + PK_hkv_src)
+    k_off = tl.load(values_ptr + PK_k_off)
+    HKS = tl.load(values_ptr + PK_HKS)
+    kv_rep = tl.load(values_ptr + PK_kv_rep)
+    ROW = table_int(values_ptr, PK_ROW, HINTS)
+    CB = table_int(values_ptr, PK_CB, HINTS)
+    E4 = table_int(values_ptr, PK_E4, HINTS)
     if USE_PDL:
         gdc_wait()
     if i_pid < n_code:
-        H = tl.load(values_ptr + 1)
-        HE = tl.load(values_ptr + 4)
-        n_lanes = tl.load(values_ptr + 6)
-        n_rblocks = tl.load(values_ptr + 10)
-        h_src = tl.load(values_ptr + 21)
-        q_off = tl.load(values_ptr + 23)
-        HS = tl.load(values_ptr + 25)
-        stride_qb = table_int(values_ptr, 28, HINTS)
-        stride_ql = table_int(values_ptr, 29, HINTS)
-        stride_qh = table_int(values_ptr, 30, HINTS)
-        stride_kb = table_int(values_ptr, 31, HINTS)
-        stride_kl = table_int(values_ptr, 32, HINTS)
-        stride_kh = table_int(values_ptr, 33, HINTS)
-        stride_vb = table_int(values_ptr, 34, HINTS)
-        stride_vl = table_int(values_ptr, 35, HINTS)
-        stride_vh = table_int(values_ptr, 36, HINTS)
+        H = tl.load(values_ptr + PK_H)
+        HE = tl.load(values_ptr + PK_HE)
+        n_lanes = tl.load(values_ptr + PK_n_lanes)
+        n_rblocks = tl.load(values_ptr + PK_n_rblocks)
+        h_src = tl.load(values_ptr + PK_h_src)
+        q_off = tl.load(values_ptr + PK_q_off)
+        HS = tl.load(values_ptr + PK_HS)
+        stride_qb = table_int(values_ptr, PK_stride_qb, HINTS)
+        stride_ql = table_int(values_ptr, PK_stride_ql, HINTS)
+        stride_qh = table_int(values_ptr, PK_stride_qh, HINTS)
+        stride_kb = table_int(values_ptr, PK_stride_kb, HINTS)
+        stride_kl = table_int(values_ptr, PK_stride_kl, HINTS)
+        stride_kh = table_int(values_ptr, PK_stride_kh, HINTS)
+        stride_vb = table_int(values_ptr, PK_stride_vb, HINTS)
+        stride_vl = table_int(values_ptr, PK_stride_vl, HINTS)
+        stride_vh = table_int(values_ptr, PK_stride_vh, HINTS)
         n_hblocks = tl.cdiv(n_lanes, BLOCK_H)
         i_hb = i_pid % n_hblocks
         i_rb = (i_pid // n_hblocks) % n_rblocks
@@ -270,13 +289,13 @@ def _pack_kernel(
         # scale slots: global index m over [P destinations][L * E4 slots]; slot n < NF =
         # B*(h*NSQ + hkv*NSK) of a destination holds a scale, the rest are written 0 so that
         # no byte of the send buffer is left uninitialized (stale memory never crosses ranks).
-        n_scales = tl.load(values_ptr + 13)
-        B = tl.load(values_ptr + 14)
-        q_whole_lo = tl.load(values_ptr + 17)
-        q_whole_hi = tl.load(values_ptr + 18)
-        h_src = tl.load(values_ptr + 21)
-        q_off = tl.load(values_ptr + 23)
-        HS = tl.load(values_ptr + 25)
+        n_scales = tl.load(values_ptr + PK_n_scales)
+        B = tl.load(values_ptr + PK_B)
+        q_whole_lo = tl.load(values_ptr + PK_q_whole_lo)
+        q_whole_hi = tl.load(values_ptr + PK_q_whole_hi)
+        h_src = tl.load(values_ptr + PK_h_src)
+        q_off = tl.load(values_ptr + PK_q_off)
+        HS = tl.load(values_ptr + PK_HS)
         nf_q = B * h * n_slots_q
         nf = nf_q + B * hkv * n_slots_k
         hkv_d = tl.maximum(hkv, 1)  # a divisor (hkv 0: every used slot is Q's)
@@ -444,9 +463,7 @@ def prepare_pack(
         stride_vb=svb, stride_vl=svl, stride_vh=svh, ROW=row_bytes, CB=cb, E4=scale_bytes // 4,
     )  # fmt: skip
     # per-row counts (``QOnce.per_row``): read at each batch row by the Q_ONCE programs
-    table, hints = grid_table(
-        (Section(PACK_VALUES, values, _PACK_HINTED, per_row or ((0, 0, 0),)),), device
-    )
+    table, hints = grid_table((Section(PACK, values, per_row or ((0, 0, 0),)),), device)
     return Launch(
         _pack_kernel,
         (n_code + n_qcode + cdiv(n_scales, block_n),),

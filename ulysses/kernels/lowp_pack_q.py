@@ -1,7 +1,7 @@
-"""The pack's Q-once programs (kernels/lowp_pack.py, ``Q_ONCE``): one program per (batch, Q
-group this rank touches, head block) reads the group's tile once, derives the amax of a group
-this rank holds whole from it, and writes the codes and those scale slots. Grid values come
-from the pack's int32 table (``lowp_pack.PACK_VALUES``, read here by index).
+"""The pack's grid values (:data:`PACK`, the record of its int32 table, read by the pack
+kernel, kernels/lowp_pack.py, and here) and its Q-once programs (``Q_ONCE``): one program per
+(batch, Q group this rank touches, head block) reads the group's tile once, derives the amax
+of a group this rank holds whole from it, and writes the codes and those scale slots.
 """
 
 from __future__ import annotations
@@ -9,8 +9,69 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._fields import ROW_WIDTH, GridFields, ROW_live_end, ROW_tail_group
 from ._quant import canonical_nan_bits, int8_code
 from ._tl import load_streamed, table_int
+
+# The pack's grid values, in the order of its int32 table (``values_ptr``; the per-row table
+# follows at index len(PACK)), so that the kernel keeps few parameters. Ints that only
+# bound masks, loops and grid indices are loaded as the unspecialized int32 parameters they
+# replace: one compilation serves every shape, rank and padding of a dtype and tile (first
+# compilations dominated the GPU harness). The strides and the row layout (``ROW``, ``CB``,
+# ``E4``) carry their divisibility by 16 into the compilation (``HINTS``, kernels/_tl.py
+# ``table_int``), as their specialization as parameters did: the 16-byte alignment lets the
+# loads and stores vectorize.
+PACK = GridFields(
+    "L", "H", "h", "HK", "HE", "hkv", "n_lanes", "row0", "n_slots_q", "n_slots_k", "n_rblocks",
+    "n_code", "n_qcode", "n_scales", "B", "shift", "n_qgroups", "q_whole_lo", "q_whole_hi",
+    "tail_group_q", "live_end", "h_src", "hkv_src", "q_off", "k_off", "HS", "HKS", "kv_rep",
+    "stride_qb", "stride_ql", "stride_qh", "stride_kb", "stride_kl", "stride_kh", "stride_vb",
+    "stride_vl", "stride_vh", "ROW", "CB", "E4",
+    hinted=(
+        "stride_qb", "stride_ql", "stride_qh", "stride_kb", "stride_kl", "stride_kh",
+        "stride_vb", "stride_vl", "stride_vh", "ROW", "CB", "E4",
+    ),
+)  # fmt: skip
+PK_L = PACK.at("L")
+PK_H = PACK.at("H")
+PK_h = PACK.at("h")
+PK_HE = PACK.at("HE")
+PK_hkv = PACK.at("hkv")
+PK_n_lanes = PACK.at("n_lanes")
+PK_row0 = PACK.at("row0")
+PK_n_slots_q = PACK.at("n_slots_q")
+PK_n_slots_k = PACK.at("n_slots_k")
+PK_n_rblocks = PACK.at("n_rblocks")
+PK_n_code = PACK.at("n_code")
+PK_n_qcode = PACK.at("n_qcode")
+PK_n_scales = PACK.at("n_scales")
+PK_B = PACK.at("B")
+PK_shift = PACK.at("shift")
+PK_n_qgroups = PACK.at("n_qgroups")
+PK_q_whole_lo = PACK.at("q_whole_lo")
+PK_q_whole_hi = PACK.at("q_whole_hi")
+PK_tail_group_q = PACK.at("tail_group_q")
+PK_live_end = PACK.at("live_end")
+PK_h_src = PACK.at("h_src")
+PK_hkv_src = PACK.at("hkv_src")
+PK_q_off = PACK.at("q_off")
+PK_k_off = PACK.at("k_off")
+PK_HS = PACK.at("HS")
+PK_HKS = PACK.at("HKS")
+PK_kv_rep = PACK.at("kv_rep")
+PK_stride_qb = PACK.at("stride_qb")
+PK_stride_ql = PACK.at("stride_ql")
+PK_stride_qh = PACK.at("stride_qh")
+PK_stride_kb = PACK.at("stride_kb")
+PK_stride_kl = PACK.at("stride_kl")
+PK_stride_kh = PACK.at("stride_kh")
+PK_stride_vb = PACK.at("stride_vb")
+PK_stride_vl = PACK.at("stride_vl")
+PK_stride_vh = PACK.at("stride_vh")
+PK_ROW = PACK.at("ROW")
+PK_CB = PACK.at("CB")
+PK_E4 = PACK.at("E4")
+PK_ROWS_AT = tl.constexpr(len(PACK))  # the per-row table follows the values
 
 
 @triton.jit
@@ -43,35 +104,35 @@ def _pack_q_group(
     rank holds whole takes its amax from the tile (the statistics kernel's value: the tail
     group's live rows only, then the floor) and writes its own scale slots; a group that
     straddles ranks takes the merged amax from ``amax_q``."""
-    L = tl.load(values_ptr + 0)
-    H = tl.load(values_ptr + 1)
-    h = tl.load(values_ptr + 2)
-    hkv = tl.load(values_ptr + 5)
-    row0 = tl.load(values_ptr + 7)
-    n_slots_q = tl.load(values_ptr + 8)
-    shift = tl.load(values_ptr + 15)
-    n_qgroups = tl.load(values_ptr + 16)
-    q_whole_lo = tl.load(values_ptr + 17)
-    q_whole_hi = tl.load(values_ptr + 18)
-    tail_group_q = tl.load(values_ptr + 19)
-    live_end = tl.load(values_ptr + 20)
-    h_src = tl.load(values_ptr + 21)
-    q_off = tl.load(values_ptr + 23)
-    HS = tl.load(values_ptr + 25)
-    stride_qb = table_int(values_ptr, 28, HINTS)
-    stride_ql = table_int(values_ptr, 29, HINTS)
-    stride_qh = table_int(values_ptr, 30, HINTS)
-    ROW = table_int(values_ptr, 37, HINTS)
-    CB = table_int(values_ptr, 38, HINTS)
-    E4 = table_int(values_ptr, 39, HINTS)
-    rows_ptr = values_ptr + 40  # the per-row table, after the pack's values
+    L = tl.load(values_ptr + PK_L)
+    H = tl.load(values_ptr + PK_H)
+    h = tl.load(values_ptr + PK_h)
+    hkv = tl.load(values_ptr + PK_hkv)
+    row0 = tl.load(values_ptr + PK_row0)
+    n_slots_q = tl.load(values_ptr + PK_n_slots_q)
+    shift = tl.load(values_ptr + PK_shift)
+    n_qgroups = tl.load(values_ptr + PK_n_qgroups)
+    q_whole_lo = tl.load(values_ptr + PK_q_whole_lo)
+    q_whole_hi = tl.load(values_ptr + PK_q_whole_hi)
+    tail_group_q = tl.load(values_ptr + PK_tail_group_q)
+    live_end = tl.load(values_ptr + PK_live_end)
+    h_src = tl.load(values_ptr + PK_h_src)
+    q_off = tl.load(values_ptr + PK_q_off)
+    HS = tl.load(values_ptr + PK_HS)
+    stride_qb = table_int(values_ptr, PK_stride_qb, HINTS)
+    stride_ql = table_int(values_ptr, PK_stride_ql, HINTS)
+    stride_qh = table_int(values_ptr, PK_stride_qh, HINTS)
+    ROW = table_int(values_ptr, PK_ROW, HINTS)
+    CB = table_int(values_ptr, PK_CB, HINTS)
+    E4 = table_int(values_ptr, PK_E4, HINTS)
+    rows_ptr = values_ptr + PK_ROWS_AT
     n_hblocks = tl.cdiv(H, BLOCK_H)
     i_hb = i_q % n_hblocks
     i_g = (i_q // n_hblocks) % n_qgroups  # slot of amax_q
     i_b = i_q // (n_hblocks * n_qgroups)
     if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
-        live_end = tl.load(rows_ptr + i_b * 3)
-        tail_group_q = tl.load(rows_ptr + i_b * 3 + 1)
+        live_end = tl.load(rows_ptr + i_b * ROW_WIDTH + ROW_live_end)
+        tail_group_q = tl.load(rows_ptr + i_b * ROW_WIDTH + ROW_tail_group)
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     o_d = tl.arange(0, DB)  # [DB]: channels [D, DB) masked off
     m_h = o_h < H

@@ -31,8 +31,12 @@ import triton.language as tl
 
 from ._quant import canonical_nan_bits
 from ._runtime import (
+    ROW_WIDTH,
+    GridFields,
     Launch,
     Part,
+    ROW_live_end,
+    ROW_tail_group,
     Section,
     cdiv,
     channel_block,
@@ -59,12 +63,34 @@ __all__ = ["qv_stats", "qv_payload_numel", "prepare_qv_stats", "qv_stats_part"]
 # ``vamax_at``: the Q boundary slots and V's amax in ``payload_ptr``; ``cnt_at``,
 # ``vacc_at``: this kernel's counters and V's running amax in ``cnt_ptr`` (the stream's
 # counters, zero between launches).
-QV_STATS_VALUES = (
+QV_STATS = GridFields(
     "stride_qb", "stride_ql", "stride_qh", "stride_vb", "stride_vl", "stride_vh", "rows_at",
     "L", "H", "HV", "row0", "n_slots", "n_touched", "n_spans", "tail_group", "live_end",
     "q_skip_lo", "q_skip_hi", "payload_at", "vamax_at", "cnt_at", "vacc_at",
+    hinted=("stride_qb", "stride_ql", "stride_qh", "stride_vb", "stride_vl", "stride_vh"),
 )  # fmt: skip
-_QV_HINTED = QV_STATS_VALUES[:6]
+_QV_stride_qb = QV_STATS.at("stride_qb")
+_QV_stride_ql = QV_STATS.at("stride_ql")
+_QV_stride_qh = QV_STATS.at("stride_qh")
+_QV_stride_vb = QV_STATS.at("stride_vb")
+_QV_stride_vl = QV_STATS.at("stride_vl")
+_QV_stride_vh = QV_STATS.at("stride_vh")
+_QV_rows_at = QV_STATS.at("rows_at")
+_QV_L = QV_STATS.at("L")
+_QV_H = QV_STATS.at("H")
+_QV_HV = QV_STATS.at("HV")
+_QV_row0 = QV_STATS.at("row0")
+_QV_n_slots = QV_STATS.at("n_slots")
+_QV_n_touched = QV_STATS.at("n_touched")
+_QV_n_spans = QV_STATS.at("n_spans")
+_QV_tail_group = QV_STATS.at("tail_group")
+_QV_live_end = QV_STATS.at("live_end")
+_QV_q_skip_lo = QV_STATS.at("q_skip_lo")
+_QV_q_skip_hi = QV_STATS.at("q_skip_hi")
+_QV_payload_at = QV_STATS.at("payload_at")
+_QV_vamax_at = QV_STATS.at("vamax_at")
+_QV_cnt_at = QV_STATS.at("cnt_at")
+_QV_vacc_at = QV_STATS.at("vacc_at")
 
 
 @triton.jit
@@ -74,7 +100,7 @@ def _qv_stats_kernel(
     amax_ptr,
     payload_ptr,
     cnt_ptr,
-    values_ptr,  # int32 [len(QV_STATS_VALUES)], then the per-row table
+    values_ptr,  # int32 [len(QV_STATS)], then the per-row table
     HINTS: tl.constexpr,
     FLOOR: tl.constexpr,
     G: tl.constexpr,
@@ -131,29 +157,29 @@ def _qv_stats_program(
     DB: tl.constexpr,
 ):
     """Program ``i_pid`` of the Q/V statistics (this launch's, or the exchange's statistics
-    launch, kernels/lowp_stats.py), its grid values at ``values_ptr`` (``QV_STATS_VALUES``)."""
-    stride_qb = table_int(values_ptr, 0, HINTS)
-    stride_ql = table_int(values_ptr, 1, HINTS)
-    stride_qh = table_int(values_ptr, 2, HINTS)
-    stride_vb = table_int(values_ptr, 3, HINTS)
-    stride_vl = table_int(values_ptr, 4, HINTS)
-    stride_vh = table_int(values_ptr, 5, HINTS)
-    rows_ptr = values_ptr + tl.load(values_ptr + 6)
-    L = tl.load(values_ptr + 7)
-    H = tl.load(values_ptr + 8)
-    HV = tl.load(values_ptr + 9)
-    row0 = tl.load(values_ptr + 10)
-    n_slots = tl.load(values_ptr + 11)
-    n_touched = tl.load(values_ptr + 12)
-    n_spans = tl.load(values_ptr + 13)
-    tail_group = tl.load(values_ptr + 14)
-    live_end = tl.load(values_ptr + 15)
-    q_skip_lo = tl.load(values_ptr + 16)
-    q_skip_hi = tl.load(values_ptr + 17)
-    payload_ptr += tl.load(values_ptr + 18)
-    vamax_ptr = payload_ptr + tl.load(values_ptr + 19)
-    cnt_at = tl.load(values_ptr + 20)
-    vacc_at = tl.load(values_ptr + 21)
+    launch, kernels/lowp_stats.py), its grid values at ``values_ptr`` (``QV_STATS``)."""
+    stride_qb = table_int(values_ptr, _QV_stride_qb, HINTS)
+    stride_ql = table_int(values_ptr, _QV_stride_ql, HINTS)
+    stride_qh = table_int(values_ptr, _QV_stride_qh, HINTS)
+    stride_vb = table_int(values_ptr, _QV_stride_vb, HINTS)
+    stride_vl = table_int(values_ptr, _QV_stride_vl, HINTS)
+    stride_vh = table_int(values_ptr, _QV_stride_vh, HINTS)
+    rows_ptr = values_ptr + tl.load(values_ptr + _QV_rows_at)
+    L = tl.load(values_ptr + _QV_L)
+    H = tl.load(values_ptr + _QV_H)
+    HV = tl.load(values_ptr + _QV_HV)
+    row0 = tl.load(values_ptr + _QV_row0)
+    n_slots = tl.load(values_ptr + _QV_n_slots)
+    n_touched = tl.load(values_ptr + _QV_n_touched)
+    n_spans = tl.load(values_ptr + _QV_n_spans)
+    tail_group = tl.load(values_ptr + _QV_tail_group)
+    live_end = tl.load(values_ptr + _QV_live_end)
+    q_skip_lo = tl.load(values_ptr + _QV_q_skip_lo)
+    q_skip_hi = tl.load(values_ptr + _QV_q_skip_hi)
+    payload_ptr += tl.load(values_ptr + _QV_payload_at)
+    vamax_ptr = payload_ptr + tl.load(values_ptr + _QV_vamax_at)
+    cnt_at = tl.load(values_ptr + _QV_cnt_at)
+    vacc_at = tl.load(values_ptr + _QV_vacc_at)
     n_hblocks = tl.cdiv(H, BLOCK_H)
     g_first = row0 // G
     i_hb = i_pid % n_hblocks
@@ -167,8 +193,8 @@ def _qv_stats_program(
     p_q = q_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
     p_v = v_ptr + i_b * stride_vb + o_h[:, None] * stride_vh + o_d[None, :]
     if PER_ROW:  # per-row live counts: this batch row's (live_end, tail_group, divisor)
-        live_end = tl.load(rows_ptr + i_b * 3)
-        tail_group = tl.load(rows_ptr + i_b * 3 + 1)
+        live_end = tl.load(rows_ptr + i_b * ROW_WIDTH + ROW_live_end)
+        tail_group = tl.load(rows_ptr + i_b * ROW_WIDTH + ROW_tail_group)
     live = live_end - row0  # local rows below this are live
     floor_bits = tl.full([BLOCK_H], FLOOR, tl.float32).to(tl.int32, bitcast=True)
 
@@ -330,7 +356,7 @@ def qv_stats_part(
     )  # fmt: skip
     # per-row counts (``ulysses.grid.Layout.per_row`` of the Q grid): read at each batch row
     # instead of ``live_end`` and ``tail_group``
-    section = Section(QV_STATS_VALUES, values, _QV_HINTED, per_row or ((0, 0, 0),))
+    section = Section(QV_STATS, values, per_row or ((0, 0, 0),))
     args = dict(
         q_ptr=None,
         v_ptr=None,

@@ -17,15 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import Launch, Part, Section, counters, grid_table
-from .block_stats import K_STATS_VALUES, _k_stats_program
-from .lowp_qv_stats import _qv_stats_program
+from ._runtime import GridFields, Launch, Part, Section, counters, grid_table, starts
+from .block_stats import K_STATS, _k_stats_program
+from .lowp_qv_stats import QV_STATS, _qv_stats_program
 
 __all__ = ["prepare_lowp_stats"]
 
-# each kind's section starts in the table at the index the kernel names: K's at 1 (after
-# n_k), Q/V's at 19
-assert 1 + len(K_STATS_VALUES) == 19
+# The launch's table: its head (how many programs are K's), then K's section, then Q/V's
+# (``grid_table``'s order)
+LOWP_STATS = GridFields("n_k")
+_LS_n_k = LOWP_STATS.at("n_k")
+_, _LS_K_AT, _LS_QV_AT = starts(LOWP_STATS, K_STATS, QV_STATS)
 
 
 @triton.jit
@@ -38,7 +40,7 @@ def _lowp_stats_kernel(
     cnt_ptr,
     payload_ptr,
     amax_q_ptr,
-    values_ptr,  # int32: n_k, K_STATS_VALUES, QV_STATS_VALUES, the per-row tables
+    values_ptr,  # int32: LOWP_STATS, K_STATS, QV_STATS, the per-row tables
     HINTS: tl.constexpr,
     GK: tl.constexpr,
     GQ: tl.constexpr,
@@ -56,7 +58,7 @@ def _lowp_stats_kernel(
     PER_ROW: tl.constexpr,
 ):
     i_pid = tl.program_id(0).to(tl.int64)
-    n_k = tl.load(values_ptr)
+    n_k = tl.load(values_ptr + _LS_n_k)
     if i_pid < n_k:
         _k_stats_program(
             i_pid,
@@ -65,8 +67,8 @@ def _lowp_stats_kernel(
             mm_ptr,
             cnt_ptr,
             payload_ptr,
-            values_ptr + 1,
-            HINTS >> 1,
+            values_ptr + _LS_K_AT,
+            HINTS // 2**_LS_K_AT,  # the hints from its start on (``>>``: see table_int)
             GK,
             D,
             BLOCK_HK,
@@ -85,8 +87,8 @@ def _lowp_stats_kernel(
             amax_q_ptr,
             payload_ptr,
             cnt_ptr,
-            values_ptr + 19,
-            HINTS >> 19,
+            values_ptr + _LS_QV_AT,
+            HINTS // 2**_LS_QV_AT,
             FLOOR,
             GQ,
             D,
@@ -111,7 +113,7 @@ def prepare_lowp_stats(k: Part, qv: Part, device: torch.device) -> Launch:
     assert qv.section.values["cnt_at"] == k.counters
     assert ka["D"] == qa["D"] and ka["DB"] == qa["DB"] and ka["PER_ROW"] == qa["PER_ROW"]
     assert ka["USE_PDL"] == qa["USE_PDL"]
-    head = Section(("n_k",), {"n_k": k.programs})
+    head = Section(LOWP_STATS, {"n_k": k.programs})
     table, hints = grid_table((head, k.section, qv.section), device)
     return Launch(
         _lowp_stats_kernel,

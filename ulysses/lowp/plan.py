@@ -367,7 +367,7 @@ class _ExchangePlan:
 
 # Plans by call signature: shapes, strides, dtypes, devices, the group, every argument with its
 # type, and the stream (the scratch buffers are per stream). The one cache of the exchange.
-_PLANS = PlanCache(max_plans=64)
+_PLANS = PlanCache(f"{__name__}._PLANS", max_plans=64)
 clear_plans = _PLANS.clear  # after a rule of ``ulysses.grid`` changed
 
 
