@@ -680,8 +680,20 @@ def test_backward_attn_codes_selects_the_backward_kernel(chunks):
             torch.autograd.grad(out, (q, k, v), dout)
         pytest.skip("ulysses.kernels.codes_backward is not installed: selection checked only")
     got = torch.autograd.grad(out, (q, k, v), dout)
-    for name, g, w in zip("qkv", got, want, strict=True):
-        assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 3e-2, name
+    # the kernel itself on the same call's codes (P = 1: the head shards are the sequence)
+    from ulysses.kernels.codes_backward import codes_attention_backward
+
+    x = ulysses.lowp.exchange_qkv(q.detach(), k.detach(), v.detach())
+    out_h, lse = codes.attend(x, causal=True, scale=None)
+    kernel = codes_attention_backward(
+        dout, out_h, lse, x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, q_group=x.q_group,
+        k_group=x.k_group, causal=True, sm_scale=None,
+    )  # fmt: skip
+    for name, g, w, kg in zip("qkv", got, want, kernel, strict=True):
+        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+        assert rel(g, kg) < 1e-3, (name, rel(g, kg))  # the kernel's gradients ...
+        assert rel(g, w) < 6e-2, (name, rel(g, w))  # ... near the dequantizing backward's
+        assert rel(w, kg) > 1e-3, name  # which differs: the kernel did run
 
 
 @pytest.mark.parametrize(
