@@ -12,16 +12,17 @@ What runs: this process is global rank 1 of P on torch's fake process group, on 
 group, the ring's P2P transfers through a second one (``ulysses._ring_comm.ring_link``), both
 at the row's link speed (a device -> pinned-host copy on its own stream lasting ``bytes /
 GB/s``, the receive buffer filled with what this rank sent: real values, other ranks' data
-modelled by this rank's); the 8-bit ring's statistics all_gather (a few KB, on the ring group)
-goes through the first one. The ring's transfers run on the communication stream beside the
+modelled by this rank's); the 8-bit ring's statistics all_gathers (a few KB) go through the
+first one. The ring's transfers run on the communication stream beside the
 attention of the block in hand, so the table shows how much of the ring the attention hides.
 
 Per mesh and link: ``ulysses`` (pure Ulysses over all P ranks, where Hq % P == 0 and Hkv and
 P divide one another), ``hybrid-bf16``, ``hybrid-lowp`` (the 8-bit ring, codes kernel);
 ``fwd`` (under ``torch.no_grad()``) and ``train`` (forward, then ``torch.autograd.grad`` of a
 fixed dO into q, k, v). Median of ``--rounds`` timed calls after ``--warmup``, CUDA events
-(CPU: the wall clock). ``ring MB``: bytes this rank sent on the ring a call (forward; train:
-both passes). Exit status 1 if an output is not finite or a call raises.
+(CPU: the wall clock). ``wire MB``: bytes this rank received over the modelled links a call
+(all_to_alls, statistics, ring); ``ring MB``: bytes it sent on the ring (forward; train: both
+passes). Exit status 1 if an output is not finite or a call raises.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ulysses import _ring_comm, comm, grid, ring, testing_link, ulysses_attention
+from ulysses import _ring_blocks, _ring_comm, comm, grid, ring, testing_link, ulysses_attention
 
 MESHES = "16:2x8,8:2x4"  # P:P_rxP_u
 SMOKE = dict(device="cpu", meshes="4:2x2", S=256, heads=4, kv_heads=2, head_dim=32,
@@ -134,28 +135,30 @@ def run_mesh(P, P_r, P_u, gbps, args, device, failures) -> list[dict]:
     rows = []
     uly_pg = uly_link.pg
 
-    def quantize_on_the_link(q_h, k_h, v_h, g, cfg):
-        """The 8-bit ring's statistics all_gather on the ring group through the link too (real
-        values: every ring rank holds this rank's data, as the link models)."""
-        uly_link.pg, uly_link.P = g.ring_pg, g.P_r
+    def codes_on_the_link(q, k, v, pg, rank, P_stats, live, cfg):
+        """The 8-bit ring's statistics all_gathers (world or ring group) through the link too
+        (real values: every rank holds this rank's data, as the link models)."""
+        uly_link.pg, uly_link.P = pg, P_stats
         try:
-            return real_quantize(q_h, k_h, v_h, g, cfg)
+            return real_codes(q, k, v, pg, rank, P_stats, live, cfg)
         finally:
             uly_link.pg, uly_link.P = uly_pg, P_u
 
-    real_quantize = ring._quantize
+    real_codes = _ring_blocks._codes_of
     for kind in args.kinds:
         for name, (link, fn) in providers.items():
             run = _runner(fn, kind, q, k, v, dout)
             previous = _ring_comm.ring_link
-            _ring_comm.ring_link, ring._quantize = ring_link, quantize_on_the_link
+            _ring_comm.ring_link, _ring_blocks._codes_of = ring_link, codes_on_the_link
             try:
                 with link:
                     for _ in range(args.warmup):
                         run()
-                    times, sent = [], 0
+                    times, sent, wire = [], 0, 0
+                    links = (uly_link, ring_link, world_link)
                     for _ in range(args.rounds):
                         sent0 = _ring_comm.sent_bytes
+                        wire0 = sum(x.received for x in links)
                         out = None
 
                         def call():
@@ -164,16 +167,18 @@ def run_mesh(P, P_r, P_u, gbps, args, device, failures) -> list[dict]:
 
                         times.append(timed(call))
                         sent = _ring_comm.sent_bytes - sent0
+                        wire = sum(x.received for x in links) - wire0
                         if not torch.isfinite(out).all():
                             failures.append(f"{name} {kind} P {P} {gbps:g} GB/s: output not finite")
             except Exception as exc:  # reported, and the run's status
                 failures.append(f"{name} {kind} P {P} {gbps:g} GB/s: {type(exc).__name__}: {exc}")
                 continue
             finally:
-                _ring_comm.ring_link, ring._quantize = previous, real_quantize
+                _ring_comm.ring_link, _ring_blocks._codes_of = previous, real_codes
             times.sort()
             rows.append(dict(P=P, mesh=f"{P_r}x{P_u}", gbps=gbps, kind=kind, provider=name,
-                             ms=times[len(times) // 2] * 1e3, ring_mb=sent / 1e6))  # fmt: skip
+                             ms=times[len(times) // 2] * 1e3, ring_mb=sent / 1e6,
+                             wire_mb=wire / 1e6))  # fmt: skip
     return rows
 
 
@@ -248,14 +253,14 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
         grid.clear_caches()
     print(f"\n### S {args.S} causal (zigzag), D {args.head_dim}, Hkv {args.kv_heads}, B 1\n")
-    print("| P | mesh | GB/s | kind | provider | ms | vs hybrid-bf16 | ring MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| P | mesh | GB/s | kind | provider | ms | vs hybrid-bf16 | ring MB | wire MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         base = [x for x in rows if x["P"] == r["P"] and x["gbps"] == r["gbps"]
                 and x["kind"] == r["kind"] and x["provider"] == "hybrid-bf16"]  # fmt: skip
         speed = f"{base[0]['ms'] / r['ms']:.2f}x" if base else "–"
         print(f"| {r['P']} | {r['mesh']} | {r['gbps']:g} | {r['kind']} | {r['provider']} | "
-              f"{r['ms']:.3f} | {speed} | {r['ring_mb']:.2f} |")  # fmt: skip
+              f"{r['ms']:.3f} | {speed} | {r['ring_mb']:.3f} | {r['wire_mb']:.3f} |")  # fmt: skip
     for f in failures:
         print(f"FAILED: {f}")
     print("- all passed" if not failures else f"- {len(failures)} failed")

@@ -168,45 +168,53 @@ def _segment_used(used, i: int, S_seg: int):
 
 
 def _quantize(q_h, k_h, v_h, g, cfg) -> _Codes:
-    """The segment's codes with statistics of the whole sequence (over the ring group: the
-    ranks holding the same heads of every segment), by the exchange's rules (CONTRACT §8)."""
+    """The segment's codes with statistics of the whole sequence over the ring group (the
+    ranks holding the same heads of every segment)."""
+    live = _segment_used(cfg.used, g.i, q_h.shape[1])
+    return _codes_of(q_h, k_h, v_h, g.ring_pg, g.i, g.P_r, live, cfg)
+
+
+def _codes_of(q, k, v, pg, rank: int, P: int, live, cfg) -> _Codes:
+    """Codes and scales of this rank's rows, q [B, n, hq, D], k, v [B, n, hkv, D], by the
+    exchange's rules (CONTRACT §8) with statistics of the whole sequence over ``pg``, where
+    rank ``rank`` of ``P`` holds rows ``[rank*n, (rank+1)*n)`` of every head it holds
+    (``live``: its live rows per batch row, or None). Every group of Q's ``q_group`` and K's
+    ``k_group`` rows lies within one rank."""
     from . import amax as _amax
     from . import stats as _stats
 
-    B, S_seg, hq, D = q_h.shape
-    hkv = k_h.shape[2]
+    B, n, hq, D = q.shape
+    hkv = k.shape[2]
     Gq, Gk = cfg.q_group, cfg.k_group
     means, amax_k, amax_q = [], [], []
     rows = [(slice(None), None if cfg.used is None else cfg.used[0])]
     if cfg.used is not None and len(set(cfg.used)) > 1:  # per-row counts: one row at a time
         rows = [(slice(b, b + 1), cfg.used[b]) for b in range(B)]
-    with _comm.checked(g.ring_pg):
+    with _comm.checked(pg):
         for sel, used in rows:
-            st = _stats.smooth_k_stats(k_h[sel], group=g.ring_pg, used_sequence=used,
-                                       group_size=Gk)  # fmt: skip
+            st = _stats.smooth_k_stats(k[sel], group=pg, used_sequence=used, group_size=Gk)
             means.append(st.k_mean_global)
-            amax_k.append(st.amax_final[..., : S_seg // Gk])
-            zero = torch.zeros(q_h[sel].shape[0], hq, D, dtype=q_h.dtype, device=q_h.device)
-            aq = _amax.k_grouped_amax(q_h[sel], zero, rank=g.i, world_size=g.P_r,
+            amax_k.append(st.amax_final[..., : n // Gk])
+            zero = torch.zeros(q[sel].shape[0], hq, D, dtype=q.dtype, device=q.device)
+            aq = _amax.k_grouped_amax(q[sel], zero, rank=rank, world_size=P,
                                       used_sequence=used, group_size=Gq)  # fmt: skip
-            amax_q.append(aq[..., : S_seg // Gq])
+            amax_q.append(aq[..., : n // Gq])
     mean, amax_k, amax_q = (torch.cat(x) for x in (means, amax_k, amax_q))
-    live = _segment_used(cfg.used, g.i, S_seg)
-    vf = v_h.float().abs()
+    vf = v.float().abs()
     if live is not None:
-        keep = torch.arange(S_seg, device=v_h.device)[None, :] < torch.tensor(
-            live, device=v_h.device)[:, None]  # fmt: skip
+        keep = torch.arange(n, device=v.device)[None, :] < torch.tensor(
+            live, device=v.device)[:, None]  # fmt: skip
         vf = torch.where(keep[:, :, None, None], vf, 0.0)
-    amax_v = _comm.all_gather(vf.amax(dim=1).reshape(-1).contiguous(), g.ring_pg, g.P_r)
+    amax_v = _comm.all_gather(vf.amax(dim=1).reshape(-1).contiguous(), pg, P)
     amax_v = amax_v.amax(dim=0).view(B, hkv, D)
-    q_code = _int8(q_h.float(), _per_row(_rdiv(127.0, amax_q), S_seg, Gq))
-    centred = k_h.float() - mean.float()[:, None]
-    k_code = _int8(centred, _per_row(_rdiv(127.0, amax_k), S_seg, Gk))
+    q_code = _int8(q.float(), _per_row(_rdiv(127.0, amax_q), n, Gq))
+    centred = k.float() - mean.float()[:, None]
+    k_code = _int8(centred, _per_row(_rdiv(127.0, amax_k), n, Gk))
     if cfg.v_format == "int8":
-        v_code = _int8(v_h.float(), _rdiv(127.0, amax_v)[:, None])
+        v_code = _int8(v.float(), _rdiv(127.0, amax_v)[:, None])
         v_scale = _div(amax_v, 127.0)
     else:
-        y = (v_h.float() * _rdiv(_FP8_MAX, amax_v)[:, None]).clamp(-_FP8_MAX, _FP8_MAX)
+        y = (v.float() * _rdiv(_FP8_MAX, amax_v)[:, None]).clamp(-_FP8_MAX, _FP8_MAX)
         code = y.to(torch.float8_e4m3fn).view(torch.uint8)
         code = torch.where(torch.isnan(y), 0x7F, code)
         code = torch.where((amax_v == 0)[:, None], 0, code)

@@ -161,3 +161,51 @@ def _grads_to_seq(dq_h, dk_h, dv_h, g, Hkv: int):
     if P * hkv > Hkv:  # repeated heads: sum the ranks' partials
         dk, dv = (x.unflatten(2, (Hkv, -1)).float().sum(3).to(dq.dtype) for x in (dk, dv))
     return dq, dk, dv
+
+
+def _exchange_codes(q, k, v, g, cfg, hkv: int):
+    """Sequence shards -> the segment's codes (``_ring_blocks._Codes`` of q_h [B, S_seg, hq,
+    D], k_h, v_h [B, S_seg, hkv, D]): statistics of the whole sequence over the world group
+    (``g.world_pg``, ranks in the mesh's numbering), this rank's rows quantized, then ONE
+    all_to_all of uint8 codes and the Q/K group scales in the Ulysses group (one byte an
+    element where bf16 sends two; V's scales are global and do not travel). Every group of
+    ``q_group`` and ``k_group`` rows lies within one rank (L a multiple of both)."""
+    from . import _ring_blocks as blocks
+
+    B, L, Hq, D = q.shape
+    P = g.P_u
+    hq = Hq // P
+    live = blocks._segment_used(cfg.used, g.rank, L)
+    x = blocks._codes_of(q, k, v, g.world_pg, g.rank, g.P_r * P, live, cfg)
+    kc, vc, ks, vs = x.k, x.v, x.k_scale, x.v_scale
+    if kc.shape[2] < P:  # one K/V head a rank: each repeated to the ranks that use it
+        rep = P // kc.shape[2]
+        kc, vc = (t.repeat_interleave(rep, dim=2) for t in (kc, vc))
+        ks, vs = (t.repeat_interleave(rep, dim=1) for t in (ks, vs))
+    u8 = torch.uint8
+    codes = torch.cat([x.q.view(u8).view(B, L, P, hq, D), kc.view(u8).view(B, L, P, hkv, D),
+                       vc.view(u8).view(B, L, P, hkv, D)], dim=3)  # fmt: skip
+    codes = codes.permute(2, 0, 1, 3, 4).reshape(P, -1)  # [P dest, B * L * w * D]
+    nq, nk = L // cfg.q_group, L // cfg.k_group
+    q_s = x.q_scale.view(B, P, hq, nq).permute(1, 0, 2, 3).reshape(P, -1)
+    k_s = ks.view(B, P, hkv, nk).permute(1, 0, 2, 3).reshape(P, -1)
+    scales = torch.cat([q_s, k_s], dim=1)
+    send = torch.cat([codes, scales.contiguous().view(u8)], dim=1)
+    recv = _comm.all_to_all(send, g.uly_pg, P)  # [P src, bytes]: sender order = row order
+    nc = codes.shape[1]
+    c = recv[:, :nc].view(P, B, L, hq + 2 * hkv, D).permute(1, 0, 2, 3, 4)
+    c = c.reshape(B, P * L, hq + 2 * hkv, D)
+    s = recv[:, nc:].contiguous().view(torch.float32)  # [P src, scales]
+    n_qs = B * hq * nq
+    q_scale = s[:, :n_qs].view(P, B, hq, nq).permute(1, 2, 0, 3).reshape(B, hq, P * nq)
+    k_scale = s[:, n_qs:].view(P, B, hkv, nk).permute(1, 2, 0, 3).reshape(B, hkv, P * nk)
+    return blocks._Codes(
+        c[:, :, :hq].view(torch.int8),
+        c[:, :, hq : hq + hkv].contiguous().view(torch.int8),
+        c[:, :, hq + hkv :].contiguous().view(x.v.dtype),
+        q_scale.contiguous(),
+        k_scale.contiguous(),
+        vs[:, g.u * hkv : (g.u + 1) * hkv].contiguous(),
+        cfg.q_group,
+        cfg.k_group,
+    )

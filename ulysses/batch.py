@@ -214,6 +214,8 @@ class SequenceShard:
             inputs["document_ids"] = self.plan
         if self.token is not None:
             inputs["ulysses_token"] = self.token
+            if "shift_labels" in self.tensors:  # the loss of these labels checks the token
+                _TOKENS[self.tensors["shift_labels"]] = self.token
         return inputs
 
 
@@ -330,14 +332,11 @@ def shard_batch(
     tensors = {k: v[:, rows] for k, v in out.items()}
     plan = _plan(out.get("document_ids"), used, B, S, ref.device)
     token = torch.zeros(1, dtype=torch.int64, device=ref.device)
-    shard = SequenceShard(tensors, used, S, L, rank, P, plan, token)
-    if "shift_labels" in tensors:
-        _TOKENS[tensors["shift_labels"]] = token
-    return shard
+    return SequenceShard(tensors, used, S, L, rank, P, plan, token)
 
 
-# shift_labels tensor of a shard -> its token: causal_lm_loss finds the batch's token by the
-# labels it is given
+# shift_labels tensor of a shard whose model_inputs() went to a model -> its token:
+# causal_lm_loss finds the batch's token by the labels it is given
 _TOKENS = WeakIdKeyDictionary()
 
 
@@ -473,7 +472,8 @@ def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNO
     gradients).
 
     ``check_attention`` (default True): when ``shift_labels`` is ``shard["shift_labels"]`` of
-    a :func:`shard_batch` whose ``model_inputs()`` went to a Hugging Face model, the shard's
+    a :func:`shard_batch` whose ``model_inputs()`` were taken (for a Hugging Face model), the
+    shard's
     token says whether any attention call ran through ``ulysses.hf``; none on any rank (the
     model not registered, or left on SDPA / "eager") raises RuntimeError on every rank (the
     flag travels in the loss's all_gather: no extra collective, no extra host read).

@@ -89,11 +89,13 @@ def register(
 ) -> str:
     """Register Ulysses attention as transformers' attention implementation ``name``.
 
-    A model created with ``attn_implementation=name`` (or switched with
-    ``model.set_attn_implementation(name)``) runs :func:`ulysses.ulysses_attention` in every
-    attention layer with these settings: ``comm``, ``backward_comm``, ``head_chunks``, ``group``
-    (a process group, a 1-D DeviceMesh or ``(mesh, dim)``) and any other keyword argument of
-    ``ulysses_attention`` (``q_group``, ``k_group``, ``v_format``, ``int8_output``, ``attn``).
+    A model switched with ``model.set_attn_implementation(name)`` (or loaded with
+    ``from_pretrained(..., attn_implementation=name)``) runs
+    :func:`ulysses.ulysses_attention` in every attention layer with these settings:
+    ``comm`` ("bf16": the input dtype, whatever it is; "lowp": 8 bits), ``backward_comm``,
+    ``head_chunks``, ``group`` (a process group, a 1-D DeviceMesh or ``(mesh, dim)``) and
+    any other keyword argument of ``ulysses_attention`` (``q_group``, ``k_group``,
+    ``v_format``, ``int8_output``, ``attn``).
     Registering a name again replaces its settings. Returns ``name``.
 
     Raises:

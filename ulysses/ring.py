@@ -17,10 +17,14 @@ of one Ulysses group; hq = Hq / P_u query heads and hkv key/value heads a rank a
 Data flow of :func:`hybrid_attention` (one autograd node; every arrow that crosses ranks is one
 collective or one P2P pair):
     q|k|v packed per Ulysses destination -> ONE all_to_all (Ulysses group) -> q_h, k_h, v_h
-    comm="lowp": global statistics over the ring group (``ulysses.smooth_k_stats``: the K mean
-        of the WHOLE sequence and K's group amax; ``ulysses.k_grouped_amax`` of Q; V's channel
-        amax, one all_gather) -> INT8 Q/K codes (K centred on the global mean), FP8 (or INT8)
-        V codes with the global per-channel scale: the exchange's rules (CONTRACT §8)
+    comm="lowp": statistics of the WHOLE sequence (``ulysses.smooth_k_stats``: the K mean and
+        K's group amax; ``ulysses.k_grouped_amax`` of Q; V's channel amax, one all_gather) ->
+        INT8 Q/K codes (K centred on the global mean), FP8 (or INT8) V codes with the global
+        per-channel scale: the exchange's rules (CONTRACT §8). A mesh over the world group in
+        its own numbering with L a multiple of the groups: the statistics over all P ranks,
+        each rank's rows quantized BEFORE the all_to_all, which carries the codes and Q/K
+        scales (``_ring_comm._exchange_codes``); else the all_to_all carries the input dtype
+        and the statistics are gathered over the ring group after it
     ring: P_r steps; step s attends q_h to the block of segment j = (i - s) mod P_r while the
         block travels on (send to ring rank i+1, receive from i-1: P_r - 1 transfers), each
         step's partial (out, lse) merged by log-sum-exp (:func:`merge_partials`); causal:
@@ -63,6 +67,7 @@ from ._ring_blocks import (
 )
 from ._ring_comm import (
     _dout_to_heads,
+    _exchange_codes,
     _flat,
     _grads_to_seq,
     _out_to_seq,
@@ -119,6 +124,7 @@ class _Groups:
     uly_pg: object
     u: int
     P_u: int
+    world_pg: object = None  # all P ranks in the mesh's numbering (a mesh over the world)
 
     @property
     def rank(self) -> int:
@@ -143,7 +149,13 @@ def _resolve(mesh, device: torch.device) -> _Groups:
     if is_ring_mesh(mesh):
         ring_pg, i, P_r = _comm.resolve_group((mesh, "ring"), device)
         uly_pg, u, P_u = _comm.resolve_group((mesh, "ulysses"), device)
-        return _Groups(ring_pg, i, P_r, uly_pg, u, P_u)
+        ranks = mesh.mesh if mesh.mesh_dim_names[0] == "ring" else mesh.mesh.T
+        world = None
+        if P_r * P_u == dist.get_world_size() and ranks.flatten().tolist() == list(
+            range(P_r * P_u)
+        ):
+            world = dist.group.WORLD
+        return _Groups(ring_pg, i, P_r, uly_pg, u, P_u, world)
     if isinstance(mesh, tuple) and len(mesh) == 2 and not _mesh.is_mesh_group(mesh):
         parts = []
         for name, g in zip(RING_DIMS, mesh, strict=True):
@@ -223,6 +235,7 @@ class _Config:
     q_group: int
     k_group: int
     v_format: str
+    dtype: torch.dtype
 
 
 def _used_block(used, runs_q, runs_k, lq, n, lk, m) -> bool:
@@ -252,7 +265,7 @@ def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
     acc_lse = torch.full((B, hq, S_seg), -math.inf, dtype=torch.float32, device=dev)
     runs_q = _runs(g.i, S_seg, g.P_r, cfg.layout)
     pos_q = _positions(runs_q, dev)
-    use_codes = cfg.lowp and _codes_fit(codes, q_h.dtype)
+    use_codes = cfg.lowp and _codes_fit(codes, cfg.dtype)
     q_val = None
     for s in range(g.P_r):
         j = (g.i - s) % g.P_r
@@ -267,11 +280,11 @@ def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
             diag = kind == "diag"
             if cfg.lowp and use_codes and not padded:
                 o, lse = _attend_codes(codes, lq, n, block, lk, m, causal=diag, sm=cfg.sm,
-                                       out_dtype=q_h.dtype)  # fmt: skip
+                                       out_dtype=cfg.dtype)  # fmt: skip
                 lse = torch.where(lse == math.inf, -math.inf, lse)
             else:
                 if kv_val is None:
-                    kv_val = _block_values(block, codes, cfg, q_h.dtype)
+                    kv_val = _block_values(block, codes, cfg, cfg.dtype)
                 if q_val is None:
                     q_val = _q_values(q_h, codes, cfg)
                 qs = q_val[:, lq : lq + n]
@@ -294,7 +307,7 @@ def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
 def _q_values(q_h, codes, cfg: _Config):
     if not cfg.lowp:
         return q_h
-    return _dequant(codes.q, codes.q_scale, codes.q_group, q_h.dtype)
+    return _dequant(codes.q, codes.q_scale, codes.q_group, cfg.dtype)
 
 
 def _block_values(block, codes, cfg: _Config, dtype):
@@ -360,11 +373,16 @@ class _Hybrid(torch.autograd.Function):
         B, L, Hq, D = q.shape
         Hkv = k.shape[2]
         hkv = Hkv // g.P_u if Hkv % g.P_u == 0 else 1
-        q_h, k_h, v_h = _to_heads(q, k, v, g, hkv)
         codes = None
+        if cfg.lowp and g.world_pg is not None and L % cfg.q_group == 0 == L % cfg.k_group:
+            codes = _exchange_codes(q, k, v, g, cfg, hkv)  # quantized, then sent as codes
+            q_h = codes.q
+        else:
+            q_h, k_h, v_h = _to_heads(q, k, v, g, hkv)
+            if cfg.lowp:  # sent in the input dtype, quantized with the ring group's statistics
+                q_h, k_h, v_h = (x.contiguous() for x in (q_h, k_h, v_h))
+                codes = _quantize(q_h, k_h, v_h, g, cfg)
         if cfg.lowp:
-            q_h, k_h, v_h = (x.contiguous() for x in (q_h, k_h, v_h))
-            codes = _quantize(q_h, k_h, v_h, g, cfg)
             block = [codes.k, codes.v, codes.k_scale]
         else:
             block = [k_h.contiguous(), v_h.contiguous()]
@@ -443,7 +461,9 @@ def hybrid_attention(
     * ``comm="lowp"``: the blocks travel the ring as 8-bit codes (INT8 K centred on the mean
       of the whole sequence, FP8 V, or INT8 with ``v_format="int8"``, scales from statistics
       of the whole sequence; ``q_group``/``k_group`` rows a scale), half the bytes of bf16
-      blocks (:func:`ring_block_bytes`), attended where they land by the codes kernel
+      blocks (:func:`ring_block_bytes`; the Ulysses all_to_all carries codes too where the
+      mesh spans the world and L is a multiple of the groups), attended where they land by
+      the codes kernel
       (``ulysses.kernels.codes_attention``) with its log-sum-exp: the error against fp32
       attention of the dequantized values is the codes kernel's (``2**-4 max|v|``) and does
       not grow with the ring size. Backward: straight-through, as ``ulysses_attention``'s.
@@ -477,7 +497,7 @@ def hybrid_attention(
                 q_group=q_group, k_group=k_group, v_format=int(v_format == "int8"),
             )  # fmt: skip
     cfg = _Config(causal, D**-0.5 if scale is None else float(scale), comm == "lowp", used,
-                  layout, q_group, k_group, v_format)  # fmt: skip
+                  layout, q_group, k_group, v_format, q.dtype)  # fmt: skip
     return _Hybrid.apply(q, k, v, g, cfg)
 
 

@@ -47,6 +47,9 @@ def test_smoke_runs_and_prints_the_table(bench, capsys):
         float(r[5])
     bf16, lowp = float(rows["hybrid-bf16"][7]), float(rows["hybrid-lowp"][7])
     assert bf16 > 0 and 0.45 < lowp / bf16 < 0.6, (bf16, lowp)
+    # every byte on the modelled links: the 8-bit hybrid's all_to_alls carry codes too
+    wire = {name: float(r[8]) for name, r in rows.items()}
+    assert 0 < wire["hybrid-lowp"] < 0.85 * wire["hybrid-bf16"], wire
     assert "- all passed" in out
 
 

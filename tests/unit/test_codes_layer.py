@@ -353,8 +353,10 @@ def test_default_rule(hopper, monkeypatch):
     monkeypatch.setattr(codes, "device_class", cls)
     monkeypatch.setattr(codes, "CODES_BY_DEFAULT", True)
     use = codes.use_codes
-    kw = {"custom": False, "options": {}, "causal": True}
+    kw = {"custom": False, "options": {}, "causal": True, "seq": 32768}
     assert use(None, comm="lowp", q=_fake_q("cuda", D=128), **kw) == hopper
+    # below the measured S threshold the host cost outweighs the kernel: the dequantized path
+    assert not use(None, comm="lowp", q=_fake_q("cuda", D=128), **{**kw, "seq": 16384})
     assert use(None, comm="lowp", q=_fake_q("cuda", D=128, dtype=torch.float16), **kw) == hopper
     assert not use(None, comm="lowp", q=_fake_q("cuda", D=64), **kw)  # the Triton kernel's D
     for extra in ({"causal": False}, {"chunks": 2}):
@@ -383,10 +385,11 @@ def test_default_rule_reads_its_table():
     format, documents, K groups), and a table without the device's row allows none."""
     from ulysses.layer.default import CodesRule, default_attention
 
-    call = {"device": "hopper", "causal": True, "head_dim": 128, "batch": 1, "seq": 8192,
+    call = {"device": "hopper", "causal": True, "head_dim": 128, "batch": 1, "seq": 32768,
             "chunks": 1, "dtype": DT, "v_format": "fp8", "documents": False,
             "k_group": 64}  # fmt: skip
     assert default_attention(**call) is None  # the shipped table: Hopper, causal, D 128
+    assert "S 16384 < 32768" in default_attention(**{**call, "seq": 16384})
     for change, words in [
         ({"device": "cpu"}, "no default codes rule for a cpu"),
         ({"causal": False}, "causal=False"),
@@ -402,7 +405,7 @@ def test_default_rule_reads_its_table():
     rules = (CodesRule("hopper", True, 128, max_batch=4, min_seq=16384, chunks=True),
              CodesRule("cpu", False, 64))  # fmt: skip
     got = lambda **c: default_attention(**{**call, **c, "rules": rules})  # noqa: E731
-    assert "S 8192 < 16384" in got()
+    assert "S 8192 < 16384" in got(seq=8192)
     assert got(seq=16384) is None and got(seq=16384, batch=4, chunks=4) is None
     assert "batch 5 > 4" in got(seq=16384, batch=5)
     assert got(device="cpu", causal=False, head_dim=64) is None
@@ -677,8 +680,20 @@ def test_backward_attn_codes_selects_the_backward_kernel(chunks):
             torch.autograd.grad(out, (q, k, v), dout)
         pytest.skip("ulysses.kernels.codes_backward is not installed: selection checked only")
     got = torch.autograd.grad(out, (q, k, v), dout)
-    for name, g, w in zip("qkv", got, want, strict=True):
-        assert ((g.float() - w.float()).norm() / w.float().norm()).item() < 3e-2, name
+    # the kernel itself on the same call's codes (P = 1: the head shards are the sequence)
+    from ulysses.kernels.codes_backward import codes_attention_backward
+
+    x = ulysses.lowp.exchange_qkv(q.detach(), k.detach(), v.detach())
+    out_h, lse = codes.attend(x, causal=True, scale=None)
+    kernel = codes_attention_backward(
+        dout, out_h, lse, x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, q_group=x.q_group,
+        k_group=x.k_group, causal=True, sm_scale=None,
+    )  # fmt: skip
+    for name, g, w, kg in zip("qkv", got, want, kernel, strict=True):
+        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+        assert rel(g, kg) < 1e-3, (name, rel(g, kg))  # the kernel's gradients ...
+        assert rel(g, w) < 6e-2, (name, rel(g, w))  # ... near the dequantizing backward's
+        assert rel(w, kg) > 1e-3, name  # which differs: the kernel did run
 
 
 @pytest.mark.parametrize(

@@ -181,7 +181,7 @@ def _run_ring(P_r: int, *, causal: bool, layout: str, Hq=4, Hkv=2, B=2, S=48, D=
     idx = ring.zigzag_index(S, P_r) if layout == "zigzag" else torch.arange(S)
     L = S // P_r
     results, errors = [None] * P_r, []
-    cfg = ring._Config(causal, D**-0.5, False, None, layout, 32, 64, "fp8")
+    cfg = ring._Config(causal, D**-0.5, False, None, layout, 32, 64, "fp8", torch.bfloat16)
 
     def rank(i):
         try:
