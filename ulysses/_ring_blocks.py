@@ -14,6 +14,9 @@ import torch
 from . import comm as _comm
 
 _FP8_MAX = 448.0
+# A test seam (never set in production): a planted fault, K centred on each rank's own mean
+# instead of the whole sequence's (what per-shard smoothing does: each block's LSE shifted).
+_local_mean_fault = False
 
 
 # ---- one block's attention ---------------------------------------------------------------------
@@ -200,6 +203,8 @@ def _codes_of(q, k, v, pg, rank: int, P: int, live, cfg) -> _Codes:
                                       used_sequence=used, group_size=Gq)  # fmt: skip
             amax_q.append(aq[..., : n // Gq])
     mean, amax_k, amax_q = (torch.cat(x) for x in (means, amax_k, amax_q))
+    if _local_mean_fault:  # (a planted fault)
+        mean = k.float().mean(dim=1).to(k.dtype)
     vf = v.float().abs()
     if live is not None:
         keep = torch.arange(n, device=v.device)[None, :] < torch.tensor(

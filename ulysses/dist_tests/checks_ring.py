@@ -31,7 +31,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ulysses import reference, ring
+from ulysses import _ring_blocks, reference, ring
 
 from . import cases_ring
 from ._dist import Context
@@ -60,6 +60,9 @@ def _inputs(case: cases_ring.Case, seed: int):
     dout = torch.randn(B, S, case.Hq, case.D, generator=gen)
     if case.big:
         q, k = q * 16, k * 16
+    if case.drift:  # channel means moving along the sequence: every segment's mean its own
+        ramp = torch.linspace(-4, 4, S)[None, :, None, None]
+        k = k + ramp * torch.randn(1, 1, case.Hkv, case.D, generator=gen)
     used = None
     if case.used in ("tail", "rows"):
         tail = S - case.L * case.P_u + case.L // 2
@@ -154,18 +157,23 @@ def run_case(ctx: Context, case: cases_ring.Case, seed: int) -> CaseRun:
         out.backward(_shard(case, tensors[3], r))
         return [_gather(case, t) for t in (out.detach(), q.grad, k.grad, v.grad)]
 
-    previous = ring._merge_fault
-    ring._merge_fault = case.fault or previous
+    previous = ring._merge_fault, _ring_blocks._local_mean_fault
+    if case.fault == "local_mean":
+        _ring_blocks._local_mean_fault = True
+    elif case.fault:
+        ring._merge_fault = case.fault
     try:
         got = run.collective("hybrid_attention", call)
     finally:
-        ring._merge_fault = previous
+        ring._merge_fault, _ring_blocks._local_mean_fault = previous
     exp = run.local("reference", lambda: _reference(case, tensors, used))
     if got is None or exp is None:
         return run
     if case.fault:  # planted: the comparison must fail
         caught = _Count()
         _compare(caught, case, got, exp)
+        if ctx.rank == 0 and caught.first:
+            print(f"    {case.id}: the planted fault gives {caught.first}", flush=True)
         run.check(f"fault {case.fault} caught", None if caught.mismatches else
                   f"the planted fault {case.fault!r} went unnoticed")  # fmt: skip
         return run
@@ -199,9 +207,11 @@ class _Count:
     def __init__(self):
         self.mismatches = 0
         self.ctx = None
+        self.first = None
 
     def check(self, name: str, detail: str | None) -> None:
         self.mismatches += detail is not None
+        self.first = self.first or detail
 
 
 def _compare(run: CaseRun, case: cases_ring.Case, got, exp) -> None:
