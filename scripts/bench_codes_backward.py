@@ -56,6 +56,7 @@ SWEEP = [
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, False, True),
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, True, False),
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, False, False),
+    CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, True, True, False),
 ]
 
 
@@ -416,7 +417,7 @@ def run_sweep(args):
                          "ms": f"{ms:.3f}", "tflops": f"{tf:.1f}", "ratio_cudnn":
                          f"{base / ms:.3f}", "kernels_ms": split, "err_dq": f"{e[0]:.2e}",
                          "err_dk": f"{e[1]:.2e}", "err_dv": f"{e[2]:.2e}"})  # fmt: skip
-            if cfg.dv_fp8 and cfg.ds_int8:
+            if cfg.dv_fp8 and cfg.ds_int8 and cfg.v_copy:
                 t_kv = sum(us for n, us in names if "dkdv" in n)
                 t_q = sum(us for n, us in names if "_bwd_dq" in n)
                 best_kv[tuple(cfg)[:4]] = best_kv.get(tuple(cfg)[:4], 0.0) + t_kv
