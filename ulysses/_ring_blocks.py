@@ -74,11 +74,21 @@ def _repeat_kv(q, k, v):
     return k, v
 
 
+def _flash_fwd_op():
+    """torch's flash attention forward op (a seam: the CPU tests put the CPU one here)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention.default
+
+
+def _flash_bwd_op():
+    """torch's flash attention backward op (a seam, as :func:`_flash_fwd_op`)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+
+
 def _attend_flash(q, k, v, *, causal: bool, sm: float):
     """torch's flash attention forward on one block (CUDA): ``(out, lse)`` as fp32, [B, n,
     hq, D] and [B, hq, n]."""
     k, v = _repeat_kv(q, k, v)
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
+    res = _flash_fwd_op()(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=sm
     )
     return res[0].transpose(1, 2).float(), res[1].float()
@@ -90,7 +100,7 @@ def _backward_flash(dout, q, k, v, out, lse, *, causal: bool, sm: float):
     k, v = _repeat_kv(q, k, v)
     n, m = q.shape[1], k.shape[1]
     seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+    dq, dk, dv = _flash_bwd_op()(
         dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         out.transpose(1, 2), lse.contiguous(), None, None, n, m, 0.0, causal, seed, offset,
         scale=sm,

@@ -236,6 +236,39 @@ def test_ring_threads_match_fp32_attention(P_r, causal, layout):
     assert sent == P_r * (2 * (P_r - 1) * block + P_r * 2 * block)
 
 
+def _cpu_flash_forward(q, k, v, dropout_p, causal, debug, *, scale=None):
+    """The CUDA flash forward's signature on torch's CPU flash attention."""
+    assert dropout_p == 0.0 and not debug
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, causal,
+                        seed, offset, *, scale=None):  # fmt: skip
+    """The CUDA flash backward's signature on torch's CPU flash backward."""
+    assert cum_q is None and cum_k is None and dropout_p == 0.0
+    assert (max_q, max_k) == (q.shape[2], k.shape[2])
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+@pytest.mark.parametrize("P_r,causal,layout", [(2, True, "zigzag"), (3, False, "contiguous")])
+def test_ring_threads_on_the_flash_path(P_r, causal, layout, monkeypatch):
+    """The CUDA path's wrapping (torch's flash attention forward and backward a block, from the
+    final out and lse; GQA heads repeated and their gradients summed) on the CPU flash ops."""
+    from ulysses import _ring_blocks
+
+    monkeypatch.setattr(ring, "_flash_fits", lambda q, padded: not padded)
+    monkeypatch.setattr(_ring_blocks, "_flash_fwd_op", lambda: _cpu_flash_forward)
+    monkeypatch.setattr(_ring_blocks, "_flash_bwd_op", lambda: _cpu_flash_backward)
+    got, ref, _ = _run_ring(P_r, causal=causal, layout=layout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
+        err = (a.float() - b).abs().max().item()
+        assert err <= 2**-6 * max(1.0, b.abs().max().item()), f"{name}: max error {err}"
+
+
 def test_ring_threads_planted_dropped_block_is_caught(monkeypatch):
     monkeypatch.setattr(ring, "_merge_fault", "drop_block")
     got, ref, _ = _run_ring(2, causal=False, layout="contiguous")
