@@ -269,6 +269,19 @@ def test_ring_threads_on_the_flash_path(P_r, causal, layout, monkeypatch):
         assert err <= 2**-6 * max(1.0, b.abs().max().item()), f"{name}: max error {err}"
 
 
+def test_ring_threads_in_query_chunks(monkeypatch):
+    """The fp32 block attention one chunk of query rows at a time (7 rows a chunk here): the
+    same values as whole blocks."""
+    from ulysses import _ring_blocks
+
+    whole, _, _ = _run_ring(2, causal=True, layout="contiguous")
+    monkeypatch.setattr(_ring_blocks, "_CHUNK_ELEMS", 2 * 4 * 24 * 7)
+    assert len(_ring_blocks._row_chunks(torch.empty(2, 24, 4, 16), 24)) == 4
+    chunked, _, _ = _run_ring(2, causal=True, layout="contiguous")
+    for name, a, b in zip(("out", "dq", "dk", "dv"), chunked, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_ring_threads_planted_dropped_block_is_caught(monkeypatch):
     monkeypatch.setattr(ring, "_merge_fault", "drop_block")
     got, ref, _ = _run_ring(2, causal=False, layout="contiguous")
