@@ -22,8 +22,10 @@ _local_mean_fault = False
 # ---- one block's attention ---------------------------------------------------------------------
 
 
-def _allowed(pos_q, pos_k, causal: bool, used) -> torch.Tensor | None:
-    """[B or 1, n, m] bool: which keys each query attends (None: all)."""
+def _allowed(pos_q, pos_k, causal: bool, used, ids=None) -> torch.Tensor | None:
+    """[B or 1, n, m] bool: which keys each query attends (None: all), by the rows' global
+    positions: causal, live rows (``used``: B counts), documents (``ids`` [B, S], the global
+    document ids by position)."""
     mask = None
     if causal:
         mask = (pos_k[None, :] <= pos_q[:, None])[None]
@@ -32,6 +34,9 @@ def _allowed(pos_q, pos_k, causal: bool, used) -> torch.Tensor | None:
         live_q, live_k = pos_q[None, :] < u, pos_k[None, :] < u  # [B, n], [B, m]
         lm = live_q[:, :, None] & live_k[:, None, :]
         mask = lm if mask is None else mask & lm
+    if ids is not None:
+        same = ids[:, pos_q][:, :, None] == ids[:, pos_k][:, None, :]
+        mask = same if mask is None else mask & same
     return mask
 
 
@@ -54,7 +59,7 @@ def _row_chunks(q, m: int):
     return [(i0, min(i0 + step, n)) for i0 in range(0, n, step)]
 
 
-def _attend_fp32(q, k, v, pos_q, pos_k, *, causal: bool, sm: float, used):
+def _attend_fp32(q, k, v, pos_q, pos_k, *, causal: bool, sm: float, used, ids=None):
     """``(out fp32 [B, n, hq, D], lse fp32 [B, hq, n])`` of q over k, v with the masks set by
     the rows' global positions; a row with no key: ``(0, -inf)``. One chunk of query rows at
     a time (memory ``O(rows * m)``)."""
@@ -63,7 +68,7 @@ def _attend_fp32(q, k, v, pos_q, pos_k, *, causal: bool, sm: float, used):
     lse = torch.empty(B, hq, n, dtype=torch.float32, device=q.device)
     for i0, i1 in _row_chunks(q, k.shape[1]):
         s = _scores(q[:, i0:i1], k, sm)
-        mask = _allowed(pos_q[i0:i1], pos_k, causal, used)
+        mask = _allowed(pos_q[i0:i1], pos_k, causal, used, ids)
         if mask is not None:
             s = s.masked_fill(~mask[:, None, None], -math.inf)
         lse_c = torch.logsumexp(s, dim=-1)  # [B, hkv, g, rows]
@@ -129,7 +134,8 @@ def _backward_flash(dout, q, k, v, out, lse, *, causal: bool, sm: float):
     return dq, dk, dv
 
 
-def _backward_fp32(dout, q, k, v, lse, delta, pos_q, pos_k, *, causal: bool, sm: float, used):
+def _backward_fp32(dout, q, k, v, lse, delta, pos_q, pos_k, *, causal: bool, sm: float, used,
+                   ids=None):  # fmt: skip
     """fp32 gradients of one block from the final lse ([B, hq, n], +inf on rows with no key)
     and ``delta = rowsum(dO * O)`` [B, hq, n], one chunk of query rows at a time."""
     B, n, hq, D = q.shape
@@ -142,7 +148,7 @@ def _backward_fp32(dout, q, k, v, lse, delta, pos_q, pos_k, *, causal: bool, sm:
         r = i1 - i0
         s = _scores(q[:, i0:i1], k, sm)
         p = torch.exp(s - lse[:, :, i0:i1].reshape(B, hkv, g, r)[..., None])
-        mask = _allowed(pos_q[i0:i1], pos_k, causal, used)
+        mask = _allowed(pos_q[i0:i1], pos_k, causal, used, ids)
         if mask is not None:
             p = torch.where(mask[:, None, None], p, 0.0)
         do = dout[:, i0:i1].float().view(B, r, hkv, g, D)

@@ -135,6 +135,20 @@ def test_causal_pairs_skip_blocks_after_the_queries():
     ]
 
 
+def test_document_kinds_of_a_sub_block():
+    """Packed documents: a sub-block whose queries share no document with its keys is
+    skipped, one inside a single document attends unmasked, the others with a mask."""
+    from ulysses._ring_layout import _doc_kind
+
+    ids = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]])
+    at = torch.arange
+    assert _doc_kind(None, at(0, 4), at(4, 8)) == "none"
+    assert _doc_kind(ids[:1], at(6, 8), at(0, 4)) == "skip"
+    assert _doc_kind(ids, at(6, 8), at(0, 4)) == "mask"  # row 1 is one document
+    assert _doc_kind(ids, at(0, 2), at(2, 4)) == "none"
+    assert _doc_kind(ids[:1], at(4, 8), at(4, 6)) == "mask"
+
+
 @pytest.mark.parametrize(
     "kwargs,err",
     [

@@ -21,6 +21,8 @@ A case id reads ``{comm}-{P_r}x{P_u}-S{S}-H{Hq}kv{Hkv}-D{D}-{causal|full}-{layou
     B{B}           batch size
     big            q and k scaled by 16: scores of several hundred, where a log-sum-exp merge
                    without its max shift overflows
+    docs_packed    ``document_ids``: each batch row packs documents (boundaries drawn from
+                   the seed: inside ranks and on a segment boundary)
     drift          K's channel means drift along the sequence (each segment's own mean far
                    from the global one)
     fault_{name}   a planted fault: of the ring's log-sum-exp merge (``unshifted``: no max
@@ -65,6 +67,7 @@ class Case:
     fault: str = ""
     disagree: bool = False
     drift: bool = False
+    docs: bool = False
 
     @property
     def id(self) -> str:
@@ -78,6 +81,7 @@ class Case:
             f"{'causal' if self.causal else 'full'}-{self.layout}-used_{self.used}-B{self.B}"
             + ("-big" if self.big else "")
             + ("-drift" if self.drift else "")
+            + ("-docs_packed" if self.docs else "")
             + ("-yunchang" if self.yunchang else "")
             + (f"-fault_{self.fault}" if self.fault else "")
             + ("-disagree_causal" if self.disagree else "")
@@ -108,6 +112,10 @@ def mesh_cases(P_r: int, P_u: int) -> list[Case]:
     ]
     if P_u <= 2 and P_r > 1:
         out.append(Case("lowp", P_r, P_u, 128 // P_u, P_u, 1, 32, True, "zigzag"))
+    if P_r > 1:  # packed documents: blocks skipped, unmasked or masked
+        out.append(Case("bf16", P_r, P_u, L, 2 * P_u, P_u, 32, True, "zigzag", B=2, docs=True))
+        out.append(Case("lowp", P_r, P_u, 64 if P_u == 3 else 128 // P_u, P_u, P_u, 32, True,
+                        "contiguous", docs=True))  # fmt: skip
     if P_r > 1 and P_u > 1:  # padding on the 8-bit ring: per-row statistics and masked blocks
         out.append(Case("lowp", P_r, P_u, 128 // P_u if P_u != 3 else 64, P_u, P_u, 32, False,
                         "contiguous", "rows", B=2))  # fmt: skip

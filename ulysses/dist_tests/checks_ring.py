@@ -71,12 +71,19 @@ def _inputs(case: cases_ring.Case, seed: int):
         for b, n in enumerate(used if case.used == "rows" else (used,) * B):
             for x in (q, k, v):
                 x[b, n:] = 0
-    return [x.to(dtype) for x in (q, k, v, dout)], used
+    ids = None
+    if case.docs:  # non-decreasing ids: a boundary on a segment boundary, the others drawn
+        cuts = torch.randint(1, S, (B, 3), generator=gen)
+        seg = case.L * case.P_u
+        ids = (torch.arange(S)[None, :, None] >= cuts[:, None, :]).sum(-1)
+        ids = ids + 4 * (torch.arange(S)[None, :] >= seg)
+    return [x.to(dtype) for x in (q, k, v, dout)], used, ids
 
 
-def _attention(q, k, v, *, causal: bool, used):
+def _attention(q, k, v, *, causal: bool, used, ids=None):
     """fp32 attention of [B, S, hq, D] over [B, S, hkv, D], live rows [0, used) (None, an int
-    or one count per batch row); rows past used are 0."""
+    or one count per batch row), within each document of ``ids`` [B, S]; rows past used are
+    0."""
     B, S, hq, D = q.shape
     g = hq // k.shape[2]
     k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
@@ -87,12 +94,14 @@ def _attention(q, k, v, *, causal: bool, used):
         allowed[b, :, :n, :n] = True
     if causal:
         allowed &= torch.ones(S, S, dtype=torch.bool).tril()
+    if ids is not None:  # packed documents: a query attends keys of its own document
+        allowed &= (ids[:, :, None] == ids[:, None, :])[:, None]
     s = s.masked_fill(~allowed, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("bhij,bjhd->bihd", p, v)
 
 
-def _reference(case: cases_ring.Case, tensors, used):
+def _reference(case: cases_ring.Case, tensors, used, ids):
     q, k, v, dout = tensors
     if case.comm == "lowp":
         # (the reference takes equal head counts: Q's codes from one call, K's and V's from
@@ -104,7 +113,7 @@ def _reference(case: cases_ring.Case, tensors, used):
         k = reference.lowp_dequantize_reference(ex["k"], ex["k_scale"], torch.float32, 64)
         v = reference.lowp_dequantize_reference(ex["v"], ex["v_scale"], torch.float32, None)
     qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
-    out = _attention(qf, kf, vf, causal=case.causal, used=used)
+    out = _attention(qf, kf, vf, causal=case.causal, used=used, ids=ids)
     out.backward(dout.float())
     return out.detach(), qf.grad, kf.grad, vf.grad, vf.detach().abs().max().item()
 
@@ -144,7 +153,7 @@ def run_case(ctx: Context, case: cases_ring.Case, seed: int) -> CaseRun:
     if case.P_r * case.P_u != ctx.world_size:
         return run.skip(f"mesh {case.P_r}x{case.P_u} needs world size {case.P_r * case.P_u}")
     r = ctx.rank  # the mesh's own numbering: ring index * P_u + Ulysses index
-    tensors, used = _inputs(case, seed)
+    tensors, used, ids = _inputs(case, seed)
     mesh = run.collective("mesh", lambda: _mesh(ctx, case.P_r, case.P_u))
     if case.disagree:
         return _disagree(run, case, mesh, tensors, r)
@@ -152,8 +161,10 @@ def run_case(ctx: Context, case: cases_ring.Case, seed: int) -> CaseRun:
     def call():
         q, k, v = (_shard(case, x, r).clone().requires_grad_() for x in tensors[:3])
         # through ring.dispatch: what ulysses_attention(..., group=mesh) calls
+        mine = None if ids is None else _shard(case, ids[..., None], r)[..., 0]
         out = ring.dispatch(q, k, v, group=mesh, causal=case.causal, comm=case.comm,
-                            used_sequence=used, ring_layout=case.layout)  # fmt: skip
+                            used_sequence=used, ring_layout=case.layout,
+                            document_ids=mine)  # fmt: skip
         out.backward(_shard(case, tensors[3], r))
         return [_gather(case, t) for t in (out.detach(), q.grad, k.grad, v.grad)]
 
@@ -166,7 +177,7 @@ def run_case(ctx: Context, case: cases_ring.Case, seed: int) -> CaseRun:
         got = run.collective("hybrid_attention", call)
     finally:
         ring._merge_fault, _ring_blocks._local_mean_fault = previous
-    exp = run.local("reference", lambda: _reference(case, tensors, used))
+    exp = run.local("reference", lambda: _reference(case, tensors, used, ids))
     if got is None or exp is None:
         return run
     if case.fault:  # planted: the comparison must fail
