@@ -66,11 +66,16 @@ from ._ring_blocks import (
     _quantize,
 )
 from ._ring_comm import (
+    _dkv_unwire,
+    _dkv_wire,
     _dout_to_heads,
+    _dout_to_heads_int8,
     _exchange_codes,
     _flat,
     _grads_to_seq,
+    _grads_to_seq_int8,
     _out_to_seq,
+    _out_to_seq_int8,
     _start,
     _to_heads,
     _unflat,
@@ -239,6 +244,8 @@ class _Config:
     k_group: int
     v_format: str
     dtype: torch.dtype
+    int8_output: bool = False
+    lowp_backward: bool = False  # backward_comm="lowp"
     ids: torch.Tensor | None = None  # [B, S] global document ids by position (device)
     ids_host: torch.Tensor | None = None  # the same on the CPU (which blocks to skip)
 
@@ -351,12 +358,14 @@ def _ring_backward(dout_h, out_h, lse, q_h, block, codes, g: _Groups, cfg: _Conf
             dkv[0][:, rk] += got[1]
             dkv[1][:, rk] += got[2]
         if incoming is not None:
-            dkv += incoming.wait()
-        incoming = _start(dkv, g, tag=1) if g.P_r > 1 else None
+            dkv += _dkv_unwire(incoming.wait(), dkv, dtype, cfg.lowp_backward)
+        incoming = None
+        if g.P_r > 1:
+            incoming = _start(_dkv_wire(dkv, dtype, cfg.lowp_backward), g, tag=1)
         if pending is not None:
             block = _unflat(pending.wait(), block)
     if incoming is not None:
-        dkv = incoming.wait()
+        dkv = _dkv_unwire(incoming.wait(), dkv, dtype, cfg.lowp_backward)
     return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype)
 
 
@@ -386,15 +395,21 @@ class _Hybrid(torch.autograd.Function):
         out_h = out_f.to(q.dtype)
         ctx.g, ctx.cfg, ctx.Hkv, ctx.codes = g, cfg, Hkv, codes
         ctx.save_for_backward(q_h, *block, out_h, lse)
+        if cfg.int8_output:
+            return _out_to_seq_int8(out_h, g, L)
         return _out_to_seq(out_h, g, L)
 
     @staticmethod
     def backward(ctx, dout):
         g, cfg = ctx.g, ctx.cfg
         q_h, *block, out_h, lse = ctx.saved_tensors
-        dout_h = _dout_to_heads(dout.contiguous(), g, q_h.shape[2])
+        if cfg.lowp_backward:
+            dout_h = _dout_to_heads_int8(dout.contiguous(), g, q_h.shape[2])
+        else:
+            dout_h = _dout_to_heads(dout.contiguous(), g, q_h.shape[2])
         dq_h, dk_h, dv_h = _ring_backward(dout_h, out_h, lse, q_h, list(block), ctx.codes, g, cfg)
-        dq, dk, dv = _grads_to_seq(dq_h, dk_h, dv_h, g, ctx.Hkv)
+        to_seq = _grads_to_seq_int8 if cfg.lowp_backward else _grads_to_seq
+        dq, dk, dv = to_seq(dq_h, dk_h, dv_h, g, ctx.Hkv)
         return dq, dk, dv, None, None
 
 
@@ -434,6 +449,8 @@ def hybrid_attention(
     k_group: int = 64,
     v_format: str = "fp8",
     document_ids: torch.Tensor | None = None,
+    int8_output: bool = False,
+    backward_comm: str = "bf16",
 ) -> torch.Tensor:
     """Ulysses x Ring attention: this rank's sequence shard in, its shard of the output out.
 
@@ -468,6 +485,11 @@ def hybrid_attention(
       attention of the dequantized values is the codes kernel's (``2**-4 max|v|``) and does
       not grow with the ring size. Backward: straight-through, as ``ulysses_attention``'s.
       Each ring block's runs must be whole Q and K groups.
+    * ``int8_output=True`` (with "lowp"): the output's all_to_all carries INT8 codes and one
+      fp32 scale a (row, head), as ``ulysses_attention``'s. ``backward_comm="lowp"`` (with
+      "lowp"): d(out) and dq|dk|dv cross the Ulysses group that way, and each block's dK|dV
+      accumulator crosses each ring hop that way (rounded to the dtype, then at most
+      ``amax / 254`` of its (row, head) a hop: P_r hops).
 
     Raises:
         TypeError: tensors not floating (bf16/fp16 for "lowp") or of different dtypes; a
@@ -480,10 +502,19 @@ def hybrid_attention(
     """
     g = _resolve(mesh, q.device)
     _check(q, k, v, g, comm, causal, scale, layout, used_sequence, q_group, k_group, v_format)
+    if not isinstance(int8_output, bool):
+        raise TypeError(f"int8_output must be a bool, got {type(int8_output).__name__}")
+    if backward_comm not in COMMS:
+        raise ValueError(f"backward_comm must be one of {COMMS}, got {backward_comm!r}")
+    if (int8_output or backward_comm == "lowp") and comm != "lowp":
+        raise ValueError(
+            f"int8_output=True and backward_comm='lowp' go with comm='lowp', got comm={comm!r}"
+        )
     if g.P_r == 1:  # the plain call on the Ulysses group (zigzag over one segment: contiguous)
         return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal, scale=scale,
                                  used_sequence=used_sequence, q_group=q_group, k_group=k_group,
-                                 v_format=v_format, document_ids=document_ids)  # fmt: skip
+                                 v_format=v_format, document_ids=document_ids,
+                                 int8_output=int8_output, backward_comm=backward_comm)  # fmt: skip
     B, L, Hq, D = q.shape
     S = L * g.P_r * g.P_u
     used = _used_rows(used_sequence, B, S)
@@ -509,33 +540,30 @@ def hybrid_attention(
                 scale=_comm.float_field(scale), comm=COMMS.index(comm),
                 layout=RING_LAYOUTS.index(layout), used=None if used is None else hash(used),
                 q_group=q_group, k_group=k_group, v_format=int(v_format == "int8"),
-                docs=int(document_ids is not None),
+                docs=int(document_ids is not None), int8_output=int(int8_output),
+                backward_comm=int(backward_comm == "lowp"),
             )  # fmt: skip
     ids = None if document_ids is None else _global_ids(document_ids, g, layout, q.device)
     cfg = _Config(causal, D**-0.5 if scale is None else float(scale), comm == "lowp", used,
-                  layout, q_group, k_group, v_format, q.dtype, ids,
-                  None if ids is None else ids.cpu())  # fmt: skip
+                  layout, q_group, k_group, v_format, q.dtype, int8_output,
+                  backward_comm == "lowp", ids, None if ids is None else ids.cpu())  # fmt: skip
     return _Hybrid.apply(q, k, v, g, cfg)
 
 
-_DISPATCH_DEFAULTS = {
-    "attn": None, "int8_output": False, "backward_comm": "bf16", "attn_kwargs": None,
-    "head_chunks": 1,
-}  # fmt: skip
+_DISPATCH_DEFAULTS = {"attn": None, "attn_kwargs": None, "head_chunks": 1}
 
 
 def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=None,
              used_sequence=None, q_group: int = 32, k_group: int = 64, layout: str = "bshd",
              v_format: str = "fp8", ring_layout: str = "contiguous", document_ids=None,
-             **options):  # fmt: skip
+             int8_output: bool = False, backward_comm: str = "bf16", **options):  # fmt: skip
     """``ulysses_attention(q, k, v, group=mesh, ...)`` on a ring mesh (:func:`is_ring_mesh`):
     P_r = 1 is the plain call on the Ulysses dimension (the same bits), else
     :func:`hybrid_attention`. ``layout`` is the tensors' ("bshd" or "bhsd"),
     ``ring_layout`` the rows' ("contiguous" or "zigzag").
 
     Raises ValueError for an option of ``ulysses_attention`` the ring does not take (a
-    custom ``attn``, ``int8_output``, ``backward_comm="lowp"``, ``attn_kwargs``,
-    ``head_chunks`` other than 1), naming it."""
+    custom ``attn``, ``attn_kwargs``, ``head_chunks`` other than 1), naming it."""
     unknown = sorted(set(options) - set(_DISPATCH_DEFAULTS))
     if unknown:
         raise TypeError(f"ulysses_attention got unexpected keyword arguments {unknown}")
@@ -546,7 +574,8 @@ def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=
         return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal,
                                  scale=scale, used_sequence=used_sequence, q_group=q_group,
                                  k_group=k_group, layout=layout, v_format=v_format,
-                                 document_ids=document_ids, **options)  # fmt: skip
+                                 document_ids=document_ids, int8_output=int8_output,
+                                 backward_comm=backward_comm, **options)  # fmt: skip
     for name, value in options.items():
         if value != _DISPATCH_DEFAULTS[name] and not (name == "attn" and value in ("codes",)):
             raise ValueError(
@@ -559,6 +588,6 @@ def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     out = hybrid_attention(q, k, v, mesh=group, causal=causal, scale=scale, comm=comm,
                            used_sequence=used_sequence, layout=ring_layout, q_group=q_group,
-                           k_group=k_group, v_format=v_format,
-                           document_ids=document_ids)  # fmt: skip
+                           k_group=k_group, v_format=v_format, document_ids=document_ids,
+                           int8_output=int8_output, backward_comm=backward_comm)  # fmt: skip
     return out.transpose(1, 2) if layout == "bhsd" else out

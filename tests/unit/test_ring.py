@@ -184,7 +184,8 @@ class _ThreadRing:
         recv.copy_(self.queues[i].get(timeout=60))
 
 
-def _run_ring(P_r: int, *, causal: bool, layout: str, Hq=4, Hkv=2, B=2, S=48, D=16, seed=0):
+def _run_ring(P_r: int, *, causal: bool, layout: str, Hq=4, Hkv=2, B=2, S=48, D=16, seed=0,
+              lowp_backward: bool = False):  # fmt: skip
     """Each ring rank in a thread (Ulysses size 1): the hybrid node on its rows, forward and
     backward; returns the gathered (out, dq, dk, dv) and the reference's."""
     torch.manual_seed(seed)
@@ -195,7 +196,8 @@ def _run_ring(P_r: int, *, causal: bool, layout: str, Hq=4, Hkv=2, B=2, S=48, D=
     idx = ring.zigzag_index(S, P_r) if layout == "zigzag" else torch.arange(S)
     L = S // P_r
     results, errors = [None] * P_r, []
-    cfg = ring._Config(causal, D**-0.5, False, None, layout, 32, 64, "fp8", torch.bfloat16)
+    cfg = ring._Config(causal, D**-0.5, False, None, layout, 32, 64, "fp8", torch.bfloat16,
+                       lowp_backward=lowp_backward)  # fmt: skip
 
     def rank(i):
         try:
@@ -294,6 +296,21 @@ def test_ring_threads_in_query_chunks(monkeypatch):
     chunked, _, _ = _run_ring(2, causal=True, layout="contiguous")
     for name, a, b in zip(("out", "dq", "dk", "dv"), chunked, whole, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_ring_threads_int8_gradient_hops():
+    """backward_comm="lowp": each ring hop carries a block's dK|dV accumulator as INT8 codes
+    and one fp32 scale a (row, head) (rounded to bf16 first): the gradients within 2% relative
+    L2 of fp32 autograd, in fewer bytes than the fp32 accumulators."""
+    P_r, B, S, Hkv, D = 4, 2, 48, 2, 16
+    got, ref, sent = _run_ring(P_r, causal=True, layout="zigzag", lowp_backward=True)
+    _, _, sent_fp32 = _run_ring(P_r, causal=True, layout="zigzag")
+    for name, a, b in zip(("dq", "dk", "dv"), got[1:], ref[1:], strict=True):
+        rel = ((a.float() - b).norm() / b.norm()).item()
+        assert rel < 0.02, f"{name}: relative L2 {rel}"
+    block = ring.ring_block_bytes(B, S // P_r, Hkv, D)
+    hop = B * (S // P_r) * 2 * Hkv * (D + 4)  # codes and one fp32 scale a (row, head)
+    assert sent == P_r * (2 * (P_r - 1) * block + P_r * hop) < sent_fp32
 
 
 def test_ring_threads_planted_dropped_block_is_caught(monkeypatch):

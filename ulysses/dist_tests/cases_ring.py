@@ -23,6 +23,9 @@ A case id reads ``{comm}-{P_r}x{P_u}-S{S}-H{Hq}kv{Hkv}-D{D}-{causal|full}-{layou
                    without its max shift overflows
     docs_packed    ``document_ids``: each batch row packs documents (boundaries drawn from
                    the seed: inside ranks and on a segment boundary)
+    int8wire       ``int8_output=True`` and ``backward_comm="lowp"``: the output, d(out),
+                   dq|dk|dv and the ring's dK|dV accumulators as INT8 with one fp32 scale a
+                   (row, head)
     drift          K's channel means drift along the sequence (each segment's own mean far
                    from the global one)
     fault_{name}   a planted fault: of the ring's log-sum-exp merge (``unshifted``: no max
@@ -68,6 +71,7 @@ class Case:
     disagree: bool = False
     drift: bool = False
     docs: bool = False
+    int8_wire: bool = False  # int8_output=True and backward_comm="lowp"
 
     @property
     def id(self) -> str:
@@ -82,6 +86,7 @@ class Case:
             + ("-big" if self.big else "")
             + ("-drift" if self.drift else "")
             + ("-docs_packed" if self.docs else "")
+            + ("-int8wire" if self.int8_wire else "")
             + ("-yunchang" if self.yunchang else "")
             + (f"-fault_{self.fault}" if self.fault else "")
             + ("-disagree_causal" if self.disagree else "")
@@ -112,6 +117,10 @@ def mesh_cases(P_r: int, P_u: int) -> list[Case]:
     ]
     if P_u <= 2 and P_r > 1:
         out.append(Case("lowp", P_r, P_u, 128 // P_u, P_u, 1, 32, True, "zigzag"))
+    if P_r > 1:  # the INT8 wire of a (row, head): the output, d(out), dq|dk|dv, the ring's dK|dV
+        out.append(Case("lowp", P_r, P_u, 64 if P_u == 3 else 128 // P_u, 2 * P_u,
+                        max(1, P_u // 2), 32, True, "zigzag" if P_u <= 2 else "contiguous",
+                        int8_wire=True))  # fmt: skip
     if P_r > 1:  # packed documents: blocks skipped, unmasked or masked
         out.append(Case("bf16", P_r, P_u, L, 2 * P_u, P_u, 32, True, "zigzag", B=2, docs=True))
         out.append(Case("lowp", P_r, P_u, 64 if P_u == 3 else 128 // P_u, P_u, P_u, 32, True,
