@@ -186,10 +186,15 @@ def _resolve(mesh, device: torch.device) -> _Groups:
     )
 
 
-def mesh_rank(mesh, device="cpu") -> tuple[int, int, int]:
-    """``(r, P_r, P_u)`` of this process on a ring mesh: its rank r = i * P_u + u (the rows
-    it holds: :func:`zigzag_shard`, or ``[r*L, (r+1)*L)``) and the two dimensions' sizes."""
-    g = _resolve(mesh, torch.device(device))
+def mesh_rank(mesh) -> tuple[int, int, int]:
+    """``(r, P_r, P_u)`` of this process on a ring mesh (or ``(ring_group, ulysses_group)``):
+    its rank r = i * P_u + u (the rows it holds: :func:`zigzag_shard`, or ``[r*L,
+    (r+1)*L)``) and the two dimensions' sizes."""
+    device = torch.device(getattr(mesh, "device_type", "cpu"))
+    if isinstance(mesh, tuple):  # a CPU tensor would be refused by an NCCL-only group
+        backends = [str(dist.get_backend(x)) for x in mesh if x is not None]
+        device = torch.device("cuda" if any("nccl" in b for b in backends) else "cpu")
+    g = _resolve(mesh, device)
     return g.rank, g.P_r, g.P_u
 
 

@@ -363,3 +363,7 @@ def test_dispatch_names_unsupported_options_and_mesh_check():
     # a ring of one is the plain call, options and all
     out = ring.dispatch(q, q, q, group=(None, None), head_chunks=2, causal=True)
     assert torch.equal(out, ulysses.ulysses_attention(q, q, q, causal=True, head_chunks=2))
+
+
+def test_mesh_rank_of_groups_of_one():
+    assert ring.mesh_rank((None, None)) == (0, 1, 1)
