@@ -555,7 +555,7 @@ def hybrid_attention(
     return _Hybrid.apply(q, k, v, g, cfg)
 
 
-_DISPATCH_DEFAULTS = {"attn": None, "attn_kwargs": None, "head_chunks": 1}
+_DISPATCH_DEFAULTS = {"attn": None, "attn_kwargs": None, "head_chunks": 1, "backward_attn": None}
 
 
 def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=None,
@@ -568,7 +568,8 @@ def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=
     ``ring_layout`` the rows' ("contiguous" or "zigzag").
 
     Raises ValueError for an option of ``ulysses_attention`` the ring does not take (a
-    custom ``attn``, ``attn_kwargs``, ``head_chunks`` other than 1), naming it."""
+    custom ``attn``, ``attn_kwargs``, ``head_chunks`` other than 1, ``backward_attn``), naming
+    it."""
     unknown = sorted(set(options) - set(_DISPATCH_DEFAULTS))
     if unknown:
         raise TypeError(f"ulysses_attention got unexpected keyword arguments {unknown}")
