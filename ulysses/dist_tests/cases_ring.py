@@ -23,6 +23,8 @@ A case id reads ``{comm}-{P_r}x{P_u}-S{S}-H{Hq}kv{Hkv}-D{D}-{causal|full}-{layou
                    without its max shift overflows
     docs_packed    ``document_ids``: each batch row packs documents (boundaries drawn from
                    the seed: inside ranks and on a segment boundary)
+    groups         the mesh passed as ``(ring_group, ulysses_group)`` (with "lowp": the
+                   Ulysses all_to_all in the input dtype, statistics over the ring group)
     int8wire       ``int8_output=True`` and ``backward_comm="lowp"``: the output, d(out),
                    dq|dk|dv and the ring's dK|dV accumulators as INT8 with one fp32 scale a
                    (row, head)
@@ -72,6 +74,7 @@ class Case:
     drift: bool = False
     docs: bool = False
     int8_wire: bool = False  # int8_output=True and backward_comm="lowp"
+    groups: bool = False  # the mesh as (ring_group, ulysses_group)
 
     @property
     def id(self) -> str:
@@ -87,6 +90,7 @@ class Case:
             + ("-drift" if self.drift else "")
             + ("-docs_packed" if self.docs else "")
             + ("-int8wire" if self.int8_wire else "")
+            + ("-groups" if self.groups else "")
             + ("-yunchang" if self.yunchang else "")
             + (f"-fault_{self.fault}" if self.fault else "")
             + ("-disagree_causal" if self.disagree else "")
@@ -121,6 +125,9 @@ def mesh_cases(P_r: int, P_u: int) -> list[Case]:
         out.append(Case("lowp", P_r, P_u, 64 if P_u == 3 else 128 // P_u, 2 * P_u,
                         max(1, P_u // 2), 32, True, "zigzag" if P_u <= 2 else "contiguous",
                         int8_wire=True))  # fmt: skip
+    if P_r > 1:  # two process groups for a mesh: the 8-bit ring's statistics on the ring group
+        out.append(Case("lowp", P_r, P_u, 64 if P_u == 3 else 128 // P_u, 2 * P_u, P_u, 32,
+                        True, "contiguous", "tail", B=2, groups=True))  # fmt: skip
     if P_r > 1:  # packed documents: blocks skipped, unmasked or masked
         out.append(Case("bf16", P_r, P_u, L, 2 * P_u, P_u, 32, True, "zigzag", B=2, docs=True))
         out.append(Case("lowp", P_r, P_u, 64 if P_u == 3 else 128 // P_u, P_u, P_u, 32, True,

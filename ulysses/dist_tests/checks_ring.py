@@ -163,7 +163,8 @@ def run_case(ctx: Context, case: cases_ring.Case, seed: int) -> CaseRun:
         # through ring.dispatch: what ulysses_attention(..., group=mesh) calls
         mine = None if ids is None else _shard(case, ids[..., None], r)[..., 0]
         wire = {"int8_output": True, "backward_comm": "lowp"} if case.int8_wire else {}
-        out = ring.dispatch(q, k, v, group=mesh, causal=case.causal, comm=case.comm,
+        group = (mesh.get_group("ring"), mesh.get_group("ulysses")) if case.groups else mesh
+        out = ring.dispatch(q, k, v, group=group, causal=case.causal, comm=case.comm,
                             used_sequence=used, ring_layout=case.layout,
                             document_ids=mine, **wire)  # fmt: skip
         out.backward(_shard(case, tensors[3], r))
