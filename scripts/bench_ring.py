@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     print(f"command: `python scripts/bench_ring.py {' '.join(argv or sys.argv[1:])}`")
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.timezone.utc)
     print(f"device: {name}; torch {torch.__version__}; triton {triton.__version__}; "
           f"commit {_commit()}; {now:%Y-%m-%d %H:%M} UTC")  # fmt: skip
     failures, rows = [], []

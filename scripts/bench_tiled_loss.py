@@ -56,10 +56,13 @@ def main() -> None:
     p.add_argument("--chunk-rows", type=int, nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a smoke run (times and values, no memory figures)")  # fmt: skip
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_tiled_loss needs a CUDA GPU")
-    dev = torch.device("cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_tiled_loss needs a CUDA GPU (--device cpu: a smoke run)")
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
     L, V, H = args.rows, args.vocab, args.hidden
@@ -67,7 +70,7 @@ def main() -> None:
     weight = torch.randn(V, H, device=dev, dtype=dtype, generator=g) * H**-0.5
     labels = torch.randint(0, V, (1, L), device=dev, generator=g)
     labels[0, -1] = ulysses.batch.IGNORE_INDEX
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"{name}, torch {torch.__version__}: L {L}, V {V}, H {H}, {args.dtype}", flush=True)
 
     rows, ref = [], None
@@ -77,20 +80,23 @@ def main() -> None:
         try:
             times = []
             for _ in range(args.repeat):
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
                 start = time.perf_counter()
                 out = _step(kind, hidden, weight, labels, chunk)
-                torch.cuda.synchronize()
+                if cuda:
+                    torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-                peak = torch.cuda.max_memory_allocated() - base
+                peak = torch.cuda.max_memory_allocated() - base if cuda else 0
                 if len(times) < args.repeat:
                     del out
             loss, dh, dw = out
         except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
             print(f"{label}: out of memory", flush=True)
             rows.append((label, "out of memory", "", "", ""))
             continue
@@ -117,7 +123,7 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(r) + " |")
     untiled = next((r for r in rows if r[0] == "untiled"), None)
-    if untiled is not None and untiled[1] != "out of memory":
+    if cuda and untiled is not None and untiled[1] != "out of memory":
         for r in rows[1:]:
             if r[1] != "out of memory":
                 share = float(r[1]) / max(float(untiled[1]), 1e-9)

@@ -9,7 +9,9 @@ relative. Prints ``<recipe>: loss ... worst ...`` and ``recipes: PASSED``.
 
 ``faults`` (2 ranks, sp 2): the five mistakes of a training loop, each must raise the same
 error on every rank within 10 s (the watchdog is 60 s: a rank left waiting fails the
-case). Prints ``fault <name>: <seconds> s: <error>`` on rank 0 and ``faults: PASSED``.
+case), then ``torch.compile(model, fullgraph=True)`` against the eager model (padding,
+documents, neither: at most 2 graphs, no break, loss and gradients within 1e-5). Prints
+``fault <name>: <seconds> s: <error>``, ``compiled at P 2: ...`` and ``faults: PASSED``.
 """
 
 from __future__ import annotations
@@ -202,11 +204,48 @@ def faults() -> int:
             failures.append(f"{what}: the ranks raised different errors: {errors}")
         elif seconds > 10:
             failures.append(f"{what}: {seconds:.1f} s")
+    failures += compiled(name)
     for f in failures:
         print(f"FAIL rank {rank}: {f}", file=sys.stderr, flush=True)
     if rank == 0:
         print(f"faults: {'PASSED' if not failures else 'FAILED'}", flush=True)
     return 0 if not failures else 1
+
+
+def compiled(name: str) -> list[str]:
+    """torch.compile(model, fullgraph=True) at P 2 against the eager model: batches with
+    padding and 1-3 documents, and one without either; loss and every gradient."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    model, eager = _llama(name), _llama(name)
+    backend = CompileCounterWithBackend("aot_eager")
+    fast = torch.compile(model, backend=backend, fullgraph=True)
+    counters.clear()
+    data = _dataset(6, S0=31)
+    plain = {"input_ids": data[0]["input_ids"][None], "labels": data[0]["labels"][None]}
+    batches = [torch.utils.data.default_collate(data[i : i + 2]) for i in (0, 2, 4)] + [plain]
+    worst = 0.0
+    for batch in batches:
+        losses = []
+        for m in (fast, eager):
+            m_params = model if m is fast else eager
+            m_params.zero_grad(set_to_none=True)
+            shard = ulysses.batch.shard_batch(batch)
+            loss = ulysses.batch.causal_lm_loss(m(**shard.model_inputs()).logits,
+                                                shard["shift_labels"])  # fmt: skip
+            loss.backward()
+            losses.append(float(loss.detach()))
+        worst = max(worst, abs(losses[0] - losses[1]) / abs(losses[1]))
+        for p, r in zip(model.parameters(), eager.parameters(), strict=True):
+            worst = max(worst, _rel(p.grad, r.grad))
+    breaks = sum(counters["graph_break"].values())
+    if dist.get_rank() == 0:
+        print(f"compiled at P 2: {backend.frame_count} graphs, {breaks} graph breaks, worst "
+              f"relative difference to eager {worst:.1e}", flush=True)  # fmt: skip
+    if breaks or backend.frame_count > 2 or worst > TOL:
+        return [f"compiled: {backend.frame_count} graphs, {breaks} breaks, {worst:.1e}"]
+    return []
 
 
 if __name__ == "__main__":

@@ -209,3 +209,69 @@ def _exchange_codes(q, k, v, g, cfg, hkv: int):
         cfg.q_group,
         cfg.k_group,
     )
+
+
+# ---- the INT8 wire of a (row, head) (int8_output, backward_comm="lowp": ulysses.rowwire) -------
+
+
+def _out_to_seq_int8(out_h, g, L: int):
+    """:func:`_out_to_seq` with the output as INT8 codes and one fp32 scale a (row, head)."""
+    from . import rowwire
+
+    B, _, hq, D = out_h.shape
+    send = rowwire.out_quant_op(x=out_h.contiguous(), world_size=g.P_u)
+    recv = _comm.all_to_all(send, g.uly_pg, g.P_u)
+    return rowwire.out_dequant_op(recv=recv, B=B, L=L, h=hq, D=D, world_size=g.P_u,
+                                  dtype=out_h.dtype)  # fmt: skip
+
+
+def _dout_to_heads_int8(dout, g, hq: int):
+    """:func:`_dout_to_heads` with d(out) as INT8 codes and one fp32 scale a (row, head)."""
+    from . import rowwire
+
+    B, L, _, D = dout.shape
+    send = rowwire.dout_quant_op(x=dout.contiguous(), world_size=g.P_u)
+    recv = _comm.all_to_all(send, g.uly_pg, g.P_u)
+    return rowwire.dout_dequant_op(recv=recv, B=B, L=L, h=hq, D=D, world_size=g.P_u,
+                                   dtype=dout.dtype)  # fmt: skip
+
+
+def _grads_to_seq_int8(dq_h, dk_h, dv_h, g, Hkv: int):
+    """:func:`_grads_to_seq` with dq|dk|dv as INT8 codes and one fp32 scale a (row, head)."""
+    from . import rowwire
+
+    B, S_seg, hq, D = dq_h.shape
+    hkv = dk_h.shape[2]
+    P = g.P_u
+    send = rowwire.grads_quant_op(dq=dq_h.contiguous(), dk=dk_h.contiguous(),
+                                  dv=dv_h.contiguous(), world_size=P)  # fmt: skip
+    recv = _comm.all_to_all(send, g.uly_pg, P)
+    dq, dk, dv = rowwire.grads_dequant_op(recv=recv, B=B, L=S_seg // P, hq=hq, hkv=hkv, D=D,
+                                          world_size=P, dtype=dq_h.dtype)  # fmt: skip
+    if P * hkv > Hkv:  # repeated heads: the ranks' partials summed in fp32, rank order
+        dk, dv = (x.unflatten(2, (Hkv, -1)).float().sum(3).to(dq.dtype) for x in (dk, dv))
+    return dq, dk, dv
+
+
+def _dkv_wire(dkv, dtype, lowp: bool) -> torch.Tensor:
+    """What a ring hop carries of a block's dK|dV accumulator [2, B, S_seg, hkv, D] fp32:
+    itself, or (``backward_comm="lowp"``) INT8 codes and one fp32 scale a (row, head) of its
+    rounding to ``dtype``."""
+    if not lowp:
+        return dkv
+    from . import rowwire
+
+    x = torch.cat([dkv[0], dkv[1]], dim=2).to(dtype)  # [B, S_seg, 2 hkv, D]
+    return rowwire.out_quant_op(x=x, world_size=1)
+
+
+def _dkv_unwire(recv, like, dtype, lowp: bool) -> torch.Tensor:
+    """The inverse of :func:`_dkv_wire`: fp32 [2, B, S_seg, hkv, D] like ``like``."""
+    if not lowp:
+        return recv
+    from . import rowwire
+
+    _, B, S_seg, hkv, D = like.shape
+    x = rowwire.out_dequant_op(recv=recv, B=B, L=S_seg, h=2 * hkv, D=D, world_size=1,
+                               dtype=dtype)  # fmt: skip
+    return torch.stack([x[:, :, :hkv], x[:, :, hkv:]]).float()

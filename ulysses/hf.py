@@ -222,8 +222,9 @@ def attention_forward(
             mask without padding; one with padding raises when the model builds its mask:
             pass ``used_sequence``);
             ``position_ids`` that number this rank's rows from 0 on a rank > 0, or that
-            restart (packed documents) without ``document_ids``; what ``ulysses_attention``
-            rejects.
+            restart (packed documents) without ``document_ids``; ranks that hold different
+            row counts L (every rank raises: L travels in the positions check's all_gather);
+            what ``ulysses_attention`` rejects.
     """
     if key.shape[2] != query.shape[2]:
         raise ValueError(

@@ -66,11 +66,16 @@ from ._ring_blocks import (
     _quantize,
 )
 from ._ring_comm import (
+    _dkv_unwire,
+    _dkv_wire,
     _dout_to_heads,
+    _dout_to_heads_int8,
     _exchange_codes,
     _flat,
     _grads_to_seq,
+    _grads_to_seq_int8,
     _out_to_seq,
+    _out_to_seq_int8,
     _start,
     _to_heads,
     _unflat,
@@ -80,9 +85,12 @@ from ._ring_layout import (
     COMMS,
     RING_LAYOUTS,
     _check,
+    _doc_kind,
+    _global_ids,
     _pairs,
     _positions,
     _runs,
+    _used_block,
     _used_rows,
     zigzag_index,
     zigzag_shard,
@@ -178,10 +186,15 @@ def _resolve(mesh, device: torch.device) -> _Groups:
     )
 
 
-def mesh_rank(mesh, device="cpu") -> tuple[int, int, int]:
-    """``(r, P_r, P_u)`` of this process on a ring mesh: its rank r = i * P_u + u (the rows
-    it holds: :func:`zigzag_shard`, or ``[r*L, (r+1)*L)``) and the two dimensions' sizes."""
-    g = _resolve(mesh, torch.device(device))
+def mesh_rank(mesh) -> tuple[int, int, int]:
+    """``(r, P_r, P_u)`` of this process on a ring mesh (or ``(ring_group, ulysses_group)``):
+    its rank r = i * P_u + u (the rows it holds: :func:`zigzag_shard`, or ``[r*L,
+    (r+1)*L)``) and the two dimensions' sizes."""
+    device = torch.device(getattr(mesh, "device_type", "cpu"))
+    if isinstance(mesh, tuple):  # a CPU tensor would be refused by an NCCL-only group
+        backends = [str(dist.get_backend(x)) for x in mesh if x is not None]
+        device = torch.device("cuda" if any("nccl" in b for b in backends) else "cpu")
+    g = _resolve(mesh, device)
     return g.rank, g.P_r, g.P_u
 
 
@@ -236,23 +249,10 @@ class _Config:
     k_group: int
     v_format: str
     dtype: torch.dtype
-
-
-def _used_block(used, runs_q, runs_k, lq, n, lk, m) -> bool:
-    """Whether a sub-block holds a padding row (a query or a key at or past some batch row's
-    live count)."""
-    if used is None:
-        return False
-    end = max(_global_end(runs_q, lq, n), _global_end(runs_k, lk, m))
-    return min(used) < end
-
-
-def _global_end(runs, lo: int, n: int) -> int:
-    """The largest global position + 1 of local rows [lo, lo + n) (a run of one segment)."""
-    for g0, l0, length in runs:
-        if l0 <= lo < l0 + length:
-            return g0 + (lo - l0) + n
-    raise AssertionError((runs, lo, n))
+    int8_output: bool = False
+    lowp_backward: bool = False  # backward_comm="lowp"
+    ids: torch.Tensor | None = None  # [B, S] global document ids by position (device)
+    ids_host: torch.Tensor | None = None  # the same on the CPU (which blocks to skip)
 
 
 def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
@@ -276,7 +276,10 @@ def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
         for lq, n, lk, m, kind in _pairs(runs_q, runs_k, cfg.causal):
             if _merge_fault == "drop_block" and s == 1:
                 continue
-            padded = _used_block(cfg.used, runs_q, runs_k, lq, n, lk, m)
+            docs = _doc_kind(cfg.ids_host, pos_q[lq : lq + n], pos_k[lk : lk + m])
+            if docs == "skip":
+                continue
+            padded = docs == "mask" or _used_block(cfg.used, runs_q, runs_k, lq, n, lk, m)
             diag = kind == "diag"
             if cfg.lowp and use_codes and not padded:
                 o, lse = _attend_codes(codes, lq, n, block, lk, m, causal=diag, sm=cfg.sm,
@@ -293,7 +296,8 @@ def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
                     o, lse = _attend_flash(qs, ks, vs, causal=diag, sm=cfg.sm)
                 else:
                     o, lse = _attend_fp32(qs, ks, vs, pos_q[lq : lq + n], pos_k[lk : lk + m],
-                                          causal=cfg.causal, sm=cfg.sm, used=cfg.used)  # fmt: skip
+                                          causal=cfg.causal, sm=cfg.sm, used=cfg.used,
+                                          ids=cfg.ids)  # fmt: skip
             _merge_into(acc, acc_lse, lq, n, o, lse)
         if pending is not None:
             block = _unflat(pending.wait(), block)
@@ -342,7 +346,10 @@ def _ring_backward(dout_h, out_h, lse, q_h, block, codes, g: _Groups, cfg: _Conf
         dkv = torch.zeros(2, B, S_seg, hkv, D, dtype=torch.float32, device=dev)
         for lq, n, lk, m, kind in _pairs(runs_q, runs_k, cfg.causal):
             rq, rk = slice(lq, lq + n), slice(lk, lk + m)
-            padded = _used_block(cfg.used, runs_q, runs_k, lq, n, lk, m)
+            docs = _doc_kind(cfg.ids_host, pos_q[rq], pos_k[rk])
+            if docs == "skip":
+                continue
+            padded = docs == "mask" or _used_block(cfg.used, runs_q, runs_k, lq, n, lk, m)
             if _flash_fits(q_val, padded):
                 got = _backward_flash(dout_h[:, rq], q_val[:, rq], k_val[:, rk], v_val[:, rk],
                                       out_h[:, rq], lse[:, :, rq], causal=kind == "diag",
@@ -350,17 +357,20 @@ def _ring_backward(dout_h, out_h, lse, q_h, block, codes, g: _Groups, cfg: _Conf
             else:
                 got = _backward_fp32(dout_h[:, rq], q_val[:, rq], k_val[:, rk], v_val[:, rk],
                                      lse_b[:, :, rq], delta[:, :, rq], pos_q[rq], pos_k[rk],
-                                     causal=cfg.causal, sm=cfg.sm, used=cfg.used)  # fmt: skip
+                                     causal=cfg.causal, sm=cfg.sm, used=cfg.used,
+                                     ids=cfg.ids)  # fmt: skip
             dq[:, rq] += got[0]
             dkv[0][:, rk] += got[1]
             dkv[1][:, rk] += got[2]
         if incoming is not None:
-            dkv += incoming.wait()
-        incoming = _start(dkv, g, tag=1) if g.P_r > 1 else None
+            dkv += _dkv_unwire(incoming.wait(), dkv, dtype, cfg.lowp_backward)
+        incoming = None
+        if g.P_r > 1:
+            incoming = _start(_dkv_wire(dkv, dtype, cfg.lowp_backward), g, tag=1)
         if pending is not None:
             block = _unflat(pending.wait(), block)
     if incoming is not None:
-        dkv = incoming.wait()
+        dkv = _dkv_unwire(incoming.wait(), dkv, dtype, cfg.lowp_backward)
     return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype)
 
 
@@ -390,15 +400,21 @@ class _Hybrid(torch.autograd.Function):
         out_h = out_f.to(q.dtype)
         ctx.g, ctx.cfg, ctx.Hkv, ctx.codes = g, cfg, Hkv, codes
         ctx.save_for_backward(q_h, *block, out_h, lse)
+        if cfg.int8_output:
+            return _out_to_seq_int8(out_h, g, L)
         return _out_to_seq(out_h, g, L)
 
     @staticmethod
     def backward(ctx, dout):
         g, cfg = ctx.g, ctx.cfg
         q_h, *block, out_h, lse = ctx.saved_tensors
-        dout_h = _dout_to_heads(dout.contiguous(), g, q_h.shape[2])
+        if cfg.lowp_backward:
+            dout_h = _dout_to_heads_int8(dout.contiguous(), g, q_h.shape[2])
+        else:
+            dout_h = _dout_to_heads(dout.contiguous(), g, q_h.shape[2])
         dq_h, dk_h, dv_h = _ring_backward(dout_h, out_h, lse, q_h, list(block), ctx.codes, g, cfg)
-        dq, dk, dv = _grads_to_seq(dq_h, dk_h, dv_h, g, ctx.Hkv)
+        to_seq = _grads_to_seq_int8 if cfg.lowp_backward else _grads_to_seq
+        dq, dk, dv = to_seq(dq_h, dk_h, dv_h, g, ctx.Hkv)
         return dq, dk, dv, None, None
 
 
@@ -437,6 +453,9 @@ def hybrid_attention(
     q_group: int = 32,
     k_group: int = 64,
     v_format: str = "fp8",
+    document_ids: torch.Tensor | None = None,
+    int8_output: bool = False,
+    backward_comm: str = "bf16",
 ) -> torch.Tensor:
     """Ulysses x Ring attention: this rank's sequence shard in, its shard of the output out.
 
@@ -453,7 +472,10 @@ def hybrid_attention(
     Hkv == 0``); any ring size. ``causal``: query i attends keys ``j <= i`` (global
     positions). ``scale``: default ``D ** -0.5``. ``used_sequence``: None, an int or B ints,
     global live rows (contiguous layout): later rows are padding, never attended; their
-    output rows are 0.
+    output rows are 0. ``document_ids``: packed documents, an integer tensor [B, L] of this
+    rank's rows' document ids (one all_gather on each of the two groups): a query attends
+    keys of its own document only; ring blocks that share no document are skipped, blocks
+    inside one document attend unmasked, the others with a mask (in fp32).
 
     * ``comm="bf16"`` (the input dtype): each ring step attends in fp32 on CPU (torch's flash
       attention on CUDA), partials merged in fp32 by their log-sum-exp; the output is
@@ -468,6 +490,11 @@ def hybrid_attention(
       attention of the dequantized values is the codes kernel's (``2**-4 max|v|``) and does
       not grow with the ring size. Backward: straight-through, as ``ulysses_attention``'s.
       Each ring block's runs must be whole Q and K groups.
+    * ``int8_output=True`` (with "lowp"): the output's all_to_all carries INT8 codes and one
+      fp32 scale a (row, head), as ``ulysses_attention``'s. ``backward_comm="lowp"`` (with
+      "lowp"): d(out) and dq|dk|dv cross the Ulysses group that way, and each block's dK|dV
+      accumulator crosses each ring hop that way (rounded to the dtype, then at most
+      ``amax / 254`` of its (row, head) a hop: P_r hops).
 
     Raises:
         TypeError: tensors not floating (bf16/fp16 for "lowp") or of different dtypes; a
@@ -480,13 +507,36 @@ def hybrid_attention(
     """
     g = _resolve(mesh, q.device)
     _check(q, k, v, g, comm, causal, scale, layout, used_sequence, q_group, k_group, v_format)
+    if not isinstance(int8_output, bool):
+        raise TypeError(f"int8_output must be a bool, got {type(int8_output).__name__}")
+    if backward_comm not in COMMS:
+        raise ValueError(f"backward_comm must be one of {COMMS}, got {backward_comm!r}")
+    if (int8_output or backward_comm == "lowp") and comm != "lowp":
+        raise ValueError(
+            f"int8_output=True and backward_comm='lowp' go with comm='lowp', got comm={comm!r}"
+        )
     if g.P_r == 1:  # the plain call on the Ulysses group (zigzag over one segment: contiguous)
         return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal, scale=scale,
                                  used_sequence=used_sequence, q_group=q_group, k_group=k_group,
-                                 v_format=v_format)  # fmt: skip
+                                 v_format=v_format, document_ids=document_ids,
+                                 int8_output=int8_output, backward_comm=backward_comm)  # fmt: skip
     B, L, Hq, D = q.shape
     S = L * g.P_r * g.P_u
     used = _used_rows(used_sequence, B, S)
+    if document_ids is not None and (
+        not isinstance(document_ids, torch.Tensor)
+        or document_ids.is_floating_point()
+        or document_ids.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"document_ids must be an integer tensor [B, L], got {type(document_ids).__name__}"
+            + (f" of {document_ids.dtype}" if isinstance(document_ids, torch.Tensor) else "")
+        )
+    if document_ids is not None and tuple(document_ids.shape) != (B, L):
+        raise ValueError(
+            f"document_ids must be [B, L] = {[B, L]} (this rank's rows), got "
+            f"{list(document_ids.shape)}"
+        )
     for pg, P in _check_groups(g):
         if P > 1:
             _comm.verify_call(
@@ -495,29 +545,31 @@ def hybrid_attention(
                 scale=_comm.float_field(scale), comm=COMMS.index(comm),
                 layout=RING_LAYOUTS.index(layout), used=None if used is None else hash(used),
                 q_group=q_group, k_group=k_group, v_format=int(v_format == "int8"),
+                docs=int(document_ids is not None), int8_output=int(int8_output),
+                backward_comm=int(backward_comm == "lowp"),
             )  # fmt: skip
+    ids = None if document_ids is None else _global_ids(document_ids, g, layout, q.device)
     cfg = _Config(causal, D**-0.5 if scale is None else float(scale), comm == "lowp", used,
-                  layout, q_group, k_group, v_format, q.dtype)  # fmt: skip
+                  layout, q_group, k_group, v_format, q.dtype, int8_output,
+                  backward_comm == "lowp", ids, None if ids is None else ids.cpu())  # fmt: skip
     return _Hybrid.apply(q, k, v, g, cfg)
 
 
-_DISPATCH_DEFAULTS = {
-    "attn": None, "int8_output": False, "backward_comm": "bf16", "document_ids": None,
-    "attn_kwargs": None, "head_chunks": 1,
-}  # fmt: skip
+_DISPATCH_DEFAULTS = {"attn": None, "attn_kwargs": None, "head_chunks": 1, "backward_attn": None}
 
 
 def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=None,
              used_sequence=None, q_group: int = 32, k_group: int = 64, layout: str = "bshd",
-             v_format: str = "fp8", ring_layout: str = "contiguous", **options):  # fmt: skip
+             v_format: str = "fp8", ring_layout: str = "contiguous", document_ids=None,
+             int8_output: bool = False, backward_comm: str = "bf16", **options):  # fmt: skip
     """``ulysses_attention(q, k, v, group=mesh, ...)`` on a ring mesh (:func:`is_ring_mesh`):
     P_r = 1 is the plain call on the Ulysses dimension (the same bits), else
     :func:`hybrid_attention`. ``layout`` is the tensors' ("bshd" or "bhsd"),
     ``ring_layout`` the rows' ("contiguous" or "zigzag").
 
     Raises ValueError for an option of ``ulysses_attention`` the ring does not take (a
-    custom ``attn``, ``int8_output``, ``backward_comm="lowp"``, ``document_ids``,
-    ``attn_kwargs``, ``head_chunks`` other than 1), naming it."""
+    custom ``attn``, ``attn_kwargs``, ``head_chunks`` other than 1, ``backward_attn``), naming
+    it."""
     unknown = sorted(set(options) - set(_DISPATCH_DEFAULTS))
     if unknown:
         raise TypeError(f"ulysses_attention got unexpected keyword arguments {unknown}")
@@ -528,7 +580,8 @@ def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=
         return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal,
                                  scale=scale, used_sequence=used_sequence, q_group=q_group,
                                  k_group=k_group, layout=layout, v_format=v_format,
-                                 **options)  # fmt: skip
+                                 document_ids=document_ids, int8_output=int8_output,
+                                 backward_comm=backward_comm, **options)  # fmt: skip
     for name, value in options.items():
         if value != _DISPATCH_DEFAULTS[name] and not (name == "attn" and value in ("codes",)):
             raise ValueError(
@@ -541,5 +594,6 @@ def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     out = hybrid_attention(q, k, v, mesh=group, causal=causal, scale=scale, comm=comm,
                            used_sequence=used_sequence, layout=ring_layout, q_group=q_group,
-                           k_group=k_group, v_format=v_format)  # fmt: skip
+                           k_group=k_group, v_format=v_format, document_ids=document_ids,
+                           int8_output=int8_output, backward_comm=backward_comm)  # fmt: skip
     return out.transpose(1, 2) if layout == "bhsd" else out

@@ -221,7 +221,10 @@ class _TiledCrossEntropy(torch.autograd.Function):
             d_bias = torch.zeros_like(bias, dtype=torch.float32)
         for s in range(0, hidden.shape[0], rows):
             h, t = hidden[s : s + rows], target[s : s + rows]
-            d_logits = torch.softmax(F.linear(h, weight, bias).float(), dim=-1)  # [n, V]
+            d_logits = F.linear(h, weight, bias).float()  # [n, V], softmax in place:
+            d_logits -= d_logits.amax(dim=-1, keepdim=True)  # one [n, V] fp32 buffer
+            d_logits.exp_()
+            d_logits /= d_logits.sum(dim=-1, keepdim=True)
             live = t != ignore
             d_logits[torch.arange(t.shape[0], device=t.device), t.clamp(min=0)] -= 1.0
             d_logits *= (live.float() * grad)[:, None]

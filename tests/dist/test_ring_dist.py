@@ -1,10 +1,12 @@
 """Ulysses x Ring on gloo (CPU tensors, the codes kernel in Triton's interpreter): ONE torchrun
 launch of the ``ring`` suite at world size 4 (``python -m ulysses.dist_tests.checks_ring``):
 the meshes 2x2, 4x1 and 1x4, bf16 and the 8-bit ring, causal and full, contiguous and zigzag,
-GQA and repeated K/V heads, padding, yunchang's hybrid cases, the lowp bound at ring sizes 1, 2
-and 4 on the same data, and the two planted merge faults (each case passes only when the
-comparison with the reference fails). World sizes 6 and 8 (meshes 2x3, 3x2, 2x4, 4x2, 8x1,
-1x8): the same command with ``--nproc-per-node 6`` or ``8``."""
+GQA and repeated K/V heads, padding, packed documents, the INT8 wire, yunchang's hybrid
+cases, the lowp bound at ring sizes 1, 2 and 4 on the same data, a rank that disagrees, and
+the planted faults (the merge without its max shift, a dropped block, K centred on each rank's
+own mean: each case passes only when the comparison with the reference fails). World sizes 6
+and 8 (meshes 2x3, 3x2, 2x4, 4x2, 8x1, 1x8): the same command with ``--nproc-per-node 6`` or
+``8``."""
 
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ def test_ring_suite_at_world_size_4(tmp_path):
         "lowp-4x1",
         "zigzag",
         "disagree_causal",
+        "fault_local_mean",
+        "docs_packed",
+        "int8wire",
+        "groups",
     ):
         assert any(part in i for i in ids), (part, ids)
     # the lowp bound at ring sizes 1, 2 and 4 on the same data: each case printed its error

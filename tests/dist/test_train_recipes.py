@@ -7,7 +7,8 @@ fp32): tests/_train_recipes_worker.py.
   ``ShardedLoader``.
 * sp 2 (2 ranks): the five mistakes of a training loop (ranks fed different lengths, or
   different batches; a model not registered, or left on "eager"; ``labels=``) each end in
-  the same error on every rank within 10 s, none waits for the watchdog.
+  the same error on every rank within 10 s, none waits for the watchdog; then the model
+  compiled with fullgraph against the eager one (padding, documents: 2 graphs, no break).
 """
 
 from __future__ import annotations
@@ -64,4 +65,5 @@ def test_the_five_mistakes_raise_on_every_rank():
     for what, pattern in expected.items():
         line = next((x for x in proc.stdout.splitlines() if x.startswith(f"fault {what}:")), "")
         assert pattern in line, (what, proc.stdout)
+    assert "compiled at P 2: " in proc.stdout and " 0 graph breaks" in proc.stdout
     assert "faults: PASSED" in proc.stdout

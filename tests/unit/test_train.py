@@ -186,3 +186,45 @@ def test_labels_with_sharded_inputs_raise(name):
     with pytest.raises(ValueError, match="labels= passed to LlamaForCausalLM.*causal_lm_loss"):
         model(**shard.model_inputs(), labels=shard["shift_labels"])
     model(input_ids=shard["input_ids"], labels=shard["input_ids"])  # P = 1, no shard: allowed
+
+
+# ---- the loader, on a world of one (gloo, in process) -----------------------------------------
+
+
+@pytest.fixture
+def world_of_one():
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "sp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_loader_samples_over_dp(world_of_one, monkeypatch):
+    from torch.utils.data import DataLoader
+
+    mesh = world_of_one
+    assert ut.mesh_sizes(mesh) == (1, 1)
+    # this rank as replica 1 of 2 (its sp rank 0 of 1)
+    monkeypatch.setattr(ut, "mesh_sizes", lambda mesh, sp="sp", dp="dp": (2, 1))
+    monkeypatch.setattr(type(mesh), "get_local_rank", lambda self, dim=None: 1)
+    data = [{"input_ids": torch.full((4,), i), "labels": torch.full((4,), i)} for i in range(6)]
+    loader = ut.ShardedLoader(DataLoader(data, batch_size=2), mesh, shuffle=False)
+    shards = list(loader)
+    assert [s["input_ids"][:, 0].tolist() for s in shards] == [[1, 3], [5]]  # indices 1, 3, 5
+    assert len(loader) == 2 and isinstance(shards[0], ub.SequenceShard)
+    assert "shift_labels" in shards[0] and "used_sequence" in shards[0].model_inputs()
+    batches = [{"input_ids": torch.full((1, 4), i)} for i in range(5)]  # an iterable: every dp-th
+    assert [int(s["input_ids"][0, 0]) for s in ut.ShardedLoader(batches, mesh)] == [1, 3]
+    with pytest.raises(TypeError, match="batch_size"):
+        ut.ShardedLoader(DataLoader(data, batch_sampler=[[0, 1]]), mesh)

@@ -21,9 +21,20 @@ A case id reads ``{comm}-{P_r}x{P_u}-S{S}-H{Hq}kv{Hkv}-D{D}-{causal|full}-{layou
     B{B}           batch size
     big            q and k scaled by 16: scores of several hundred, where a log-sum-exp merge
                    without its max shift overflows
-    fault_{name}   a planted fault of the ring's log-sum-exp merge (``unshifted``: no max
-                   shift; ``drop_block``: ring step 1's partial never merged); the case
-                   passes when the comparison with the reference fails
+    docs_packed    ``document_ids``: each batch row packs documents (boundaries drawn from
+                   the seed: inside ranks and on a segment boundary)
+    groups         the mesh passed as ``(ring_group, ulysses_group)`` (with "lowp": the
+                   Ulysses all_to_all in the input dtype, statistics over the ring group)
+    int8wire       ``int8_output=True`` and ``backward_comm="lowp"``: the output, d(out),
+                   dq|dk|dv and the ring's dK|dV accumulators as INT8 with one fp32 scale a
+                   (row, head)
+    drift          K's channel means drift along the sequence (each segment's own mean far
+                   from the global one)
+    fault_{name}   a planted fault: of the ring's log-sum-exp merge (``unshifted``: no max
+                   shift; ``drop_block``: ring step 1's partial never merged) or of the 8-bit
+                   ring (``local_mean``: K centred on each rank's own mean, as per-shard
+                   smoothing does); the case passes when the comparison with the reference
+                   fails
     disagree_causal  rank 0 passes ``causal`` the other way: every rank must raise the same
                    ValueError naming it (the ranks' check covers the mesh shape too)
     yunchang       yunchang's test_hybrid_attn.py case (batch 1, 32 heads, head dim 40, bf16,
@@ -60,6 +71,10 @@ class Case:
     yunchang: bool = False
     fault: str = ""
     disagree: bool = False
+    drift: bool = False
+    docs: bool = False
+    int8_wire: bool = False  # int8_output=True and backward_comm="lowp"
+    groups: bool = False  # the mesh as (ring_group, ulysses_group)
 
     @property
     def id(self) -> str:
@@ -72,6 +87,10 @@ class Case:
             f"S{self.L * self.P_r * self.P_u}-H{self.Hq}kv{self.Hkv}-D{self.D}-"
             f"{'causal' if self.causal else 'full'}-{self.layout}-used_{self.used}-B{self.B}"
             + ("-big" if self.big else "")
+            + ("-drift" if self.drift else "")
+            + ("-docs_packed" if self.docs else "")
+            + ("-int8wire" if self.int8_wire else "")
+            + ("-groups" if self.groups else "")
             + ("-yunchang" if self.yunchang else "")
             + (f"-fault_{self.fault}" if self.fault else "")
             + ("-disagree_causal" if self.disagree else "")
@@ -102,6 +121,17 @@ def mesh_cases(P_r: int, P_u: int) -> list[Case]:
     ]
     if P_u <= 2 and P_r > 1:
         out.append(Case("lowp", P_r, P_u, 128 // P_u, P_u, 1, 32, True, "zigzag"))
+    if P_r > 1:  # the INT8 wire of a (row, head): the output, d(out), dq|dk|dv, the ring's dK|dV
+        out.append(Case("lowp", P_r, P_u, 64 if P_u == 3 else 128 // P_u, 2 * P_u,
+                        max(1, P_u // 2), 32, True, "zigzag" if P_u <= 2 else "contiguous",
+                        int8_wire=True))  # fmt: skip
+    if P_r > 1:  # two process groups for a mesh: the 8-bit ring's statistics on the ring group
+        out.append(Case("lowp", P_r, P_u, 64 if P_u == 3 else 128 // P_u, 2 * P_u, P_u, 32,
+                        True, "contiguous", "tail", B=2, groups=True))  # fmt: skip
+    if P_r > 1:  # packed documents: blocks skipped, unmasked or masked
+        out.append(Case("bf16", P_r, P_u, L, 2 * P_u, P_u, 32, True, "zigzag", B=2, docs=True))
+        out.append(Case("lowp", P_r, P_u, 64 if P_u == 3 else 128 // P_u, P_u, P_u, 32, True,
+                        "contiguous", docs=True))  # fmt: skip
     if P_r > 1 and P_u > 1:  # padding on the 8-bit ring: per-row statistics and masked blocks
         out.append(Case("lowp", P_r, P_u, 128 // P_u if P_u != 3 else 64, P_u, P_u, 32, False,
                         "contiguous", "rows", B=2))  # fmt: skip
@@ -114,9 +144,14 @@ def fault_cases(P_r: int, P_u: int) -> list[Case]:
     if P_r == 1:
         return []
     L = 16 if P_u > 1 else 32
+    Lq = 64 if P_u == 3 else 128 // P_u  # whole K groups a segment (the 8-bit ring)
     return [
         Case("bf16", P_r, P_u, L, P_u, P_u, 32, True, "zigzag", big=True, fault="unshifted"),
         Case("bf16", P_r, P_u, L, 2 * P_u, P_u, 32, False, "contiguous", fault="drop_block"),
+        Case("lowp", P_r, P_u, Lq, P_u, P_u, 32, False, "contiguous", drift=True),
+        Case(
+            "lowp", P_r, P_u, Lq, P_u, P_u, 32, False, "contiguous", drift=True, fault="local_mean"
+        ),  # fmt: skip
     ]
 
 

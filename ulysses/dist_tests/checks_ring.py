@@ -9,8 +9,8 @@ single-device attention of the whole sequence.
 * lowp: fp32 attention of the gather-then-quantize values of one device
   (``ulysses.reference.lowp_exchange_reference`` at world size 1, dequantized in fp32): the
   output within the codes kernel's bound ``2**-4 max|v|`` plus the output's rounding
-  ``2**-8 max|ref|``, the same bound at every ring size; gradients (straight-through: of the
-  dequantized values) within 5% relative L2.
+  ``2**-8 max|ref|`` (``int8wire``: plus ``max|ref| / 254``), the same bound at every ring
+  size; gradients (straight-through: of the dequantized values) within 5% relative L2.
 
 Run the suite alone (it is not among the harness's default suites)::
 
@@ -31,7 +31,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ulysses import reference, ring
+from ulysses import _ring_blocks, reference, ring
 
 from . import cases_ring
 from ._dist import Context
@@ -60,6 +60,9 @@ def _inputs(case: cases_ring.Case, seed: int):
     dout = torch.randn(B, S, case.Hq, case.D, generator=gen)
     if case.big:
         q, k = q * 16, k * 16
+    if case.drift:  # channel means moving along the sequence: every segment's mean its own
+        ramp = torch.linspace(-4, 4, S)[None, :, None, None]
+        k = k + ramp * torch.randn(1, 1, case.Hkv, case.D, generator=gen)
     used = None
     if case.used in ("tail", "rows"):
         tail = S - case.L * case.P_u + case.L // 2
@@ -68,12 +71,19 @@ def _inputs(case: cases_ring.Case, seed: int):
         for b, n in enumerate(used if case.used == "rows" else (used,) * B):
             for x in (q, k, v):
                 x[b, n:] = 0
-    return [x.to(dtype) for x in (q, k, v, dout)], used
+    ids = None
+    if case.docs:  # non-decreasing ids: a boundary on a segment boundary, the others drawn
+        cuts = torch.randint(1, S, (B, 3), generator=gen)
+        seg = case.L * case.P_u
+        ids = (torch.arange(S)[None, :, None] >= cuts[:, None, :]).sum(-1)
+        ids = ids + 4 * (torch.arange(S)[None, :] >= seg)
+    return [x.to(dtype) for x in (q, k, v, dout)], used, ids
 
 
-def _attention(q, k, v, *, causal: bool, used):
+def _attention(q, k, v, *, causal: bool, used, ids=None):
     """fp32 attention of [B, S, hq, D] over [B, S, hkv, D], live rows [0, used) (None, an int
-    or one count per batch row); rows past used are 0."""
+    or one count per batch row), within each document of ``ids`` [B, S]; rows past used are
+    0."""
     B, S, hq, D = q.shape
     g = hq // k.shape[2]
     k, v = (x.repeat_interleave(g, dim=2) for x in (k, v))
@@ -84,12 +94,14 @@ def _attention(q, k, v, *, causal: bool, used):
         allowed[b, :, :n, :n] = True
     if causal:
         allowed &= torch.ones(S, S, dtype=torch.bool).tril()
+    if ids is not None:  # packed documents: a query attends keys of its own document
+        allowed &= (ids[:, :, None] == ids[:, None, :])[:, None]
     s = s.masked_fill(~allowed, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("bhij,bjhd->bihd", p, v)
 
 
-def _reference(case: cases_ring.Case, tensors, used):
+def _reference(case: cases_ring.Case, tensors, used, ids):
     q, k, v, dout = tensors
     if case.comm == "lowp":
         # (the reference takes equal head counts: Q's codes from one call, K's and V's from
@@ -101,7 +113,7 @@ def _reference(case: cases_ring.Case, tensors, used):
         k = reference.lowp_dequantize_reference(ex["k"], ex["k_scale"], torch.float32, 64)
         v = reference.lowp_dequantize_reference(ex["v"], ex["v_scale"], torch.float32, None)
     qf, kf, vf = (x.float().requires_grad_() for x in (q, k, v))
-    out = _attention(qf, kf, vf, causal=case.causal, used=used)
+    out = _attention(qf, kf, vf, causal=case.causal, used=used, ids=ids)
     out.backward(dout.float())
     return out.detach(), qf.grad, kf.grad, vf.grad, vf.detach().abs().max().item()
 
@@ -141,7 +153,7 @@ def run_case(ctx: Context, case: cases_ring.Case, seed: int) -> CaseRun:
     if case.P_r * case.P_u != ctx.world_size:
         return run.skip(f"mesh {case.P_r}x{case.P_u} needs world size {case.P_r * case.P_u}")
     r = ctx.rank  # the mesh's own numbering: ring index * P_u + Ulysses index
-    tensors, used = _inputs(case, seed)
+    tensors, used, ids = _inputs(case, seed)
     mesh = run.collective("mesh", lambda: _mesh(ctx, case.P_r, case.P_u))
     if case.disagree:
         return _disagree(run, case, mesh, tensors, r)
@@ -149,23 +161,32 @@ def run_case(ctx: Context, case: cases_ring.Case, seed: int) -> CaseRun:
     def call():
         q, k, v = (_shard(case, x, r).clone().requires_grad_() for x in tensors[:3])
         # through ring.dispatch: what ulysses_attention(..., group=mesh) calls
-        out = ring.dispatch(q, k, v, group=mesh, causal=case.causal, comm=case.comm,
-                            used_sequence=used, ring_layout=case.layout)  # fmt: skip
+        mine = None if ids is None else _shard(case, ids[..., None], r)[..., 0]
+        wire = {"int8_output": True, "backward_comm": "lowp"} if case.int8_wire else {}
+        group = (mesh.get_group("ring"), mesh.get_group("ulysses")) if case.groups else mesh
+        out = ring.dispatch(q, k, v, group=group, causal=case.causal, comm=case.comm,
+                            used_sequence=used, ring_layout=case.layout,
+                            document_ids=mine, **wire)  # fmt: skip
         out.backward(_shard(case, tensors[3], r))
         return [_gather(case, t) for t in (out.detach(), q.grad, k.grad, v.grad)]
 
-    previous = ring._merge_fault
-    ring._merge_fault = case.fault or previous
+    previous = ring._merge_fault, _ring_blocks._local_mean_fault
+    if case.fault == "local_mean":
+        _ring_blocks._local_mean_fault = True
+    elif case.fault:
+        ring._merge_fault = case.fault
     try:
         got = run.collective("hybrid_attention", call)
     finally:
-        ring._merge_fault = previous
-    exp = run.local("reference", lambda: _reference(case, tensors, used))
+        ring._merge_fault, _ring_blocks._local_mean_fault = previous
+    exp = run.local("reference", lambda: _reference(case, tensors, used, ids))
     if got is None or exp is None:
         return run
     if case.fault:  # planted: the comparison must fail
         caught = _Count()
         _compare(caught, case, got, exp)
+        if ctx.rank == 0 and caught.first:
+            print(f"    {case.id}: the planted fault gives {caught.first}", flush=True)
         run.check(f"fault {case.fault} caught", None if caught.mismatches else
                   f"the planted fault {case.fault!r} went unnoticed")  # fmt: skip
         return run
@@ -199,15 +220,19 @@ class _Count:
     def __init__(self):
         self.mismatches = 0
         self.ctx = None
+        self.first = None
 
     def check(self, name: str, detail: str | None) -> None:
         self.mismatches += detail is not None
+        self.first = self.first or detail
 
 
 def _compare(run: CaseRun, case: cases_ring.Case, got, exp) -> None:
     names = ("out", "dq", "dk", "dv")
     if case.comm == "lowp":
         bound = 2**-4 * exp[4] + 2**-8 * exp[0].abs().max().item()
+        if case.int8_wire:  # the INT8 output: amax / 254 of a (row, head), then the rounding
+            bound += exp[0].abs().max().item() / 254
         run.check("out", _max_error("out", got[0], exp[0], bound))
         if run.ctx is not None and run.ctx.rank == 0:
             err = (got[0].float() - exp[0]).abs().max().item()

@@ -150,20 +150,28 @@ def _to_e4m3(b_x, HW_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _v_bf16(v_ptrs, mask, V_INT8: tl.constexpr, MASKED: tl.constexpr):
-    """The V codes [N, D] at ``v_ptrs`` as bf16 (exact), +0 where not ``mask`` (MASKED)."""
-    if V_INT8:
+def _v_bf16(v_ptrs, mask, V_MODE: tl.constexpr, MASKED: tl.constexpr):
+    """V [N, D] at ``v_ptrs`` as bf16, +0 where not ``mask`` (MASKED): ``V_MODE`` 0 e4m3
+    codes, 1 int8 codes (both converted exactly), 2 a bf16 copy of the codes."""
+    if V_MODE == 2:
         if MASKED:
-            b_v = tl.load(v_ptrs, mask=mask, other=0)
+            b_v = tl.load(v_ptrs, mask=mask, other=0.0)
         else:
             b_v = tl.load(v_ptrs)
-    else:  # the codes' bytes, +0 where masked (a NaN code times 0 is NaN)
-        if MASKED:
-            b_v = tl.load(v_ptrs.to(tl.pointer_type(tl.uint8)), mask=mask, other=0)
-        else:
-            b_v = tl.load(v_ptrs.to(tl.pointer_type(tl.uint8)))
-        b_v = b_v.to(tl.float8e4nv, bitcast=True)
-    return b_v.to(tl.float32).to(tl.bfloat16)
+        return b_v
+    else:
+        if V_MODE == 1:
+            if MASKED:
+                b_v = tl.load(v_ptrs, mask=mask, other=0)
+            else:
+                b_v = tl.load(v_ptrs)
+        else:  # the codes' bytes, +0 where masked (a NaN code times 0 is NaN)
+            if MASKED:
+                b_v = tl.load(v_ptrs.to(tl.pointer_type(tl.uint8)), mask=mask, other=0)
+            else:
+                b_v = tl.load(v_ptrs.to(tl.pointer_type(tl.uint8)))
+            b_v = b_v.to(tl.float8e4nv, bitcast=True)
+        return b_v.to(tl.float32).to(tl.bfloat16)
 
 
 # ---- pre-pass ---------------------------------------------------------------------------------
@@ -304,7 +312,7 @@ def _bwd_dkdv_kernel(
     S, S_pad, HQ, HKV,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_USED: tl.constexpr, DOCS: tl.constexpr, DV_FP8: tl.constexpr, DS_INT8: tl.constexpr,
-    V_INT8: tl.constexpr, NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr,
+    V_MODE: tl.constexpr, NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)  # b * hkv + kv head
@@ -331,7 +339,7 @@ def _bwd_dkdv_kernel(
                       mask=key_live[:, None], other=0)  # fmt: skip
         p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh
         b_v = _v_bf16(p_v + o_n[:, None].to(tl.int64) * stride_vs + o_d[None, :],
-                      key_live[:, None], V_INT8, True)  # fmt: skip
+                      key_live[:, None], V_MODE, True)  # fmt: skip
         b_kr = tl.load(kr_ptr + i_bh.to(tl.int64) * S_pad + o_n)  # [BN] K scales, 0 past S
         # the query rows that may attend this block: [lo, hi)
         lo = 0
@@ -413,7 +421,7 @@ def _dq_block(
     acc, b_q, b_qa, b_l2, b_dl, b_dos, start_n, o_m, o_nb, o_d, S_pad, hi_k,
     k_src, stride_ks, v_src, stride_vs, kr_row, kt_bh, b_dq_doc, doc_base,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    DS_INT8: tl.constexpr, V_INT8: tl.constexpr, HW_ROUND: tl.constexpr,
+    DS_INT8: tl.constexpr, V_MODE: tl.constexpr, HW_ROUND: tl.constexpr,
 ):  # fmt: skip
     """One key block ``[start_n, start_n + BN)`` folded into the query block's ``acc`` [BM, D]."""
     o_n = start_n + o_nb
@@ -436,7 +444,7 @@ def _dq_block(
             b_dk_doc = tl.load(doc_base + o_n, mask=o_n < hi_k, other=-1)
             m_ok = m_ok & (b_dk_doc[None, :] == b_dq_doc[:, None])
         b_p = tl.where(m_ok, b_p, 0.0)
-    b_v = _v_bf16(v_src + o_n[:, None].to(tl.int64) * stride_vs + o_d[None, :], m_k, V_INT8, MASKED)
+    b_v = _v_bf16(v_src + o_n[:, None].to(tl.int64) * stride_vs + o_d[None, :], m_k, V_MODE, MASKED)
     b_dp = _dot16(b_dos, tl.trans(b_v), tl.zeros([b_dos.shape[0], BLOCK_N], tl.float32),
                   HW_ROUND)  # [BM, BN] fp32  # fmt: skip
     b_ds = b_p * (b_dp - b_dl[:, None]) * b_kr[None, :]  # 2^8 dS ks
@@ -459,7 +467,7 @@ def _bwd_dq_kernel(
     used_ptr, doc_ptr, bounds_ptr, dq_ptr, sm_scale,
     S, S_pad, HQ, HKV,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_USED: tl.constexpr, DOCS: tl.constexpr, DS_INT8: tl.constexpr, V_INT8: tl.constexpr,
+    HAS_USED: tl.constexpr, DOCS: tl.constexpr, DS_INT8: tl.constexpr, V_MODE: tl.constexpr,
     NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr,
 ):  # fmt: skip
     i_m = tl.program_id(0)
@@ -525,19 +533,19 @@ def _bwd_dq_kernel(
             acc = _dq_block(
                 acc, b_q, b_qa, b_l2, b_dl, b_dos, start_n, o_m, o_nb, o_d, S_pad, hi_k, k_src,
                 stride_ks, v_src, stride_vs, kr_row, kt_bh, b_dq_doc, doc_base, BLOCK_N, True,
-                CAUSAL, DOCS, DS_INT8, V_INT8, HW_ROUND,
+                CAUSAL, DOCS, DS_INT8, V_MODE, HW_ROUND,
             )  # fmt: skip
         for start_n in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
             acc = _dq_block(
                 acc, b_q, b_qa, b_l2, b_dl, b_dos, start_n, o_m, o_nb, o_d, S_pad, hi_k, k_src,
                 stride_ks, v_src, stride_vs, kr_row, kt_bh, b_dq_doc, doc_base, BLOCK_N, False,
-                CAUSAL, DOCS, DS_INT8, V_INT8, HW_ROUND,
+                CAUSAL, DOCS, DS_INT8, V_MODE, HW_ROUND,
             )  # fmt: skip
         for start_n in tl.range(tl.maximum(full_hi, tl.minimum(full_lo, hi)), hi, BLOCK_N):
             acc = _dq_block(
                 acc, b_q, b_qa, b_l2, b_dl, b_dos, start_n, o_m, o_nb, o_d, S_pad, hi_k, k_src,
                 stride_ks, v_src, stride_vs, kr_row, kt_bh, b_dq_doc, doc_base, BLOCK_N, True,
-                CAUSAL, DOCS, DS_INT8, V_INT8, HW_ROUND,
+                CAUSAL, DOCS, DS_INT8, V_MODE, HW_ROUND,
             )  # fmt: skip
         b_dq = acc * (sm_scale / 256.0)  # dQ = sm sum dS ks kc;  acc = 2^8 sum dS ks kc
         b_dq = tl.where((o_m < used)[:, None], b_dq, 0.0)
@@ -549,15 +557,18 @@ def _bwd_dq_kernel(
 
 class BackwardConfig(tuple):
     """(dkdv BLOCK_M, BLOCK_N, warps, stages, dq BLOCK_M, BLOCK_N, warps, stages, dv_fp8,
-    ds_int8): one launch configuration. ``dv_fp8``: dV = P^T dO in e4m3 (else bf16 P and the
-    16-bit dO); ``ds_int8``: dQ and dK with INT8 dS (else bf16 dS times the codes in bf16)."""
+    ds_int8, v_copy): one launch configuration. ``dv_fp8``: dV = P^T dO in e4m3 (else bf16 P
+    and the 16-bit dO); ``ds_int8``: dQ and dK with INT8 dS (else bf16 dS times the codes in
+    bf16); ``v_copy``: dP reads a bf16 copy of the V codes made once a call (else the codes,
+    converted in registers). Every choice computes the same values but for the 8-bit
+    roundings."""
 
     __slots__ = ()
 
     def __new__(cls, kv_m=64, kv_n=128, kv_warps=8, kv_stages=2, q_m=128, q_n=64, q_warps=8,
-                q_stages=2, dv_fp8=True, ds_int8=True):  # fmt: skip
+                q_stages=2, dv_fp8=True, ds_int8=True, v_copy=True):  # fmt: skip
         return super().__new__(cls, (kv_m, kv_n, kv_warps, kv_stages, q_m, q_n, q_warps,
-                                     q_stages, bool(dv_fp8), bool(ds_int8)))  # fmt: skip
+                                     q_stages, bool(dv_fp8), bool(ds_int8), bool(v_copy)))  # fmt: skip
 
     def __getnewargs__(self):
         return tuple(self)
@@ -572,14 +583,16 @@ class BackwardConfig(tuple):
     q_stages = property(lambda self: self[7])
     dv_fp8 = property(lambda self: self[8])
     ds_int8 = property(lambda self: self[9])
+    v_copy = property(lambda self: self[10])
 
     def replace(self, **kw) -> BackwardConfig:
         names = ("kv_m", "kv_n", "kv_warps", "kv_stages", "q_m", "q_n", "q_warps", "q_stages",
-                 "dv_fp8", "ds_int8")  # fmt: skip
+                 "dv_fp8", "ds_int8", "v_copy")  # fmt: skip
         return BackwardConfig(*(kw.get(n, getattr(self, n)) for n in names))
 
     def __repr__(self) -> str:
         bits = ("v8" if self[8] else "v16") + ("-s8" if self[9] else "-s16")
+        bits += "" if self[10] else "-vcodes"
         return (f"kv{self[0]}x{self[1]}w{self[2]}s{self[3]}-q{self[4]}x{self[5]}w{self[6]}"
                 f"s{self[7]}-{bits}")  # fmt: skip
 
@@ -678,6 +691,12 @@ def codes_attention_backward(
                        device=device)  # fmt: skip
     qt = _transposed_codes(q, S_pad) if cfg.ds_int8 else q
     kt = _transposed_codes(k, S_pad) if cfg.ds_int8 else k
+    if cfg.v_copy:  # the V codes in bf16 (exact): a 16-bit operand read as it lies
+        vb = torch.empty((B, HKV, S, D), dtype=torch.bfloat16, device=device)
+        vb.copy_(v.permute(0, 2, 1, 3))
+        vb, v_mode = vb.permute(0, 2, 1, 3), 2
+    else:
+        vb, v_mode = v, int(v.dtype == torch.int8)
     dstr = (dout.stride(0), dout.stride(1), dout.stride(2))
     pre_block = 64 if gpu else 128
     if cfg.dv_fp8:
@@ -699,13 +718,13 @@ def codes_attention_backward(
     common = dict(
         q_ptr=q, stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
         k_ptr=k, stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-        v_ptr=v, stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
+        v_ptr=vb, stride_vb=vb.stride(0), stride_vs=vb.stride(1), stride_vh=vb.stride(2),
         qa_ptr=qa, kr_ptr=kr, lse2_ptr=lse2, delta_ptr=delta, dos_ptr=dos,
         used_ptr=used if used is not None else amax,
         doc_ptr=doc_ids if doc_ids is not None else amax,
         bounds_ptr=bounds if bounds is not None else amax,
         S=S, S_pad=S_pad, HQ=HQ, HKV=HKV, D=D, CAUSAL=bool(causal), HAS_USED=used is not None,
-        DOCS=doc_ids is not None, DS_INT8=cfg.ds_int8, V_INT8=v.dtype == torch.int8,
+        DOCS=doc_ids is not None, DS_INT8=cfg.ds_int8, V_MODE=v_mode,
         HW_ROUND=gpu,
     )  # fmt: skip
     launch(
