@@ -6,12 +6,15 @@ process sent on the ring, both passes).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
 from . import comm as _comm
 
 sent_bytes = 0
+_COUNT_LOCK = threading.Lock()
 
 
 # ---- the ring's transfers ----------------------------------------------------------------------
@@ -46,7 +49,8 @@ def _start(send: torch.Tensor, g, tag: int = 0) -> _Transfer:
     """Send ``send`` to ring rank i+1 and receive the same shape from i-1, without waiting
     (CUDA: on the communication stream, beside the current stream's attention)."""
     global sent_bytes
-    sent_bytes += send.numel() * send.element_size()
+    with _COUNT_LOCK:  # (ranks as threads in the tests: an update is never lost)
+        sent_bytes += send.numel() * send.element_size()
     recv = torch.empty_like(send)
     if ring_link is not None:
         if send.is_cuda:
