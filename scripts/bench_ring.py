@@ -129,7 +129,7 @@ def run_mesh(P, P_r, P_u, gbps, args, device, failures) -> list[dict]:
         providers[f"hybrid-{c}"] = (
             uly_link,
             lambda q, k, v, c=c: ring.hybrid_attention(
-                q, k, v, mesh=mesh, causal=True, comm=c, layout="zigzag"
+                q, k, v, mesh=mesh, causal=True, comm=c, ring_layout="zigzag"
             ),
         )
     rows = []

@@ -139,17 +139,17 @@ def _check(q, k, v, g, comm: str, causal, scale, layout, used_sequence, q_group,
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     if layout not in RING_LAYOUTS:
-        raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
+        raise ValueError(f"ring_layout must be one of {RING_LAYOUTS}, got {layout!r}")
     if v_format not in ("fp8", "int8"):
         raise ValueError(f"v_format must be 'fp8' or 'int8', got {v_format!r}")
     S_seg = L * g.P_u
     if layout == "zigzag" and S_seg % 2:
         raise ValueError(
-            f"layout='zigzag' needs an even segment of P_u * L rows, got P_u={g.P_u}, L={L}"
+            f"ring_layout='zigzag' needs an even segment of P_u * L rows, got P_u={g.P_u}, L={L}"
         )
     if layout == "zigzag" and used_sequence is not None:
         raise ValueError(
-            "layout='zigzag' takes no used_sequence (its padding rows would be scattered "
+            "ring_layout='zigzag' takes no used_sequence (its padding rows would be scattered "
             "over the ranks); pad in the contiguous layout, or pass every row live"
         )
     if comm == "lowp":

@@ -6,7 +6,7 @@ P = P_r * P_u ranks on a mesh with a ring dimension (P_r ranks) and a Ulysses di
 sequence; S = L * P global rows; a ring segment is the S_seg = P_u * L rows of the P_u ranks
 of one Ulysses group; hq = Hq / P_u query heads and hkv key/value heads a rank attends
 (Hkv / P_u, or 1 repeated when P_u % Hkv == 0).
-    q                  [B, L, Hq, D]    this rank's rows (layout "contiguous": global rows
+    q                  [B, L, Hq, D]    this rank's rows (ring_layout "contiguous": global rows
                                         [r*L, (r+1)*L); "zigzag": see :func:`zigzag_index`)
     k, v               [B, L, Hkv, D]
     q_h                [B, S_seg, hq, D]  every row of ring segment i, this rank's query heads
@@ -449,7 +449,7 @@ def hybrid_attention(
     scale: float | None = None,
     comm: str = "bf16",
     used_sequence=None,
-    layout: str = "contiguous",
+    ring_layout: str = "contiguous",
     q_group: int = 32,
     k_group: int = 64,
     v_format: str = "fp8",
@@ -463,8 +463,8 @@ def hybrid_attention(
     ``init_device_mesh("cuda", (P_r, P_u), mesh_dim_names=("ring", "ulysses"))``), or a pair
     ``(ring_group, ulysses_group)`` of process groups (None: a group of one). Rank
     ``r = i * P_u + u`` (ring index i, Ulysses index u) passes its L rows: global rows
-    ``[r*L, (r+1)*L)`` with ``layout="contiguous"``, or :func:`zigzag_shard`'s rows with
-    ``layout="zigzag"`` (causal attention balanced over the ring; the output comes back in
+    ``[r*L, (r+1)*L)`` with ``ring_layout="contiguous"``, or :func:`zigzag_shard`'s rows
+    with ``ring_layout="zigzag"`` (causal attention balanced over the ring; the output comes back in
     the same layout).
 
     q [B, L, Hq, D], k, v [B, L, Hkv, D] -> [B, L, Hq, D] in q's dtype, differentiable.
@@ -500,13 +500,14 @@ def hybrid_attention(
         TypeError: tensors not floating (bf16/fp16 for "lowp") or of different dtypes; a
             bad ``mesh``, ``causal``, ``scale`` or ``used_sequence`` type.
         ValueError: shapes that disagree; heads the Ulysses dimension does not split; an
-            unknown ``comm``, ``layout`` or ``v_format``; zigzag with ``used_sequence`` or an
+            unknown ``comm``, ``ring_layout`` or ``v_format``; zigzag with ``used_sequence`` or an
             odd segment; "lowp" blocks that are not whole groups; ranks that disagree on the
             call, the mesh shape included (one 8-byte all_gather on the world group when the
             mesh spans it, else on each of the two groups).
     """
     g = _resolve(mesh, q.device)
-    _check(q, k, v, g, comm, causal, scale, layout, used_sequence, q_group, k_group, v_format)
+    _check(q, k, v, g, comm, causal, scale, ring_layout, used_sequence, q_group, k_group,
+           v_format)  # fmt: skip
     if not isinstance(int8_output, bool):
         raise TypeError(f"int8_output must be a bool, got {type(int8_output).__name__}")
     if backward_comm not in COMMS:
@@ -543,14 +544,14 @@ def hybrid_attention(
                 pg, P, q.device, "ring_attention", False, B=B, L=L, Hq=Hq, Hkv=k.shape[2], D=D,
                 P_r=g.P_r, P_u=g.P_u, dtype=int(q.element_size()), causal=int(causal),
                 scale=_comm.float_field(scale), comm=COMMS.index(comm),
-                layout=RING_LAYOUTS.index(layout), used=None if used is None else hash(used),
+                layout=RING_LAYOUTS.index(ring_layout), used=None if used is None else hash(used),
                 q_group=q_group, k_group=k_group, v_format=int(v_format == "int8"),
                 docs=int(document_ids is not None), int8_output=int(int8_output),
                 backward_comm=int(backward_comm == "lowp"),
             )  # fmt: skip
-    ids = None if document_ids is None else _global_ids(document_ids, g, layout, q.device)
+    ids = None if document_ids is None else _global_ids(document_ids, g, ring_layout, q.device)
     cfg = _Config(causal, D**-0.5 if scale is None else float(scale), comm == "lowp", used,
-                  layout, q_group, k_group, v_format, q.dtype, int8_output,
+                  ring_layout, q_group, k_group, v_format, q.dtype, int8_output,
                   backward_comm == "lowp", ids, None if ids is None else ids.cpu())  # fmt: skip
     return _Hybrid.apply(q, k, v, g, cfg)
 
@@ -593,7 +594,7 @@ def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=
     if layout == "bhsd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     out = hybrid_attention(q, k, v, mesh=group, causal=causal, scale=scale, comm=comm,
-                           used_sequence=used_sequence, layout=ring_layout, q_group=q_group,
+                           used_sequence=used_sequence, ring_layout=ring_layout, q_group=q_group,
                            k_group=k_group, v_format=v_format, document_ids=document_ids,
                            int8_output=int8_output, backward_comm=backward_comm)  # fmt: skip
     return out.transpose(1, 2) if layout == "bhsd" else out

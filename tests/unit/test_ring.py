@@ -340,12 +340,12 @@ def test_ring_of_one_is_the_plain_call_bit_for_bit():
     "kwargs,err,match",
     [
         ({"comm": "int4"}, ValueError, "comm"),
-        ({"layout": "striped"}, ValueError, "layout"),
+        ({"ring_layout": "striped"}, ValueError, "ring_layout"),
         ({"causal": 1}, TypeError, "causal"),
         ({"mesh": "ring"}, ValueError, "mesh"),
         ({"mesh": (None, 3)}, TypeError, "ulysses group"),
         ({"used_sequence": 0}, ValueError, "used_sequence"),
-        ({"layout": "zigzag", "used_sequence": 10}, ValueError, "zigzag"),
+        ({"ring_layout": "zigzag", "used_sequence": 10}, ValueError, "zigzag"),
     ],
 )
 def test_hybrid_rejects_bad_arguments(kwargs, err, match):
