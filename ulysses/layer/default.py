@@ -17,10 +17,12 @@ without a row never attends on the codes by default.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
+
+from .._ops import assume_constant_result
+from .._plans import register_cache
 
 __all__ = ["CodesRule", "CODES_RULES", "device_class", "default_attention"]
 
@@ -48,12 +50,19 @@ CODES_RULES: tuple[CodesRule, ...] = (
 )
 
 
-@functools.lru_cache(maxsize=16)
+_CLASSES: dict = register_cache(f"{__name__}._CLASSES", {})
+
+
+@assume_constant_result  # a compiled graph takes the class of its tracing
 def _class_of(device_type: str, index: int | None) -> str:
-    if device_type != "cuda":
-        return device_type
-    major = torch.cuda.get_device_capability(index)[0]
-    return {9: "hopper", 10: "blackwell"}.get(major, f"cuda-sm{major}x")
+    found = _CLASSES.get((device_type, index))
+    if found is None:
+        major = torch.cuda.get_device_capability(index)[0] if device_type == "cuda" else None
+        found = _CLASSES[(device_type, index)] = (
+            device_type if major is None
+            else {9: "hopper", 10: "blackwell"}.get(major, f"cuda-sm{major}x")
+        )  # fmt: skip
+    return found
 
 
 def device_class(device: torch.device) -> str:
