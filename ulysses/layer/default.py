@@ -17,10 +17,11 @@ without a row never attends on the codes by default.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
+
+from .. import _ops
 
 __all__ = ["CodesRule", "CODES_RULES", "device_class", "default_attention"]
 
@@ -43,18 +44,23 @@ class CodesRule(NamedTuple):
 CODES_RULES: tuple[CodesRule, ...] = (CodesRule("hopper", causal=True, head_dim=128),)
 
 
-@functools.lru_cache(maxsize=16)
-def _class_of(device_type: str, index: int | None) -> str:
-    if device_type != "cuda":
-        return device_type
-    major = torch.cuda.get_device_capability(index)[0]
-    return {9: "hopper", 10: "blackwell"}.get(major, f"cuda-sm{major}x")
+_CLASSES: dict = {}  # CUDA device index -> its class
+
+
+@_ops.assume_constant_result
+def _cuda_class(index: int | None) -> str:
+    found = _CLASSES.get(index)
+    if found is None:
+        major = torch.cuda.get_device_capability(index)[0]
+        found = _CLASSES[index] = {9: "hopper", 10: "blackwell"}.get(major, f"cuda-sm{major}x")
+    return found
 
 
 def device_class(device: torch.device) -> str:
     """``"hopper"`` (CUDA compute capability 9.x), ``"blackwell"`` (10.x), ``"cuda-smNx"``
-    (other CUDA GPUs), or the device type (``"cpu"``); cached per device."""
-    return _class_of(device.type, device.index)
+    (other CUDA GPUs), or the device type (``"cpu"``); cached per device (a compiled graph
+    takes the value of its tracing)."""
+    return _cuda_class(device.index) if device.type == "cuda" else device.type
 
 
 def default_attention(
