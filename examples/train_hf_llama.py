@@ -13,7 +13,11 @@ into sp shards), and each "dp" replica draws its own batches. The steps:
     shard = ulysses.batch.shard_batch(batch, group=(mesh, "sp"))  # rows, positions, labels
     logits = model(**shard.model_inputs()).logits
     loss = ulysses.batch.causal_lm_loss(logits, shard["shift_labels"], group=(mesh, "sp"))
-    loss.backward(); gradients summed over sp, averaged over dp; optimizer step
+    loss.backward(); ulysses.train.reduce_gradients(model, mesh)  # sum over sp, mean over dp
+    optimizer step
+
+examples/train_hf_ddp.py and examples/train_hf_fsdp2.py run the same model under DDP and FSDP2
+(``ulysses.train``'s recipes, the loader adapter and the tiled loss).
 
 Rank 0 prints the loss every --every steps and writes the curve to --plot (a PNG when
 matplotlib is installed) and to --csv. CPU (gloo) and CUDA (NCCL, one GPU per rank; gloo when
@@ -38,6 +42,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ulysses
 import ulysses.hf
+import ulysses.train
 
 VOCAB = 64
 
@@ -119,9 +124,7 @@ def main() -> None:
         logits = model(**shard.model_inputs()).logits
         loss = ulysses.batch.causal_lm_loss(logits, shard["shift_labels"], group=(mesh, "sp"))
         loss.backward()
-        for w in model.parameters():  # sum over sp (each rank's rows), mean over dp
-            dist.all_reduce(w.grad)
-            w.grad /= dp
+        ulysses.train.reduce_gradients(model, mesh)  # sum over sp (each rank's rows), mean over dp
         opt.step()
         opt.zero_grad(set_to_none=True)
         value = loss.detach().float()

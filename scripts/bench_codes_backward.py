@@ -50,14 +50,10 @@ SHAPES = [
 SWEEP_SHAPES = [(1, 32768, 4, 128, False), (1, 32768, 4, 128, True)]
 SWEEP = [
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2),
-    CB.BackwardConfig(64, 128, 8, 1, 128, 64, 8, 1),
-    CB.BackwardConfig(64, 64, 4, 2, 128, 64, 8, 3),
-    CB.BackwardConfig(32, 128, 8, 2, 64, 64, 4, 2),
-    CB.BackwardConfig(64, 128, 8, 3, 128, 128, 8, 2),
-    CB.BackwardConfig(32, 64, 4, 2, 128, 32, 4, 2),
-    CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, False, True),
+    CB.BackwardConfig(64, 64, 4, 2, 128, 128, 8, 2),
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, True, False),
     CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, False, False),
+    CB.BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2, True, True, False),
 ]
 
 
@@ -290,13 +286,22 @@ def run_table(args):
     cfg = parse_config(args.config) if isinstance(args.config, str) else args.config
     err_cache = {}
     for causal in (False, True):
-        r = bound_check(1024, 2, 128, causal, cfg)
+        try:
+            r = bound_check(1024, 2, 128, causal, cfg)
+        except Exception as e:  # reported, the table goes on
+            print(f"# bound check failed to run: {type(e).__name__}: {str(e)[:300]}")
+            continue
         print(f"# bound check S 1024 h 2 D 128 causal {causal}: max err/bound dq {r[0]:.3f} "
               f"dk {r[1]:.3f} dv {r[2]:.3f} (<= 1 passes)", flush=True)  # fmt: skip
     for B, S, h, D, causal in shapes:
         q, k, v, dout = inputs(B, S, h, D, "cuda")
-        fn, _x = codes_case(q, k, v, dout, causal, cfg)
-        provs = {"codes": fn}
+        provs = {}
+        try:
+            fn, _x = codes_case(q, k, v, dout, causal, cfg)
+            fn()
+            provs["codes"] = fn
+        except Exception as e:  # reported, the baselines go on
+            print(f"# codes S {S} h {h} D {D}: {type(e).__name__}: {str(e)[:300]}")
         for name, be in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
                          ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):  # fmt: skip
             try:
@@ -307,7 +312,11 @@ def run_table(args):
                 print(f"# {name} S {S} h {h} D {D}: {str(e)[:80]}")
         ekey = (h, D, causal)
         if ekey not in err_cache:
-            err_cache[ekey] = errors(1, min(S, args.err_s), h, D, causal, cfg)
+            try:
+                err_cache[ekey] = errors(1, min(S, args.err_s), h, D, causal, cfg)
+            except Exception as e:
+                print(f"# errors S {args.err_s}: {type(e).__name__}: {str(e)[:300]}")
+                err_cache[ekey] = {}
         errs = err_cache[ekey]
         res = {}
         for name, f in provs.items():
@@ -335,7 +344,7 @@ def run_table(args):
                 f"{row['kernels_ms']}",
                 flush=True,
             )
-        del q, k, v, dout, fn, provs, res
+        del q, k, v, dout, provs, res
         torch.cuda.empty_cache()
     print_markdown(env, rows)
     for line in compiled_report():
@@ -418,7 +427,7 @@ def run_sweep(args):
                          "ms": f"{ms:.3f}", "tflops": f"{tf:.1f}", "ratio_cudnn":
                          f"{base / ms:.3f}", "kernels_ms": split, "err_dq": f"{e[0]:.2e}",
                          "err_dk": f"{e[1]:.2e}", "err_dv": f"{e[2]:.2e}"})  # fmt: skip
-            if cfg.dv_fp8 and cfg.ds_int8:
+            if cfg.dv_fp8 and cfg.ds_int8 and cfg.v_copy:
                 t_kv = sum(us for n, us in names if "dkdv" in n)
                 t_q = sum(us for n, us in names if "_bwd_dq" in n)
                 best_kv[tuple(cfg)[:4]] = best_kv.get(tuple(cfg)[:4], 0.0) + t_kv

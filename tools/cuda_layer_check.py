@@ -135,10 +135,6 @@ def _row(mode, B, causal, way, status, detail, secs):
 
 def run(args) -> int:
     device = torch.device(args.device)
-    if args.try_dequant_capture:
-        from ulysses import codes
-
-        codes.REFUSE_CAPTURE = False
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():

@@ -4,6 +4,7 @@ The contract is docs/CONTRACT.md; the module map and data flow are in docs/DESIG
 """
 
 from . import batch, documents, lowp, mesh, reference, testing
+from ._plans import clear_caches
 from .amax import k_grouped_amax
 from .attention import heads_to_seq, seq_to_heads, ulysses_attention
 from .grid import group_first, group_last, slots, touched
@@ -32,6 +33,7 @@ __all__ = [
     "lowp",
     "exchange_qkv",
     "LowpQKV",
+    "clear_caches",
 ]
 
 __version__ = "0.2.0"

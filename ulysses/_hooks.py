@@ -50,7 +50,9 @@ class Hooks:
     skip_batch_check: bool = False
     # (c, n) -> the chunk of the heads that head chunk c of n fills (overlap)
     head_chunk: Callable | None = None
-    # an int: the codes kernel reads each key's K scale this many rows on (None: 0)
+    # an int n: the codes handed to the codes kernel (codes.attend), planted through data: a
+    # whole number of K groups rolls the K scales by n / k_group groups, any other n moves the
+    # K codes n rows on against their scales (None: the codes as exchanged)
     codes_k_shift: int | None = None
 
     # ---- the exchange and the INT8 wire (ulysses.lowp, rowwire) ----
@@ -85,18 +87,18 @@ active = Hooks()
 @contextlib.contextmanager
 def installed(hooks: Hooks) -> Iterator[Hooks]:
     """``hooks`` in place of :data:`active` for the block (then the previous ones again), every
-    cached layout and plan forgotten on entry and on exit."""
+    cache emptied on entry and on exit (``_plans.clear_caches``)."""
     global active
     if not isinstance(hooks, Hooks):
         raise TypeError(f"hooks must be a ulysses._hooks.Hooks, got {type(hooks).__name__}")
     previous = active
     active = hooks
-    _plans.clear_all()
+    _plans.clear_caches()
     try:
         yield hooks
     finally:
         active = previous
-        _plans.clear_all()
+        _plans.clear_caches()
 
 
 def step(kind: str, *sizes) -> None:

@@ -1,10 +1,13 @@
 """The row layouts of ``ulysses.ring`` (contiguous, zigzag: which global rows a rank holds,
-the zigzag batch helpers) and the hybrid call's argument checks. Shape legend: ``ulysses.ring``.
+the zigzag batch helpers), which sub-blocks a ring step attends (causal, padding, documents)
+and the hybrid call's argument checks. Shape legend: ``ulysses.ring``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import comm as _comm
 
 RING_LAYOUTS = ("contiguous", "zigzag")
 COMMS = ("bf16", "lowp")
@@ -136,17 +139,17 @@ def _check(q, k, v, g, comm: str, causal, scale, layout, used_sequence, q_group,
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     if layout not in RING_LAYOUTS:
-        raise ValueError(f"layout must be one of {RING_LAYOUTS}, got {layout!r}")
+        raise ValueError(f"ring_layout must be one of {RING_LAYOUTS}, got {layout!r}")
     if v_format not in ("fp8", "int8"):
         raise ValueError(f"v_format must be 'fp8' or 'int8', got {v_format!r}")
     S_seg = L * g.P_u
     if layout == "zigzag" and S_seg % 2:
         raise ValueError(
-            f"layout='zigzag' needs an even segment of P_u * L rows, got P_u={g.P_u}, L={L}"
+            f"ring_layout='zigzag' needs an even segment of P_u * L rows, got P_u={g.P_u}, L={L}"
         )
     if layout == "zigzag" and used_sequence is not None:
         raise ValueError(
-            "layout='zigzag' takes no used_sequence (its padding rows would be scattered "
+            "ring_layout='zigzag' takes no used_sequence (its padding rows would be scattered "
             "over the ranks); pad in the contiguous layout, or pass every row live"
         )
     if comm == "lowp":
@@ -181,3 +184,49 @@ def _used_rows(used_sequence, B: int, S: int):
     if len(used) != B or not all(1 <= u <= S for u in used):
         raise ValueError(f"used_sequence must be {B} count(s) in [1, S={S}], got {used_sequence}")
     return None if all(u == S for u in used) else used
+
+
+def _used_block(used, runs_q, runs_k, lq, n, lk, m) -> bool:
+    """Whether a sub-block holds a padding row (a query or a key at or past some batch row's
+    live count)."""
+    if used is None:
+        return False
+    end = max(_global_end(runs_q, lq, n), _global_end(runs_k, lk, m))
+    return min(used) < end
+
+
+def _global_end(runs, lo: int, n: int) -> int:
+    """The largest global position + 1 of local rows [lo, lo + n) (a run of one segment)."""
+    for g0, l0, length in runs:
+        if l0 <= lo < l0 + length:
+            return g0 + (lo - l0) + n
+    raise AssertionError((runs, lo, n))
+
+
+def _doc_kind(ids_host, pos_q, pos_k) -> str:
+    """How documents touch a sub-block: "none" (no documents, or every row of every batch
+    row in one document), "skip" (no query shares a document with a key) or "mask"."""
+    if ids_host is None:
+        return "none"
+    iq, ik = ids_host[:, pos_q.cpu()], ids_host[:, pos_k.cpu()]
+    q_lo, q_hi, k_lo, k_hi = iq.amin(1), iq.amax(1), ik.amin(1), ik.amax(1)
+    if bool(((q_hi < k_lo) | (k_hi < q_lo)).all()):
+        return "skip"
+    if bool(((q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)).all()):
+        return "none"
+    return "mask"
+
+
+def _global_ids(document_ids, g, layout: str, device) -> torch.Tensor:
+    """Every rank's document ids -> [B, S] int64 by global position: one all_gather in the
+    Ulysses group (a segment's rows), one in the ring group (the segments)."""
+    B, L = document_ids.shape
+    P_u, P_r = g.P_u, g.P_r
+    mine = document_ids.to(device=device, dtype=torch.int64).reshape(-1).contiguous()
+    seg = _comm.all_gather(mine, g.uly_pg, P_u).view(P_u, B, L).permute(1, 0, 2)
+    seg = seg.reshape(-1).contiguous()
+    every = _comm.all_gather(seg, g.ring_pg, P_r).view(P_r, B, P_u * L)
+    ids = torch.empty(B, P_r * P_u * L, dtype=torch.int64, device=device)
+    for i in range(P_r):
+        ids[:, _positions(_runs(i, P_u * L, P_r, layout), device)] = every[i]
+    return ids

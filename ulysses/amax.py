@@ -40,20 +40,14 @@ class _AmaxPlan:
 # Plans by call signature: shapes, strides, dtypes and devices of both tensors and every other
 # argument with its type (the 16-byte alignment of k's data pointer, the one rule a signature
 # cannot carry, is checked each call). The one cache of this function.
-_PLANS = PlanCache(max_plans=256)
+_PLANS = PlanCache(f"{__name__}._PLANS", max_plans=256)
 clear_plans = _PLANS.clear
 
 
 def k_grouped_amax(
-    k: torch.Tensor,
-    k_mean_global: torch.Tensor,
-    *,
-    rank: int,
-    world_size: int,
-    used_sequence: int | None = None,
-    enable_pdl: bool | None = None,
-    group_size: int = 64,
-) -> torch.Tensor:
+    k: torch.Tensor, k_mean_global: torch.Tensor, *, rank: int, world_size: int,
+    used_sequence: int | None = None, enable_pdl: bool | None = None, group_size: int = 64,
+) -> torch.Tensor:  # fmt: skip
     """Per-touched-global-group partial max of ``|K - k_mean_global|``, fp32 [B, H, slots(L, G)].
 
     For slot ``s < touched(rank, L, G)`` (global group ``g = group_first(rank) + s``) and this
@@ -118,15 +112,9 @@ def _validated(k, m, rank, world_size, used_sequence, enable_pdl, group_size):
 
 
 def _amax(
-    k: torch.Tensor,
-    k_mean: torch.Tensor,
-    *,
-    rank: int,
-    world_size: int,
-    used_sequence: int | None,
-    enable_pdl: bool | None,
-    group_size: int,
-) -> torch.Tensor:
+    k: torch.Tensor, k_mean: torch.Tensor, *, rank: int, world_size: int, used_sequence: int | None,
+    enable_pdl: bool | None, group_size: int,
+) -> torch.Tensor:  # fmt: skip
     key = (k.shape, k.stride(), k.dtype, k.device, k_mean.shape, k_mean.stride(), k_mean.dtype,
            k_mean.device, rank, world_size, used_sequence, enable_pdl, group_size, type(rank),
            type(world_size), type(used_sequence), type(enable_pdl), type(group_size))  # fmt: skip

@@ -33,14 +33,13 @@ padding, no collective.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import comm, documents
+from . import _samebatch, comm, documents
 
 __all__ = [
     "IGNORE_INDEX",
@@ -215,6 +214,8 @@ class SequenceShard:
             inputs["document_ids"] = self.plan
         if self.token is not None:
             inputs["ulysses_token"] = self.token
+            if "shift_labels" in self.tensors:  # the loss of these labels checks the token
+                _TOKENS[self.tensors["shift_labels"]] = self.token
         return inputs
 
 
@@ -295,7 +296,7 @@ def shard_batch(
             _check_ids(batch[key], f"batch[{key!r}]", B, S0)
     pg, rank, P = comm.resolve_group(group, ref.device)
     if check_ranks and P > 1:
-        _check_same_batch(batch, cu_seqlens, pg, rank, P, ref.device)
+        _samebatch.check_same_batch(batch, cu_seqlens, pg, P, ref.device)
     S = -(-S0 // P) * P
     L = S // P
 
@@ -331,14 +332,11 @@ def shard_batch(
     tensors = {k: v[:, rows] for k, v in out.items()}
     plan = _plan(out.get("document_ids"), used, B, S, ref.device)
     token = torch.zeros(1, dtype=torch.int64, device=ref.device)
-    shard = SequenceShard(tensors, used, S, L, rank, P, plan, token)
-    if "shift_labels" in tensors:
-        _TOKENS[tensors["shift_labels"]] = token
-    return shard
+    return SequenceShard(tensors, used, S, L, rank, P, plan, token)
 
 
-# shift_labels tensor of a shard -> its token: causal_lm_loss finds the batch's token by the
-# labels it is given
+# shift_labels tensor of a shard whose model_inputs() went to a model -> its token:
+# causal_lm_loss finds the batch's token by the labels it is given
 _TOKENS = WeakIdKeyDictionary()
 
 
@@ -355,52 +353,6 @@ def _plan(ids_padded, used: tuple[int, ...], B: int, S: int, device):
     # (eager calls then attend with used_sequence alone, as without a plan)
     object.__setattr__(plan, "_ulysses_padding_only", padding_only)
     return plan
-
-
-def _digest(x: torch.Tensor) -> torch.Tensor:
-    """An int64 digest of a tensor's values (a position-weighted sum, wrapping)."""
-    if x.is_floating_point():
-        x = x.float().view(torch.int32)
-    flat = x.reshape(-1).long()
-    weights = (torch.arange(flat.numel(), device=x.device, dtype=torch.int64) * 2654435761
-               + 97) % 2147483647  # fmt: skip
-    return (flat * weights).sum()
-
-
-def _check_same_batch(batch, cu_seqlens, pg, rank: int, P: int, device) -> None:
-    """Every rank of the group holds the same batch (one all_gather of 4 int64), else the same
-    ValueError on every rank."""
-    ref = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
-    keys = 0
-    for key in sorted(batch):
-        keys = (keys * 1000003 + zlib.crc32(str(key).encode())) & 0x3FFFFFFFFFFF
-    value = torch.zeros((), dtype=torch.int64, device=device)
-    for key in sorted(batch):
-        value = value * 31 + _digest(batch[key].to(device))
-    if cu_seqlens is not None:
-        cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.tensor(cu_seqlens)
-        value = value * 31 + _digest(cu.to(device))
-    head = torch.tensor([ref.shape[0], ref.shape[1], keys], dtype=torch.int64, device=device)
-    table = comm.all_gather(torch.cat([head, value[None]]), pg, P).cpu().tolist()
-    if all(row == table[0] for row in table):
-        return
-    shapes = [tuple(row[:2]) for row in table]
-    if len(set(shapes)) > 1:
-        what = f"batches of different shapes [B, S] per rank: {shapes}"
-    elif len({row[2] for row in table}) > 1:
-        what = "batches with different keys"
-    else:
-        groups: dict = {}
-        for r, row in enumerate(table):
-            groups.setdefault(row[3], []).append(r)
-        what = f"different batches (ranks holding the same one: {sorted(groups.values())})"
-    raise ValueError(
-        f"shard_batch: the ranks of the Ulysses group hold {what}; every rank of the group "
-        "must pass the same whole batch (each cuts out its own rows). A sampler over the whole "
-        "world instead of the data-parallel dimension? Sample over the data-parallel "
-        "dimension (ulysses.train.ShardedLoader does) and give every sequence-parallel rank "
-        "of one replica the same batch"
-    )
 
 
 def _used_from_mask(mask, B: int, S0: int) -> tuple[int, ...]:
@@ -520,7 +472,8 @@ def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNO
     gradients).
 
     ``check_attention`` (default True): when ``shift_labels`` is ``shard["shift_labels"]`` of
-    a :func:`shard_batch` whose ``model_inputs()`` went to a Hugging Face model, the shard's
+    a :func:`shard_batch` whose ``model_inputs()`` were taken (for a Hugging Face model), the
+    shard's
     token says whether any attention call ran through ``ulysses.hf``; none on any rank (the
     model not registered, or left on SDPA / "eager") raises RuntimeError on every rank (the
     flag travels in the loss's all_gather: no extra collective, no extra host read).
@@ -558,12 +511,23 @@ def causal_lm_loss(logits, shift_labels, *, group=None, ignore_index: int = IGNO
             logits.reshape(-1, V).float(), target, ignore_index=ignore_index, reduction="sum"
         )
         local_count = (target != ignore_index).sum()
-    flag = torch.full((), float(bad), dtype=torch.float64, device=logits.device)
+    return _global_mean(local_sum, local_count, bad, shift_labels, (B, L), pg, rank, P,
+                        check_attention)  # fmt: skip
+
+
+def _global_mean(local_sum, local_count, bad: bool, shift_labels, shape, pg, rank: int, P: int,
+                 check_attention: bool) -> torch.Tensor:  # fmt: skip
+    """This rank's summed loss -> the mean over every rank's live targets (one all_gather of
+    four float64 a rank: the sum, the count, a shape-error flag, a bypassed-attention flag),
+    with the gradient of this rank's part; every rank raises the same error for a flag."""
+    B, L = shape
+    device = local_sum.device
+    flag = torch.full((), float(bad), dtype=torch.float64, device=device)
     token = _TOKENS.get(shift_labels)
     if token is None or not check_attention:
-        missed = torch.zeros((), dtype=torch.float64, device=logits.device)
+        missed = torch.zeros((), dtype=torch.float64, device=device)
     else:
-        missed = (token.reshape(()) == 0).to(device=logits.device, dtype=torch.float64)
+        missed = (token.reshape(()) == 0).to(device=device, dtype=torch.float64)
     payload = torch.stack([local_sum.detach().double(), local_count.double(), flag, missed])
     gathered = comm.all_gather(payload, pg, P)
     missed_ranks = gathered[:, 3].nonzero().flatten().tolist()

@@ -428,9 +428,6 @@ def chunk_forward(x: lowp.LowpQKV, *, causal: bool, scale: float | None, used=No
     return out_h, (x, out_h, lse, causal, scale, used, document_ids, backward_attn)
 
 
-# Whether a CUDA-graph capture of the dequantizing backward raises (it failed on an H100);
-# tools/cuda_layer_check.py turns it off to try the capture.
-REFUSE_CAPTURE = True
 BACKWARD_ATTN = ("dequant", "codes")  # the strings ``backward_attn=`` takes
 
 
@@ -465,12 +462,6 @@ def _backward_impl(
             q_group=q_group, k_group=k_group, causal=causal, sm_scale=sm_scale, used=used_t,
             doc_ids=document_ids,
         )  # fmt: skip
-    if REFUSE_CAPTURE and dout_h.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "attn='codes': the dequantizing backward cannot be captured in a CUDA graph "
-            "(capturing it fails on an H100); capture the forward alone (inference), use "
-            "backward_attn='codes', or attn='sdpa', whose forward and backward capture"
-        )
     x = lowp.LowpQKV(q, k, v, q_scale, k_scale, v_scale, k_mean, used, q_group, k_group)
     qd, kd, vd = x.dequantize()
     return attention_backward(dout_h, qd, kd, vd, out_h, lse, causal=causal, scale=sm_scale,

@@ -25,31 +25,11 @@ from .kernels._fields import ROW_FIELDS
 from .kernels.block_stats import SUM_BLOCK, SUPER_BLOCK
 
 __all__ = [
-    "FLOOR",
-    "SUM_BLOCK",
-    "SUPER_BLOCK",
-    "SUPPORTED_GROUP_SIZES",
-    "slots",
-    "group_first",
-    "group_last",
-    "touched",
-    "shard_rows",
-    "ranks_touching",
-    "tail_group",
-    "mean_divisor",
-    "boundary_sources",
-    "Layout",
-    "layout",
-    "clear_caches",
-    "check_int",
-    "check_group_size",
-    "check_world",
-    "check_used",
-    "used_counts",
-    "one_count",
-    "row_values",
-    "kv_split",
-]
+    "FLOOR", "SUM_BLOCK", "SUPER_BLOCK", "SUPPORTED_GROUP_SIZES", "slots", "group_first",
+    "group_last", "touched", "shard_rows", "ranks_touching", "tail_group", "mean_divisor",
+    "boundary_sources", "Layout", "layout", "clear_caches", "check_int", "check_group_size",
+    "check_world", "check_used", "used_counts", "one_count", "row_values", "kv_split",
+]  # fmt: skip
 
 FLOOR = 1e-7  # the smallest amax a live slot reports (as fp32); surplus slots report 0
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128, 256)
@@ -304,33 +284,21 @@ class Layout:
         only (``k_grouped_amax`` and the two-pass statistics take no per-row counts)."""
         assert self.per_row is None, "the grouped amax kernel takes one used_sequence"
         return dict(
-            group_size=self.G,
-            row0=self.row0,
-            n_slots=self.n_slots,
-            g_first=self.g_first,
-            n_touched=self.n_touched,
-            tail_group=self.tail_group,
-            tail_end=self.live_end,
+            group_size=self.G, row0=self.row0, n_slots=self.n_slots, g_first=self.g_first,
+            n_touched=self.n_touched, tail_group=self.tail_group, tail_end=self.live_end,
             floor=self.floor,
-        )
+        )  # fmt: skip
 
     def stats_args(self) -> dict:
         """The grid arguments of the statistics kernels' host function (``local_stats``)."""
         return dict(
-            group_size=self.G,
-            row0=self.row0,
-            live_end=self.live_end,
-            tail_group=self.tail_group,
-            g_first=self.g_first,
-            n_touched=self.n_touched,
-            n_slots=self.n_slots,
-            block_first=self.block_first,
-            n_blocks=self.n_blocks,
-            per_row=self.per_row,
-        )
+            group_size=self.G, row0=self.row0, live_end=self.live_end, tail_group=self.tail_group,
+            g_first=self.g_first, n_touched=self.n_touched, n_slots=self.n_slots,
+            block_first=self.block_first, n_blocks=self.n_blocks, per_row=self.per_row,
+        )  # fmt: skip
 
 
-_LAYOUTS = _plans.PlanCache(max_plans=1024)
+_LAYOUTS = _plans.PlanCache(f"{__name__}._LAYOUTS", max_plans=1024)
 
 
 def layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
@@ -356,31 +324,17 @@ def _layout(rank: int, L: int, P: int, G: int, used: int | None) -> Layout:
     else:
         used_one = used
     lay = Layout(
-        rank=rank,
-        L=L,
-        P=P,
-        G=G,
-        used=used,
-        S=S,
-        row0=row0,
-        n_slots=_slots(L, G),
-        g_first=row0 // G,
-        n_touched=(row0 + L - 1) // G - row0 // G + 1,
-        tail_group=tail_group(used_one, S, G),
-        live_end=S if used_one is None else used_one,
-        divisor=mean_divisor(used_one, S),
-        block_first=row0 // SUM_BLOCK,
-        n_blocks=(row0 + L - 1) // SUM_BLOCK - row0 // SUM_BLOCK + 1,
-        first_sources=first,
-        last_sources=last,
-        floor=FLOOR,
-        per_row=per_row,
-    )
+        rank=rank, L=L, P=P, G=G, used=used, S=S, row0=row0, n_slots=_slots(L, G),
+        g_first=row0 // G, n_touched=(row0 + L - 1) // G - row0 // G + 1,
+        tail_group=tail_group(used_one, S, G), live_end=S if used_one is None else used_one,
+        divisor=mean_divisor(used_one, S), block_first=row0 // SUM_BLOCK,
+        n_blocks=(row0 + L - 1) // SUM_BLOCK - row0 // SUM_BLOCK + 1, first_sources=first,
+        last_sources=last, floor=FLOOR, per_row=per_row,
+    )  # fmt: skip
     hook = _hooks.active.layout
     return lay if hook is None else hook(lay)
 
 
-def clear_caches() -> None:
-    """Forget cached layouts and every call plan built from them (``ulysses._plans``: the
-    layouts, the plan caches of ``stats``, ``amax`` and ``lowp``)."""
-    _plans.clear_all()
+# every cache of the package emptied: cached layouts, the plans built from them, the prepared
+# launches (``ulysses.clear_caches``, ``ulysses._plans``)
+clear_caches = _plans.clear_caches

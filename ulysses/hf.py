@@ -89,11 +89,13 @@ def register(
 ) -> str:
     """Register Ulysses attention as transformers' attention implementation ``name``.
 
-    A model created with ``attn_implementation=name`` (or switched with
-    ``model.set_attn_implementation(name)``) runs :func:`ulysses.ulysses_attention` in every
-    attention layer with these settings: ``comm``, ``backward_comm``, ``head_chunks``, ``group``
-    (a process group, a 1-D DeviceMesh or ``(mesh, dim)``) and any other keyword argument of
-    ``ulysses_attention`` (``q_group``, ``k_group``, ``v_format``, ``int8_output``, ``attn``).
+    A model switched with ``model.set_attn_implementation(name)`` (or loaded with
+    ``from_pretrained(..., attn_implementation=name)``) runs
+    :func:`ulysses.ulysses_attention` in every attention layer with these settings:
+    ``comm`` ("bf16": the input dtype, whatever it is; "lowp": 8 bits), ``backward_comm``,
+    ``head_chunks``, ``group`` (a process group, a 1-D DeviceMesh or ``(mesh, dim)``) and
+    any other keyword argument of ``ulysses_attention`` (``q_group``, ``k_group``,
+    ``v_format``, ``int8_output``, ``attn``).
     Registering a name again replaces its settings. Returns ``name``.
 
     Raises:
@@ -131,10 +133,42 @@ def register(
                     group=group, **options)  # fmt: skip
     AttentionInterface.register(name, functools.partial(attention_forward, settings=settings))
     _GROUPS[name] = group
+    _guard_causal_lm_loss()
     # transformers builds masks per implementation and passes none to one it does not know,
     # dropping a padding mask silently: this one checks the mask and builds none
     AttentionMaskInterface.register(name, functools.partial(_mask, group=group))
     return name
+
+
+def _guard_causal_lm_loss() -> None:
+    """Wrap transformers' causal-LM loss (``LOSS_MAPPING["ForCausalLM"]``, what a model
+    called with ``labels=`` computes) so that a call with inputs from ``shard_batch`` raises:
+    those labels would be shifted a second time and averaged per rank."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # pragma: no cover - another transformers layout
+        return
+    loss = LOSS_MAPPING.get("ForCausalLM")
+    if loss is None or getattr(loss, "_ulysses_guard", False):
+        return
+
+    @functools.wraps(loss)
+    def guarded(*args, **kwargs):
+        if "ulysses_token" in kwargs:
+            raise ValueError(_LABELS_MESSAGE.format(model="the model"))
+        return loss(*args, **kwargs)
+
+    guarded._ulysses_guard = True
+    LOSS_MAPPING["ForCausalLM"] = guarded
+
+
+_LABELS_MESSAGE = (
+    "labels= passed to {model} with inputs from ulysses.batch.shard_batch: transformers' loss "
+    "would shift this rank's labels again (losing the target of each rank's last row) and "
+    "average per rank, a silently wrong loss. Call the model without labels and take loss = "
+    "ulysses.batch.causal_lm_loss(logits, shard['shift_labels'], group=sp) (or "
+    "ulysses.train.tiled_causal_lm_loss for long sequences)"
+)
 
 
 def _mask(*args, group=None, attention_mask=None, **kwargs):
@@ -188,8 +222,9 @@ def attention_forward(
             mask without padding; one with padding raises when the model builds its mask:
             pass ``used_sequence``);
             ``position_ids`` that number this rank's rows from 0 on a rank > 0, or that
-            restart (packed documents) without ``document_ids``; what ``ulysses_attention``
-            rejects.
+            restart (packed documents) without ``document_ids``; ranks that hold different
+            row counts L (every rank raises: L travels in the positions check's all_gather);
+            what ``ulysses_attention`` rejects.
     """
     if key.shape[2] != query.shape[2]:
         raise ValueError(
@@ -438,14 +473,8 @@ def _no_labels(module, args, kwargs, *, name: str):
         return None
     device = next(module.parameters()).device
     _, _, P = _comm.resolve_group(_GROUPS.get(name), device)
-    if P > 1:
-        raise ValueError(
-            f"labels= passed to {type(module).__name__} under Ulysses (P = {P}): transformers' "
-            "loss would shift each rank's labels again (losing the target of each rank's last "
-            "row) and average per rank, a silently wrong loss. Call the model without labels "
-            "and take loss = ulysses.batch.causal_lm_loss(logits, shard['shift_labels'], "
-            "group=sp) (or ulysses.train.tiled_causal_lm_loss for long sequences)"
-        )
+    if P > 1 or "ulysses_token" in kwargs:
+        raise ValueError(_LABELS_MESSAGE.format(model=type(module).__name__))
     return None
 
 

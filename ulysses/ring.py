@@ -6,7 +6,7 @@ P = P_r * P_u ranks on a mesh with a ring dimension (P_r ranks) and a Ulysses di
 sequence; S = L * P global rows; a ring segment is the S_seg = P_u * L rows of the P_u ranks
 of one Ulysses group; hq = Hq / P_u query heads and hkv key/value heads a rank attends
 (Hkv / P_u, or 1 repeated when P_u % Hkv == 0).
-    q                  [B, L, Hq, D]    this rank's rows (layout "contiguous": global rows
+    q                  [B, L, Hq, D]    this rank's rows (ring_layout "contiguous": global rows
                                         [r*L, (r+1)*L); "zigzag": see :func:`zigzag_index`)
     k, v               [B, L, Hkv, D]
     q_h                [B, S_seg, hq, D]  every row of ring segment i, this rank's query heads
@@ -17,10 +17,14 @@ of one Ulysses group; hq = Hq / P_u query heads and hkv key/value heads a rank a
 Data flow of :func:`hybrid_attention` (one autograd node; every arrow that crosses ranks is one
 collective or one P2P pair):
     q|k|v packed per Ulysses destination -> ONE all_to_all (Ulysses group) -> q_h, k_h, v_h
-    comm="lowp": global statistics over the ring group (``ulysses.smooth_k_stats``: the K mean
-        of the WHOLE sequence and K's group amax; ``ulysses.k_grouped_amax`` of Q; V's channel
-        amax, one all_gather) -> INT8 Q/K codes (K centred on the global mean), FP8 (or INT8)
-        V codes with the global per-channel scale: the exchange's rules (CONTRACT §8)
+    comm="lowp": statistics of the WHOLE sequence (``ulysses.smooth_k_stats``: the K mean and
+        K's group amax; ``ulysses.k_grouped_amax`` of Q; V's channel amax, one all_gather) ->
+        INT8 Q/K codes (K centred on the global mean), FP8 (or INT8) V codes with the global
+        per-channel scale: the exchange's rules (CONTRACT §8). A mesh over the world group in
+        its own numbering with L a multiple of the groups: the statistics over all P ranks,
+        each rank's rows quantized BEFORE the all_to_all, which carries the codes and Q/K
+        scales (``_ring_comm._exchange_codes``); else the all_to_all carries the input dtype
+        and the statistics are gathered over the ring group after it
     ring: P_r steps; step s attends q_h to the block of segment j = (i - s) mod P_r while the
         block travels on (send to ring rank i+1, receive from i-1: P_r - 1 transfers), each
         step's partial (out, lse) merged by log-sum-exp (:func:`merge_partials`); causal:
@@ -62,10 +66,16 @@ from ._ring_blocks import (
     _quantize,
 )
 from ._ring_comm import (
+    _dkv_unwire,
+    _dkv_wire,
     _dout_to_heads,
+    _dout_to_heads_int8,
+    _exchange_codes,
     _flat,
     _grads_to_seq,
+    _grads_to_seq_int8,
     _out_to_seq,
+    _out_to_seq_int8,
     _start,
     _to_heads,
     _unflat,
@@ -75,9 +85,12 @@ from ._ring_layout import (
     COMMS,
     RING_LAYOUTS,
     _check,
+    _doc_kind,
+    _global_ids,
     _pairs,
     _positions,
     _runs,
+    _used_block,
     _used_rows,
     zigzag_index,
     zigzag_shard,
@@ -119,6 +132,7 @@ class _Groups:
     uly_pg: object
     u: int
     P_u: int
+    world_pg: object = None  # all P ranks in the mesh's numbering (a mesh over the world)
 
     @property
     def rank(self) -> int:
@@ -143,7 +157,13 @@ def _resolve(mesh, device: torch.device) -> _Groups:
     if is_ring_mesh(mesh):
         ring_pg, i, P_r = _comm.resolve_group((mesh, "ring"), device)
         uly_pg, u, P_u = _comm.resolve_group((mesh, "ulysses"), device)
-        return _Groups(ring_pg, i, P_r, uly_pg, u, P_u)
+        ranks = mesh.mesh if mesh.mesh_dim_names[0] == "ring" else mesh.mesh.T
+        world = None
+        if P_r * P_u == dist.get_world_size() and ranks.flatten().tolist() == list(
+            range(P_r * P_u)
+        ):
+            world = dist.group.WORLD
+        return _Groups(ring_pg, i, P_r, uly_pg, u, P_u, world)
     if isinstance(mesh, tuple) and len(mesh) == 2 and not _mesh.is_mesh_group(mesh):
         parts = []
         for name, g in zip(RING_DIMS, mesh, strict=True):
@@ -166,10 +186,15 @@ def _resolve(mesh, device: torch.device) -> _Groups:
     )
 
 
-def mesh_rank(mesh, device="cpu") -> tuple[int, int, int]:
-    """``(r, P_r, P_u)`` of this process on a ring mesh: its rank r = i * P_u + u (the rows
-    it holds: :func:`zigzag_shard`, or ``[r*L, (r+1)*L)``) and the two dimensions' sizes."""
-    g = _resolve(mesh, torch.device(device))
+def mesh_rank(mesh) -> tuple[int, int, int]:
+    """``(r, P_r, P_u)`` of this process on a ring mesh (or ``(ring_group, ulysses_group)``):
+    its rank r = i * P_u + u (the rows it holds: :func:`zigzag_shard`, or ``[r*L,
+    (r+1)*L)``) and the two dimensions' sizes."""
+    device = torch.device(getattr(mesh, "device_type", "cpu"))
+    if isinstance(mesh, tuple):  # a CPU tensor would be refused by an NCCL-only group
+        backends = [str(dist.get_backend(x)) for x in mesh if x is not None]
+        device = torch.device("cuda" if any("nccl" in b for b in backends) else "cpu")
+    g = _resolve(mesh, device)
     return g.rank, g.P_r, g.P_u
 
 
@@ -223,23 +248,11 @@ class _Config:
     q_group: int
     k_group: int
     v_format: str
-
-
-def _used_block(used, runs_q, runs_k, lq, n, lk, m) -> bool:
-    """Whether a sub-block holds a padding row (a query or a key at or past some batch row's
-    live count)."""
-    if used is None:
-        return False
-    end = max(_global_end(runs_q, lq, n), _global_end(runs_k, lk, m))
-    return min(used) < end
-
-
-def _global_end(runs, lo: int, n: int) -> int:
-    """The largest global position + 1 of local rows [lo, lo + n) (a run of one segment)."""
-    for g0, l0, length in runs:
-        if l0 <= lo < l0 + length:
-            return g0 + (lo - l0) + n
-    raise AssertionError((runs, lo, n))
+    dtype: torch.dtype
+    int8_output: bool = False
+    lowp_backward: bool = False  # backward_comm="lowp"
+    ids: torch.Tensor | None = None  # [B, S] global document ids by position (device)
+    ids_host: torch.Tensor | None = None  # the same on the CPU (which blocks to skip)
 
 
 def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
@@ -252,7 +265,7 @@ def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
     acc_lse = torch.full((B, hq, S_seg), -math.inf, dtype=torch.float32, device=dev)
     runs_q = _runs(g.i, S_seg, g.P_r, cfg.layout)
     pos_q = _positions(runs_q, dev)
-    use_codes = cfg.lowp and _codes_fit(codes, q_h.dtype)
+    use_codes = cfg.lowp and _codes_fit(codes, cfg.dtype)
     q_val = None
     for s in range(g.P_r):
         j = (g.i - s) % g.P_r
@@ -263,15 +276,18 @@ def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
         for lq, n, lk, m, kind in _pairs(runs_q, runs_k, cfg.causal):
             if _merge_fault == "drop_block" and s == 1:
                 continue
-            padded = _used_block(cfg.used, runs_q, runs_k, lq, n, lk, m)
+            docs = _doc_kind(cfg.ids_host, pos_q[lq : lq + n], pos_k[lk : lk + m])
+            if docs == "skip":
+                continue
+            padded = docs == "mask" or _used_block(cfg.used, runs_q, runs_k, lq, n, lk, m)
             diag = kind == "diag"
             if cfg.lowp and use_codes and not padded:
                 o, lse = _attend_codes(codes, lq, n, block, lk, m, causal=diag, sm=cfg.sm,
-                                       out_dtype=q_h.dtype)  # fmt: skip
+                                       out_dtype=cfg.dtype)  # fmt: skip
                 lse = torch.where(lse == math.inf, -math.inf, lse)
             else:
                 if kv_val is None:
-                    kv_val = _block_values(block, codes, cfg, q_h.dtype)
+                    kv_val = _block_values(block, codes, cfg, cfg.dtype)
                 if q_val is None:
                     q_val = _q_values(q_h, codes, cfg)
                 qs = q_val[:, lq : lq + n]
@@ -280,7 +296,8 @@ def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
                     o, lse = _attend_flash(qs, ks, vs, causal=diag, sm=cfg.sm)
                 else:
                     o, lse = _attend_fp32(qs, ks, vs, pos_q[lq : lq + n], pos_k[lk : lk + m],
-                                          causal=cfg.causal, sm=cfg.sm, used=cfg.used)  # fmt: skip
+                                          causal=cfg.causal, sm=cfg.sm, used=cfg.used,
+                                          ids=cfg.ids)  # fmt: skip
             _merge_into(acc, acc_lse, lq, n, o, lse)
         if pending is not None:
             block = _unflat(pending.wait(), block)
@@ -294,7 +311,7 @@ def _ring_forward(q_h, block, codes, g: _Groups, cfg: _Config):
 def _q_values(q_h, codes, cfg: _Config):
     if not cfg.lowp:
         return q_h
-    return _dequant(codes.q, codes.q_scale, codes.q_group, q_h.dtype)
+    return _dequant(codes.q, codes.q_scale, codes.q_group, cfg.dtype)
 
 
 def _block_values(block, codes, cfg: _Config, dtype):
@@ -329,7 +346,10 @@ def _ring_backward(dout_h, out_h, lse, q_h, block, codes, g: _Groups, cfg: _Conf
         dkv = torch.zeros(2, B, S_seg, hkv, D, dtype=torch.float32, device=dev)
         for lq, n, lk, m, kind in _pairs(runs_q, runs_k, cfg.causal):
             rq, rk = slice(lq, lq + n), slice(lk, lk + m)
-            padded = _used_block(cfg.used, runs_q, runs_k, lq, n, lk, m)
+            docs = _doc_kind(cfg.ids_host, pos_q[rq], pos_k[rk])
+            if docs == "skip":
+                continue
+            padded = docs == "mask" or _used_block(cfg.used, runs_q, runs_k, lq, n, lk, m)
             if _flash_fits(q_val, padded):
                 got = _backward_flash(dout_h[:, rq], q_val[:, rq], k_val[:, rk], v_val[:, rk],
                                       out_h[:, rq], lse[:, :, rq], causal=kind == "diag",
@@ -337,17 +357,20 @@ def _ring_backward(dout_h, out_h, lse, q_h, block, codes, g: _Groups, cfg: _Conf
             else:
                 got = _backward_fp32(dout_h[:, rq], q_val[:, rq], k_val[:, rk], v_val[:, rk],
                                      lse_b[:, :, rq], delta[:, :, rq], pos_q[rq], pos_k[rk],
-                                     causal=cfg.causal, sm=cfg.sm, used=cfg.used)  # fmt: skip
+                                     causal=cfg.causal, sm=cfg.sm, used=cfg.used,
+                                     ids=cfg.ids)  # fmt: skip
             dq[:, rq] += got[0]
             dkv[0][:, rk] += got[1]
             dkv[1][:, rk] += got[2]
         if incoming is not None:
-            dkv += incoming.wait()
-        incoming = _start(dkv, g, tag=1) if g.P_r > 1 else None
+            dkv += _dkv_unwire(incoming.wait(), dkv, dtype, cfg.lowp_backward)
+        incoming = None
+        if g.P_r > 1:
+            incoming = _start(_dkv_wire(dkv, dtype, cfg.lowp_backward), g, tag=1)
         if pending is not None:
             block = _unflat(pending.wait(), block)
     if incoming is not None:
-        dkv = incoming.wait()
+        dkv = _dkv_unwire(incoming.wait(), dkv, dtype, cfg.lowp_backward)
     return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype)
 
 
@@ -360,11 +383,16 @@ class _Hybrid(torch.autograd.Function):
         B, L, Hq, D = q.shape
         Hkv = k.shape[2]
         hkv = Hkv // g.P_u if Hkv % g.P_u == 0 else 1
-        q_h, k_h, v_h = _to_heads(q, k, v, g, hkv)
         codes = None
+        if cfg.lowp and g.world_pg is not None and L % cfg.q_group == 0 == L % cfg.k_group:
+            codes = _exchange_codes(q, k, v, g, cfg, hkv)  # quantized, then sent as codes
+            q_h = codes.q
+        else:
+            q_h, k_h, v_h = _to_heads(q, k, v, g, hkv)
+            if cfg.lowp:  # sent in the input dtype, quantized with the ring group's statistics
+                q_h, k_h, v_h = (x.contiguous() for x in (q_h, k_h, v_h))
+                codes = _quantize(q_h, k_h, v_h, g, cfg)
         if cfg.lowp:
-            q_h, k_h, v_h = (x.contiguous() for x in (q_h, k_h, v_h))
-            codes = _quantize(q_h, k_h, v_h, g, cfg)
             block = [codes.k, codes.v, codes.k_scale]
         else:
             block = [k_h.contiguous(), v_h.contiguous()]
@@ -372,19 +400,43 @@ class _Hybrid(torch.autograd.Function):
         out_h = out_f.to(q.dtype)
         ctx.g, ctx.cfg, ctx.Hkv, ctx.codes = g, cfg, Hkv, codes
         ctx.save_for_backward(q_h, *block, out_h, lse)
+        if cfg.int8_output:
+            return _out_to_seq_int8(out_h, g, L)
         return _out_to_seq(out_h, g, L)
 
     @staticmethod
     def backward(ctx, dout):
         g, cfg = ctx.g, ctx.cfg
         q_h, *block, out_h, lse = ctx.saved_tensors
-        dout_h = _dout_to_heads(dout.contiguous(), g, q_h.shape[2])
+        if cfg.lowp_backward:
+            dout_h = _dout_to_heads_int8(dout.contiguous(), g, q_h.shape[2])
+        else:
+            dout_h = _dout_to_heads(dout.contiguous(), g, q_h.shape[2])
         dq_h, dk_h, dv_h = _ring_backward(dout_h, out_h, lse, q_h, list(block), ctx.codes, g, cfg)
-        dq, dk, dv = _grads_to_seq(dq_h, dk_h, dv_h, g, ctx.Hkv)
+        to_seq = _grads_to_seq_int8 if cfg.lowp_backward else _grads_to_seq
+        dq, dk, dv = to_seq(dq_h, dk_h, dv_h, g, ctx.Hkv)
         return dq, dk, dv, None, None
 
 
 # ---- public ------------------------------------------------------------------------------------
+
+
+def _check_groups(g: _Groups) -> list[tuple]:
+    """Where the ranks' signature check runs: the world group when the mesh spans it (one
+    check, so a rank that differs raises the same ValueError on every rank), else the Ulysses
+    group and then the ring group (the watchdog bounds a rank left waiting between them)."""
+    P = g.P_r * g.P_u
+    if P > 1 and dist.is_initialized() and dist.get_world_size() == P:
+        return [(dist.group.WORLD, P)]
+    return [(g.uly_pg, g.P_u), (g.ring_pg, g.P_r)]
+
+
+def _plain():
+    """``ulysses.ulysses_attention``, through the package: ``ulysses.attention`` calls into
+    this module (:func:`dispatch`), so this module does not import it back."""
+    import ulysses
+
+    return ulysses.ulysses_attention
 
 
 def hybrid_attention(
@@ -397,10 +449,13 @@ def hybrid_attention(
     scale: float | None = None,
     comm: str = "bf16",
     used_sequence=None,
-    layout: str = "contiguous",
+    ring_layout: str = "contiguous",
     q_group: int = 32,
     k_group: int = 64,
     v_format: str = "fp8",
+    document_ids: torch.Tensor | None = None,
+    int8_output: bool = False,
+    backward_comm: str = "bf16",
 ) -> torch.Tensor:
     """Ulysses x Ring attention: this rank's sequence shard in, its shard of the output out.
 
@@ -408,8 +463,8 @@ def hybrid_attention(
     ``init_device_mesh("cuda", (P_r, P_u), mesh_dim_names=("ring", "ulysses"))``), or a pair
     ``(ring_group, ulysses_group)`` of process groups (None: a group of one). Rank
     ``r = i * P_u + u`` (ring index i, Ulysses index u) passes its L rows: global rows
-    ``[r*L, (r+1)*L)`` with ``layout="contiguous"``, or :func:`zigzag_shard`'s rows with
-    ``layout="zigzag"`` (causal attention balanced over the ring; the output comes back in
+    ``[r*L, (r+1)*L)`` with ``ring_layout="contiguous"``, or :func:`zigzag_shard`'s rows
+    with ``ring_layout="zigzag"`` (causal attention balanced over the ring; the output comes back in
     the same layout).
 
     q [B, L, Hq, D], k, v [B, L, Hkv, D] -> [B, L, Hq, D] in q's dtype, differentiable.
@@ -417,7 +472,10 @@ def hybrid_attention(
     Hkv == 0``); any ring size. ``causal``: query i attends keys ``j <= i`` (global
     positions). ``scale``: default ``D ** -0.5``. ``used_sequence``: None, an int or B ints,
     global live rows (contiguous layout): later rows are padding, never attended; their
-    output rows are 0.
+    output rows are 0. ``document_ids``: packed documents, an integer tensor [B, L] of this
+    rank's rows' document ids (one all_gather on each of the two groups): a query attends
+    keys of its own document only; ring blocks that share no document are skipped, blocks
+    inside one document attend unmasked, the others with a mask (in fp32).
 
     * ``comm="bf16"`` (the input dtype): each ring step attends in fp32 on CPU (torch's flash
       attention on CUDA), partials merged in fp32 by their log-sum-exp; the output is
@@ -425,75 +483,106 @@ def hybrid_attention(
     * ``comm="lowp"``: the blocks travel the ring as 8-bit codes (INT8 K centred on the mean
       of the whole sequence, FP8 V, or INT8 with ``v_format="int8"``, scales from statistics
       of the whole sequence; ``q_group``/``k_group`` rows a scale), half the bytes of bf16
-      blocks (:func:`ring_block_bytes`), attended where they land by the codes kernel
+      blocks (:func:`ring_block_bytes`; the Ulysses all_to_all carries codes too where the
+      mesh spans the world and L is a multiple of the groups), attended where they land by
+      the codes kernel
       (``ulysses.kernels.codes_attention``) with its log-sum-exp: the error against fp32
       attention of the dequantized values is the codes kernel's (``2**-4 max|v|``) and does
       not grow with the ring size. Backward: straight-through, as ``ulysses_attention``'s.
       Each ring block's runs must be whole Q and K groups.
+    * ``int8_output=True`` (with "lowp"): the output's all_to_all carries INT8 codes and one
+      fp32 scale a (row, head), as ``ulysses_attention``'s. ``backward_comm="lowp"`` (with
+      "lowp"): d(out) and dq|dk|dv cross the Ulysses group that way, and each block's dK|dV
+      accumulator crosses each ring hop that way (rounded to the dtype, then at most
+      ``amax / 254`` of its (row, head) a hop: P_r hops).
 
     Raises:
         TypeError: tensors not floating (bf16/fp16 for "lowp") or of different dtypes; a
             bad ``mesh``, ``causal``, ``scale`` or ``used_sequence`` type.
         ValueError: shapes that disagree; heads the Ulysses dimension does not split; an
-            unknown ``comm``, ``layout`` or ``v_format``; zigzag with ``used_sequence`` or an
+            unknown ``comm``, ``ring_layout`` or ``v_format``; zigzag with ``used_sequence`` or an
             odd segment; "lowp" blocks that are not whole groups; ranks that disagree on the
-            call (one 8-byte all_gather on each of the two groups).
+            call, the mesh shape included (one 8-byte all_gather on the world group when the
+            mesh spans it, else on each of the two groups).
     """
     g = _resolve(mesh, q.device)
-    _check(q, k, v, g, comm, causal, scale, layout, used_sequence, q_group, k_group, v_format)
+    _check(q, k, v, g, comm, causal, scale, ring_layout, used_sequence, q_group, k_group,
+           v_format)  # fmt: skip
+    if not isinstance(int8_output, bool):
+        raise TypeError(f"int8_output must be a bool, got {type(int8_output).__name__}")
+    if backward_comm not in COMMS:
+        raise ValueError(f"backward_comm must be one of {COMMS}, got {backward_comm!r}")
+    if (int8_output or backward_comm == "lowp") and comm != "lowp":
+        raise ValueError(
+            f"int8_output=True and backward_comm='lowp' go with comm='lowp', got comm={comm!r}"
+        )
     if g.P_r == 1:  # the plain call on the Ulysses group (zigzag over one segment: contiguous)
-        from .attention import ulysses_attention
-
-        return ulysses_attention(q, k, v, group=g.uly_pg, comm=comm, causal=causal, scale=scale,
+        return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal, scale=scale,
                                  used_sequence=used_sequence, q_group=q_group, k_group=k_group,
-                                 v_format=v_format)  # fmt: skip
+                                 v_format=v_format, document_ids=document_ids,
+                                 int8_output=int8_output, backward_comm=backward_comm)  # fmt: skip
     B, L, Hq, D = q.shape
     S = L * g.P_r * g.P_u
     used = _used_rows(used_sequence, B, S)
-    for pg, P in ((g.uly_pg, g.P_u), (g.ring_pg, g.P_r)):
+    if document_ids is not None and (
+        not isinstance(document_ids, torch.Tensor)
+        or document_ids.is_floating_point()
+        or document_ids.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"document_ids must be an integer tensor [B, L], got {type(document_ids).__name__}"
+            + (f" of {document_ids.dtype}" if isinstance(document_ids, torch.Tensor) else "")
+        )
+    if document_ids is not None and tuple(document_ids.shape) != (B, L):
+        raise ValueError(
+            f"document_ids must be [B, L] = {[B, L]} (this rank's rows), got "
+            f"{list(document_ids.shape)}"
+        )
+    for pg, P in _check_groups(g):
         if P > 1:
             _comm.verify_call(
                 pg, P, q.device, "ring_attention", False, B=B, L=L, Hq=Hq, Hkv=k.shape[2], D=D,
                 P_r=g.P_r, P_u=g.P_u, dtype=int(q.element_size()), causal=int(causal),
                 scale=_comm.float_field(scale), comm=COMMS.index(comm),
-                layout=RING_LAYOUTS.index(layout), used=None if used is None else hash(used),
+                layout=RING_LAYOUTS.index(ring_layout), used=None if used is None else hash(used),
                 q_group=q_group, k_group=k_group, v_format=int(v_format == "int8"),
+                docs=int(document_ids is not None), int8_output=int(int8_output),
+                backward_comm=int(backward_comm == "lowp"),
             )  # fmt: skip
+    ids = None if document_ids is None else _global_ids(document_ids, g, ring_layout, q.device)
     cfg = _Config(causal, D**-0.5 if scale is None else float(scale), comm == "lowp", used,
-                  layout, q_group, k_group, v_format)  # fmt: skip
+                  ring_layout, q_group, k_group, v_format, q.dtype, int8_output,
+                  backward_comm == "lowp", ids, None if ids is None else ids.cpu())  # fmt: skip
     return _Hybrid.apply(q, k, v, g, cfg)
 
 
-_DISPATCH_DEFAULTS = {
-    "attn": None, "int8_output": False, "backward_comm": "bf16", "document_ids": None,
-    "attn_kwargs": None, "head_chunks": 1,
-}  # fmt: skip
+_DISPATCH_DEFAULTS = {"attn": None, "attn_kwargs": None, "head_chunks": 1, "backward_attn": None}
 
 
 def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=None,
              used_sequence=None, q_group: int = 32, k_group: int = 64, layout: str = "bshd",
-             v_format: str = "fp8", ring_layout: str = "contiguous", **options):  # fmt: skip
+             v_format: str = "fp8", ring_layout: str = "contiguous", document_ids=None,
+             int8_output: bool = False, backward_comm: str = "bf16", **options):  # fmt: skip
     """``ulysses_attention(q, k, v, group=mesh, ...)`` on a ring mesh (:func:`is_ring_mesh`):
     P_r = 1 is the plain call on the Ulysses dimension (the same bits), else
     :func:`hybrid_attention`. ``layout`` is the tensors' ("bshd" or "bhsd"),
     ``ring_layout`` the rows' ("contiguous" or "zigzag").
 
     Raises ValueError for an option of ``ulysses_attention`` the ring does not take (a
-    custom ``attn``, ``int8_output``, ``backward_comm="lowp"``, ``document_ids``,
-    ``attn_kwargs``, ``head_chunks`` other than 1), naming it."""
+    custom ``attn``, ``attn_kwargs``, ``head_chunks`` other than 1, ``backward_attn``), naming
+    it."""
     unknown = sorted(set(options) - set(_DISPATCH_DEFAULTS))
     if unknown:
         raise TypeError(f"ulysses_attention got unexpected keyword arguments {unknown}")
     g = _resolve(group, q.device)
     if g.P_r == 1:  # every option of the plain call (zigzag over one segment: contiguous)
-        from .attention import ulysses_attention
-
         if ring_layout not in RING_LAYOUTS:
             raise ValueError(f"ring_layout must be one of {RING_LAYOUTS}, got {ring_layout!r}")
-        return ulysses_attention(q, k, v, group=g.uly_pg, comm=comm, causal=causal,
+        return _plain()(q, k, v, group=g.uly_pg, comm=comm, causal=causal,
                                  scale=scale, used_sequence=used_sequence, q_group=q_group,
                                  k_group=k_group, layout=layout, v_format=v_format,
-                                 **options)  # fmt: skip
+                                 document_ids=document_ids, int8_output=int8_output,
+                                 backward_comm=backward_comm, **options)  # fmt: skip
     for name, value in options.items():
         if value != _DISPATCH_DEFAULTS[name] and not (name == "attn" and value in ("codes",)):
             raise ValueError(
@@ -505,6 +594,7 @@ def dispatch(q, k, v, *, group, comm: str = "bf16", causal: bool = False, scale=
     if layout == "bhsd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     out = hybrid_attention(q, k, v, mesh=group, causal=causal, scale=scale, comm=comm,
-                           used_sequence=used_sequence, layout=ring_layout, q_group=q_group,
-                           k_group=k_group, v_format=v_format)  # fmt: skip
+                           used_sequence=used_sequence, ring_layout=ring_layout, q_group=q_group,
+                           k_group=k_group, v_format=v_format, document_ids=document_ids,
+                           int8_output=int8_output, backward_comm=backward_comm)  # fmt: skip
     return out.transpose(1, 2) if layout == "bhsd" else out

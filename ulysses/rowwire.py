@@ -33,13 +33,9 @@ from .kernels.lowp_out import (
 )
 
 __all__ = [
-    "out_quant_op",
-    "out_dequant_op",
-    "dout_quant_op",
-    "dout_dequant_op",
-    "grads_quant_op",
+    "out_quant_op", "out_dequant_op", "dout_quant_op", "dout_dequant_op", "grads_quant_op",
     "grads_dequant_op",
-]
+]  # fmt: skip
 
 
 def _send_fake(x, B, L, h, D, world_size):

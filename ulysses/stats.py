@@ -37,13 +37,8 @@ from .kernels.finalize_stats import MODE_FUSED, MODE_MEAN, MODE_MERGE, prepare_f
 from .kernels.grouped_amax import prepare_grouped_amax
 
 __all__ = [
-    "SmoothKStats",
-    "KStatsPart",
-    "global_k_mean",
-    "smooth_k_stats",
-    "k_stats_part",
-    "METHODS",
-]
+    "SmoothKStats", "KStatsPart", "global_k_mean", "smooth_k_stats", "k_stats_part", "METHODS",
+]  # fmt: skip
 
 METHODS = ("fused", "two_pass")
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
@@ -82,15 +77,9 @@ def _used_field(used_sequence) -> int | None:
 def _signature(k: torch.Tensor, used_sequence, group_size, method) -> dict:
     B, L, H, D = k.shape
     return dict(
-        B=B,
-        L=L,
-        H=H,
-        D=D,
-        dtype=_DTYPE_CODES[k.dtype],
-        used_sequence=_used_field(used_sequence),
-        group_size=group_size,
-        method=None if method is None else METHODS.index(method),
-    )
+        B=B, L=L, H=H, D=D, dtype=_DTYPE_CODES[k.dtype], used_sequence=_used_field(used_sequence),
+        group_size=group_size, method=None if method is None else METHODS.index(method),
+    )  # fmt: skip
 
 
 # ---- the statistics, as a part of a payload ---------------------------------------------------
@@ -119,20 +108,12 @@ class KStatsPart:
         lay, k = self.layout, self.k
         B, _, H, D = k.shape
         return dict(
-            dtype=k.dtype,
-            B=B,
-            H=H,
-            D=D,
-            n_slots=lay.n_slots,
-            n_touched=lay.n_touched,
-            divisor=lay.divisor,
-            tag=self.tag,
+            dtype=k.dtype, B=B, H=H, D=D, n_slots=lay.n_slots, n_touched=lay.n_touched,
+            divisor=lay.divisor, tag=self.tag,
             first_sources=[q * 2 + e for q, e in lay.first_sources],
-            last_sources=[q * 2 + e for q, e in lay.last_sources],
-            floor=lay.floor,
-            use_pdl=self.use_pdl,
-            per_row=lay.per_row,
-        )
+            last_sources=[q * 2 + e for q, e in lay.last_sources], floor=lay.floor,
+            use_pdl=self.use_pdl, per_row=lay.per_row,
+        )  # fmt: skip
 
 
 class _StatsPlan:
@@ -209,7 +190,7 @@ class _StatsPlan:
 
 # Plans by call signature (shape, strides, dtype, device, the group, every argument with its
 # type, and the stream: the scratch buffers are per stream). The one cache of the statistics.
-_PLANS = PlanCache(max_plans=256)
+_PLANS = PlanCache(f"{__name__}._PLANS", max_plans=256)
 clear_plans = _PLANS.clear
 
 
@@ -261,15 +242,9 @@ def _run(fn, k, group, used_sequence, enable_pdl, group_size, method, check_cons
 
 
 def _stats(
-    k: torch.Tensor,
-    *,
-    group_name: str,
-    used_sequence: int | None,
-    enable_pdl: bool | None,
-    group_size: int,
-    method: str | None,
-    check_consistency: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    k: torch.Tensor, *, group_name: str, used_sequence: int | None, enable_pdl: bool | None,
+    group_size: int, method: str | None, check_consistency: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     fn = "global_k_mean" if method is None else "smooth_k_stats"
     group = comm.group_from_name(group_name)
     plan, pg = _plan(fn, k, group, used_sequence, enable_pdl, group_size, method, check_consistency)
@@ -295,18 +270,9 @@ stats_op = _ops.define_op("k_stats", _stats, _stats_fake)
 
 
 def _validated_part(
-    k,
-    group,
-    used_sequence,
-    enable_pdl,
-    group_size,
-    method,
-    check_consistency,
-    fn,
-    extra=None,
-    per_row=False,
-    lowp=False,
-) -> tuple[KStatsPart, object, int]:
+    k, group, used_sequence, enable_pdl, group_size, method, check_consistency, fn, extra=None,
+    per_row=False, lowp=False,
+) -> tuple[KStatsPart, object, int]:  # fmt: skip
     B, L, H, D = v.check_k(k, lowp=lowp)
     grid.check_group_size(group_size)
     if method is not None and method not in METHODS:
@@ -322,15 +288,9 @@ def _validated_part(
     fields = {**_signature(k, used_sequence, group_size, method), **(extra or {})}
     tag = comm.verify_call(pg, world_size, k.device, fn, check_consistency, **fields)
     part = KStatsPart(
-        k,
-        rank=rank,
-        world_size=world_size,
-        used_sequence=used_sequence,
-        group_size=group_size,
-        use_pdl=use_pdl,
-        method=method,
-        tag=tag,
-    )
+        k, rank=rank, world_size=world_size, used_sequence=used_sequence, group_size=group_size,
+        use_pdl=use_pdl, method=method, tag=tag,
+    )  # fmt: skip
     part.check = (fn, world_size, k.device, fields)
     return part, pg, world_size
 
@@ -351,18 +311,9 @@ def k_stats_part(k, *, group, used_sequence, enable_pdl, group_size, caller, ext
     signature: the consistency check and the tag cover them too. ``used_sequence`` may also
     be a tuple of B per-row counts (each batch row's statistics over its own live rows)."""
     return _validated_part(
-        k,
-        group,
-        used_sequence,
-        enable_pdl,
-        group_size,
-        "fused",
-        False,
-        caller,
-        extra,
-        True,
+        k, group, used_sequence, enable_pdl, group_size, "fused", False, caller, extra, True,
         lowp=True,
-    )
+    )  # fmt: skip
 
 
 # ---- public entry points -------------------------------------------------------------------
@@ -393,15 +344,10 @@ def global_k_mean(k: torch.Tensor, *, group=None, used_sequence: int | None = No
 
 
 def smooth_k_stats(
-    k: torch.Tensor,
-    *,
-    group=None,
-    used_sequence: int | None = None,
-    enable_pdl: bool | None = None,
-    group_size: int = 64,
-    method: str = "fused",
+    k: torch.Tensor, *, group=None, used_sequence: int | None = None,
+    enable_pdl: bool | None = None, group_size: int = 64, method: str = "fused",
     check_consistency: bool = False,
-) -> SmoothKStats:
+) -> SmoothKStats:  # fmt: skip
     """Global K mean and grouped amax for this rank's shard, with ONE collective (none at
     world size 1, see :func:`global_k_mean`).
 

@@ -1,6 +1,7 @@
 """The attention suite's cases on the exchange's codes (``attn="codes"``) under torchrun (2 ranks,
 gloo, CPU: Triton's interpreter runs the kernel): they pass, and the planted fault
-``codes_k_shift`` (the kernel reads each K scale one row on) fails the bound check.
+``codes_k_shift`` (the K codes handed to the kernel one row on against their scales) fails the
+bound check.
 
 Slow tier: CI covers both already (``make wheel-check`` runs every default case at P = 2,
 these included, and ``tests/dist/test_planted_faults_run.py`` the fault's showcase case)."""

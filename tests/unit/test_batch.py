@@ -17,7 +17,7 @@ IGN = ub.IGNORE_INDEX
 def _as_rank(monkeypatch, rank: int, P: int):
     """Make the helpers see rank ``rank`` of ``P`` (no collective runs in shard_batch)."""
     monkeypatch.setattr(ub.comm, "resolve_group", lambda group, device: (None, rank, P))
-    monkeypatch.setattr(ub, "_check_same_batch", lambda *args: None)  # (tested on its own)
+    monkeypatch.setattr(ub._samebatch, "check_same_batch", lambda *args: None)  # (test_train)
 
 
 def _gather(monkeypatch, batch, P, **kwargs):

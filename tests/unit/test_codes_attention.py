@@ -131,11 +131,19 @@ def test_codes_attention_two_k_groups_a_block(causal):
     _check(out, lse, codes, causal=causal)
 
 
-def test_planted_k_scale_shift_is_caught():
-    """A K scale read one row off (the harness's planted fault) breaks the checked bounds."""
+@pytest.mark.parametrize("fault", ["codes", "scales"])
+def test_planted_k_scale_shift_is_caught(fault):
+    """The harness's planted faults, through the data handed to the kernel, break the
+    checked bounds: the K codes one row off their scales (``codes_k_shift``), the K scales
+    rolled by one group (``codes_k_block``)."""
     codes = _codes(1, 128, 2, 1, 32, seed=5, k_spread=30.0)
     _check(*codes_attention(*codes, q_group=32, k_group=64), codes, causal=False)
-    bad = codes_attention(*codes, q_group=32, k_group=64, k_shift=1)
+    q, k, v, q_scale, k_scale, v_scale = codes
+    if fault == "codes":
+        k = torch.roll(k, -1, dims=1)
+    else:
+        k_scale = torch.roll(k_scale, -1, dims=2).contiguous()
+    bad = codes_attention(q, k, v, q_scale, k_scale, v_scale, q_group=32, k_group=64)
     with pytest.raises(AssertionError):
         _check(*bad, codes, causal=False)
 

@@ -6,7 +6,8 @@ buffer) of Gaussian Q, K with a large channel mean (smooth-K data) and outlier q
 The forward's ``out`` (rounded to the output dtype) and ``lse`` are the exact ones, so that
 the check measures the backward alone. Every gradient element must lie within the derived
 bound of the kernel's module docstring (``backward_error_bound``): full and causal, GQA,
-per-row ``used``, documents, D 32/64/128, INT8 V, the 16-bit variants; a K scale tensor rolled
+per-row ``used``, documents, D 32/64/128, INT8 V, V read as codes or as a bf16 copy, the
+16-bit variants; a K scale tensor rolled
 by one group must break it (the check can fail)."""
 
 from __future__ import annotations
@@ -137,6 +138,13 @@ def test_documents(causal):
 
 def test_int8_v():
     _check(1, 80, 2, 1, 64, causal=True, v_format="int8", seed=3)
+
+
+@pytest.mark.parametrize("v_format", ["fp8", "int8"])
+def test_v_codes_converted_in_the_kernel(v_format):
+    """dP on the V codes as they lie (no bf16 copy), e4m3 and int8."""
+    cfg = BackwardConfig(32, 32, 1, 1, 32, 32, 1, 1, v_copy=False)
+    _check(1, 80, 2, 1, 64, causal=False, v_format=v_format, config=cfg, seed=7)
 
 
 @pytest.mark.parametrize("dv_fp8,ds_int8", [(False, False), (True, False), (False, True)])

@@ -77,7 +77,7 @@ def test_compiles_for_sm90(D, causal, used, update, lazy):
     ]  # fmt: skip
     consts = dict(
         k_group=64, D=D, STAGES=8, CAUSAL=causal, HAS_USED=used,
-        PIPE=update == 1, UPDATE=update, LAZY=lazy, K_SHIFT=0,
+        PIPE=update == 1, UPDATE=update, LAZY=lazy,
     )  # fmt: skip
     names = W._codes_wgmma_kernel.arg_names
     signature = dict(zip(names, sig + ["constexpr"] * len(consts), strict=True))
@@ -213,13 +213,16 @@ def test_matches_reference_and_triton_kernel(case, cfg):
 @pytest.mark.skipif(not HOPPER, reason="the warpgroup-MMA kernel runs on Hopper GPUs")
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[-1]], ids=lambda c: repr(W.WgmmaConfig(*c)))
 def test_planted_k_block_shift_breaks_the_bound(cfg):
-    """The harness's ``codes_k_block`` fault in this kernel (each key block scaled by the next
-    group's K scale) puts the output over the bound the test above holds it to."""
+    """The harness's ``codes_k_block`` fault, planted through the data handed to this kernel
+    (the K scales rolled by one group: each key block scaled by the next group's), puts the
+    output over the bound the test above holds it to."""
     lq = _lq(1, 2048, 2, 1, 128, "cuda")
     kw = dict(q_group=lq.q_group, k_group=lq.k_group, causal=True)
     args = (lq.q, lq.k, transpose_v(lq.v), lq.q_scale, lq.k_scale, lq.v_scale)
     ref, _ = _ref(lq, True, None)
     out, _ = W.codes_attention_wgmma(*args, config=W.WgmmaConfig(*cfg), **kw)
     assert _over_bound(lq, out, ref) == 0
-    out, _ = W.codes_attention_wgmma(*args, config=W.WgmmaConfig(*cfg), k_shift=64, **kw)
+    rolled = torch.roll(lq.k_scale, -1, dims=2).contiguous()
+    bad = (*args[:4], rolled, args[5])
+    out, _ = W.codes_attention_wgmma(*bad, config=W.WgmmaConfig(*cfg), **kw)
     assert _over_bound(lq, out, ref) > 0

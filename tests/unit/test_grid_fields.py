@@ -40,23 +40,33 @@ def _records() -> dict[str, GridFields]:
     return found
 
 
-def _offsets(source: str) -> list[tuple[str, str, str]]:
-    """(constant, record, field) of each ``CONSTANT = RECORD.at("field")`` in ``source``."""
+def _offsets(source: str, records: dict | None = None) -> list[tuple[str, str, str]]:
+    """(constant, record, field) of each ``CONSTANT = RECORD.at("field")`` and of each
+    ``(C0, C1, ...) = RECORD.offsets()`` in ``source`` (field i of the record, from
+    ``records``: name -> GridFields)."""
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.parse(source).body:  # module level
         if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
             continue
-        call = node.value
-        if isinstance(call.func, ast.Attribute) and call.func.attr == "at":
-            (target,) = node.targets
-            out.append((target.id, call.func.value.id, call.args[0].value))
+        call, target = node.value, node.targets[0]
+        if not isinstance(call.func, ast.Attribute) or call.func.attr not in ("at", "offsets"):
+            continue
+        rec = call.func.value.id
+        if call.func.attr == "at":
+            out.append((target.id, rec, call.args[0].value))
+        elif call.func.attr == "offsets":
+            names = (records or {})[rec].names
+            consts = [t.id for t in target.elts]
+            assert len(consts) == len(names), (rec, consts)
+            out += [(c, rec, f) for c, f in zip(consts, names, strict=True)]
     return out
 
 
-def _misnamed(source: str) -> list[str]:
+def _misnamed(source: str, records: dict | None = None) -> list[str]:
     """Offsets whose constant does not end with the field it reads (``_KS_row0`` reads
     ``row0``): a constant bound to the wrong field."""
-    return [f"{c} = {r}.at({f!r})" for c, r, f in _offsets(source) if not c.endswith(f"_{f}")]
+    found = _offsets(source, records)
+    return [f"{c} = {r}: {f!r}" for c, r, f in found if not c.endswith(f"_{f}")]
 
 
 def _values(record: GridFields) -> dict:
@@ -94,8 +104,9 @@ def test_every_kernel_offset_reads_its_field():
     seen = 0
     for module in _modules():
         source = inspect.getsource(module)
-        assert not _misnamed(source), (module.__name__, _misnamed(source))
-        for const, rec, field in _offsets(source):
+        records = {n: r for n, r in vars(module).items() if isinstance(r, GridFields)}
+        assert not _misnamed(source, records), (module.__name__, _misnamed(source, records))
+        for const, rec, field in _offsets(source, records):
             record = getattr(module, rec)
             values = _values(record)
             rows = ((0, 0, 0),) if "rows_at" in record.names else None
@@ -186,3 +197,6 @@ def test_the_checks_see_a_planted_fault():
     assert not _bare_loads("    n = tl.load(values_ptr + _KS_row0)\n")
     assert _misnamed('_KS_row0 = K_STATS.at("used")\n')
     assert not _misnamed('_KS_row0 = K_STATS.at("row0")\n')
+    ab = {"AB": GridFields("a", "b")}
+    assert _misnamed("(_X_b, _X_a) = AB.offsets()\n", ab)  # in the other order
+    assert not _misnamed("(_X_a, _X_b) = AB.offsets()\n", ab)

@@ -5,7 +5,8 @@ batches of neither), the same loss and gradients as the eager model.
 In process, on torch's fake process group of P = 2 ranks (rank 1): a link stands in for the
 wire (``comm.set_link``): every all_to_all receives this rank's send buffer with its chunks
 rotated by one, every all_gather P copies of the payload. The eager model on the same link
-is the reference (the multi-rank values against one process: tests/dist/)."""
+is the reference (the multi-rank values against one process: tests/dist/). On CPU, and on
+CUDA where there is one (gpu-check)."""
 
 from __future__ import annotations
 
@@ -87,10 +88,14 @@ def _step(model, batch):
     return loss.detach()
 
 
-def test_compiled_hf_llama_one_graph_no_break_equal_to_eager(fake_group):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_hf_llama_one_graph_no_break_equal_to_eager(fake_group, device):
     name = ulysses.hf.register("ulysses_compiled", group=fake_group)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(device)
     model.set_attn_implementation(name)
     ulysses.hf.check_model(model, name)
     eager = copy.deepcopy(model)
@@ -105,6 +110,7 @@ def test_compiled_hf_llama_one_graph_no_break_equal_to_eager(fake_group):
         # eager positions check sees rank 1's positions on both ranks of the link)
         kind = ("pad", "docs", "plain")[step % 3]
         batch = _batch(step, g, pad=kind == "pad", docs=kind != "plain")
+        batch = {k: v.to(device) for k, v in batch.items()}
         model.zero_grad(set_to_none=True)
         loss = _step(compiled, batch)
         if kind == "docs" and step < 9:

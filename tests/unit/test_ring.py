@@ -135,6 +135,20 @@ def test_causal_pairs_skip_blocks_after_the_queries():
     ]
 
 
+def test_document_kinds_of_a_sub_block():
+    """Packed documents: a sub-block whose queries share no document with its keys is
+    skipped, one inside a single document attends unmasked, the others with a mask."""
+    from ulysses._ring_layout import _doc_kind
+
+    ids = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]])
+    at = torch.arange
+    assert _doc_kind(None, at(0, 4), at(4, 8)) == "none"
+    assert _doc_kind(ids[:1], at(6, 8), at(0, 4)) == "skip"
+    assert _doc_kind(ids, at(6, 8), at(0, 4)) == "mask"  # row 1 is one document
+    assert _doc_kind(ids, at(0, 2), at(2, 4)) == "none"
+    assert _doc_kind(ids[:1], at(4, 8), at(4, 6)) == "mask"
+
+
 @pytest.mark.parametrize(
     "kwargs,err",
     [
@@ -170,7 +184,8 @@ class _ThreadRing:
         recv.copy_(self.queues[i].get(timeout=60))
 
 
-def _run_ring(P_r: int, *, causal: bool, layout: str, Hq=4, Hkv=2, B=2, S=48, D=16, seed=0):
+def _run_ring(P_r: int, *, causal: bool, layout: str, Hq=4, Hkv=2, B=2, S=48, D=16, seed=0,
+              lowp_backward: bool = False):  # fmt: skip
     """Each ring rank in a thread (Ulysses size 1): the hybrid node on its rows, forward and
     backward; returns the gathered (out, dq, dk, dv) and the reference's."""
     torch.manual_seed(seed)
@@ -181,7 +196,8 @@ def _run_ring(P_r: int, *, causal: bool, layout: str, Hq=4, Hkv=2, B=2, S=48, D=
     idx = ring.zigzag_index(S, P_r) if layout == "zigzag" else torch.arange(S)
     L = S // P_r
     results, errors = [None] * P_r, []
-    cfg = ring._Config(causal, D**-0.5, False, None, layout, 32, 64, "fp8")
+    cfg = ring._Config(causal, D**-0.5, False, None, layout, 32, 64, "fp8", torch.bfloat16,
+                       lowp_backward=lowp_backward)  # fmt: skip
 
     def rank(i):
         try:
@@ -236,6 +252,67 @@ def test_ring_threads_match_fp32_attention(P_r, causal, layout):
     assert sent == P_r * (2 * (P_r - 1) * block + P_r * 2 * block)
 
 
+def _cpu_flash_forward(q, k, v, dropout_p, causal, debug, *, scale=None):
+    """The CUDA flash forward's signature on torch's CPU flash attention."""
+    assert dropout_p == 0.0 and not debug
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, causal,
+                        seed, offset, *, scale=None):  # fmt: skip
+    """The CUDA flash backward's signature on torch's CPU flash backward."""
+    assert cum_q is None and cum_k is None and dropout_p == 0.0
+    assert (max_q, max_k) == (q.shape[2], k.shape[2])
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+@pytest.mark.parametrize("P_r,causal,layout", [(2, True, "zigzag"), (3, False, "contiguous")])
+def test_ring_threads_on_the_flash_path(P_r, causal, layout, monkeypatch):
+    """The CUDA path's wrapping (torch's flash attention forward and backward a block, from the
+    final out and lse; GQA heads repeated and their gradients summed) on the CPU flash ops."""
+    from ulysses import _ring_blocks
+
+    monkeypatch.setattr(ring, "_flash_fits", lambda q, padded: not padded)
+    monkeypatch.setattr(_ring_blocks, "_flash_fwd_op", lambda: _cpu_flash_forward)
+    monkeypatch.setattr(_ring_blocks, "_flash_bwd_op", lambda: _cpu_flash_backward)
+    got, ref, _ = _run_ring(P_r, causal=causal, layout=layout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
+        err = (a.float() - b).abs().max().item()
+        assert err <= 2**-6 * max(1.0, b.abs().max().item()), f"{name}: max error {err}"
+
+
+def test_ring_threads_in_query_chunks(monkeypatch):
+    """The fp32 block attention one chunk of query rows at a time (7 rows a chunk here): the
+    same values as whole blocks."""
+    from ulysses import _ring_blocks
+
+    whole, _, _ = _run_ring(2, causal=True, layout="contiguous")
+    monkeypatch.setattr(_ring_blocks, "_CHUNK_ELEMS", 2 * 4 * 24 * 7)
+    assert len(_ring_blocks._row_chunks(torch.empty(2, 24, 4, 16), 24)) == 4
+    chunked, _, _ = _run_ring(2, causal=True, layout="contiguous")
+    for name, a, b in zip(("out", "dq", "dk", "dv"), chunked, whole, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_ring_threads_int8_gradient_hops():
+    """backward_comm="lowp": each ring hop carries a block's dK|dV accumulator as INT8 codes
+    and one fp32 scale a (row, head) (rounded to bf16 first): the gradients within 2% relative
+    L2 of fp32 autograd, in fewer bytes than the fp32 accumulators."""
+    P_r, B, S, Hkv, D = 4, 2, 48, 2, 16
+    got, ref, sent = _run_ring(P_r, causal=True, layout="zigzag", lowp_backward=True)
+    _, _, sent_fp32 = _run_ring(P_r, causal=True, layout="zigzag")
+    for name, a, b in zip(("dq", "dk", "dv"), got[1:], ref[1:], strict=True):
+        rel = ((a.float() - b).norm() / b.norm()).item()
+        assert rel < 0.02, f"{name}: relative L2 {rel}"
+    block = ring.ring_block_bytes(B, S // P_r, Hkv, D)
+    hop = B * (S // P_r) * 2 * Hkv * (D + 4)  # codes and one fp32 scale a (row, head)
+    assert sent == P_r * (2 * (P_r - 1) * block + P_r * hop) < sent_fp32
+
+
 def test_ring_threads_planted_dropped_block_is_caught(monkeypatch):
     monkeypatch.setattr(ring, "_merge_fault", "drop_block")
     got, ref, _ = _run_ring(2, causal=False, layout="contiguous")
@@ -263,12 +340,12 @@ def test_ring_of_one_is_the_plain_call_bit_for_bit():
     "kwargs,err,match",
     [
         ({"comm": "int4"}, ValueError, "comm"),
-        ({"layout": "striped"}, ValueError, "layout"),
+        ({"ring_layout": "striped"}, ValueError, "ring_layout"),
         ({"causal": 1}, TypeError, "causal"),
         ({"mesh": "ring"}, ValueError, "mesh"),
         ({"mesh": (None, 3)}, TypeError, "ulysses group"),
         ({"used_sequence": 0}, ValueError, "used_sequence"),
-        ({"layout": "zigzag", "used_sequence": 10}, ValueError, "zigzag"),
+        ({"ring_layout": "zigzag", "used_sequence": 10}, ValueError, "zigzag"),
     ],
 )
 def test_hybrid_rejects_bad_arguments(kwargs, err, match):
@@ -286,3 +363,7 @@ def test_dispatch_names_unsupported_options_and_mesh_check():
     # a ring of one is the plain call, options and all
     out = ring.dispatch(q, q, q, group=(None, None), head_chunks=2, causal=True)
     assert torch.equal(out, ulysses.ulysses_attention(q, q, q, causal=True, head_chunks=2))
+
+
+def test_mesh_rank_of_groups_of_one():
+    assert ring.mesh_rank((None, None)) == (0, 1, 1)

@@ -57,12 +57,13 @@ named (``--fault NAME`` or ``ULYSSES_HARNESS_FAULT=NAME``).
                                             previous rank's scales
     dout_scales     dout_received           backward_comm="lowp": the output's gradient
                                             dequantized with the previous rank's scales
-    codes_k_shift   codes_k_shift           attn="codes": the kernel reads each key's K scale
-                                            one row further on (the last row of a K group takes
-                                            the next group's scale)
-    codes_k_block   codes_k_shift           attn="codes": the kernel reads each key block's K
-                                            scale from the next group (the warpgroup-MMA
-                                            kernel's block-wise indexing on Hopper at D 128)
+    codes_k_shift   codes_k_shift           attn="codes": the K codes handed to the kernel
+                                            one row on against their scales (planted through
+                                            the data, the kernel unchanged)
+    codes_k_block   codes_k_shift           attn="codes": the K scales handed to the kernel
+                                            rolled by one group, so each key block takes the
+                                            next group's scale (the warpgroup-MMA kernel's
+                                            block-wise indexing on Hopper at D 128)
     error           entered                 k_grouped_amax raises on the last rank
     hang            entered                 make_k_full blocks forever on the last rank
 

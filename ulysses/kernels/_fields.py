@@ -6,10 +6,11 @@ Both sides come from that record:
 
 * the host packs a section by name (``_scratch.Section(record, {name: value})``: every
   field given, none extra), in the record's order;
-* the kernel reads a field at its named offset, a module-level ``tl.constexpr`` made by
-  :meth:`GridFields.at` (``_K_ROW0 = K_STATS.at("row0")``, then
-  ``tl.load(values_ptr + _K_ROW0)``). Triton hashes a constexpr global's value into the
-  kernel's cache key, so a record that changes recompiles its kernels.
+* the kernel reads a field at its named offset, a module-level ``tl.constexpr`` named after
+  the field, made by :meth:`GridFields.at` (``_KS_row0 = K_STATS.at("row0")``) or
+  :meth:`GridFields.offsets` (every field in order), then ``tl.load(values_ptr + _KS_row0)``.
+  Triton hashes a constexpr global's value into the kernel's cache key, so a record that
+  changes recompiles its kernels.
 
 No kernel reads its table at a bare number (``tests/unit/test_grid_fields.py``).
 """
@@ -57,6 +58,12 @@ class GridFields:
     def at(self, name: str) -> tl.constexpr:
         """The kernel's offset of field ``name``: a ``tl.constexpr`` for a module global."""
         return tl.constexpr(self._index[name])
+
+    def offsets(self) -> tuple[tl.constexpr, ...]:
+        """Every field's offset in the record's order, for a kernel module's constants
+        (``(_KS_stride_kb, _KS_stride_kl, ...) = K_STATS.offsets()``: each constant named
+        after its field, which ``tests/unit/test_grid_fields.py`` checks)."""
+        return tuple(tl.constexpr(i) for i in range(len(self.names)))
 
     def pack(self, values: dict) -> list:
         """The section's entries, ``values`` (every field, by name) in the record's order."""

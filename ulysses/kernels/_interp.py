@@ -20,6 +20,8 @@ import threading
 
 import numpy as np
 
+from .._plans import register_cache
+
 __all__ = ["TRITON_LOCK", "run", "triton_state"]
 
 # Held by CPU (interpreted) launches and by launches through Triton's JIT on CUDA (which may
@@ -35,15 +37,17 @@ def run(kernel, grid: tuple, kwargs: dict) -> None:
         _interpreted(kernel)[grid](**kwargs)
 
 
-_NAMESPACES: list = [-1, []]  # [len(sys.modules) when built, the list]
+# len(sys.modules) when built -> the namespaces (one entry)
+_NAMESPACES: dict = register_cache(f"{__name__}._NAMESPACES", {})
 
 
 def _patched_namespaces() -> list[object]:
     """Cached :func:`_find_namespaces` (rebuilt when modules were imported since)."""
-    if _NAMESPACES[0] != len(sys.modules):
-        _NAMESPACES[1] = _find_namespaces()
-        _NAMESPACES[0] = len(sys.modules)
-    return _NAMESPACES[1]
+    found = _NAMESPACES.get(len(sys.modules))
+    if found is None:
+        _NAMESPACES.clear()
+        found = _NAMESPACES[len(sys.modules)] = _find_namespaces()
+    return found
 
 
 def _find_namespaces() -> list[object]:
@@ -108,8 +112,9 @@ def _is_module(value) -> bool:
     return type(value).__name__ == "module"
 
 
-_INTERPRETED: dict[object, object] = {}
-_HELPERS: dict[object, object] = {}  # jit helpers' functions -> their InterpretedFunction
+_INTERPRETED: dict = register_cache(f"{__name__}._INTERPRETED", {})
+# jit helpers' functions -> their InterpretedFunction
+_HELPERS: dict = register_cache(f"{__name__}._HELPERS", {})
 
 
 def _interpreted(kernel):
@@ -211,7 +216,7 @@ def _skip_dead_overflow_checks(interpreter) -> None:
     semantic.binary_op_sanitize_overflow_impl = sanitize
 
 
-_ASSERT_NEEDS_DEBUG: dict[object, bool] = {}
+_ASSERT_NEEDS_DEBUG: dict = register_cache(f"{__name__}._ASSERT_NEEDS_DEBUG", {})
 
 
 def _assert_needs_debug(semantic) -> bool:

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from .._plans import register_cache
 from . import _interp
 
 __all__ = [
@@ -67,7 +68,8 @@ def hopper_memory(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-_PARAMS: dict[object, tuple[tuple[str, ...], tuple[int, ...]]] = {}
+# kernel -> (parameter names, modes)
+_PARAMS: dict = register_cache(f"{__name__}._PARAMS", {})
 _CONSTEXPR, _SPECIALIZED, _NOT_SPECIALIZED = 0, 1, 2
 
 
@@ -377,7 +379,7 @@ class Views:
 # One-shot launches (``launch``) of a configuration seen before reuse its Launch, so that from
 # the second call on they take the fast path too (a new Launch each call went through Triton's
 # own dispatch every time, several times the host cost of the fast path).
-_LAUNCHES: dict[tuple, tuple[Launch, tuple[str, ...]]] = {}  # -> (Launch, slot names)
+_LAUNCHES: dict = register_cache(f"{__name__}._LAUNCHES", {})  # -> (Launch, slot names)
 _MAX_LAUNCHES = 512
 
 

@@ -37,6 +37,7 @@ from ._launch import (
 )
 from ._launch import _params as _params
 from ._scratch import (
+    LaunchConfig,
     Part,
     Section,
     cdiv,
@@ -76,6 +77,7 @@ __all__ = [
     "starts",
     "HAS_GDC",
     "Launch",
+    "LaunchConfig",
     "Part",
     "Section",
     "TRITON_LOCK",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import operator
 import struct
 import weakref
 from typing import NamedTuple
 
 import torch
 
+from .._plans import register_cache
 from ._fields import GridFields
 from ._launch import compiled_for_gpu
 
@@ -15,6 +17,7 @@ __all__ = [
     "cdiv",
     "counters",
     "f32_bits",
+    "LaunchConfig",
     "Part",
     "Section",
     "grid_table",
@@ -25,6 +28,23 @@ __all__ = [
     "tile",
     "workspace",
 ]
+
+
+class LaunchConfig(tuple):
+    """A launch configuration: a tuple (hashable, a cache key or a benchmark's label) whose
+    entries are also read by the names in the subclass's ``FIELDS``; the subclass's
+    ``__new__`` checks and orders them."""
+
+    __slots__ = ()
+    FIELDS: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for i, name in enumerate(cls.FIELDS):
+            setattr(cls, name, property(operator.itemgetter(i)))
+
+    def __getnewargs__(self):
+        return tuple(self)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -173,7 +193,7 @@ def counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-_SM_COUNT: dict[int, int] = {}
+_SM_COUNT: dict = register_cache(f"{__name__}._SM_COUNT", {})  # device index -> SMs
 
 
 def sm_count(device: torch.device) -> int:
@@ -185,7 +205,7 @@ def sm_count(device: torch.device) -> int:
     return n
 
 
-_TILES: dict[tuple, tuple[int, int]] = {}
+_TILES: dict = register_cache(f"{__name__}._TILES", {})  # tile()'s arguments -> its result
 
 
 def tile(

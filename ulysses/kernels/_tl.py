@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["head_block_program", "load_streamed", "table_int"]
+__all__ = ["head_block_program", "load_streamed", "row_block_program", "table_int"]
 
 
 @triton.jit
@@ -54,3 +54,20 @@ def table_int(values_ptr, i: tl.constexpr, HINTS: tl.constexpr):
     if (HINTS // 2**i) % 2:  # bit i (``i`` a constexpr global: an int has no ``>>`` for it)
         x = tl.multiple_of(x, 16)
     return x
+
+
+@triton.jit
+def row_block_program(S, BLOCK_S: tl.constexpr, D: tl.constexpr, DB: tl.constexpr):
+    """This program's place in a grid of (row blocks, heads, batch):
+    ``(i_h, i_b, o_s [BS], o_d [DB], m_s [BS], m_sd)``, its head and batch, its rows and
+    channels and their masks: ``m_sd`` [BS, DB] masks channels ``[D, DB)`` off, or is
+    [BS, 1] where ``DB == D`` (a power of two: no channel mask in the code)."""
+    i_s, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, DB)
+    m_s = o_s < S
+    if DB == D:
+        m_sd = m_s[:, None]
+    else:
+        m_sd = m_s[:, None] & (o_d[None, :] < D)
+    return i_h, i_b, o_s, o_d, m_s, m_sd

@@ -44,14 +44,9 @@ from ._runtime import (
 )
 
 __all__ = [
-    "local_stats",
-    "k_stats_part",
-    "LocalStats",
-    "payload_numel",
-    "MINMAX_NONE",
-    "MINMAX_BOUNDARY",
+    "local_stats", "k_stats_part", "LocalStats", "payload_numel", "MINMAX_NONE", "MINMAX_BOUNDARY",
     "MINMAX_ALL",
-]
+]  # fmt: skip
 
 # The mean's fixed summation order (docs/DESIGN.md "Mean"): rows are summed in blocks of
 # SUM_BLOCK global rows, blocks in superblocks of SUPER_BLOCK blocks (1024 rows). The kernel
@@ -77,86 +72,32 @@ K_STATS = GridFields(
     "sup_at",
     hinted=("stride_kb", "stride_kl", "stride_kh"),
 )  # fmt: skip
-_KS_stride_kb = K_STATS.at("stride_kb")
-_KS_stride_kl = K_STATS.at("stride_kl")
-_KS_stride_kh = K_STATS.at("stride_kh")
-_KS_rows_at = K_STATS.at("rows_at")
-_KS_tag = K_STATS.at("tag")
-_KS_tag_last = K_STATS.at("tag_last")
-_KS_L = K_STATS.at("L")
-_KS_H = K_STATS.at("H")
-_KS_row0 = K_STATS.at("row0")
-_KS_used = K_STATS.at("used")
-_KS_tail_group = K_STATS.at("tail_group")
-_KS_g_first = K_STATS.at("g_first")
-_KS_n_touched = K_STATS.at("n_touched")
-_KS_n_mm = K_STATS.at("n_mm")
-_KS_block_first = K_STATS.at("block_first")
-_KS_n_blocks = K_STATS.at("n_blocks")
-_KS_bnd_at = K_STATS.at("bnd_at")
-_KS_sup_at = K_STATS.at("sup_at")
+(_KS_stride_kb, _KS_stride_kl, _KS_stride_kh, _KS_rows_at, _KS_tag, _KS_tag_last, _KS_L, _KS_H,
+ _KS_row0, _KS_used, _KS_tail_group, _KS_g_first, _KS_n_touched, _KS_n_mm, _KS_block_first,
+ _KS_n_blocks, _KS_bnd_at, _KS_sup_at) = K_STATS.offsets()  # fmt: skip
 
 
 @triton.jit
 def _block_stats_kernel(
-    k_ptr,
-    sum_ptr,
-    mm_ptr,
-    cnt_ptr,
-    payload_ptr,
+    k_ptr, sum_ptr, mm_ptr, cnt_ptr, payload_ptr,
     values_ptr,  # int32 [len(K_STATS)], then the per-row table
-    HINTS: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    ROWS: tl.constexpr,
-    MINMAX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
+    HINTS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr, MINMAX: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     _k_stats_program(
-        tl.program_id(0).to(tl.int64),
-        k_ptr,
-        sum_ptr,
-        mm_ptr,
-        cnt_ptr,
-        payload_ptr,
-        values_ptr,
-        HINTS,
-        G,
-        D,
-        BLOCK_H,
-        ROWS,
-        MINMAX,
-        USE_PDL,
-        EVICT,
-        PER_ROW,
-        DB,
-    )
+        tl.program_id(0).to(tl.int64), k_ptr, sum_ptr, mm_ptr, cnt_ptr, payload_ptr, values_ptr,
+        HINTS, G, D, BLOCK_H, ROWS, MINMAX, USE_PDL, EVICT, PER_ROW, DB,
+    )  # fmt: skip
 
 
 @triton.jit
 def _k_stats_program(
-    i_pid,
-    k_ptr,
-    sum_ptr,
-    mm_ptr,
-    cnt_ptr,
-    payload_ptr,
-    values_ptr,
-    HINTS: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    ROWS: tl.constexpr,
-    MINMAX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
+    i_pid, k_ptr, sum_ptr, mm_ptr, cnt_ptr, payload_ptr, values_ptr, HINTS: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    MINMAX: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr, PER_ROW: tl.constexpr,
     DB: tl.constexpr,
-):
+):  # fmt: skip
     """Program ``i_pid`` of K's statistics (this launch's, or the exchange's statistics launch,
     kernels/lowp_stats.py), its grid values at ``values_ptr`` (``K_STATS``)."""
     # values used after the row loops are loaded there, not held in registers across them
@@ -239,22 +180,8 @@ def _k_stats_program(
         if MINMAX != 0:
             if SUB == G:
                 i_s = group - tl.load(values_ptr + _KS_g_first)
-                _store_minmax(
-                    mm_ptr,
-                    payload_ptr + tl.load(values_ptr + _KS_bnd_at),  # the boundary records
-                    b_min,
-                    b_max,
-                    b_nan,
-                    i_b,
-                    i_s,
-                    tl.load(values_ptr + _KS_n_touched),
-                    tl.load(values_ptr + _KS_n_mm),
-                    H,
-                    D,
-                    o_hd,
-                    m_hd,
-                    MINMAX,
-                )
+                _store_minmax(mm_ptr, payload_ptr, values_ptr, b_min, b_max, b_nan, i_b, i_s, H,
+                              D, o_hd, m_hd, MINMAX)  # fmt: skip
                 b_min = tl.full([BLOCK_H, DB], float("inf"), tl.float32)
                 b_max = tl.full([BLOCK_H, DB], float("-inf"), tl.float32)
                 b_nan = tl.zeros([BLOCK_H, DB], dtype=tl.int1)
@@ -270,22 +197,8 @@ def _k_stats_program(
     if MINMAX != 0:
         if SUB != G:  # G > 64: the span is one group
             i_s = span0 // G - tl.load(values_ptr + _KS_g_first)
-            _store_minmax(
-                mm_ptr,
-                payload_ptr + tl.load(values_ptr + _KS_bnd_at),  # the boundary records
-                b_min,
-                b_max,
-                b_nan,
-                i_b,
-                i_s,
-                tl.load(values_ptr + _KS_n_touched),
-                tl.load(values_ptr + _KS_n_mm),
-                H,
-                D,
-                o_hd,
-                m_hd,
-                MINMAX,
-            )
+            _store_minmax(mm_ptr, payload_ptr, values_ptr, b_min, b_max, b_nan, i_b, i_s, H, D,
+                          o_hd, m_hd, MINMAX)  # fmt: skip
 
     # ---- the ordered sum of the block sums, finished by the last programs (no second launch)
     # The association is fixed by global positions (docs/DESIGN.md "Mean"): the blocks of each
@@ -341,24 +254,16 @@ def _ordered_sum(p, j0, j1, step, m_hd, BLOCK_H: tl.constexpr, DB: tl.constexpr)
 
 @triton.jit
 def _store_minmax(
-    mm_ptr,
-    bnd_ptr,
-    b_min,
-    b_max,
-    b_nan,
-    i_b,
-    i_s,
-    n_touched,
-    n_mm,
-    H,
-    D: tl.constexpr,
-    o_hd,
-    m_hd,
-    MINMAX: tl.constexpr,
-):
+    mm_ptr, payload_ptr, values_ptr, b_min, b_max, b_nan, i_b, i_s, H, D: tl.constexpr, o_hd,
+    m_hd, MINMAX: tl.constexpr,
+):  # fmt: skip
     """Store one slot's min/max (NaN wins over both): every touched slot into mm
     [B, n_mm, 2, H, D] (k's dtype, exact) with MINMAX_ALL, and the first and last touched slot
-    into the fp32 boundary records bnd [B, 2 (first, last), 2 (min, max), H, D] of the payload."""
+    into the fp32 boundary records bnd [B, 2 (first, last), 2 (min, max), H, D] of the payload
+    (at ``bnd_at``)."""
+    bnd_ptr = payload_ptr + tl.load(values_ptr + _KS_bnd_at)
+    n_touched = tl.load(values_ptr + _KS_n_touched)
+    n_mm = tl.load(values_ptr + _KS_n_mm)
     b_min = tl.where(b_nan, float("nan"), b_min)
     b_max = tl.where(b_nan, float("nan"), b_max)
     if MINMAX == 2:
@@ -399,30 +304,13 @@ class LocalStats:
 
 
 def k_stats_part(
-    shape: tuple[int, int, int, int],
-    strides: tuple[int, int, int, int],
-    device: torch.device,
-    payload: torch.Tensor,
-    minmax: torch.Tensor,
-    *,
-    group_size: int,
-    row0: int,
-    live_end: int,
-    tail_group: int,
-    g_first: int,
-    n_touched: int,
-    n_slots: int,
-    block_first: int,
-    n_blocks: int,
-    minmax_mode: int,
-    tag: float,
-    use_pdl: bool,
-    per_row: tuple | None = None,
-    rows: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
+    shape: tuple[int, int, int, int], strides: tuple[int, int, int, int], device: torch.device,
+    payload: torch.Tensor, minmax: torch.Tensor, *, group_size: int, row0: int, live_end: int,
+    tail_group: int, g_first: int, n_touched: int, n_slots: int, block_first: int, n_blocks: int,
+    minmax_mode: int, tag: float, use_pdl: bool, per_row: tuple | None = None,
+    rows: int | None = None, block_h: int | None = None, num_warps: int | None = None,
     evict: bool | None = None,
-) -> Part:
+) -> Part:  # fmt: skip
     """K's statistics programs for one shard shape, writing ``payload`` and ``minmax``
     (:func:`local_stats`); their "last program" counters are the first ``counters`` of the
     stream's (kernels/_scratch.counters)."""
@@ -477,13 +365,9 @@ def k_stats_part(
 
 
 def local_stats(
-    k: torch.Tensor,
-    payload: torch.Tensor | None = None,
-    *,
-    n_slots: int,
-    minmax_mode: int,
+    k: torch.Tensor, payload: torch.Tensor | None = None, *, n_slots: int, minmax_mode: int,
     **config,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One read of the shard ``k`` [B, L, H, D]: ``(payload, minmax)``; ``config``: the other
     keyword arguments of :class:`LocalStats`.
 

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ._quant import e4m3_code
-from ._runtime import cdiv, compiled_for_gpu, launch
+from ._runtime import LaunchConfig, cdiv, compiled_for_gpu, launch
 from .codes_wgmma import DEFAULT as WGMMA_DEFAULT
 from .codes_wgmma import WgmmaConfig, codes_attention_wgmma, wgmma_unsupported
 from .lowp_dequant import round_to
@@ -60,7 +60,7 @@ __all__ = ["codes_attention", "codes_supported", "transpose_v", "CodesConfig", "
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-_NOT_SPECIALIZED = ["S", "HQ", "HKV", "q_group", "k_group", "n_qg", "n_kg", "k_shift", "S_pad"]
+_NOT_SPECIALIZED = ["S", "HQ", "HKV", "q_group", "k_group", "n_qg", "n_kg", "S_pad"]
 
 
 @triton.jit
@@ -82,10 +82,8 @@ def _seeded_scores(b_q, k_src, stride_ks, start_n, o_n, o_d):
 
 @triton.jit
 def _key_block(
-    acc, l_i, m_i, b_q, b_a, b_dq,
-    k_src, v_src, ks_base, doc_base,
-    stride_ks, stride_vs, stride_vd,
-    start_n, o_m, o_n, o_d, lo, hi_k, k_group, n_kg, k_shift,
+    acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base, stride_ks, stride_vs, stride_vd,
+    start_n, o_m, o_n, o_d, lo, hi_k, k_group, n_kg,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
     KS_BLOCK: tl.constexpr, KS_PAIR: tl.constexpr, PV_FP8: tl.constexpr, V_T: tl.constexpr,
     V_INT8: tl.constexpr, HW_ROUND: tl.constexpr, OPT: tl.constexpr, b_pre=None,
@@ -131,7 +129,7 @@ def _key_block(
             b_x = b_x * b_ks[None, :]
             b_ab = b_a
         else:
-            b_ks = tl.load(ks_base + tl.minimum((o_c + k_shift) // k_group, n_kg - 1))  # [BN]
+            b_ks = tl.load(ks_base + tl.minimum(o_c // k_group, n_kg - 1))  # [BN]
             b_x = b_x * b_ks[None, :]
             b_ab = b_a
         if MASKED:
@@ -203,13 +201,10 @@ def _key_block(
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _codes_attn_fwd_kernel(
-    q_ptr, stride_qb, stride_qs, stride_qh,
-    k_ptr, stride_kb, stride_ks, stride_kh,
-    v_ptr, stride_vb, stride_vs, stride_vh, stride_vd,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr,
-    used_ptr, doc_ptr, bounds_ptr,
-    out_ptr, lse_ptr,
-    S, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale, k_shift,
+    q_ptr, stride_qb, stride_qs, stride_qh, k_ptr, stride_kb, stride_ks, stride_kh,
+    v_ptr, stride_vb, stride_vs, stride_vh, stride_vd, q_scale_ptr, k_scale_ptr, v_scale_ptr,
+    used_ptr, doc_ptr, bounds_ptr, out_ptr, lse_ptr,
+    S, HQ, HKV, q_group, k_group, n_qg, n_kg, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_USED: tl.constexpr, DOCS: tl.constexpr, KS_BLOCK: tl.constexpr, KS_PAIR: tl.constexpr,
     PV_FP8: tl.constexpr, V_T: tl.constexpr, V_INT8: tl.constexpr,
@@ -286,7 +281,7 @@ def _codes_attn_fwd_kernel(
                 acc, l_i, m_i = _key_block(
                     acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                     stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                    k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8,
+                    k_group, n_kg, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8,
                     V_T, V_INT8, HW_ROUND, OPT,
                 )  # fmt: skip
         if (OPT & 17) == 17 and KS_BLOCK:  # the scores one block ahead
@@ -299,7 +294,7 @@ def _codes_attn_fwd_kernel(
                     acc, l_i, m_i = _key_block(
                         acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                         stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                        k_group, n_kg, k_shift, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK,
+                        k_group, n_kg, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK,
                         KS_PAIR, PV_FP8, V_T, V_INT8, HW_ROUND, OPT, b_pre,
                     )  # fmt: skip
                     b_pre = b_next
@@ -309,14 +304,14 @@ def _codes_attn_fwd_kernel(
                 acc, l_i, m_i = _key_block(
                     acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                     stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                    k_group, n_kg, k_shift, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK, KS_PAIR,
+                    k_group, n_kg, BLOCK_N, False, CAUSAL, DOCS, KS_BLOCK, KS_PAIR,
                     PV_FP8, V_T, V_INT8, HW_ROUND, OPT,
                 )  # fmt: skip
         for start_n in tl.range(tail, hi, BLOCK_N):
             acc, l_i, m_i = _key_block(
                 acc, l_i, m_i, b_q, b_a, b_dq, k_src, v_src, ks_base, doc_base,
                 stride_ks, stride_vs, stride_vd, start_n, o_m, o_n, o_d, lo, hi_k,
-                k_group, n_kg, k_shift, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8, V_T,
+                k_group, n_kg, BLOCK_N, True, CAUSAL, DOCS, KS_BLOCK, KS_PAIR, PV_FP8, V_T,
                 V_INT8, HW_ROUND, OPT,
             )  # fmt: skip
         b_vs = tl.load(v_scale_ptr + (i_b * HKV + i_hk) * D + o_d)  # [D]
@@ -362,47 +357,25 @@ def transpose_v(v: torch.Tensor, used: torch.Tensor | None = None) -> torch.Tens
     gpu = compiled_for_gpu(v.device)
     block_s = 64 if gpu else 128
     launch(
-        _v_transpose_kernel,
-        (cdiv(S_pad, block_s), B * HKV),
-        v.device,
-        num_warps=4 if gpu else 1,
-        v_ptr=v,
-        stride_vb=v.stride(0),
-        stride_vs=v.stride(1),
-        stride_vh=v.stride(2),
-        vt_ptr=vt,
-        used_ptr=used if used is not None else vt,
-        S=S,
-        used_max=S,
-        S_pad=S_pad,
-        HKV=HKV,
-        D=D,
-        BLOCK_S=block_s,
-        HAS_USED=used is not None,
-    )
+        _v_transpose_kernel, (cdiv(S_pad, block_s), B * HKV), v.device, num_warps=4 if gpu else 1,
+        v_ptr=v, stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2), vt_ptr=vt,
+        used_ptr=used if used is not None else vt, S=S, used_max=S, S_pad=S_pad, HKV=HKV, D=D,
+        BLOCK_S=block_s, HAS_USED=used is not None,
+    )  # fmt: skip
     return vt
 
 
-class CodesConfig(tuple):
+class CodesConfig(LaunchConfig):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages, pv, opt): one launch configuration. ``pv``:
     "fp8t" (fp8 P·V on a transposed V copy), "fp8" (fp8 P·V on V as it lies) or "fp16";
     ``opt``: the kernel's OPT bits (see ``_key_block``)."""
 
     __slots__ = ()
+    FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "pv", "opt")
 
     def __new__(cls, block_m, block_n, num_warps, num_stages, pv="fp8t", opt=0):
         assert pv in ("fp8t", "fp8", "fp16") and 0 <= opt < 32
         return super().__new__(cls, (block_m, block_n, num_warps, num_stages, pv, opt))
-
-    def __getnewargs__(self):
-        return tuple(self)
-
-    block_m = property(lambda self: self[0])
-    block_n = property(lambda self: self[1])
-    num_warps = property(lambda self: self[2])
-    num_stages = property(lambda self: self[3])
-    pv = property(lambda self: self[4])
-    opt = property(lambda self: self[5])
 
     def __repr__(self) -> str:
         return f"M{self[0]}-N{self[1]}-w{self[2]}-s{self[3]}-{self[4]}-o{self[5]}"
@@ -446,28 +419,16 @@ def document_bounds(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 def codes_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    *,
-    q_group: int,
-    k_group: int,
-    causal: bool = False,
-    sm_scale: float | None = None,
-    used: torch.Tensor | None = None,
-    doc_ids: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    k_shift: int = 0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+    v_scale: torch.Tensor, *, q_group: int, k_group: int, causal: bool = False,
+    sm_scale: float | None = None, used: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
     config: CodesConfig | WgmmaConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out [B, S, hq, D] out_dtype, lse [B, hq, S] fp32)``: attention of the codes (module
     docstring for shapes and math). ``used``: None or an int32 tensor [B] of live rows a batch
     row; ``doc_ids``: None or an integer tensor [B, S] of non-decreasing document ids;
-    ``sm_scale`` defaults to ``D ** -0.5``; ``k_shift`` moves the K-scale index (a planted
-    fault for the harness; 0 otherwise). ``config``: None runs Hopper's warpgroup-MMA kernel
+    ``sm_scale`` defaults to ``D ** -0.5``. ``config``: None runs Hopper's warpgroup-MMA kernel
     (:mod:`.codes_wgmma`) where it supports the call, else this module's kernel with its
     default configuration; a :class:`CodesConfig` this module's kernel, a ``WgmmaConfig`` the
     warpgroup-MMA kernel. Launcher: invariants are asserted, the layer validates user
@@ -489,18 +450,16 @@ def codes_attention(
     ):  # fmt: skip
         wg = config or WGMMA_DEFAULT  # Hopper's warpgroup-MMA kernel
         if doc_ids is None and not wgmma_unsupported(
-            q, k, v, k_group=k_group, docs=False, k_shift=k_shift, config=wg
+            q, k, v, k_group=k_group, docs=False, config=wg
         ):  # fmt: skip
             if used is not None:
                 used = used.to(torch.int32).contiguous()
             return codes_attention_wgmma(
                 q, k, transpose_v(v, used), q_scale, k_scale, v_scale, q_group=q_group,
                 k_group=k_group, causal=causal, sm_scale=sm_scale, used=used,
-                out_dtype=out_dtype, config=wg, k_shift=k_shift,
+                out_dtype=out_dtype, config=wg,
             )  # fmt: skip
-        assert config is None, wgmma_unsupported(
-            q, k, v, k_group=k_group, docs=doc_ids is not None, k_shift=k_shift
-        )
+        assert config is None, wgmma_unsupported(q, k, v, k_group=k_group, docs=doc_ids is not None)
     cfg = config or (GPU_DEFAULT if gpu else _CPU_CONFIG)
     v_int8 = v.dtype == torch.int8
     pv = "fp16" if v_int8 else cfg.pv
@@ -524,53 +483,19 @@ def codes_attention(
     else:
         v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2), 1)
     launch(
-        _codes_attn_fwd_kernel,
-        (cdiv(S, cfg.block_m), B * HQ),
-        device,
-        num_warps=cfg.num_warps,
-        q_ptr=q,
-        stride_qb=q.stride(0),
-        stride_qs=q.stride(1),
-        stride_qh=q.stride(2),
-        k_ptr=k,
-        stride_kb=k.stride(0),
-        stride_ks=k.stride(1),
-        stride_kh=k.stride(2),
-        v_ptr=v_arg,
-        stride_vb=v_strides[0],
-        stride_vs=v_strides[1],
-        stride_vh=v_strides[2],
-        stride_vd=v_strides[3],
-        q_scale_ptr=q_scale,
-        k_scale_ptr=k_scale,
-        v_scale_ptr=v_scale,
+        _codes_attn_fwd_kernel, (cdiv(S, cfg.block_m), B * HQ), device, num_warps=cfg.num_warps,
+        q_ptr=q, stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2), k_ptr=k,
+        stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2), v_ptr=v_arg,
+        stride_vb=v_strides[0], stride_vs=v_strides[1], stride_vh=v_strides[2],
+        stride_vd=v_strides[3], q_scale_ptr=q_scale, k_scale_ptr=k_scale, v_scale_ptr=v_scale,
         used_ptr=used if used is not None else q_scale,
         doc_ptr=doc_ids if doc_ids is not None else q_scale,
-        bounds_ptr=bounds if bounds is not None else q_scale,
-        out_ptr=out,
-        lse_ptr=lse,
-        S=S,
-        HQ=HQ,
-        HKV=HKV,
-        q_group=q_group,
-        k_group=k_group,
-        n_qg=cdiv(S, q_group),
-        n_kg=cdiv(S, k_group),
-        qk_scale=sm_scale * LOG2E,
-        k_shift=int(k_shift),
-        D=D,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        CAUSAL=bool(causal),
-        HAS_USED=used is not None,
-        DOCS=doc_ids is not None,
-        KS_BLOCK=k_group % cfg.block_n == 0 and k_shift == 0,
-        KS_PAIR=cfg.block_n == 2 * k_group and k_shift == 0,
-        PV_FP8=pv != "fp16",
-        V_T=pv == "fp8t",
-        V_INT8=v_int8,
-        NUM_STAGES=cfg.num_stages,
-        HW_ROUND=gpu,
-        OPT=cfg.opt,
-    )
+        bounds_ptr=bounds if bounds is not None else q_scale, out_ptr=out, lse_ptr=lse, S=S, HQ=HQ,
+        HKV=HKV, q_group=q_group, k_group=k_group, n_qg=cdiv(S, q_group), n_kg=cdiv(S, k_group),
+        qk_scale=sm_scale * LOG2E, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=bool(causal), HAS_USED=used is not None, DOCS=doc_ids is not None,
+        KS_BLOCK=k_group % cfg.block_n == 0, KS_PAIR=cfg.block_n == 2 * k_group,
+        PV_FP8=pv != "fp16", V_T=pv == "fp8t", V_INT8=v_int8, NUM_STAGES=cfg.num_stages,
+        HW_ROUND=gpu, OPT=cfg.opt,
+    )  # fmt: skip
     return out, lse

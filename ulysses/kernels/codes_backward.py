@@ -119,12 +119,13 @@ def _int_dot_f32(b_a, b_b):
 @triton.jit
 def _int8_rows(b_x):
     """Per-row INT8 codes of fp32 ``b_x`` [M, N]: ``(codes int8, row scale amax / 127)``; a
-    row of zeros gets codes 0 and scale 0. Rounding to nearest even by adding 1.5 * 2^23
-    (|x * 127 / amax| <= 127, so the sum lies in [2^23, 2^24), where the fp32 step is 1)."""
+    row of zeros gets codes 0 and scale 0. Rounding to nearest even by adding 1.5 * 2^23 in
+    one fused multiply-add (|x * 127 / amax| <= 127 (+ an ulp), so the sum lies in [2^23,
+    2^24), where the fp32 step is 1, and its low byte is the two's-complement code)."""
     b_amax = tl.max(tl.abs(b_x), 1)
     b_inv = tl.where(b_amax > 0.0, 127.0 / b_amax, 0.0)
-    b_y = b_x * b_inv[:, None] + MAGIC_F
-    b_code = (b_y.to(tl.int32, bitcast=True) - MAGIC_I).to(tl.int8)
+    b_y = tl.fma(b_x, b_inv[:, None], MAGIC_F)  # one rounding: rne(x * inv) in the low bits
+    b_code = b_y.to(tl.int32, bitcast=True).to(tl.int8)  # the low byte (MAGIC_I's is 0)
     return b_code, b_amax * (1.0 / 127.0)
 
 
@@ -149,20 +150,28 @@ def _to_e4m3(b_x, HW_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _v_bf16(v_ptrs, mask, V_INT8: tl.constexpr, MASKED: tl.constexpr):
-    """The V codes [N, D] at ``v_ptrs`` as bf16 (exact), +0 where not ``mask`` (MASKED)."""
-    if V_INT8:
+def _v_bf16(v_ptrs, mask, V_MODE: tl.constexpr, MASKED: tl.constexpr):
+    """V [N, D] at ``v_ptrs`` as bf16, +0 where not ``mask`` (MASKED): ``V_MODE`` 0 e4m3
+    codes, 1 int8 codes (both converted exactly), 2 a bf16 copy of the codes."""
+    if V_MODE == 2:
         if MASKED:
-            b_v = tl.load(v_ptrs, mask=mask, other=0)
+            b_v = tl.load(v_ptrs, mask=mask, other=0.0)
         else:
             b_v = tl.load(v_ptrs)
-    else:  # the codes' bytes, +0 where masked (a NaN code times 0 is NaN)
-        if MASKED:
-            b_v = tl.load(v_ptrs.to(tl.pointer_type(tl.uint8)), mask=mask, other=0)
-        else:
-            b_v = tl.load(v_ptrs.to(tl.pointer_type(tl.uint8)))
-        b_v = b_v.to(tl.float8e4nv, bitcast=True)
-    return b_v.to(tl.float32).to(tl.bfloat16)
+        return b_v
+    else:
+        if V_MODE == 1:
+            if MASKED:
+                b_v = tl.load(v_ptrs, mask=mask, other=0)
+            else:
+                b_v = tl.load(v_ptrs)
+        else:  # the codes' bytes, +0 where masked (a NaN code times 0 is NaN)
+            if MASKED:
+                b_v = tl.load(v_ptrs.to(tl.pointer_type(tl.uint8)), mask=mask, other=0)
+            else:
+                b_v = tl.load(v_ptrs.to(tl.pointer_type(tl.uint8)))
+            b_v = b_v.to(tl.float8e4nv, bitcast=True)
+        return b_v.to(tl.float32).to(tl.bfloat16)
 
 
 # ---- pre-pass ---------------------------------------------------------------------------------
@@ -259,7 +268,7 @@ def _dkdv_block(
     b_l2 = tl.load(lse_row + o_m)  # [BM] lse * log2(e), +inf on dead rows
     b_dl = tl.load(delta_row + o_m)  # [BM]
     b_xt = _int_dot_f32(b_k, tl.trans(b_q))  # [BN, BM] exact q . k
-    b_arg = (b_xt * b_kr[:, None]) * b_qa[None, :] + (8.0 - b_l2)[None, :]
+    b_arg = tl.fma(b_xt * b_kr[:, None], b_qa[None, :], (8.0 - b_l2)[None, :])
     b_p = tl.math.exp2(b_arg)  # 2^8 p^T
     if MASKED:
         m_ok = key_live[:, None] & (o_m < hi)[None, :]
@@ -285,7 +294,7 @@ def _dkdv_block(
     if DS_INT8:
         b_c, b_r = _int8_rows(b_ds)
         b_qt = tl.load(qt_bh + o_d[:, None] * S_pad + o_m[None, :])  # [D, BM] int8
-        acc_dk += _int_dot_f32(b_c, tl.trans(b_qt)) * b_r[:, None]
+        acc_dk = tl.fma(_int_dot_f32(b_c, tl.trans(b_qt)), b_r[:, None], acc_dk)
     else:
         acc_dk = _dot16(round_to(b_ds, tl.bfloat16, HW_ROUND),
                         b_q.to(tl.float32).to(tl.bfloat16), acc_dk, HW_ROUND)  # fmt: skip
@@ -303,7 +312,7 @@ def _bwd_dkdv_kernel(
     S, S_pad, HQ, HKV,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_USED: tl.constexpr, DOCS: tl.constexpr, DV_FP8: tl.constexpr, DS_INT8: tl.constexpr,
-    V_INT8: tl.constexpr, NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr,
+    V_MODE: tl.constexpr, NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)  # b * hkv + kv head
@@ -330,7 +339,7 @@ def _bwd_dkdv_kernel(
                       mask=key_live[:, None], other=0)  # fmt: skip
         p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh
         b_v = _v_bf16(p_v + o_n[:, None].to(tl.int64) * stride_vs + o_d[None, :],
-                      key_live[:, None], V_INT8, True)  # fmt: skip
+                      key_live[:, None], V_MODE, True)  # fmt: skip
         b_kr = tl.load(kr_ptr + i_bh.to(tl.int64) * S_pad + o_n)  # [BN] K scales, 0 past S
         # the query rows that may attend this block: [lo, hi)
         lo = 0
@@ -412,7 +421,7 @@ def _dq_block(
     acc, b_q, b_qa, b_l2, b_dl, b_dos, start_n, o_m, o_nb, o_d, S_pad, hi_k,
     k_src, stride_ks, v_src, stride_vs, kr_row, kt_bh, b_dq_doc, doc_base,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    DS_INT8: tl.constexpr, V_INT8: tl.constexpr, HW_ROUND: tl.constexpr,
+    DS_INT8: tl.constexpr, V_MODE: tl.constexpr, HW_ROUND: tl.constexpr,
 ):  # fmt: skip
     """One key block ``[start_n, start_n + BN)`` folded into the query block's ``acc`` [BM, D]."""
     o_n = start_n + o_nb
@@ -425,7 +434,7 @@ def _dq_block(
         b_k = tl.load(k_src + o_n[:, None].to(tl.int64) * stride_ks + o_d[None, :])
     b_kr = tl.load(kr_row + o_n)  # [BN]
     b_x = _int_dot_f32(b_q, tl.trans(b_k))  # [BM, BN]
-    b_arg = (b_x * b_kr[None, :]) * b_qa[:, None] + (8.0 - b_l2)[:, None]
+    b_arg = tl.fma(b_x * b_kr[None, :], b_qa[:, None], (8.0 - b_l2)[:, None])
     b_p = tl.math.exp2(b_arg)  # 2^8 p
     if MASKED:
         m_ok = (o_n < hi_k)[None, :]
@@ -435,14 +444,14 @@ def _dq_block(
             b_dk_doc = tl.load(doc_base + o_n, mask=o_n < hi_k, other=-1)
             m_ok = m_ok & (b_dk_doc[None, :] == b_dq_doc[:, None])
         b_p = tl.where(m_ok, b_p, 0.0)
-    b_v = _v_bf16(v_src + o_n[:, None].to(tl.int64) * stride_vs + o_d[None, :], m_k, V_INT8, MASKED)
+    b_v = _v_bf16(v_src + o_n[:, None].to(tl.int64) * stride_vs + o_d[None, :], m_k, V_MODE, MASKED)
     b_dp = _dot16(b_dos, tl.trans(b_v), tl.zeros([b_dos.shape[0], BLOCK_N], tl.float32),
                   HW_ROUND)  # [BM, BN] fp32  # fmt: skip
     b_ds = b_p * (b_dp - b_dl[:, None]) * b_kr[None, :]  # 2^8 dS ks
     if DS_INT8:
         b_c, b_r = _int8_rows(b_ds)
         b_kt = tl.load(kt_bh + o_d[:, None] * S_pad + o_n[None, :])  # [D, BN] int8
-        acc += _int_dot_f32(b_c, tl.trans(b_kt)) * b_r[:, None]
+        acc = tl.fma(_int_dot_f32(b_c, tl.trans(b_kt)), b_r[:, None], acc)
     else:
         acc = _dot16(round_to(b_ds, tl.bfloat16, HW_ROUND), b_k.to(tl.float32).to(tl.bfloat16),
                      acc, HW_ROUND)  # fmt: skip
@@ -458,7 +467,7 @@ def _bwd_dq_kernel(
     used_ptr, doc_ptr, bounds_ptr, dq_ptr, sm_scale,
     S, S_pad, HQ, HKV,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_USED: tl.constexpr, DOCS: tl.constexpr, DS_INT8: tl.constexpr, V_INT8: tl.constexpr,
+    HAS_USED: tl.constexpr, DOCS: tl.constexpr, DS_INT8: tl.constexpr, V_MODE: tl.constexpr,
     NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr,
 ):  # fmt: skip
     i_m = tl.program_id(0)
@@ -524,19 +533,19 @@ def _bwd_dq_kernel(
             acc = _dq_block(
                 acc, b_q, b_qa, b_l2, b_dl, b_dos, start_n, o_m, o_nb, o_d, S_pad, hi_k, k_src,
                 stride_ks, v_src, stride_vs, kr_row, kt_bh, b_dq_doc, doc_base, BLOCK_N, True,
-                CAUSAL, DOCS, DS_INT8, V_INT8, HW_ROUND,
+                CAUSAL, DOCS, DS_INT8, V_MODE, HW_ROUND,
             )  # fmt: skip
         for start_n in tl.range(full_lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
             acc = _dq_block(
                 acc, b_q, b_qa, b_l2, b_dl, b_dos, start_n, o_m, o_nb, o_d, S_pad, hi_k, k_src,
                 stride_ks, v_src, stride_vs, kr_row, kt_bh, b_dq_doc, doc_base, BLOCK_N, False,
-                CAUSAL, DOCS, DS_INT8, V_INT8, HW_ROUND,
+                CAUSAL, DOCS, DS_INT8, V_MODE, HW_ROUND,
             )  # fmt: skip
         for start_n in tl.range(tl.maximum(full_hi, tl.minimum(full_lo, hi)), hi, BLOCK_N):
             acc = _dq_block(
                 acc, b_q, b_qa, b_l2, b_dl, b_dos, start_n, o_m, o_nb, o_d, S_pad, hi_k, k_src,
                 stride_ks, v_src, stride_vs, kr_row, kt_bh, b_dq_doc, doc_base, BLOCK_N, True,
-                CAUSAL, DOCS, DS_INT8, V_INT8, HW_ROUND,
+                CAUSAL, DOCS, DS_INT8, V_MODE, HW_ROUND,
             )  # fmt: skip
         b_dq = acc * (sm_scale / 256.0)  # dQ = sm sum dS ks kc;  acc = 2^8 sum dS ks kc
         b_dq = tl.where((o_m < used)[:, None], b_dq, 0.0)
@@ -548,15 +557,18 @@ def _bwd_dq_kernel(
 
 class BackwardConfig(tuple):
     """(dkdv BLOCK_M, BLOCK_N, warps, stages, dq BLOCK_M, BLOCK_N, warps, stages, dv_fp8,
-    ds_int8): one launch configuration. ``dv_fp8``: dV = P^T dO in e4m3 (else bf16 P and the
-    16-bit dO); ``ds_int8``: dQ and dK with INT8 dS (else bf16 dS times the codes in bf16)."""
+    ds_int8, v_copy): one launch configuration. ``dv_fp8``: dV = P^T dO in e4m3 (else bf16 P
+    and the 16-bit dO); ``ds_int8``: dQ and dK with INT8 dS (else bf16 dS times the codes in
+    bf16); ``v_copy``: dP reads a bf16 copy of the V codes made once a call (else the codes,
+    converted in registers). Every choice computes the same values but for the 8-bit
+    roundings."""
 
     __slots__ = ()
 
     def __new__(cls, kv_m=64, kv_n=128, kv_warps=8, kv_stages=2, q_m=128, q_n=64, q_warps=8,
-                q_stages=2, dv_fp8=True, ds_int8=True):  # fmt: skip
+                q_stages=2, dv_fp8=True, ds_int8=True, v_copy=True):  # fmt: skip
         return super().__new__(cls, (kv_m, kv_n, kv_warps, kv_stages, q_m, q_n, q_warps,
-                                     q_stages, bool(dv_fp8), bool(ds_int8)))  # fmt: skip
+                                     q_stages, bool(dv_fp8), bool(ds_int8), bool(v_copy)))  # fmt: skip
 
     def __getnewargs__(self):
         return tuple(self)
@@ -571,14 +583,16 @@ class BackwardConfig(tuple):
     q_stages = property(lambda self: self[7])
     dv_fp8 = property(lambda self: self[8])
     ds_int8 = property(lambda self: self[9])
+    v_copy = property(lambda self: self[10])
 
     def replace(self, **kw) -> BackwardConfig:
         names = ("kv_m", "kv_n", "kv_warps", "kv_stages", "q_m", "q_n", "q_warps", "q_stages",
-                 "dv_fp8", "ds_int8")  # fmt: skip
+                 "dv_fp8", "ds_int8", "v_copy")  # fmt: skip
         return BackwardConfig(*(kw.get(n, getattr(self, n)) for n in names))
 
     def __repr__(self) -> str:
         bits = ("v8" if self[8] else "v16") + ("-s8" if self[9] else "-s16")
+        bits += "" if self[10] else "-vcodes"
         return (f"kv{self[0]}x{self[1]}w{self[2]}s{self[3]}-q{self[4]}x{self[5]}w{self[6]}"
                 f"s{self[7]}-{bits}")  # fmt: skip
 
@@ -677,6 +691,12 @@ def codes_attention_backward(
                        device=device)  # fmt: skip
     qt = _transposed_codes(q, S_pad) if cfg.ds_int8 else q
     kt = _transposed_codes(k, S_pad) if cfg.ds_int8 else k
+    if cfg.v_copy:  # the V codes in bf16 (exact): a 16-bit operand read as it lies
+        vb = torch.empty((B, HKV, S, D), dtype=torch.bfloat16, device=device)
+        vb.copy_(v.permute(0, 2, 1, 3))
+        vb, v_mode = vb.permute(0, 2, 1, 3), 2
+    else:
+        vb, v_mode = v, int(v.dtype == torch.int8)
     dstr = (dout.stride(0), dout.stride(1), dout.stride(2))
     pre_block = 64 if gpu else 128
     if cfg.dv_fp8:
@@ -698,13 +718,13 @@ def codes_attention_backward(
     common = dict(
         q_ptr=q, stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
         k_ptr=k, stride_kb=k.stride(0), stride_ks=k.stride(1), stride_kh=k.stride(2),
-        v_ptr=v, stride_vb=v.stride(0), stride_vs=v.stride(1), stride_vh=v.stride(2),
+        v_ptr=vb, stride_vb=vb.stride(0), stride_vs=vb.stride(1), stride_vh=vb.stride(2),
         qa_ptr=qa, kr_ptr=kr, lse2_ptr=lse2, delta_ptr=delta, dos_ptr=dos,
         used_ptr=used if used is not None else amax,
         doc_ptr=doc_ids if doc_ids is not None else amax,
         bounds_ptr=bounds if bounds is not None else amax,
         S=S, S_pad=S_pad, HQ=HQ, HKV=HKV, D=D, CAUSAL=bool(causal), HAS_USED=used is not None,
-        DOCS=doc_ids is not None, DS_INT8=cfg.ds_int8, V_INT8=v.dtype == torch.int8,
+        DOCS=doc_ids is not None, DS_INT8=cfg.ds_int8, V_MODE=v_mode,
         HW_ROUND=gpu,
     )  # fmt: skip
     launch(

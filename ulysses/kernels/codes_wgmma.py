@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._runtime import cdiv, hopper_memory
+from ._runtime import LaunchConfig, cdiv, hopper_memory
 from .codes_wgmma_jit import BIAS_BITS, BLOCK_M, BLOCK_N, GLUON_ERROR, LOG2E, TensorDescriptor, gl
 
 if GLUON_ERROR is None:
@@ -21,26 +21,19 @@ if GLUON_ERROR is None:
 __all__ = ["codes_attention_wgmma", "wgmma_unsupported", "WgmmaConfig"]
 
 
-class WgmmaConfig(tuple):
+class WgmmaConfig(LaunchConfig):
     """(STAGES, PIPE, UPDATE, LAZY): ring slots of 64 keys; P·V of a block under the next
     one's softmax; key blocks a softmax update (1, 2 or 4: one max, one rescale of the
     accumulator for 64, 128 or 256 keys); rescale only when a row max grew by more than
     ``LAZY_GROWTH`` (updates of 2 or 4 blocks without PIPE)."""
 
     __slots__ = ()
+    FIELDS = ("stages", "pipe", "update", "lazy")
 
     def __new__(cls, stages=8, pipe=False, update=4, lazy=False):
         assert update in (1, 2, 4) and 2 <= stages <= 12 and stages >= 2 * update
         assert not (pipe and (update == 4 or lazy)) and not (lazy and update == 1)
         return super().__new__(cls, (stages, bool(pipe), int(update), bool(lazy)))
-
-    def __getnewargs__(self):
-        return tuple(self)
-
-    stages = property(lambda self: self[0])
-    pipe = property(lambda self: self[1])
-    update = property(lambda self: self[2])
-    lazy = property(lambda self: self[3])
 
     def __repr__(self) -> str:
         return f"wg-s{self[0]}{'-pipe' if self[1] else ''}-u{self[2]}{'-lazy' if self[3] else ''}"
@@ -60,7 +53,7 @@ def _rows_view(x: torch.Tensor) -> tuple[int, int] | None:
 
 def wgmma_unsupported(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, k_group: int, docs: bool,
-    k_shift: int = 0, config: WgmmaConfig = DEFAULT,
+    config: WgmmaConfig = DEFAULT,
 ) -> str | None:  # fmt: skip
     """None where :func:`codes_attention_wgmma` runs the call, else the reason in words."""
     if GLUON_ERROR is not None:
@@ -76,8 +69,6 @@ def wgmma_unsupported(
         return "the warpgroup-MMA codes kernel does not skip documents"
     if k_group % BLOCK_N:
         return f"the K group ({k_group}) must be a multiple of the key block ({BLOCK_N})"
-    if k_shift % BLOCK_N:
-        return f"a K-scale shift (a planted fault) of whole key blocks ({BLOCK_N}), got {k_shift}"
     for name, x in (("q", q), ("k", k)):
         if _rows_view(x) is None:
             return f"{name}'s strides {tuple(x.stride())} are not evenly spaced rows"
@@ -87,22 +78,11 @@ def wgmma_unsupported(
 
 
 def codes_attention_wgmma(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    vt: torch.Tensor,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    *,
-    q_group: int,
-    k_group: int,
-    causal: bool = False,
-    sm_scale: float | None = None,
-    used: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    config: WgmmaConfig = DEFAULT,
-    k_shift: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, q_scale: torch.Tensor,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, *, q_group: int, k_group: int,
+    causal: bool = False, sm_scale: float | None = None, used: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16, config: WgmmaConfig = DEFAULT,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out [B, S, hq, D], lse [B, hq, S])`` as :func:`.codes_attention.codes_attention`;
     ``vt`` is :func:`.codes_attention.transpose_v` of the V codes. The caller checked
     :func:`wgmma_unsupported`."""
@@ -134,6 +114,6 @@ def codes_attention_wgmma(
         S, HQ, HKV, q_group, sm_scale * LOG2E, BIAS_BITS, k_group,
         D=D, STAGES=config.stages, CAUSAL=bool(causal),
         HAS_USED=used is not None, PIPE=config.pipe, UPDATE=config.update, LAZY=config.lazy,
-        K_SHIFT=k_shift, num_warps=4,
+        num_warps=4,
     )  # fmt: skip
     return out, lse

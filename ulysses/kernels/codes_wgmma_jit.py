@@ -82,22 +82,18 @@ if GLUON_ERROR is None:
                                             v_smem.index(s))  # fmt: skip
 
     @gluon.jit
-    def _k_scale(ks_ptr, n, k_group, n_kg, K_SHIFT: gl.constexpr):
-        """The K scale of the key block at key ``n``; ``K_SHIFT`` keys further on (whole key
-        blocks, a planted fault) reads a later group's."""
-        if K_SHIFT == 0:
-            return gl.load(ks_ptr + n // k_group)
-        else:
-            return gl.load(ks_ptr + gl.minimum((n + K_SHIFT) // k_group, n_kg - 1))
+    def _k_scale(ks_ptr, n, k_group):
+        """The K scale of the key block at key ``n``."""
+        return gl.load(ks_ptr + n // k_group)
 
     @gluon.jit
     def _softmax_block(
-        bits, m_i, l_i, a_row, ks_ptr, k_group, n_kg, K_SHIFT, start_n, o_n, o_m, hi_k,
+        bits, m_i, l_i, a_row, ks_ptr, k_group, start_n, o_n, o_m, hi_k,
         MASKED: gl.constexpr, CAUSAL: gl.constexpr,
     ):  # fmt: skip
         """P (fp32, times 2^8) of one key block from the biased int32 scores; the new max,
         the running sum rescaled, and alpha (the accumulator's factor)."""
-        b_ab = a_row * _k_scale(ks_ptr, start_n, k_group, n_kg, K_SHIFT)  # one a key block
+        b_ab = a_row * _k_scale(ks_ptr, start_n, k_group)  # one a key block
         if MASKED:
             x = bits.to(gl.float32, bitcast=True) - _BIAS
             o_c = start_n + o_n
@@ -122,7 +118,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _one_block(
         q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr, k_group,
-        n_kg, K_SHIFT: gl.constexpr, i, o_n, o_m, hi_k, p_layout: gl.constexpr,
+        i, o_n, o_m, hi_k, p_layout: gl.constexpr,
         row_o: gl.constexpr, STAGES: gl.constexpr,
         BLOCK_N: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
     ):  # fmt: skip
@@ -131,7 +127,7 @@ if GLUON_ERROR is None:
         mbarrier.wait(kv_ready.index(s), (i // STAGES) & 1)
         bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
         bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
-        p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group, n_kg, K_SHIFT,
+        p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
                                             i * BLOCK_N, o_n, o_m, hi_k, MASKED,
                                             CAUSAL)  # fmt: skip
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -144,7 +140,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _pipelined_blocks(
         q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr, k_group,
-        n_kg, K_SHIFT: gl.constexpr, n, o_n, o_m, hi_k, p_layout: gl.constexpr,
+        n, o_n, o_m, hi_k, p_layout: gl.constexpr,
         row_o: gl.constexpr, STAGES: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     ):  # fmt: skip
@@ -154,8 +150,8 @@ if GLUON_ERROR is None:
         mbarrier.wait(kv_ready.index(0), 0)
         bits = warpgroup_mma(q_c, k_smem.index(0).permute((1, 0)), bias, is_async=True)
         bits = warpgroup_mma_wait(num_outstanding=0, deps=(bits,))
-        p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group, n_kg,
-                                            K_SHIFT, 0, o_n, o_m, hi_k, False,
+        p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
+                                            0, o_n, o_m, hi_k, False,
                                             CAUSAL)  # fmt: skip
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
@@ -166,8 +162,8 @@ if GLUON_ERROR is None:
             bits = warpgroup_mma(q_c, k_smem.index(s).permute((1, 0)), bias, is_async=True)
             acc = warpgroup_mma(p8, v_smem.index(s_prev).permute((1, 0)), acc, is_async=True)
             bits = warpgroup_mma_wait(num_outstanding=1, deps=(bits,))
-            p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group, n_kg,
-                                                K_SHIFT, i * BLOCK_N, o_n, o_m, hi_k, False,
+            p, m_i, l_i, alpha = _softmax_block(bits, m_i, l_i, a_row, ks_ptr, k_group,
+                                                i * BLOCK_N, o_n, o_m, hi_k, False,
                                                 CAUSAL)  # fmt: skip
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(kv_empty.index(s_prev), count=1)
@@ -180,11 +176,11 @@ if GLUON_ERROR is None:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _softmax_pair(bits0, bits1, m_i, l_i, a_row, ks_ptr, k_group, n_kg, K_SHIFT, start_n,
+    def _softmax_pair(bits0, bits1, m_i, l_i, a_row, ks_ptr, k_group, start_n,
                       BLOCK_N: gl.constexpr):  # fmt: skip
         """:func:`_softmax_block` of two unmasked key blocks at once: one max, one alpha."""
-        ab0 = a_row * _k_scale(ks_ptr, start_n, k_group, n_kg, K_SHIFT)
-        ab1 = a_row * _k_scale(ks_ptr, start_n + BLOCK_N, k_group, n_kg, K_SHIFT)
+        ab0 = a_row * _k_scale(ks_ptr, start_n, k_group)
+        ab1 = a_row * _k_scale(ks_ptr, start_n + BLOCK_N, k_group)
         mx0 = gl.max(bits0, 1).to(gl.float32, bitcast=True) - _BIAS
         mx1 = gl.max(bits1, 1).to(gl.float32, bitcast=True) - _BIAS
         m_new = gl.maximum(m_i, gl.maximum(mx0 * ab0, mx1 * ab1))
@@ -212,7 +208,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _paired_blocks(
         q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr, k_group,
-        n_kg, K_SHIFT: gl.constexpr, first, n_pairs, p_layout: gl.constexpr,
+        first, n_pairs, p_layout: gl.constexpr,
         row_o: gl.constexpr, STAGES: gl.constexpr,
         BLOCK_N: gl.constexpr, PIPE: gl.constexpr, LAZY: gl.constexpr,
     ):  # fmt: skip
@@ -223,7 +219,7 @@ if GLUON_ERROR is None:
             b0, b1 = _pair_scores(q_c, k_smem, kv_ready, bias, first, STAGES)
             b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(b0, b1))
             p0, p1, m_i, l_i, alpha = _softmax_pair(b0, b1, m_i, l_i, a_row, ks_ptr, k_group,
-                                                    n_kg, K_SHIFT, first * BLOCK_N,
+                                                    first * BLOCK_N,
                                                     BLOCK_N)  # fmt: skip
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p80 = gl.convert_layout(p0.to(gl.float8e4nv), p_layout)
@@ -237,7 +233,7 @@ if GLUON_ERROR is None:
                 acc = warpgroup_mma(p81, v_smem.index(t1).permute((1, 0)), acc, is_async=True)
                 b0, b1 = warpgroup_mma_wait(num_outstanding=2, deps=(b0, b1))
                 p0, p1, m_i, l_i, alpha = _softmax_pair(b0, b1, m_i, l_i, a_row, ks_ptr,
-                                                        k_group, n_kg, K_SHIFT, i0 * BLOCK_N,
+                                                        k_group, i0 * BLOCK_N,
                                                         BLOCK_N)  # fmt: skip
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(kv_empty.index(t0), count=1)
@@ -260,8 +256,8 @@ if GLUON_ERROR is None:
                 b0, b1 = _pair_scores(q_c, k_smem, kv_ready, bias, i0, STAGES)
                 b0, b1 = warpgroup_mma_wait(num_outstanding=0, deps=(b0, b1))
                 n0 = i0 * BLOCK_N
-                ab0 = a_row * _k_scale(ks_ptr, n0, k_group, n_kg, K_SHIFT)
-                ab1 = a_row * _k_scale(ks_ptr, n0 + BLOCK_N, k_group, n_kg, K_SHIFT)
+                ab0 = a_row * _k_scale(ks_ptr, n0, k_group)
+                ab1 = a_row * _k_scale(ks_ptr, n0 + BLOCK_N, k_group)
                 m_new = gl.maximum(gl.maximum(m_i, _row_max(b0) * ab0), _row_max(b1) * ab1)
                 acc, m_i, l_i = _rescale(acc, m_i, l_i, m_new, row_o, LAZY)
                 p, l_add = _exp_block(b0, ab0, m_i)
@@ -281,7 +277,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _quad_blocks(
         q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr, k_group,
-        n_kg, K_SHIFT: gl.constexpr, n_quads, p_layout: gl.constexpr, row_o: gl.constexpr,
+        n_quads, p_layout: gl.constexpr, row_o: gl.constexpr,
         STAGES: gl.constexpr,
         BLOCK_N: gl.constexpr, LAZY: gl.constexpr,
     ):  # fmt: skip
@@ -293,10 +289,10 @@ if GLUON_ERROR is None:
             b2, b3 = _pair_scores(q_c, k_smem, kv_ready, bias, i0 + 2, STAGES)
             b0, b1, b2, b3 = warpgroup_mma_wait(num_outstanding=0, deps=(b0, b1, b2, b3))
             n0 = i0 * BLOCK_N
-            ab0 = a_row * _k_scale(ks_ptr, n0, k_group, n_kg, K_SHIFT)
-            ab1 = a_row * _k_scale(ks_ptr, n0 + BLOCK_N, k_group, n_kg, K_SHIFT)
-            ab2 = a_row * _k_scale(ks_ptr, n0 + 2 * BLOCK_N, k_group, n_kg, K_SHIFT)
-            ab3 = a_row * _k_scale(ks_ptr, n0 + 3 * BLOCK_N, k_group, n_kg, K_SHIFT)
+            ab0 = a_row * _k_scale(ks_ptr, n0, k_group)
+            ab1 = a_row * _k_scale(ks_ptr, n0 + BLOCK_N, k_group)
+            ab2 = a_row * _k_scale(ks_ptr, n0 + 2 * BLOCK_N, k_group)
+            ab3 = a_row * _k_scale(ks_ptr, n0 + 3 * BLOCK_N, k_group)
             m_new = gl.maximum(
                 gl.maximum(gl.maximum(m_i, _row_max(b0) * ab0), _row_max(b1) * ab1),
                 gl.maximum(_row_max(b2) * ab2, _row_max(b3) * ab3),
@@ -366,7 +362,7 @@ if GLUON_ERROR is None:
         bias_bits, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, PIPE: gl.constexpr, UPDATE: gl.constexpr, LAZY: gl.constexpr,
-        K_SHIFT: gl.constexpr, CONSUMER: gl.constexpr,
+        CONSUMER: gl.constexpr,
     ):  # fmt: skip
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
@@ -412,7 +408,7 @@ if GLUON_ERROR is None:
             if n_quads > 0:
                 acc, m_i, l_i = _quad_blocks(
                     q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row,
-                    ks_ptr, k_group, n_kg, K_SHIFT, n_quads, p_layout, row_o, STAGES, BLOCK_N,
+                    ks_ptr, k_group, n_quads, p_layout, row_o, STAGES, BLOCK_N,
                     LAZY,
                 )  # fmt: skip
                 first = 4 * n_quads
@@ -421,7 +417,7 @@ if GLUON_ERROR is None:
             if n_pairs > 0:
                 acc, m_i, l_i = _paired_blocks(
                     q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row,
-                    ks_ptr, k_group, n_kg, K_SHIFT, first, n_pairs, p_layout, row_o, STAGES,
+                    ks_ptr, k_group, first, n_pairs, p_layout, row_o, STAGES,
                     BLOCK_N, PIPE, LAZY,
                 )  # fmt: skip
                 first += 2 * n_pairs
@@ -429,20 +425,20 @@ if GLUON_ERROR is None:
             if n_full > 0:
                 acc, m_i, l_i = _pipelined_blocks(
                     q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row,
-                    ks_ptr, k_group, n_kg, K_SHIFT, n_full, o_n, o_m, hi_k, p_layout, row_o,
+                    ks_ptr, k_group, n_full, o_n, o_m, hi_k, p_layout, row_o,
                     STAGES, BLOCK_N, CAUSAL,
                 )  # fmt: skip
                 first = n_full
         for i in range(first, n_full):
             acc, m_i, l_i = _one_block(
                 q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr,
-                k_group, n_kg, K_SHIFT, i, o_n, o_m, hi_k, p_layout, row_o, STAGES, BLOCK_N,
+                k_group, i, o_n, o_m, hi_k, p_layout, row_o, STAGES, BLOCK_N,
                 False, CAUSAL,
             )  # fmt: skip
         for i in range(n_full, my_n):  # the causal diagonal and the end of the keys
             acc, m_i, l_i = _one_block(
                 q_c, k_smem, v_smem, kv_ready, kv_empty, bias, acc, m_i, l_i, a_row, ks_ptr,
-                k_group, n_kg, K_SHIFT, i, o_n, o_m, hi_k, p_layout, row_o, STAGES, BLOCK_N,
+                k_group, i, o_n, o_m, hi_k, p_layout, row_o, STAGES, BLOCK_N,
                 True, CAUSAL,
             )  # fmt: skip
         for i in range(my_n, n_blocks):  # the other warpgroup's blocks: release only
@@ -470,7 +466,7 @@ if GLUON_ERROR is None:
         desc_q, desc_k, desc_vt, q_scale_ptr, k_scale_ptr, v_scale_ptr, used_ptr, out_ptr, lse_ptr,
         S, HQ, HKV, q_group, qk_scale, bias_bits, k_group: gl.constexpr, D: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_USED: gl.constexpr, PIPE: gl.constexpr,
-        UPDATE: gl.constexpr, LAZY: gl.constexpr, K_SHIFT: gl.constexpr,
+        UPDATE: gl.constexpr, LAZY: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = _BLOCK_M
         BLOCK_N: gl.constexpr = _BLOCK_N
@@ -519,13 +515,13 @@ if GLUON_ERROR is None:
                                        b, h, hk, m0, S, HQ, HKV, used, hi_k, n_blocks, q_group,
                                        k_group, n_qg, n_kg, qk_scale, bias_bits, D, BLOCK_M,
                                        BLOCK_N,
-                                       STAGES, CAUSAL, PIPE, UPDATE, LAZY, K_SHIFT, 0)),
+                                       STAGES, CAUSAL, PIPE, UPDATE, LAZY, 0)),
                 (_consumer_partition, (q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty,
                                        q_scale_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
                                        b, h, hk, m0, S, HQ, HKV, used, hi_k, n_blocks, q_group,
                                        k_group, n_qg, n_kg, qk_scale, bias_bits, D, BLOCK_M,
                                        BLOCK_N,
-                                       STAGES, CAUSAL, PIPE, UPDATE, LAZY, K_SHIFT, 1)),
+                                       STAGES, CAUSAL, PIPE, UPDATE, LAZY, 1)),
             ],
             [4, 4],
             [CONSUMER_REGS, CONSUMER_REGS],

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._plans import register_cache
 from ._runtime import (
     ROW_WIDTH,
     GridFields,
@@ -45,16 +46,11 @@ from ._runtime import (
 from ._tl import head_block_program
 
 __all__ = [
-    "finalize_part",
-    "finalize_stats",
-    "prepare_finalize",
-    "MODE_MEAN",
-    "MODE_FUSED",
-    "MODE_MERGE",
-]
+    "finalize_part", "finalize_stats", "prepare_finalize", "MODE_MEAN", "MODE_FUSED", "MODE_MERGE",
+]  # fmt: skip
 
 MODE_MEAN, MODE_FUSED, MODE_MERGE = 0, 1, 2
-_SOURCES: dict[tuple, torch.Tensor] = {}
+_SOURCES: dict = register_cache(f"{__name__}._SOURCES", {})  # _sources()'s arguments -> table
 
 
 # The kernel's grid values, in the order of its int32 table (``values_ptr``; the per-row
@@ -65,41 +61,18 @@ FINALIZE = GridFields(
     "N", "stride_p", "H", "P", "bhd", "n_slots", "n_touched", "n_hblocks", "n_chunks",
     "slots_per_program", "n_src_first", "n_src_last", "divisor", "rows_at",
 )  # fmt: skip
-_FZ_N = FINALIZE.at("N")
-_FZ_stride_p = FINALIZE.at("stride_p")
-_FZ_H = FINALIZE.at("H")
-_FZ_P = FINALIZE.at("P")
-_FZ_bhd = FINALIZE.at("bhd")
-_FZ_n_slots = FINALIZE.at("n_slots")
-_FZ_n_touched = FINALIZE.at("n_touched")
-_FZ_n_hblocks = FINALIZE.at("n_hblocks")
-_FZ_n_chunks = FINALIZE.at("n_chunks")
-_FZ_slots_per_program = FINALIZE.at("slots_per_program")
-_FZ_n_src_first = FINALIZE.at("n_src_first")
-_FZ_n_src_last = FINALIZE.at("n_src_last")
-_FZ_divisor = FINALIZE.at("divisor")
-_FZ_rows_at = FINALIZE.at("rows_at")
+(_FZ_N, _FZ_stride_p, _FZ_H, _FZ_P, _FZ_bhd, _FZ_n_slots, _FZ_n_touched, _FZ_n_hblocks,
+ _FZ_n_chunks, _FZ_slots_per_program, _FZ_n_src_first, _FZ_n_src_last, _FZ_divisor, _FZ_rows_at
+) = FINALIZE.offsets()  # fmt: skip
 
 
 @triton.jit
 def _finalize_kernel(
-    gathered_ptr,
-    mm_ptr,
-    part_in_ptr,
-    mean_ptr,
-    part_ptr,
-    final_ptr,
-    src_ptr,
+    gathered_ptr, mm_ptr, part_in_ptr, mean_ptr, part_ptr, final_ptr, src_ptr,
     values_ptr,  # int32 [len(FINALIZE)], then the per-row table
-    tag,
-    FLOOR: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    MODE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
+    tag, FLOOR: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, MODE: tl.constexpr,
+    USE_PDL: tl.constexpr, PER_ROW: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     N = tl.load(values_ptr + _FZ_N)
     stride_p = tl.load(values_ptr + _FZ_stride_p)
     H = tl.load(values_ptr + _FZ_H)
@@ -225,25 +198,11 @@ def prepare_finalize(gathered, minmax=None, **config) -> Launch:
 
 
 def finalize_part(
-    gathered: torch.Tensor,
-    minmax: torch.Tensor | None = None,
-    *,
-    mode: int,
-    dtype: torch.dtype,
-    B: int,
-    H: int,
-    D: int,
-    n_slots: int,
-    n_touched: int,
-    divisor: int,
-    tag: float,
-    first_sources: list[int],
-    last_sources: list[int],
-    floor: float,
-    use_pdl: bool,
-    mean: torch.Tensor | None = None,
-    per_row: tuple | None = None,
-) -> Part:
+    gathered: torch.Tensor, minmax: torch.Tensor | None = None, *, mode: int, dtype: torch.dtype,
+    B: int, H: int, D: int, n_slots: int, n_touched: int, divisor: int, tag: float,
+    first_sources: list[int], last_sources: list[int], floor: float, use_pdl: bool,
+    mean: torch.Tensor | None = None, per_row: tuple | None = None,
+) -> Part:  # fmt: skip
     """The finalize's programs (:func:`prepare_finalize`; the call's slots are the
     arguments that are None)."""
     P, N = gathered.shape
@@ -278,19 +237,12 @@ def finalize_part(
         n_src_last=len(last_sources), divisor=divisor,
     )  # fmt: skip
     args = dict(
-        gathered_ptr=gathered,
-        src_ptr=_sources(first_sources, last_sources, P, device),
-        tag=float(tag),
-        FLOOR=floor,
-        D=D,
-        BLOCK_H=block_h,
-        MODE=mode,
-        USE_PDL=use_pdl,
+        gathered_ptr=gathered, src_ptr=_sources(first_sources, last_sources, P, device),
+        tag=float(tag), FLOOR=floor, D=D, BLOCK_H=block_h, MODE=mode, USE_PDL=use_pdl,
         PER_ROW=per_row is not None,
         DB=channel_block(D),  # channels [D, DB) of a tile masked off
-        **fixed,
-        **dict.fromkeys(slots),
-    )
+        **fixed, **dict.fromkeys(slots),
+    )  # fmt: skip
     # per-row counts: each row's divisor
     section = Section(FINALIZE, values, per_row or ((0, 0, 0),))
     return Part(B * n_chunks * n_hblocks, num_warps, section, args)

@@ -38,44 +38,17 @@ __all__ = ["aligned_fits", "grouped_amax", "prepare_grouped_amax"]
 # specialized: their 16-byte
 # alignment lets the loads and stores vectorize.
 _NOT_SPECIALIZED = [
-    "L",
-    "H",
-    "row0",
-    "n_slots",
-    "g_first",
-    "n_touched",
-    "tail_group",
-    "tail_end",
-    "n_hblocks",
-]
+    "L", "H", "row0", "n_slots", "g_first", "n_touched", "tail_group", "tail_end", "n_hblocks",
+]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _grouped_amax_kernel(
-    k_ptr,
-    stride_kb,
-    stride_kl,
-    stride_kh,
-    mean_ptr,
-    out_ptr,
-    L,
-    H,
-    row0,
-    n_slots,
-    g_first,
-    n_touched,
-    tail_group,
-    tail_end,
-    n_hblocks,
-    FLOOR: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    ROWS: tl.constexpr,
-    SUB: tl.constexpr,
-    EVICT: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    k_ptr, stride_kb, stride_kl, stride_kh, mean_ptr, out_ptr, L, H, row0, n_slots, g_first,
+    n_touched, tail_group, tail_end, n_hblocks, FLOOR: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr,
+    EVICT: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     i_b, i_s, o_h, o_d, m_h, m_hd = head_block_program(n_hblocks, n_slots, H, BLOCK_H, D, D)
     o_r = tl.arange(0, SUB)  # [R]
 
@@ -126,22 +99,10 @@ def _grouped_amax_kernel(
 
 @triton.jit(do_not_specialize=["n_touched", "n_slots"])
 def _grouped_amax_aligned_kernel(
-    k_ptr,
-    stride_kb,
-    mean_ptr,
-    out_ptr,
-    n_touched,
-    n_slots,
-    H: tl.constexpr,
-    STRIDE_L: tl.constexpr,
-    STRIDE_H: tl.constexpr,
-    FLOOR: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    SUB: tl.constexpr,
-    EVICT: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    k_ptr, stride_kb, mean_ptr, out_ptr, n_touched, n_slots, H: tl.constexpr,
+    STRIDE_L: tl.constexpr, STRIDE_H: tl.constexpr, FLOOR: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, SUB: tl.constexpr, EVICT: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     """The same partial amax for a shard whose first row and length are whole groups and
     whose groups are all whole (no tail group on it), specialized to the model, not to the
     sequence: H, the row and head strides and the G / SUB trips of a program are literals and
@@ -207,26 +168,12 @@ def aligned_fits(
 
 
 def prepare_grouped_amax(
-    shape: tuple[int, int, int, int],
-    strides: tuple[int, int, int, int],
-    device: torch.device,
-    *,
-    group_size: int,
-    row0: int,
-    n_slots: int,
-    g_first: int,
-    n_touched: int,
-    tail_group: int,
-    tail_end: int,
-    floor: float,
-    use_pdl: bool,
-    rows: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    sub: int | None = None,
-    evict: bool | None = None,
+    shape: tuple[int, int, int, int], strides: tuple[int, int, int, int], device: torch.device, *,
+    group_size: int, row0: int, n_slots: int, g_first: int, n_touched: int, tail_group: int,
+    tail_end: int, floor: float, use_pdl: bool, rows: int | None = None, block_h: int | None = None,
+    num_warps: int | None = None, sub: int | None = None, evict: bool | None = None,
     aligned: bool | None = None,
-) -> Launch:
+) -> Launch:  # fmt: skip
     """The kernel's launch for a k of this shape and strides: call it with ``(k, k_mean,
     out)``, ``out`` fp32 [B, H, n_slots]. Arguments as :func:`grouped_amax`."""
     B, L, H, D = shape
@@ -241,32 +188,19 @@ def prepare_grouped_amax(
     assert fits or not aligned, "aligned=True needs a shard of whole groups with no tail group"
     # what both kernels take alike
     common = dict(
-        use_pdl=use_pdl,
-        slots=("k_ptr", "mean_ptr", "out_ptr"),
-        stride_kb=stride_kb,
-        n_touched=n_touched,
-        n_slots=n_slots,
-        H=H,
-        FLOOR=floor,
-        G=group_size,
-        D=D,
-        USE_PDL=use_pdl,
-    )
+        use_pdl=use_pdl, slots=("k_ptr", "mean_ptr", "out_ptr"), stride_kb=stride_kb,
+        n_touched=n_touched, n_slots=n_slots, H=H, FLOOR=floor, G=group_size, D=D, USE_PDL=use_pdl,
+    )  # fmt: skip
     if aligned:
         sub = sub or min(16, group_size)
         assert group_size % sub == 0, f"sub={sub} must divide group_size={group_size}"
         assert n_slots == n_touched + 1, (n_slots, n_touched)  # an aligned shard's one surplus
         return Launch(
-            _grouped_amax_aligned_kernel,
-            (n_touched * H, B),
-            device,
+            _grouped_amax_aligned_kernel, (n_touched * H, B), device,
             num_warps=num_warps or (max(1, min(16, sub * D // 128)) if cuda else 1),
-            STRIDE_L=stride_kl,
-            STRIDE_H=stride_kh,
-            SUB=sub,
-            EVICT=cuda if evict is None else evict,
+            STRIDE_L=stride_kl, STRIDE_H=stride_kh, SUB=sub, EVICT=cuda if evict is None else evict,
             **common,
-        )
+        )  # fmt: skip
     if cuda:
         auto_h = max(1, min(next_pow2(H), 64 // D))
         auto_sub, auto_rows, auto_warps = 1, 1024 // (auto_h * D), 1
@@ -283,24 +217,12 @@ def prepare_grouped_amax(
     assert rows % sub == 0, f"rows={rows} must be a multiple of sub={sub}"
     n_hblocks = cdiv(H, block_h)
     return Launch(
-        _grouped_amax_kernel,
-        (B * n_slots * n_hblocks,),
-        device,
-        num_warps=num_warps or auto_warps,
-        stride_kl=stride_kl,
-        stride_kh=stride_kh,
-        L=L,
-        row0=row0,
-        g_first=g_first,
-        tail_group=tail_group,
-        tail_end=tail_end,
-        n_hblocks=n_hblocks,
-        BLOCK_H=block_h,
+        _grouped_amax_kernel, (B * n_slots * n_hblocks,), device, num_warps=num_warps or auto_warps,
+        stride_kl=stride_kl, stride_kh=stride_kh, L=L, row0=row0, g_first=g_first,
+        tail_group=tail_group, tail_end=tail_end, n_hblocks=n_hblocks, BLOCK_H=block_h,
         ROWS=rows,  # any ROWS, SUB, BLOCK_H and hint give the same bits
-        SUB=sub,
-        EVICT=auto_evict if evict is None else evict,
-        **common,
-    )
+        SUB=sub, EVICT=auto_evict if evict is None else evict, **common,
+    )  # fmt: skip
 
 
 def grouped_amax(k: torch.Tensor, k_mean: torch.Tensor, *, n_slots: int, **config) -> torch.Tensor:

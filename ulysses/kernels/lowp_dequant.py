@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._plans import register_cache
 from ._runtime import (
     GridFields,
     Launch,
@@ -46,6 +47,7 @@ from ._runtime import (
     grid_table,
     table_int,
 )
+from ._tl import row_block_program
 
 __all__ = ["dequantize_qkv", "prepare_dequant", "round_to"]
 
@@ -75,47 +77,41 @@ DEQUANT = GridFields(
     "n_kg",
     hinted=("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_vsb"),
 )  # fmt: skip
-_DQ_stride_qb = DEQUANT.at("stride_qb")
-_DQ_stride_qs = DEQUANT.at("stride_qs")
-_DQ_stride_qh = DEQUANT.at("stride_qh")
-_DQ_stride_kb = DEQUANT.at("stride_kb")
-_DQ_stride_ks = DEQUANT.at("stride_ks")
-_DQ_stride_kh = DEQUANT.at("stride_kh")
-_DQ_stride_vb = DEQUANT.at("stride_vb")
-_DQ_stride_vs = DEQUANT.at("stride_vs")
-_DQ_stride_vh = DEQUANT.at("stride_vh")
-_DQ_stride_vsb = DEQUANT.at("stride_vsb")
-_DQ_S = DEQUANT.at("S")
-_DQ_HQ = DEQUANT.at("HQ")
-_DQ_HKV = DEQUANT.at("HKV")
-_DQ_q_group = DEQUANT.at("q_group")
-_DQ_k_group = DEQUANT.at("k_group")
-_DQ_n_qg = DEQUANT.at("n_qg")
-_DQ_n_kg = DEQUANT.at("n_kg")
+(_DQ_stride_qb, _DQ_stride_qs, _DQ_stride_qh, _DQ_stride_kb, _DQ_stride_ks, _DQ_stride_kh,
+ _DQ_stride_vb, _DQ_stride_vs, _DQ_stride_vh, _DQ_stride_vsb, _DQ_S, _DQ_HQ, _DQ_HKV, _DQ_q_group,
+ _DQ_k_group, _DQ_n_qg, _DQ_n_kg) = DEQUANT.offsets()  # fmt: skip
+
+
+@triton.jit
+def _dequant_grouped(
+    c_ptr, scale_ptr, index_ptr, out_ptr, i_b, i_h, n_heads, stride_b, stride_s, stride_h,
+    n_groups, group, S, o_s, o_s64, o_d, m_s, m_sd, D: tl.constexpr, HW_ROUND: tl.constexpr,
+    SCALES_FROM_RECV: tl.constexpr,
+):  # fmt: skip
+    """Rows ``o_s`` of head ``i_h`` of Q's or K's int8 codes, one scale a group of ``group``
+    rows: ``code * scale`` rounded into ``out_ptr`` [B, S, n_heads, D]."""
+    p_c = c_ptr + i_b.to(tl.int64) * stride_b + i_h.to(tl.int64) * stride_h
+    b_c = tl.load(p_c + o_s64[:, None] * stride_s + o_d[None, :], mask=m_sd, other=0)
+    # [BLOCK_S] row scales: rows of one group share a scale (L1 serves the repeats)
+    o_g = (i_b * n_heads + i_h) * n_groups + o_s // group
+    if SCALES_FROM_RECV:  # the group's word in the receive buffer, by the fixed index
+        p_s = scale_ptr + tl.load(index_ptr + o_g, mask=m_s, other=0)
+    else:
+        p_s = scale_ptr + o_g
+    b_s = tl.load(p_s, mask=m_s, other=0.0)
+    b_x = round_to(b_c.to(tl.float32) * b_s[:, None], out_ptr.dtype.element_ty, HW_ROUND)
+    p_o = out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * n_heads + i_h) * D + o_d[None, :]
+    tl.store(p_o, b_x, mask=m_sd)
 
 
 @triton.jit
 def _dequant_qkv_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    q_scale_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    q_index_ptr,
-    k_index_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    v_out_ptr,
+    q_ptr, k_ptr, v_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, q_index_ptr, k_index_ptr, q_out_ptr,
+    k_out_ptr, v_out_ptr,
     values_ptr,  # int32 [len(DEQUANT)]
-    HINTS: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HW_ROUND: tl.constexpr,
-    DB: tl.constexpr,
-    V_INT8: tl.constexpr,
-    SCALES_FROM_RECV: tl.constexpr,
-):
+    HINTS: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, HW_ROUND: tl.constexpr,
+    DB: tl.constexpr, V_INT8: tl.constexpr, SCALES_FROM_RECV: tl.constexpr,
+):  # fmt: skip
     stride_qb = table_int(values_ptr, _DQ_stride_qb, HINTS)
     stride_qs = table_int(values_ptr, _DQ_stride_qs, HINTS)
     stride_qh = table_int(values_ptr, _DQ_stride_qh, HINTS)
@@ -133,44 +129,19 @@ def _dequant_qkv_kernel(
     k_group = tl.load(values_ptr + _DQ_k_group)
     n_qg = tl.load(values_ptr + _DQ_n_qg)
     n_kg = tl.load(values_ptr + _DQ_n_kg)
-    i_s, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
-    m_s = o_s < S
-    if DB == D:  # a power of two: no channel mask (the code of a D-wide tile)
-        m_sd = m_s[:, None]
-    else:  # channels [D, DB) masked off
-        m_sd = m_s[:, None] & (o_d[None, :] < D)
+    # the grid's axis 1: q's heads, then k's, then v's
+    i_slot, i_b, o_s, o_d, m_s, m_sd = row_block_program(S, BLOCK_S, D, DB)
     o_s64 = o_s.to(tl.int64)
     out_dtype = q_out_ptr.dtype.element_ty
     # names differ per branch: Triton 3.6 rejects a name bound to different types in branches
     if i_slot < HQ:
-        i_hq = i_slot
-        p_qc = q_ptr + i_b.to(tl.int64) * stride_qb + i_hq.to(tl.int64) * stride_qh
-        b_qc = tl.load(p_qc + o_s64[:, None] * stride_qs + o_d[None, :], mask=m_sd, other=0)
-        # [BLOCK_S] row scales: rows of one group share a scale (L1 serves the repeats)
-        o_qg = (i_b * HQ + i_hq) * n_qg + o_s // q_group
-        if SCALES_FROM_RECV:  # the group's word in the receive buffer, by the fixed index
-            p_qs = q_scale_ptr + tl.load(q_index_ptr + o_qg, mask=m_s, other=0)
-        else:
-            p_qs = q_scale_ptr + o_qg
-        b_qs = tl.load(p_qs, mask=m_s, other=0.0)
-        b_q = round_to(b_qc.to(tl.float32) * b_qs[:, None], out_dtype, HW_ROUND)
-        p_q = q_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HQ + i_hq) * D + o_d[None, :]
-        tl.store(p_q, b_q, mask=m_sd)
+        _dequant_grouped(q_ptr, q_scale_ptr, q_index_ptr, q_out_ptr, i_b, i_slot, HQ, stride_qb,
+                         stride_qs, stride_qh, n_qg, q_group, S, o_s, o_s64, o_d, m_s, m_sd, D,
+                         HW_ROUND, SCALES_FROM_RECV)  # fmt: skip
     elif i_slot < HQ + HKV:
-        i_hk = i_slot - HQ
-        p_kc = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
-        b_kc = tl.load(p_kc + o_s64[:, None] * stride_ks + o_d[None, :], mask=m_sd, other=0)
-        o_kg = (i_b * HKV + i_hk) * n_kg + o_s // k_group
-        if SCALES_FROM_RECV:
-            p_ks = k_scale_ptr + tl.load(k_index_ptr + o_kg, mask=m_s, other=0)
-        else:
-            p_ks = k_scale_ptr + o_kg
-        b_ks = tl.load(p_ks, mask=m_s, other=0.0)
-        b_k = round_to(b_kc.to(tl.float32) * b_ks[:, None], out_dtype, HW_ROUND)
-        p_k = k_out_ptr + ((i_b.to(tl.int64) * S + o_s64[:, None]) * HKV + i_hk) * D + o_d[None, :]
-        tl.store(p_k, b_k, mask=m_sd)
+        _dequant_grouped(k_ptr, k_scale_ptr, k_index_ptr, k_out_ptr, i_b, i_slot - HQ, HKV,
+                         stride_kb, stride_ks, stride_kh, n_kg, k_group, S, o_s, o_s64, o_d, m_s,
+                         m_sd, D, HW_ROUND, SCALES_FROM_RECV)  # fmt: skip
     else:
         i_hv = i_slot - HQ - HKV
         p_vc = v_ptr + i_b.to(tl.int64) * stride_vb + i_hv.to(tl.int64) * stride_vh
@@ -201,23 +172,16 @@ def _block_s(D: int, device: torch.device) -> tuple[int, int]:
 
 # Dequantize launches by configuration (shapes, strides, device, groups, dtype): the one
 # cache of this module, so that repeat calls take the launch's fast path (kernels/_launch.py).
-_PREPARED: dict[tuple, Launch] = {}
+_PREPARED: dict = register_cache(f"{__name__}._PREPARED", {})
 _MAX_PREPARED = 256
 
 
 def prepare_dequant(
-    q_shape: tuple[int, int, int, int],
-    kv_shape: tuple[int, int, int, int],
-    strides: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
-    device: torch.device,
-    *,
-    q_group: int,
-    k_group: int,
-    dtype: torch.dtype,
-    v_int8: bool = False,
-    scale_index: tuple[torch.Tensor, torch.Tensor] | None = None,
-    v_scale_stride: int | None = None,
-) -> Launch:
+    q_shape: tuple[int, int, int, int], kv_shape: tuple[int, int, int, int],
+    strides: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], device: torch.device, *,
+    q_group: int, k_group: int, dtype: torch.dtype, v_int8: bool = False,
+    scale_index: tuple[torch.Tensor, torch.Tensor] | None = None, v_scale_stride: int | None = None,
+) -> Launch:  # fmt: skip
     """The dequantize launch for codes q of ``q_shape`` [B, S, hq, D] and k, v of ``kv_shape``
     with ``strides`` (q's, k's, v's) into outputs of ``dtype``, prepared once per
     configuration (the compiled kernel is specialized on the output dtype): call it with
@@ -268,17 +232,9 @@ def prepare_dequant(
 
 
 def dequantize_qkv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_scale: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    *,
-    q_group: int,
-    k_group: int,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+    v_scale: torch.Tensor, *, q_group: int, k_group: int, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(q, k, v)`` [B, S, h, D] contiguous in ``dtype``: ``code * scale`` in fp32, rounded to
     nearest, in one launch (module docstring for shapes). Launcher: invariants are asserted;
     ``ulysses`` validates user input."""

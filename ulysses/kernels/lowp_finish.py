@@ -60,38 +60,17 @@ LOWP_FINISH = GridFields(
     "stride_p", "first_q0", "first_e0", "first_n", "last_q0", "last_e0", "last_n", "n_bhd",
     "n_bh", "n_slots", "n_touched", "H", "h", "head0", "q_off", "v_off", "P", "D", "prog0",
 )  # fmt: skip
-_LF_stride_p = LOWP_FINISH.at("stride_p")
-_LF_first_q0 = LOWP_FINISH.at("first_q0")
-_LF_first_e0 = LOWP_FINISH.at("first_e0")
-_LF_first_n = LOWP_FINISH.at("first_n")
-_LF_last_q0 = LOWP_FINISH.at("last_q0")
-_LF_last_e0 = LOWP_FINISH.at("last_e0")
-_LF_last_n = LOWP_FINISH.at("last_n")
-_LF_n_bhd = LOWP_FINISH.at("n_bhd")
-_LF_n_bh = LOWP_FINISH.at("n_bh")
-_LF_n_slots = LOWP_FINISH.at("n_slots")
-_LF_n_touched = LOWP_FINISH.at("n_touched")
-_LF_H = LOWP_FINISH.at("H")
-_LF_h = LOWP_FINISH.at("h")
-_LF_head0 = LOWP_FINISH.at("head0")
-_LF_q_off = LOWP_FINISH.at("q_off")
-_LF_v_off = LOWP_FINISH.at("v_off")
-_LF_P = LOWP_FINISH.at("P")
-_LF_D = LOWP_FINISH.at("D")
-_LF_prog0 = LOWP_FINISH.at("prog0")
+(_LF_stride_p, _LF_first_q0, _LF_first_e0, _LF_first_n, _LF_last_q0, _LF_last_e0, _LF_last_n,
+ _LF_n_bhd, _LF_n_bh, _LF_n_slots, _LF_n_touched, _LF_H, _LF_h, _LF_head0, _LF_q_off, _LF_v_off,
+ _LF_P, _LF_D, _LF_prog0) = LOWP_FINISH.offsets()  # fmt: skip
 
 
 @triton.jit
 def _lowp_finish_kernel(
-    gathered_ptr,
-    amax_q_ptr,
-    amax_v_ptr,
-    v_scale_ptr,
+    gathered_ptr, amax_q_ptr, amax_v_ptr, v_scale_ptr,
     values_ptr,  # int32 [len(LOWP_FINISH)]
-    N_UNROLL: tl.constexpr,
-    BLOCK: tl.constexpr,
-    V_MAX: tl.constexpr,
-):
+    N_UNROLL: tl.constexpr, BLOCK: tl.constexpr, V_MAX: tl.constexpr,
+):  # fmt: skip
     stride_p = tl.load(values_ptr + _LF_stride_p)
     first_q0 = tl.load(values_ptr + _LF_first_q0)
     first_e0 = tl.load(values_ptr + _LF_first_e0)
@@ -163,29 +142,13 @@ _, _PG_FINALIZE_AT, _PG_FINISH_AT = starts(POST_GATHER, FINALIZE, LOWP_FINISH)
 
 @triton.jit
 def _post_gather_kernel(
-    gathered_ptr,
-    mm_ptr,
-    part_in_ptr,
-    mean_ptr,
-    part_ptr,
-    final_ptr,
-    src_ptr,
-    amax_q_ptr,
-    amax_v_ptr,
-    v_scale_ptr,
+    gathered_ptr, mm_ptr, part_in_ptr, mean_ptr, part_ptr, final_ptr, src_ptr, amax_q_ptr,
+    amax_v_ptr, v_scale_ptr,
     values_ptr,  # int32: POST_GATHER, FINALIZE, LOWP_FINISH, the per-row table
-    tag,
-    FLOOR: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    MODE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    N_UNROLL: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-    V_MAX: tl.constexpr,
-):
+    tag, FLOOR: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, MODE: tl.constexpr,
+    USE_PDL: tl.constexpr, N_UNROLL: tl.constexpr, BLOCK: tl.constexpr, PER_ROW: tl.constexpr,
+    DB: tl.constexpr, V_MAX: tl.constexpr,
+):  # fmt: skip
     """The exchange after its all_gather in ONE launch: programs [0, n_fin) are K's finalize
     (kernels/finalize_stats.py, unchanged), the rest the Q/V finish above. Small launches
     after a collective are bound by their cold latency, not their bytes: one launch runs
@@ -193,36 +156,16 @@ def _post_gather_kernel(
     table (from ``_PG_FINALIZE_AT`` and ``_PG_FINISH_AT``)."""
     if tl.program_id(0) < tl.load(values_ptr + _PG_n_fin):
         _finalize_kernel(
-            gathered_ptr,
-            mm_ptr,
-            part_in_ptr,
-            mean_ptr,
-            part_ptr,
-            final_ptr,
-            src_ptr,
-            values_ptr + _PG_FINALIZE_AT,
-            tag,
-            FLOOR,
-            D,
-            BLOCK_H,
-            MODE,
-            USE_PDL,
-            PER_ROW,
-            DB,
-        )
+            gathered_ptr, mm_ptr, part_in_ptr, mean_ptr, part_ptr, final_ptr, src_ptr,
+            values_ptr + _PG_FINALIZE_AT, tag, FLOOR, D, BLOCK_H, MODE, USE_PDL, PER_ROW, DB,
+        )  # fmt: skip
     else:
         if USE_PDL:
             gdc_wait()
         _lowp_finish_kernel(
-            gathered_ptr,
-            amax_q_ptr,
-            amax_v_ptr,
-            v_scale_ptr,
-            values_ptr + _PG_FINISH_AT,
-            N_UNROLL,
-            BLOCK,
-            V_MAX,
-        )
+            gathered_ptr, amax_q_ptr, amax_v_ptr, v_scale_ptr, values_ptr + _PG_FINISH_AT, N_UNROLL,
+            BLOCK, V_MAX,
+        )  # fmt: skip
 
 
 def prepare_post_gather(finalize: Part, finish: Part) -> Launch:
@@ -240,20 +183,12 @@ def prepare_post_gather(finalize: Part, finish: Part) -> Launch:
     lf_section = finish.section._replace(values={**lv, "prog0": finalize.programs})
     table, _ = grid_table((head, finalize.section, lf_section), fin["gathered_ptr"].device)
     return Launch(
-        _post_gather_kernel,
-        (finalize.programs + finish.programs,),
-        fin["gathered_ptr"].device,
-        num_warps=max(finalize.num_warps, finish.num_warps),
-        use_pdl=fin["USE_PDL"],
-        slots=("mean_ptr", "part_ptr", "final_ptr", "v_scale_ptr"),
-        values_ptr=table,
-        amax_q_ptr=lf["amax_q_ptr"],
-        amax_v_ptr=lf["amax_v_ptr"],
-        N_UNROLL=lf["N_UNROLL"],
-        BLOCK=lf["BLOCK"],
-        V_MAX=lf["V_MAX"],
-        **{n: a for n, a in fin.items() if a is not None},
-    )
+        _post_gather_kernel, (finalize.programs + finish.programs,), fin["gathered_ptr"].device,
+        num_warps=max(finalize.num_warps, finish.num_warps), use_pdl=fin["USE_PDL"],
+        slots=("mean_ptr", "part_ptr", "final_ptr", "v_scale_ptr"), values_ptr=table,
+        amax_q_ptr=lf["amax_q_ptr"], amax_v_ptr=lf["amax_v_ptr"], N_UNROLL=lf["N_UNROLL"],
+        BLOCK=lf["BLOCK"], V_MAX=lf["V_MAX"], **{n: a for n, a in fin.items() if a is not None},
+    )  # fmt: skip
 
 
 def finish_tile(compiled: bool) -> tuple[int, int]:
@@ -297,20 +232,10 @@ def prepare_lowp_finish(gathered, amax_q, amax_v, **config) -> Launch:
 
 
 def lowp_finish_part(
-    gathered: torch.Tensor,
-    amax_q: torch.Tensor,
-    amax_v: torch.Tensor,
-    *,
-    first_sources: tuple,
-    last_sources: tuple,
-    n_touched: int,
-    q_off: int,
-    v_off: int,
-    rank: int,
-    world_size: int,
-    kv_rep: int = 1,
-    v_max: float = 448.0,
-) -> Part:
+    gathered: torch.Tensor, amax_q: torch.Tensor, amax_v: torch.Tensor, *, first_sources: tuple,
+    last_sources: tuple, n_touched: int, q_off: int, v_off: int, rank: int, world_size: int,
+    kv_rep: int = 1, v_max: float = 448.0,
+) -> Part:  # fmt: skip
     """The finish's programs for these buffers (:func:`prepare_lowp_finish`): the call's slot
     is ``v_scale``, fp32 [B, h, D].
 
@@ -341,13 +266,9 @@ def lowp_finish_part(
         v_off=v_off, P=P, D=D, prog0=0,
     )  # fmt: skip
     args = dict(
-        gathered_ptr=gathered,
-        amax_q_ptr=amax_q,
-        amax_v_ptr=amax_v,
-        v_scale_ptr=None,
-        N_UNROLL=min(MAX_UNROLL, next_pow2(max(first[2], last[2]))),
-        BLOCK=block,
+        gathered_ptr=gathered, amax_q_ptr=amax_q, amax_v_ptr=amax_v, v_scale_ptr=None,
+        N_UNROLL=min(MAX_UNROLL, next_pow2(max(first[2], last[2]))), BLOCK=block,
         V_MAX=float(v_max),
-    )
+    )  # fmt: skip
     programs = cdiv(max(n_bhd, B * Hq), block)
     return Part(programs, num_warps, Section(LOWP_FINISH, values), args)

@@ -41,20 +41,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .._plans import register_cache
 from ._launch import View
 from ._quant import canonical_nan_bits, int8_code
 from ._runtime import Launch, cdiv, channel_block, compiled_for_gpu
+from ._tl import row_block_program
 from .lowp_dequant import round_to
 
 __all__ = [
-    "quantize_out",
-    "dequantize_out",
-    "quantize_to_heads",
-    "dequantize_to_heads",
-    "quantize_grads",
-    "dequantize_grads",
-    "out_chunk_bytes",
-]
+    "quantize_out", "dequantize_out", "quantize_to_heads", "dequantize_to_heads", "quantize_grads",
+    "dequantize_grads", "out_chunk_bytes",
+]  # fmt: skip
 
 FLOOR = 1e-7
 
@@ -71,34 +68,12 @@ def out_chunk_bytes(B: int, L: int, h: int, D: int) -> int:
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _quant_out_kernel(
-    x_ptr,
-    stride_xb,
-    stride_xp,
-    stride_xs,
-    stride_xh,
-    send_ptr,
-    scale_ptr,
-    B,
-    S,
-    L,
-    H,
-    HT,
-    h_off,
-    chunk,
-    D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    FLOOR: tl.constexpr,
-    HW_ROUND: tl.constexpr,
+    x_ptr, stride_xb, stride_xp, stride_xs, stride_xh, send_ptr, scale_ptr, B, S, L, H, HT, h_off,
+    chunk, D: tl.constexpr, BLOCK_S: tl.constexpr, FLOOR: tl.constexpr, HW_ROUND: tl.constexpr,
     DB: tl.constexpr,
-):
-    i_s, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_s = i_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, DB)  # the channel block, channel_block(D) (a power of two)
-    m_s = o_s < S
-    if DB == D:  # a power of two: no channel mask (the code of a D-wide tile)
-        m_sd = m_s[:, None]
-    else:  # channels [D, DB) masked off (they load as 0: the amax is over the D channels)
-        m_sd = m_s[:, None] & (o_d[None, :] < D)
+):  # fmt: skip
+    # channels [D, DB) masked off (they load as 0: the amax is over the D channels)
+    i_h, i_b, o_s, o_d, m_s, m_sd = row_block_program(S, BLOCK_S, D, DB)
     # source row s goes to rank s // L, as its row s % L
     o_s64 = o_s.to(tl.int64)
     i_p = o_s64 // L
@@ -123,24 +98,9 @@ def _quant_out_kernel(
 
 @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _dequant_out_kernel(
-    recv_ptr,
-    scale_ptr,
-    out_ptr,
-    stride_ob,
-    stride_ol,
-    stride_op,
-    stride_oh,
-    B,
-    L,
-    H,
-    HT,
-    h_off,
-    chunk,
-    D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HW_ROUND: tl.constexpr,
-    DB: tl.constexpr,
-):
+    recv_ptr, scale_ptr, out_ptr, stride_ob, stride_ol, stride_op, stride_oh, B, L, H, HT, h_off,
+    chunk, D: tl.constexpr, BLOCK_S: tl.constexpr, HW_ROUND: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     i_l, i_slot, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_p = i_slot // H  # the grid's axis 1 runs over P * H (chunk, head) pairs
     i_h = i_slot - i_p * H
@@ -194,7 +154,7 @@ def _new_send(P: int, chunk: int, used: int, device: torch.device) -> torch.Tens
 # The launches prepared per configuration (shapes, strides, dtypes, device and whether it runs
 # compiled; the tensors are the slots): a call looks its launch up by a short key instead of
 # naming every argument
-_PREPARED: dict[tuple, object] = {}
+_PREPARED: dict = register_cache(f"{__name__}._PREPARED", {})
 _MAX_PREPARED = 256
 
 
@@ -352,16 +312,9 @@ def quantize_grads(
 
 
 def dequantize_grads(
-    recv: torch.Tensor,
-    *,
-    B: int,
-    L: int,
-    hq: int,
-    hkv: int,
-    D: int,
-    world_size: int,
+    recv: torch.Tensor, *, B: int, L: int, hq: int, hkv: int, D: int, world_size: int,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq [B, L, P*hq, D], dk [B, L, P*hkv, D], dv)`` in ``dtype`` from the received chunks
     (chunk p: rank p's gradients of its heads, for this rank's rows), three launches. Head
     ``p*h + i`` holds head i of chunk p: with K/V heads repeated over ranks (hkv = 1) it is

@@ -67,11 +67,9 @@ from .lowp_pack_q import (
     PK_H,
     PK_HE,
     PK_HKS,
-    PK_HS,
     PK_L,
     PK_ROW,
     PK_h,
-    PK_h_src,
     PK_hkv,
     PK_hkv_src,
     PK_k_off,
@@ -83,20 +81,17 @@ from .lowp_pack_q import (
     PK_n_scales,
     PK_n_slots_k,
     PK_n_slots_q,
-    PK_q_off,
     PK_q_whole_hi,
     PK_q_whole_lo,
     PK_row0,
     PK_stride_kb,
     PK_stride_kh,
     PK_stride_kl,
-    PK_stride_qb,
-    PK_stride_qh,
-    PK_stride_ql,
     PK_stride_vb,
     PK_stride_vh,
     PK_stride_vl,
     _pack_q_group,
+    _q_source,
     _source_head,
 )
 
@@ -115,32 +110,13 @@ __all__ = ["QOnce", "pack_qkv", "prepare_pack", "q_once_fits"]
 
 @triton.jit
 def _pack_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    amax_q_ptr,
-    amax_k_ptr,
-    mean_ptr,
-    amax_v_ptr,
-    send_ptr,
+    q_ptr, k_ptr, v_ptr, amax_q_ptr, amax_k_ptr, mean_ptr, amax_v_ptr, send_ptr,
     values_ptr,  # int32 [len(PACK)], then the per-row table
-    HINTS: tl.constexpr,
-    D: tl.constexpr,
-    GQ: tl.constexpr,
-    GK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HW_ROUND: tl.constexpr,
-    Q_ONCE: tl.constexpr,
-    FLOOR: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-    V_INT8: tl.constexpr,
-):
+    HINTS: tl.constexpr, D: tl.constexpr, GQ: tl.constexpr, GK: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HW_ROUND: tl.constexpr,
+    Q_ONCE: tl.constexpr, FLOOR: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr, DB: tl.constexpr, V_INT8: tl.constexpr,
+):  # fmt: skip
     i_pid = tl.program_id(0).to(tl.int64)
     L = tl.load(values_ptr + PK_L)
     h = tl.load(values_ptr + PK_h)
@@ -164,12 +140,7 @@ def _pack_kernel(
         HE = tl.load(values_ptr + PK_HE)
         n_lanes = tl.load(values_ptr + PK_n_lanes)
         n_rblocks = tl.load(values_ptr + PK_n_rblocks)
-        h_src = tl.load(values_ptr + PK_h_src)
-        q_off = tl.load(values_ptr + PK_q_off)
-        HS = tl.load(values_ptr + PK_HS)
-        stride_qb = table_int(values_ptr, PK_stride_qb, HINTS)
-        stride_ql = table_int(values_ptr, PK_stride_ql, HINTS)
-        stride_qh = table_int(values_ptr, PK_stride_qh, HINTS)
+        h_src, q_off, HS, stride_qb, stride_ql, stride_qh = _q_source(values_ptr, HINTS)
         stride_kb = table_int(values_ptr, PK_stride_kb, HINTS)
         stride_kl = table_int(values_ptr, PK_stride_kl, HINTS)
         stride_kh = table_int(values_ptr, PK_stride_kh, HINTS)
@@ -270,21 +241,9 @@ def _pack_kernel(
     elif i_pid < n_code + n_qcode:
         if Q_ONCE:
             _pack_q_group(
-                i_pid - n_code,
-                q_ptr,
-                amax_q_ptr,
-                send_ptr,
-                values_ptr,
-                HINTS,
-                D,
-                GQ,
-                BLOCK_H,
-                HW_ROUND,
-                FLOOR,
-                EVICT,
-                PER_ROW,
-                DB,
-            )
+                i_pid - n_code, q_ptr, amax_q_ptr, send_ptr, values_ptr, HINTS, D, GQ, BLOCK_H,
+                HW_ROUND, FLOOR, EVICT, PER_ROW, DB,
+            )  # fmt: skip
     else:
         # scale slots: global index m over [P destinations][L * E4 slots]; slot n < NF =
         # B*(h*NSQ + hkv*NSK) of a destination holds a scale, the rest are written 0 so that
@@ -293,9 +252,7 @@ def _pack_kernel(
         B = tl.load(values_ptr + PK_B)
         q_whole_lo = tl.load(values_ptr + PK_q_whole_lo)
         q_whole_hi = tl.load(values_ptr + PK_q_whole_hi)
-        h_src = tl.load(values_ptr + PK_h_src)
-        q_off = tl.load(values_ptr + PK_q_off)
-        HS = tl.load(values_ptr + PK_HS)
+        h_src, q_off, HS, _, _, _ = _q_source(values_ptr, HINTS)
         nf_q = B * h * n_slots_q
         nf = nf_q + B * hkv * n_slots_k
         hkv_d = tl.maximum(hkv, 1)  # a divisor (hkv 0: every used slot is Q's)
@@ -333,32 +290,14 @@ def _pack_kernel(
 
 
 def prepare_pack(
-    shape: tuple[int, int, int, int],
-    strides: tuple[tuple[int, int, int, int], ...],
-    device: torch.device,
-    send: torch.Tensor | None,
-    *,
-    world_size: int,
-    row0: int,
-    q_group: int,
-    k_group: int,
-    n_sq: int,
-    n_sk: int,
-    row_bytes: int,
-    scale_bytes: int,
-    use_pdl: bool,
-    kv_heads: int | None = None,
-    q_once: QOnce | None = None,
-    chunk: tuple[int, int] = (0, 1),
-    kv_once: bool = False,
-    block_l: int | None = None,
-    rows: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    evict: bool = False,
-    v_int8: bool = False,
-    block_d: int | None = None,
-) -> Launch:
+    shape: tuple[int, int, int, int], strides: tuple[tuple[int, int, int, int], ...],
+    device: torch.device, send: torch.Tensor | None, *, world_size: int, row0: int, q_group: int,
+    k_group: int, n_sq: int, n_sk: int, row_bytes: int, scale_bytes: int, use_pdl: bool,
+    kv_heads: int | None = None, q_once: QOnce | None = None, chunk: tuple[int, int] = (0, 1),
+    kv_once: bool = False, block_l: int | None = None, rows: int | None = None,
+    block_h: int | None = None, num_warps: int | None = None, evict: bool = False,
+    v_int8: bool = False, block_d: int | None = None,
+) -> Launch:  # fmt: skip
     """The pack launch for q of this ``shape`` [B, L, H, D], k and v of ``kv_heads`` heads (H
     when None) and ``strides`` (q's, k's, v's), writing ``send``: call it with ``(q, k, v,
     amax_q, amax_k, k_mean, amax_v)``, and with ``send`` None also ``send`` (a new buffer each
@@ -465,31 +404,12 @@ def prepare_pack(
     # per-row counts (``QOnce.per_row``): read at each batch row by the Q_ONCE programs
     table, hints = grid_table((Section(PACK, values, per_row or ((0, 0, 0),)),), device)
     return Launch(
-        _pack_kernel,
-        (n_code + n_qcode + cdiv(n_scales, block_n),),
-        device,
-        num_warps=num_warps,
-        use_pdl=use_pdl,
-        slots=slots,
-        values_ptr=table,
-        HINTS=hints,
-        D=D,
-        GQ=q_group,
-        GK=k_group,
-        PER_ROW=per_row is not None,
-        BLOCK_H=block_h,
-        BLOCK_L=block_l,
-        ROWS=rows,
-        BLOCK_N=block_n,
-        HW_ROUND=cuda,
-        Q_ONCE=q_once is not None,
-        FLOOR=floor,
-        USE_PDL=use_pdl,
-        EVICT=evict,
-        DB=DB,
-        V_INT8=v_int8,
-        **fixed,
-    )
+        _pack_kernel, (n_code + n_qcode + cdiv(n_scales, block_n),), device, num_warps=num_warps,
+        use_pdl=use_pdl, slots=slots, values_ptr=table, HINTS=hints, D=D, GQ=q_group, GK=k_group,
+        PER_ROW=per_row is not None, BLOCK_H=block_h, BLOCK_L=block_l, ROWS=rows, BLOCK_N=block_n,
+        HW_ROUND=cuda, Q_ONCE=q_once is not None, FLOOR=floor, USE_PDL=use_pdl, EVICT=evict, DB=DB,
+        V_INT8=v_int8, **fixed,
+    )  # fmt: skip
 
 
 class QOnce(NamedTuple):
@@ -531,23 +451,11 @@ def q_once_fits(
 
 
 def pack_qkv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    amax_q: torch.Tensor,
-    amax_k: torch.Tensor,
-    k_mean: torch.Tensor,
-    amax_v: torch.Tensor,
-    *,
-    world_size: int,
-    row_bytes: int,
-    q_once: bool = False,
-    q_n_touched: int = 0,
-    q_tail_group: int = -1,
-    q_live_end: int = 0,
-    floor: float = 0.0,
-    **config,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, amax_q: torch.Tensor, amax_k: torch.Tensor,
+    k_mean: torch.Tensor, amax_v: torch.Tensor, *, world_size: int, row_bytes: int,
+    q_once: bool = False, q_n_touched: int = 0, q_tail_group: int = -1, q_live_end: int = 0,
+    floor: float = 0.0, **config,
+) -> torch.Tensor:  # fmt: skip
     """The send buffer, uint8 [P * L * row_bytes] (see the module docstring); ``config``: the
     other keyword arguments of :func:`prepare_pack` (``row0``, ``q_group``, ``k_group``,
     ``scale_bytes``, ``use_pdl`` and the tile overrides).

@@ -32,45 +32,12 @@ PACK = GridFields(
         "stride_vb", "stride_vl", "stride_vh", "ROW", "CB", "E4",
     ),
 )  # fmt: skip
-PK_L = PACK.at("L")
-PK_H = PACK.at("H")
-PK_h = PACK.at("h")
-PK_HE = PACK.at("HE")
-PK_hkv = PACK.at("hkv")
-PK_n_lanes = PACK.at("n_lanes")
-PK_row0 = PACK.at("row0")
-PK_n_slots_q = PACK.at("n_slots_q")
-PK_n_slots_k = PACK.at("n_slots_k")
-PK_n_rblocks = PACK.at("n_rblocks")
-PK_n_code = PACK.at("n_code")
-PK_n_qcode = PACK.at("n_qcode")
-PK_n_scales = PACK.at("n_scales")
-PK_B = PACK.at("B")
-PK_shift = PACK.at("shift")
-PK_n_qgroups = PACK.at("n_qgroups")
-PK_q_whole_lo = PACK.at("q_whole_lo")
-PK_q_whole_hi = PACK.at("q_whole_hi")
-PK_tail_group_q = PACK.at("tail_group_q")
-PK_live_end = PACK.at("live_end")
-PK_h_src = PACK.at("h_src")
-PK_hkv_src = PACK.at("hkv_src")
-PK_q_off = PACK.at("q_off")
-PK_k_off = PACK.at("k_off")
-PK_HS = PACK.at("HS")
-PK_HKS = PACK.at("HKS")
-PK_kv_rep = PACK.at("kv_rep")
-PK_stride_qb = PACK.at("stride_qb")
-PK_stride_ql = PACK.at("stride_ql")
-PK_stride_qh = PACK.at("stride_qh")
-PK_stride_kb = PACK.at("stride_kb")
-PK_stride_kl = PACK.at("stride_kl")
-PK_stride_kh = PACK.at("stride_kh")
-PK_stride_vb = PACK.at("stride_vb")
-PK_stride_vl = PACK.at("stride_vl")
-PK_stride_vh = PACK.at("stride_vh")
-PK_ROW = PACK.at("ROW")
-PK_CB = PACK.at("CB")
-PK_E4 = PACK.at("E4")
+(PK_L, PK_H, PK_h, PK_HK, PK_HE, PK_hkv, PK_n_lanes, PK_row0, PK_n_slots_q, PK_n_slots_k,
+ PK_n_rblocks, PK_n_code, PK_n_qcode, PK_n_scales, PK_B, PK_shift, PK_n_qgroups, PK_q_whole_lo,
+ PK_q_whole_hi, PK_tail_group_q, PK_live_end, PK_h_src, PK_hkv_src, PK_q_off, PK_k_off, PK_HS,
+ PK_HKS, PK_kv_rep, PK_stride_qb, PK_stride_ql, PK_stride_qh, PK_stride_kb, PK_stride_kl,
+ PK_stride_kh, PK_stride_vb, PK_stride_vl, PK_stride_vh, PK_ROW, PK_CB, PK_E4
+) = PACK.offsets()  # fmt: skip
 PK_ROWS_AT = tl.constexpr(len(PACK))  # the per-row table follows the values
 
 
@@ -83,22 +50,23 @@ def _source_head(x, per, per_src, off):
 
 
 @triton.jit
+def _q_source(values_ptr, HINTS: tl.constexpr):
+    """The pack's Q heads in the source tensor: ``(h_src, q_off, HS, stride_qb, stride_ql,
+    stride_qh)`` from its table (the heads a destination, the first packed one, all heads,
+    q's strides)."""
+    return (
+        tl.load(values_ptr + PK_h_src), tl.load(values_ptr + PK_q_off), tl.load(values_ptr + PK_HS),
+        table_int(values_ptr, PK_stride_qb, HINTS), table_int(values_ptr, PK_stride_ql, HINTS),
+        table_int(values_ptr, PK_stride_qh, HINTS),
+    )  # fmt: skip
+
+
+@triton.jit
 def _pack_q_group(
-    i_q,
-    q_ptr,
-    amax_q_ptr,
-    send_ptr,
-    values_ptr,
-    HINTS: tl.constexpr,
-    D: tl.constexpr,
-    GQ: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HW_ROUND: tl.constexpr,
-    FLOOR: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
+    i_q, q_ptr, amax_q_ptr, send_ptr, values_ptr, HINTS: tl.constexpr, D: tl.constexpr,
+    GQ: tl.constexpr, BLOCK_H: tl.constexpr, HW_ROUND: tl.constexpr, FLOOR: tl.constexpr,
+    EVICT: tl.constexpr, PER_ROW: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     """Q_ONCE program ``i_q`` of the pack launch: one per (batch, Q group this rank touches,
     head block). The group's [GQ, BLOCK_H, D] tile is read once, in one go. A group this
     rank holds whole takes its amax from the tile (the statistics kernel's value: the tail
@@ -116,12 +84,7 @@ def _pack_q_group(
     q_whole_hi = tl.load(values_ptr + PK_q_whole_hi)
     tail_group_q = tl.load(values_ptr + PK_tail_group_q)
     live_end = tl.load(values_ptr + PK_live_end)
-    h_src = tl.load(values_ptr + PK_h_src)
-    q_off = tl.load(values_ptr + PK_q_off)
-    HS = tl.load(values_ptr + PK_HS)
-    stride_qb = table_int(values_ptr, PK_stride_qb, HINTS)
-    stride_ql = table_int(values_ptr, PK_stride_ql, HINTS)
-    stride_qh = table_int(values_ptr, PK_stride_qh, HINTS)
+    h_src, q_off, HS, stride_qb, stride_ql, stride_qh = _q_source(values_ptr, HINTS)
     ROW = table_int(values_ptr, PK_ROW, HINTS)
     CB = table_int(values_ptr, PK_CB, HINTS)
     E4 = table_int(values_ptr, PK_E4, HINTS)

@@ -69,93 +69,33 @@ QV_STATS = GridFields(
     "q_skip_lo", "q_skip_hi", "payload_at", "vamax_at", "cnt_at", "vacc_at",
     hinted=("stride_qb", "stride_ql", "stride_qh", "stride_vb", "stride_vl", "stride_vh"),
 )  # fmt: skip
-_QV_stride_qb = QV_STATS.at("stride_qb")
-_QV_stride_ql = QV_STATS.at("stride_ql")
-_QV_stride_qh = QV_STATS.at("stride_qh")
-_QV_stride_vb = QV_STATS.at("stride_vb")
-_QV_stride_vl = QV_STATS.at("stride_vl")
-_QV_stride_vh = QV_STATS.at("stride_vh")
-_QV_rows_at = QV_STATS.at("rows_at")
-_QV_L = QV_STATS.at("L")
-_QV_H = QV_STATS.at("H")
-_QV_HV = QV_STATS.at("HV")
-_QV_row0 = QV_STATS.at("row0")
-_QV_n_slots = QV_STATS.at("n_slots")
-_QV_n_touched = QV_STATS.at("n_touched")
-_QV_n_spans = QV_STATS.at("n_spans")
-_QV_tail_group = QV_STATS.at("tail_group")
-_QV_live_end = QV_STATS.at("live_end")
-_QV_q_skip_lo = QV_STATS.at("q_skip_lo")
-_QV_q_skip_hi = QV_STATS.at("q_skip_hi")
-_QV_payload_at = QV_STATS.at("payload_at")
-_QV_vamax_at = QV_STATS.at("vamax_at")
-_QV_cnt_at = QV_STATS.at("cnt_at")
-_QV_vacc_at = QV_STATS.at("vacc_at")
+(_QV_stride_qb, _QV_stride_ql, _QV_stride_qh, _QV_stride_vb, _QV_stride_vl, _QV_stride_vh,
+ _QV_rows_at, _QV_L, _QV_H, _QV_HV, _QV_row0, _QV_n_slots, _QV_n_touched, _QV_n_spans,
+ _QV_tail_group, _QV_live_end, _QV_q_skip_lo, _QV_q_skip_hi, _QV_payload_at, _QV_vamax_at,
+ _QV_cnt_at, _QV_vacc_at) = QV_STATS.offsets()  # fmt: skip
 
 
 @triton.jit
 def _qv_stats_kernel(
-    q_ptr,
-    v_ptr,
-    amax_ptr,
-    payload_ptr,
-    cnt_ptr,
+    q_ptr, v_ptr, amax_ptr, payload_ptr, cnt_ptr,
     values_ptr,  # int32 [len(QV_STATS)], then the per-row table
-    HINTS: tl.constexpr,
-    FLOOR: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    SPAN: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
+    HINTS: tl.constexpr, FLOOR: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPAN: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     _qv_stats_program(
-        tl.program_id(0).to(tl.int64),
-        q_ptr,
-        v_ptr,
-        amax_ptr,
-        payload_ptr,
-        cnt_ptr,
-        values_ptr,
-        HINTS,
-        FLOOR,
-        G,
-        D,
-        SPAN,
-        BLOCK_H,
-        ROWS,
-        USE_PDL,
-        EVICT,
-        PER_ROW,
-        DB,
-    )
+        tl.program_id(0).to(tl.int64), q_ptr, v_ptr, amax_ptr, payload_ptr, cnt_ptr, values_ptr,
+        HINTS, FLOOR, G, D, SPAN, BLOCK_H, ROWS, USE_PDL, EVICT, PER_ROW, DB,
+    )  # fmt: skip
 
 
 @triton.jit
 def _qv_stats_program(
-    i_pid,
-    q_ptr,
-    v_ptr,
-    amax_ptr,
-    payload_ptr,
-    cnt_ptr,
-    values_ptr,
-    HINTS: tl.constexpr,
-    FLOOR: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    SPAN: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    ROWS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EVICT: tl.constexpr,
-    PER_ROW: tl.constexpr,
-    DB: tl.constexpr,
-):
+    i_pid, q_ptr, v_ptr, amax_ptr, payload_ptr, cnt_ptr, values_ptr, HINTS: tl.constexpr,
+    FLOOR: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPAN: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, USE_PDL: tl.constexpr, EVICT: tl.constexpr,
+    PER_ROW: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
     """Program ``i_pid`` of the Q/V statistics (this launch's, or the exchange's statistics
     launch, kernels/lowp_stats.py), its grid values at ``values_ptr`` (``QV_STATS``)."""
     stride_qb = table_int(values_ptr, _QV_stride_qb, HINTS)
@@ -284,32 +224,14 @@ def prepare_qv_stats(shape, q_strides, v_strides, device, payload, amax, **confi
 
 
 def qv_stats_part(
-    shape: tuple[int, int, int, int],
-    q_strides: tuple[int, int, int, int],
-    v_strides: tuple[int, int, int, int],
-    device: torch.device,
-    payload: torch.Tensor,
-    amax: torch.Tensor,
-    *,
-    group_size: int,
-    row0: int,
-    n_slots: int,
-    n_touched: int,
-    tail_group: int,
-    live_end: int,
-    floor: float,
-    use_pdl: bool,
-    q_boundary_only: bool = False,
-    v_heads: int | None = None,
-    per_row: tuple | None = None,
-    span: int | None = None,
-    rows: int | None = None,
-    block_h: int | None = None,
-    num_warps: int | None = None,
-    evict: bool = False,
-    payload_at: int = 0,
-    counters_at: int = 0,
-) -> Part:
+    shape: tuple[int, int, int, int], q_strides: tuple[int, int, int, int],
+    v_strides: tuple[int, int, int, int], device: torch.device, payload: torch.Tensor,
+    amax: torch.Tensor, *, group_size: int, row0: int, n_slots: int, n_touched: int,
+    tail_group: int, live_end: int, floor: float, use_pdl: bool, q_boundary_only: bool = False,
+    v_heads: int | None = None, per_row: tuple | None = None, span: int | None = None,
+    rows: int | None = None, block_h: int | None = None, num_warps: int | None = None,
+    evict: bool = False, payload_at: int = 0, counters_at: int = 0,
+) -> Part:  # fmt: skip
     """The Q/V statistics programs writing ``payload`` (from its element ``payload_at``: a
     launch may take a larger buffer) and ``amax``. ``shape`` is q's [B, L, H, D]; v has
     ``v_heads`` heads (H when None; H must be a multiple). ``q_boundary_only``: Q's amax for
@@ -358,33 +280,17 @@ def qv_stats_part(
     # instead of ``live_end`` and ``tail_group``
     section = Section(QV_STATS, values, per_row or ((0, 0, 0),))
     args = dict(
-        q_ptr=None,
-        v_ptr=None,
-        amax_ptr=amax,
-        payload_ptr=payload,
-        cnt_ptr=counters(counters_at + n_counters, device),
-        PER_ROW=per_row is not None,
-        G=G,
-        D=D,
-        SPAN=span,
-        BLOCK_H=block_h,
-        ROWS=rows,
-        FLOOR=floor,
-        USE_PDL=use_pdl,
-        EVICT=evict,
-        DB=DB,
-    )
+        q_ptr=None, v_ptr=None, amax_ptr=amax, payload_ptr=payload,
+        cnt_ptr=counters(counters_at + n_counters, device), PER_ROW=per_row is not None, G=G, D=D,
+        SPAN=span, BLOCK_H=block_h, ROWS=rows, FLOOR=floor, USE_PDL=use_pdl, EVICT=evict, DB=DB,
+    )  # fmt: skip
     return Part(B * n_spans * n_hblocks, num_warps or auto_warps, section, args, n_counters)
 
 
 def qv_stats(
-    q: torch.Tensor,
-    v: torch.Tensor,
-    payload: torch.Tensor | None = None,
-    *,
-    n_slots: int,
+    q: torch.Tensor, v: torch.Tensor, payload: torch.Tensor | None = None, *, n_slots: int,
     **config,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One read of the shards ``q`` [B, L, H, D] and ``v`` [B, L, HV, D] (HV divides H):
     ``(payload, amax_q_partial)``; ``config``: the keyword arguments of
     :func:`qv_stats_part` but ``n_slots``, ``v_heads`` and the offsets.

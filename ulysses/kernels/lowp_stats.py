@@ -32,74 +32,28 @@ _, _LS_K_AT, _LS_QV_AT = starts(LOWP_STATS, K_STATS, QV_STATS)
 
 @triton.jit
 def _lowp_stats_kernel(
-    k_ptr,
-    q_ptr,
-    v_ptr,
-    sum_ptr,
-    mm_ptr,
-    cnt_ptr,
-    payload_ptr,
-    amax_q_ptr,
+    k_ptr, q_ptr, v_ptr, sum_ptr, mm_ptr, cnt_ptr, payload_ptr, amax_q_ptr,
     values_ptr,  # int32: LOWP_STATS, K_STATS, QV_STATS, the per-row tables
-    HINTS: tl.constexpr,
-    GK: tl.constexpr,
-    GQ: tl.constexpr,
-    D: tl.constexpr,
-    DB: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    ROWS_K: tl.constexpr,
-    ROWS_Q: tl.constexpr,
-    SPAN: tl.constexpr,
-    MINMAX: tl.constexpr,
-    FLOOR: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HINTS: tl.constexpr, GK: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr, DB: tl.constexpr,
+    BLOCK_HK: tl.constexpr, BLOCK_HQ: tl.constexpr, ROWS_K: tl.constexpr, ROWS_Q: tl.constexpr,
+    SPAN: tl.constexpr, MINMAX: tl.constexpr, FLOOR: tl.constexpr, USE_PDL: tl.constexpr,
     EVICT: tl.constexpr,  # bit 0: K's loads evict-first, bit 1: Q's and V's
     PER_ROW: tl.constexpr,
-):
+):  # fmt: skip
     i_pid = tl.program_id(0).to(tl.int64)
     n_k = tl.load(values_ptr + _LS_n_k)
     if i_pid < n_k:
         _k_stats_program(
-            i_pid,
-            k_ptr,
-            sum_ptr,
-            mm_ptr,
-            cnt_ptr,
-            payload_ptr,
-            values_ptr + _LS_K_AT,
+            i_pid, k_ptr, sum_ptr, mm_ptr, cnt_ptr, payload_ptr, values_ptr + _LS_K_AT,
             HINTS // 2**_LS_K_AT,  # the hints from its start on (``>>``: see table_int)
-            GK,
-            D,
-            BLOCK_HK,
-            ROWS_K,
-            MINMAX,
-            USE_PDL,
-            EVICT & 1,
-            PER_ROW,
-            DB,
-        )
+            GK, D, BLOCK_HK, ROWS_K, MINMAX, USE_PDL, EVICT & 1, PER_ROW, DB,
+        )  # fmt: skip
     else:
         _qv_stats_program(
-            i_pid - n_k,
-            q_ptr,
-            v_ptr,
-            amax_q_ptr,
-            payload_ptr,
-            cnt_ptr,
-            values_ptr + _LS_QV_AT,
-            HINTS // 2**_LS_QV_AT,
-            FLOOR,
-            GQ,
-            D,
-            SPAN,
-            BLOCK_HQ,
-            ROWS_Q,
-            USE_PDL,
-            EVICT >> 1,
-            PER_ROW,
-            DB,
-        )
+            i_pid - n_k, q_ptr, v_ptr, amax_q_ptr, payload_ptr, cnt_ptr, values_ptr + _LS_QV_AT,
+            HINTS // 2**_LS_QV_AT, FLOOR, GQ, D, SPAN, BLOCK_HQ, ROWS_Q, USE_PDL, EVICT >> 1,
+            PER_ROW, DB,
+        )  # fmt: skip
 
 
 def prepare_lowp_stats(k: Part, qv: Part, device: torch.device) -> Launch:
@@ -116,31 +70,13 @@ def prepare_lowp_stats(k: Part, qv: Part, device: torch.device) -> Launch:
     head = Section(LOWP_STATS, {"n_k": k.programs})
     table, hints = grid_table((head, k.section, qv.section), device)
     return Launch(
-        _lowp_stats_kernel,
-        (k.programs + qv.programs,),
-        device,
-        num_warps=max(k.num_warps, qv.num_warps),
-        use_pdl=ka["USE_PDL"],
-        slots=("k_ptr", "q_ptr", "v_ptr"),
-        sum_ptr=ka["sum_ptr"],
-        mm_ptr=ka["mm_ptr"],
-        cnt_ptr=counters(k.counters + qv.counters, device),
-        payload_ptr=payload,
-        amax_q_ptr=qa["amax_ptr"],
-        values_ptr=table,
-        HINTS=hints,
-        GK=ka["G"],
-        GQ=qa["G"],
-        D=ka["D"],
-        DB=ka["DB"],
-        BLOCK_HK=ka["BLOCK_H"],
-        BLOCK_HQ=qa["BLOCK_H"],
-        ROWS_K=ka["ROWS"],
-        ROWS_Q=qa["ROWS"],
-        SPAN=qa["SPAN"],
-        MINMAX=ka["MINMAX"],
-        FLOOR=qa["FLOOR"],
-        USE_PDL=ka["USE_PDL"],
-        EVICT=int(ka["EVICT"]) | int(qa["EVICT"]) << 1,
+        _lowp_stats_kernel, (k.programs + qv.programs,), device,
+        num_warps=max(k.num_warps, qv.num_warps), use_pdl=ka["USE_PDL"],
+        slots=("k_ptr", "q_ptr", "v_ptr"), sum_ptr=ka["sum_ptr"], mm_ptr=ka["mm_ptr"],
+        cnt_ptr=counters(k.counters + qv.counters, device), payload_ptr=payload,
+        amax_q_ptr=qa["amax_ptr"], values_ptr=table, HINTS=hints, GK=ka["G"], GQ=qa["G"], D=ka["D"],
+        DB=ka["DB"], BLOCK_HK=ka["BLOCK_H"], BLOCK_HQ=qa["BLOCK_H"], ROWS_K=ka["ROWS"],
+        ROWS_Q=qa["ROWS"], SPAN=qa["SPAN"], MINMAX=ka["MINMAX"], FLOOR=qa["FLOOR"],
+        USE_PDL=ka["USE_PDL"], EVICT=int(ka["EVICT"]) | int(qa["EVICT"]) << 1,
         PER_ROW=ka["PER_ROW"],
-    )
+    )  # fmt: skip

@@ -40,8 +40,13 @@ class CodesRule(NamedTuple):
     k_group_multiple: int = 64  # K groups a multiple of the kernel's key block
 
 
-# device class, causal, D -> the calls the codes path wins (docs/BENCHMARKS.md, an H100)
-CODES_RULES: tuple[CodesRule, ...] = (CodesRule("hopper", causal=True, head_dim=128),)
+# device class, causal, D -> the calls the codes path wins (docs/BENCHMARKS.md "Which
+# attention attn=None picks": an H100, P 8, 4 query heads a rank, eager forward and
+# forward + backward; below S 32768 causal the codes call's host time outweighs its faster
+# kernel, at full attention SDPA over the dequantized values was faster at every measured S)
+CODES_RULES: tuple[CodesRule, ...] = (
+    CodesRule("hopper", causal=True, head_dim=128, min_seq=32768),
+)
 
 
 _CLASSES: dict = {}  # CUDA device index -> its class

@@ -72,10 +72,6 @@ from .wire import (
 )
 
 __all__ = [
-    "LowpQKV",
-    "exchange_qkv",
-    "exchange_to_heads",
-    "payload_bytes",
-    "bf16_payload_bytes",
+    "LowpQKV", "exchange_qkv", "exchange_to_heads", "payload_bytes", "bf16_payload_bytes",
     "GROUP_SIZES",
-]
+]  # fmt: skip

@@ -19,17 +19,10 @@ from .wire import _V_CODES, _out_layout
 
 
 def exchange_qkv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group=None,
-    used_sequence: int | None = None,
-    q_group: int = 32,
-    k_group: int = 64,
-    enable_pdl: bool | None = None,
-    v_format: str = "fp8",
-) -> LowpQKV:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
+    used_sequence: int | None = None, q_group: int = 32, k_group: int = 64,
+    enable_pdl: bool | None = None, v_format: str = "fp8",
+) -> LowpQKV:  # fmt: skip
     """The Ulysses sequence-to-head all-to-all of Q, K, V, sent as INT8 Q/K and FP8 V.
 
     Rank r passes its rows ``[r*L, (r+1)*L)`` of Q [B, L, Hq, D] and of K, V [B, L, Hkv, D]
@@ -95,16 +88,9 @@ def exchange_qkv(
 
 
 def exchange_to_heads(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group=None,
-    used_sequence: int | None = None,
-    q_group: int = 32,
-    k_group: int = 64,
-    v_format: str = "fp8",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
+    used_sequence: int | None = None, q_group: int = 32, k_group: int = 64, v_format: str = "fp8",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``exchange_qkv(...).dequantize()``: the head shards q [B, S, h, D], k (centred) and v
     [B, S, hkv, D] in the input dtype, what ``ulysses_attention(comm="lowp")`` attends over.
 
@@ -145,16 +131,9 @@ class _Stats:
 
 
 def exchange_stats(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group=None,
-    used_sequence: int | None = None,
-    q_group: int = 32,
-    k_group: int = 64,
-    v_format: str = "fp8",
-) -> _Stats:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
+    used_sequence: int | None = None, q_group: int = 32, k_group: int = 64, v_format: str = "fp8",
+) -> _Stats:  # fmt: skip
     """The statistics half of :func:`exchange_to_heads` for all heads, once: the local
     statistics launch, ONE all_gather, the post-gather launch (the cached plan of the call,
     validated as :func:`exchange_qkv`). Pass the handle to :func:`exchange_heads` for each
@@ -203,16 +182,9 @@ def _chunk_heads(side: _Side, st: _Stats, recv: torch.Tensor) -> tuple:
 
 
 def exchange_heads(
-    stats: _Stats,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    chunk: int,
-    n_chunks: int,
-    *,
-    start=None,
-    kv_once: bool = False,
-) -> _HeadsPending:
+    stats: _Stats, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, n_chunks: int, *,
+    start=None, kv_once: bool = False,
+) -> _HeadsPending:  # fmt: skip
     """Head chunk ``chunk`` of ``n_chunks`` of the exchange whose statistics ``stats`` holds
     (the same q, k, v): the pack of query heads ``r*h + [c*h/n, (c+1)*h/n)`` of every rank r
     and the K/V heads they use (one launch reading q, k, v and the statistics at those heads),

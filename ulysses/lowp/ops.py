@@ -23,17 +23,10 @@ def _op_used(used_sequence) -> dict:
 
 
 def _to_heads(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group_name: str,
-    used_sequence: int | None,
-    used_rows: list[int] | None = None,
-    q_group: int,
-    k_group: int,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_name: str,
+    used_sequence: int | None, used_rows: list[int] | None = None, q_group: int, k_group: int,
     v_format: str = "fp8",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     group = comm.group_from_name(group_name)
     used = used_sequence if used_rows is None else tuple(used_rows)
     plan, pg = _plan(q, k, v, group, used, q_group, k_group, None, v_format)
@@ -59,18 +52,10 @@ to_heads_op = _ops.define_op("lowp_to_heads", _to_heads, _to_heads_fake)
 
 
 def _exchange(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group_name: str,
-    used_sequence: int | None,
-    used_rows: list[int] | None = None,
-    q_group: int,
-    k_group: int,
-    enable_pdl: bool | None,
-    v_format: str = "fp8",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group_name: str,
+    used_sequence: int | None, used_rows: list[int] | None = None, q_group: int, k_group: int,
+    enable_pdl: bool | None, v_format: str = "fp8",
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     group = comm.group_from_name(group_name)
     used = used_sequence if used_rows is None else tuple(used_rows)
     plan, pg = _plan(q, k, v, group, used, q_group, k_group, enable_pdl, v_format)
@@ -78,18 +63,9 @@ def _exchange(
 
 
 def _exchange_fake(
-    q,
-    k,
-    v,
-    *,
-    group_name,
-    used_sequence,
-    q_group,
-    k_group,
-    enable_pdl,
-    used_rows=None,
+    q, k, v, *, group_name, used_sequence, q_group, k_group, enable_pdl, used_rows=None,
     v_format="fp8",
-):
+):  # fmt: skip
     pg = comm.group_from_name(group_name)
     P = 1 if pg is None else pg.size()
     B, L, Hq, D = q.shape

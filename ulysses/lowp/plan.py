@@ -98,11 +98,9 @@ class _Side:
             codes.as_strided(o.size_q, o.stride, o.offsets[0]),
             codes.as_strided(o.size_kv, o.stride, o.offsets[1]),
             recv.view(v_code).as_strided(o.size_kv, o.stride, o.offsets[2]),
-            words.as_strided(*o.q_scale),
-            words.as_strided(*o.k_scale),
+            words.as_strided(*o.q_scale), words.as_strided(*o.k_scale),
             whole_out.view(FP32).as_strided(*self.v_scale_at),
-            whole_out.view(dtype).as_strided(*self.k_mean_at),
-            *fields,
+            whole_out.view(dtype).as_strided(*self.k_mean_at), *fields,
         )  # fmt: skip
 
 
@@ -157,10 +155,8 @@ def _send_side(
         q_scale_ptr=recv_words,  # Q's and K's scales where they arrived (the gather's index)
         k_scale_ptr=recv_words,
         v_scale_ptr=View("out", FP32, o.v_scale[0], vs_stride, vs_at + k_first * D),
-        q_out_ptr="q_out",
-        k_out_ptr="k_out",
-        v_out_ptr="v_out",
-    )
+        q_out_ptr="q_out", k_out_ptr="k_out", v_out_ptr="v_out",
+    )  # fmt: skip
     return _Side(
         chunk=c, n=n, wire=w, out=o, pack=pack, gather_scales=gather, dequant=dequant,
         recv_out=output_template((w.nbytes,), torch.uint8, dev),
@@ -367,7 +363,7 @@ class _ExchangePlan:
 
 # Plans by call signature: shapes, strides, dtypes, devices, the group, every argument with its
 # type, and the stream (the scratch buffers are per stream). The one cache of the exchange.
-_PLANS = PlanCache(max_plans=64)
+_PLANS = PlanCache(f"{__name__}._PLANS", max_plans=64)
 clear_plans = _PLANS.clear  # after a rule of ``ulysses.grid`` changed
 
 

@@ -72,32 +72,17 @@ def _prepare(q, k, v, group, used_sequence, q_group, k_group, enable_pdl, v_form
             f" rows, got {P} * {L} = {P * L}"
         )
     part, pg, P = stats.k_stats_part(
-        k,
-        group=group,
-        used_sequence=used_sequence,
-        enable_pdl=enable_pdl,
-        group_size=k_group,
+        k, group=group, used_sequence=used_sequence, enable_pdl=enable_pdl, group_size=k_group,
         caller="exchange_qkv",
         extra={"q_group": q_group, "q_heads": Hq, "v_format": V_FORMATS.index(v_format)},
-    )
+    )  # fmt: skip
     if not _ops.is_compiling():
         _validate.check_alignment(q, "q")
         _validate.check_alignment(v, "v")
     used_sequence = part.layout.used  # validated; per-row counts that agree are one count
     return _Call(
-        q=q,
-        k=k,
-        v=v,
-        part=part,
-        pg=pg,
-        rank=rank,
-        P=P,
-        used_sequence=used_sequence,
-        q_group=q_group,
-        k_group=k_group,
-        lay_q=grid.layout(rank, L, P, q_group, used_sequence),
-        wire=_wire(B, L, Hq, D, P, q_group, k_group, Hkv),
-        use_pdl=part.use_pdl,
-        q_once=q_once_fits(q.shape, k.device, q_group),
-        v_format=v_format,
-    )
+        q=q, k=k, v=v, part=part, pg=pg, rank=rank, P=P, used_sequence=used_sequence,
+        q_group=q_group, k_group=k_group, lay_q=grid.layout(rank, L, P, q_group, used_sequence),
+        wire=_wire(B, L, Hq, D, P, q_group, k_group, Hkv), use_pdl=part.use_pdl,
+        q_once=q_once_fits(q.shape, k.device, q_group), v_format=v_format,
+    )  # fmt: skip

@@ -76,12 +76,8 @@ def _result(o: _Out, recv: torch.Tensor, out: torch.Tensor, dtype, fields: tuple
     codes, words, typed = recv.view(torch.int8), out.view(FP32), out.view(dtype)
     stride, (oq, ok, ov) = o.stride, o.offsets
     return LowpQKV(
-        codes.as_strided(o.size_q, stride, oq),
-        codes.as_strided(o.size_kv, stride, ok),
-        recv.view(v_code).as_strided(o.size_kv, stride, ov),
-        words.as_strided(*o.q_scale),
-        words.as_strided(*o.k_scale),
-        words.as_strided(*o.v_scale),
-        typed.as_strided(*o.k_mean),
+        codes.as_strided(o.size_q, stride, oq), codes.as_strided(o.size_kv, stride, ok),
+        recv.view(v_code).as_strided(o.size_kv, stride, ov), words.as_strided(*o.q_scale),
+        words.as_strided(*o.k_scale), words.as_strided(*o.v_scale), typed.as_strided(*o.k_mean),
         *fields,
-    )
+    )  # fmt: skip

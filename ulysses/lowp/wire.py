@@ -78,16 +78,9 @@ def _wire_heads(B, L, h, hkv, kv_rep, D, P, q_group, k_group) -> _Wire:
 
 
 def payload_bytes(
-    B: int,
-    L: int,
-    H: int,
-    D: int,
-    world_size: int,
-    q_group: int = 32,
-    k_group: int = 64,
-    *,
+    B: int, L: int, H: int, D: int, world_size: int, q_group: int = 32, k_group: int = 64, *,
     kv_heads: int | None = None,
-) -> int:
+) -> int:  # fmt: skip
     """Bytes one rank sends in the exchange's all_to_all (its own chunk included, like the
     bf16 path's ``3 * B * L * H * D * 2``): ``P * L * (B*(h + 2*hkv)*D + scale bytes a row)``
     with ``h = H/P`` query heads and ``hkv`` K/V heads a rank receives (``kv_heads`` K/V
@@ -157,18 +150,14 @@ def _out_layout(w: _Wire, B: int, Hkv: int, D: int, esize: int, q_group: int, k_
     mean_shape, mean_stride = (B, Hkv, D), _contiguous((B, Hkv, D))
     first = rank * hkv // w.kv_rep  # this rank's first K/V head (grid.kv_split)
     return _Out(
-        size_q=(B, S, h, D),
-        size_kv=(B, S, hkv, D),
-        stride=((h + 2 * hkv) * D, w.row_bytes, D, 1),
-        offsets=(0, h * D, (h + hkv) * D),
-        q_scale=(q_shape, _contiguous(q_shape), 0),
+        size_q=(B, S, h, D), size_kv=(B, S, hkv, D), stride=((h + 2 * hkv) * D, w.row_bytes, D, 1),
+        offsets=(0, h * D, (h + hkv) * D), q_scale=(q_shape, _contiguous(q_shape), 0),
         k_scale=(k_shape, _contiguous(k_shape), n_index - n_k),
         mean=(mean_shape, mean_stride, off_mean // esize),
         k_mean=((B, hkv, D), mean_stride, off_mean // esize + first * D),
-        v_scale=((B, hkv, D), _contiguous((B, hkv, D)), off_vs // 4),
-        n_index=n_index,
+        v_scale=((B, hkv, D), _contiguous((B, hkv, D)), off_vs // 4), n_index=n_index,
         nbytes=off_vs + 4 * B * hkv * D,
-    )
+    )  # fmt: skip
 
 
 def _scale_index(w: _Wire, B: int, q_group: int, k_group: int, device) -> torch.Tensor:
