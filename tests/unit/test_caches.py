@@ -44,7 +44,6 @@ UNREGISTERED = {
     "ulysses.hf._CHECKED",
     "ulysses.dist_tests.validate._LIVE",
     "ulysses.dist_tests.checks_ring._MESHES",
-    "ulysses.layer.default._class_of",
     "ulysses.train._FLAT",
 }
 

@@ -6,8 +6,8 @@ buffer) of Gaussian Q, K with a large channel mean (smooth-K data) and outlier q
 The forward's ``out`` (rounded to the output dtype) and ``lse`` are the exact ones, so that
 the check measures the backward alone. Every gradient element must lie within the derived
 bound of the kernel's module docstring (``backward_error_bound``): full and causal, GQA,
-per-row ``used``, documents, D 32/64/128, INT8 V, V read as codes or as a bf16 copy, the
-16-bit variants; a K scale tensor rolled
+per-row ``used``, documents, D 32/64/128, INT8 V, V read as codes or as a bf16 copy, INT8 or
+16-bit dS, FP8 or 16-bit dV, dV and dK in one launch or two; a K scale tensor rolled
 by one group must break it (the check can fail)."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _check(B, S, hq, hkv, D, *, causal, used=None, ids=None, v_format="fp8", con
         q_group=x.q_group, k_group=x.k_group, causal=causal, used=used_t, doc_ids=ids,
         config=config,
     )  # fmt: skip
-    cfg = config or BackwardConfig()
+    cfg = config or BackwardConfig()  # the default products
     exact, bounds = backward_error_bound(
         dout, qd, kd, vd, out, out_exact, q_codes=x.q, k_codes=x.k, q_row_scale=qrs,
         k_row_scale=krs, causal=causal, used=used_t, doc_ids=ids, dv_fp8=cfg.dv_fp8,
@@ -147,15 +147,24 @@ def test_v_codes_converted_in_the_kernel(v_format):
     _check(1, 80, 2, 1, 64, causal=False, v_format=v_format, config=cfg, seed=7)
 
 
-@pytest.mark.parametrize("dv_fp8,ds_int8", [(False, False), (True, False), (False, True)])
-def test_16_bit_variants(dv_fp8, ds_int8):
+@pytest.mark.parametrize("dv_fp8,ds_int8", [(True, True), (False, False), (False, True)])
+def test_product_variants(dv_fp8, ds_int8):
+    """INT8 dS (with FP8 or 16-bit dV) and the all-16-bit products."""
     cfg = BackwardConfig(32, 32, 1, 1, 32, 32, 1, 1, dv_fp8, ds_int8)
     _check(1, 96, 2, 1, 64, causal=True, config=cfg, seed=4)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_int8_ds_used_and_documents(causal):
+    ids = torch.tensor([[0] * 10 + [1] * 40 + [2] * 30 + [5] * 20, [0] * 70 + [3] * 30])
+    cfg = BackwardConfig(32, 32, 1, 1, 32, 32, 1, 1, ds_int8=True)
+    _check(2, 100, 4, 2, 32, causal=causal, used=[90, 100], ids=ids, seed=8, config=cfg)
+
+
 def test_other_tiles():
-    """Key blocks of 64 over query blocks of 32, and the reverse in the dQ kernel."""
-    cfg = BackwardConfig(32, 64, 1, 1, 64, 32, 1, 1)
+    """Key blocks of 64 over query blocks of 32, and the reverse in the dQ kernel; dV and dK
+    in one launch."""
+    cfg = BackwardConfig(32, 64, 1, 1, 64, 32, 1, 1, kv_split=False)
     _check(1, 150, 2, 2, 32, causal=True, config=cfg, seed=5)
     _check(1, 150, 2, 2, 32, causal=False, config=cfg, seed=5)
 

@@ -22,10 +22,11 @@ keys row i attends: ``j < used``, ``j <= i`` when causal, the same document):
 
 Rows at or past ``used`` get 0 gradients.
 
-How each product runs (the defaults; :class:`BackwardConfig` switches the 8-bit ones off):
+How each product runs (:class:`BackwardConfig` picks; the default runs dV in FP8 and dQ/dK
+with 16-bit dS, see ``GPU_DEFAULT``):
 
-* scores: INT8 ``qc . kc`` with an int32 accumulator seeded with the bits of ``1.5 * 2^23``
-  (the int32 -> fp32 conversion is one subtraction), scaled in fp32; ``p`` is computed times
+* scores: INT8 ``qc . kc`` in int32 (exact), converted by adding the bits of ``1.5 * 2^23``
+  and subtracting it as a float (two full-rate operations), scaled in fp32; ``p`` is computed times
   ``2^8`` (e4m3's range, folded into the exponent), the factor removed at the end.
 * ``dV = P^T dO`` in FP8: ``e4m3(2^8 p)`` times ``e4m3(dO c)``, ``c = 448 / amax`` one scale a
   (batch row, K/V head) over the live rows of its query heads (e4m3 is a floating format: a
@@ -33,13 +34,14 @@ How each product runs (the defaults; :class:`BackwardConfig` switches the 8-bit 
   2^15 below the largest element); fp32 accumulation.
 * ``dP = dO V^T`` in 16 bits: ``bf16(dO * vs)`` (one rounding) times the V codes in bf16
   (exact for e4m3 and int8 codes); fp32 accumulation.
-* ``dQ = dS K`` and ``dK = dS^T Q`` in INT8: ``dS`` times the other side's row scale
-  (``ks_j`` for dQ, ``qs_i`` for dK) is quantized per row of the tile (a query row of a key
-  block for dQ, a key row of a query block for dK) to ``rne(x * 127 / amax_row)``, multiplied
-  with the K or Q codes exactly in int32 (the seeded accumulator again), and added to an fp32
-  accumulator times ``amax_row / 127``. The 8-bit operands are read K-major (Hopper's 8-bit
+* ``dQ = dS K`` and ``dK = dS^T Q``: with ``ds_int8``, in INT8: ``dS`` times the other side's
+  row scale (``ks_j`` for dQ, ``qs_i`` for dK) is quantized per row of the tile (a query row
+  of a key block for dQ, a key row of a query block for dK) to ``rne(x * 127 / amax_row)``,
+  multiplied with the K or Q codes exactly in int32, and added to an fp32 accumulator times
+  ``amax_row / 127``. The 8-bit operands are read K-major (Hopper's 8-bit
   MMAs read B that way): transposed copies of the Q and K codes and of dO's e4m3 codes, made
-  once a call.
+  once a call. Without it (the default), ``dS`` (times the row scale) rounded to bf16 times
+  the codes in bf16 (exact), fp32 accumulation.
 
 Error bound against fp32 gradients of the dequantized values (all quantities in exact
 arithmetic on the dequantized values; ``|x|`` elementwise; ``u`` = 2^-8; ``O`` the ``out``
@@ -74,7 +76,8 @@ interpreter, which truncates); rne to an int8 code within 1/2.
 them; ``scripts/bench_codes_backward.py`` reports the error against them).
 
 Grids: dK/dV one program per (key block, batch row, K/V head), looping over the G query heads
-of the group and their query blocks (deterministic: no atomics); dQ a second kernel, one
+of the group and their query blocks (deterministic: no atomics), by default two launches (dV,
+then dK, each recomputing the scores); dQ a second kernel, one
 program per (query block, batch row, query head) looping over key blocks; causal launches the
 longest rows first. A small pre-pass computes ``delta``, ``bf16(dO * vs)``, dO's e4m3 codes
 (transposed) and the padded per-row scale and log-sum-exp vectors.
@@ -109,10 +112,11 @@ MAGIC_I = tl.constexpr(0x4B400000)  # its bits
 
 @triton.jit
 def _int_dot_f32(b_a, b_b):
-    """int8 ``b_a`` [M, K] . ``b_b`` [K, N] as exact fp32 (|sum| < 2^22): the int32
-    accumulator starts at the bits of 1.5 * 2^23, so the conversion is one subtraction."""
-    b_init = tl.full([b_a.shape[0], b_b.shape[1]], MAGIC_I, tl.int32)
-    b_bits = tl.dot(b_a, b_b, b_init, out_dtype=tl.int32)
+    """int8 ``b_a`` [M, K] . ``b_b`` [K, N] as exact fp32 (|sum| < 2^22): the int32 result
+    plus the bits of 1.5 * 2^23, read as a float, less 1.5 * 2^23 (two full-rate operations
+    where a conversion runs at a quarter rate; Triton folds the addition into the product's
+    accumulator)."""
+    b_bits = tl.dot(b_a, b_b, out_dtype=tl.int32) + MAGIC_I
     return b_bits.to(tl.float32, bitcast=True) - MAGIC_F
 
 
@@ -255,9 +259,11 @@ def _dkdv_block(
     b_dk_doc, doc_base,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
     D: tl.constexpr, DV_FP8: tl.constexpr, DS_INT8: tl.constexpr, HW_ROUND: tl.constexpr,
+    PART: tl.constexpr,
 ):  # fmt: skip
     """One query block ``[start_m, start_m + BM)`` of one query head folded into the key
-    block's ``acc_dk``, ``acc_dv`` [BN, D] (scaled: see the kernel's epilogue)."""
+    block's ``acc_dk``, ``acc_dv`` [BN, D] (scaled: see the kernel's epilogue). ``PART``: 0
+    both, 1 dV only, 2 dK only."""
     o_m = start_m + o_mb  # [BM]
     if MASKED:
         b_q = tl.load(q_src + o_m[:, None].to(tl.int64) * stride_qs + o_d[None, :],
@@ -279,14 +285,25 @@ def _dkdv_block(
             m_ok = m_ok & (b_dq_doc[None, :] == b_dk_doc[:, None])
         b_p = tl.where(m_ok, b_p, 0.0)
     # dV += P^T dO
-    if DV_FP8:
-        b_do8 = tl.load(do8t_bh + o_d[:, None] * S_pad + o_m[None, :])  # [D, BM]
-        acc_dv = tl.dot(_to_e4m3(b_p, HW_ROUND), tl.trans(b_do8), acc_dv)
-    else:
-        b_do = tl.load(dout_src + o_m[:, None].to(tl.int64) * stride_ds + o_d[None, :],
-                       mask=(o_m < hi)[:, None], other=0.0)  # fmt: skip
-        acc_dv = _dot16(b_p.to(b_do.dtype), b_do, acc_dv, HW_ROUND)
-    # dP^T = V dO^T (16 bits), dS^T = P^T (dP^T - delta)
+    if PART != 2:
+        if DV_FP8:
+            b_do8 = tl.load(do8t_bh + o_d[:, None] * S_pad + o_m[None, :])  # [D, BM]
+            acc_dv = tl.dot(_to_e4m3(b_p, HW_ROUND), tl.trans(b_do8), acc_dv)
+        else:
+            b_do = tl.load(dout_src + o_m[:, None].to(tl.int64) * stride_ds + o_d[None, :],
+                           mask=(o_m < hi)[:, None], other=0.0)  # fmt: skip
+            acc_dv = _dot16(b_p.to(b_do.dtype), b_do, acc_dv, HW_ROUND)
+    if PART != 1:
+        acc_dk = _dk_update(acc_dk, b_p, b_v, b_q, b_qa, b_dl, dos_bh, qt_bh, o_m, o_d, S_pad,
+                            BLOCK_M, D, DS_INT8, HW_ROUND)  # fmt: skip
+    return acc_dk, acc_dv
+
+
+@triton.jit
+def _dk_update(acc_dk, b_p, b_v, b_q, b_qa, b_dl, dos_bh, qt_bh, o_m, o_d, S_pad,
+               BLOCK_M: tl.constexpr, D: tl.constexpr, DS_INT8: tl.constexpr,
+               HW_ROUND: tl.constexpr):  # fmt: skip
+    """dP^T = V dO^T (16 bits), dS^T = P^T (dP^T - delta), dK += dS^T Q (scaled)."""
     b_dos = tl.load(dos_bh + o_m[:, None] * D + o_d[None, :])  # [BM, D] bf16
     b_dpt = _dot16(b_v, tl.trans(b_dos), tl.zeros([b_v.shape[0], BLOCK_M], tl.float32),
                    HW_ROUND)  # [BN, BM] fp32  # fmt: skip
@@ -298,7 +315,7 @@ def _dkdv_block(
     else:
         acc_dk = _dot16(round_to(b_ds, tl.bfloat16, HW_ROUND),
                         b_q.to(tl.float32).to(tl.bfloat16), acc_dk, HW_ROUND)  # fmt: skip
-    return acc_dk, acc_dv
+    return acc_dk
 
 
 @triton.jit(do_not_specialize=["S", "S_pad", "HQ", "HKV"])
@@ -312,7 +329,7 @@ def _bwd_dkdv_kernel(
     S, S_pad, HQ, HKV,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_USED: tl.constexpr, DOCS: tl.constexpr, DV_FP8: tl.constexpr, DS_INT8: tl.constexpr,
-    V_MODE: tl.constexpr, NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr,
+    V_MODE: tl.constexpr, NUM_STAGES: tl.constexpr, HW_ROUND: tl.constexpr, PART: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)  # b * hkv + kv head
@@ -330,8 +347,10 @@ def _bwd_dkdv_kernel(
     if HAS_USED:
         used = tl.load(used_ptr + i_b)
     if start_n >= used:  # padding keys only
-        tl.store(dk_ptr + p_out, tl.zeros([BLOCK_N, D], dtype=out_dtype), mask=m_out)
-        tl.store(dv_ptr + p_out, tl.zeros([BLOCK_N, D], dtype=out_dtype), mask=m_out)
+        if PART != 1:
+            tl.store(dk_ptr + p_out, tl.zeros([BLOCK_N, D], dtype=out_dtype), mask=m_out)
+        if PART != 2:
+            tl.store(dv_ptr + p_out, tl.zeros([BLOCK_N, D], dtype=out_dtype), mask=m_out)
     else:
         key_live = o_n < used
         p_k = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh
@@ -384,21 +403,21 @@ def _bwd_dkdv_kernel(
                     acc_dk, acc_dv, b_k, b_v, b_kr, o_n, start_m, o_mb, o_d, S_pad, hi,
                     key_live, q_src, stride_qs, qa_row, lse_row, delta_row, dos_bh, do8t_bh,
                     qt_bh, dout_src, stride_ds, b_dk_doc, doc_base, BLOCK_M, True, CAUSAL,
-                    DOCS, D, DV_FP8, DS_INT8, HW_ROUND,
+                    DOCS, D, DV_FP8, DS_INT8, HW_ROUND, PART,
                 )  # fmt: skip
             for start_m in tl.range(full_lo, full_hi, BLOCK_M, num_stages=NUM_STAGES):
                 acc_dk, acc_dv = _dkdv_block(
                     acc_dk, acc_dv, b_k, b_v, b_kr, o_n, start_m, o_mb, o_d, S_pad, hi,
                     key_live, q_src, stride_qs, qa_row, lse_row, delta_row, dos_bh, do8t_bh,
                     qt_bh, dout_src, stride_ds, b_dk_doc, doc_base, BLOCK_M, False, CAUSAL,
-                    DOCS, D, DV_FP8, DS_INT8, HW_ROUND,
+                    DOCS, D, DV_FP8, DS_INT8, HW_ROUND, PART,
                 )  # fmt: skip
             for start_m in tl.range(full_hi, hi, BLOCK_M):
                 acc_dk, acc_dv = _dkdv_block(
                     acc_dk, acc_dv, b_k, b_v, b_kr, o_n, start_m, o_mb, o_d, S_pad, hi,
                     key_live, q_src, stride_qs, qa_row, lse_row, delta_row, dos_bh, do8t_bh,
                     qt_bh, dout_src, stride_ds, b_dk_doc, doc_base, BLOCK_M, True, CAUSAL,
-                    DOCS, D, DV_FP8, DS_INT8, HW_ROUND,
+                    DOCS, D, DV_FP8, DS_INT8, HW_ROUND, PART,
                 )  # fmt: skip
         # dK = sm sum dS q = acc / (2^8 log2(e));  dV = acc / 2^8 (/ c with e4m3 dO)
         b_dk = acc_dk * (1.0 / (256.0 * 1.4426950408889634))
@@ -407,10 +426,12 @@ def _bwd_dkdv_kernel(
             b_dv = acc_dv * (tl.maximum(b_amax, 1e-30) / (448.0 * 256.0))
         else:
             b_dv = acc_dv * (1.0 / 256.0)
-        b_dk = tl.where(key_live[:, None], b_dk, 0.0)
-        b_dv = tl.where(key_live[:, None], b_dv, 0.0)
-        tl.store(dk_ptr + p_out, round_to(b_dk, out_dtype, HW_ROUND), mask=m_out)
-        tl.store(dv_ptr + p_out, round_to(b_dv, out_dtype, HW_ROUND), mask=m_out)
+        if PART != 1:
+            b_dk = tl.where(key_live[:, None], b_dk, 0.0)
+            tl.store(dk_ptr + p_out, round_to(b_dk, out_dtype, HW_ROUND), mask=m_out)
+        if PART != 2:
+            b_dv = tl.where(key_live[:, None], b_dv, 0.0)
+            tl.store(dv_ptr + p_out, round_to(b_dv, out_dtype, HW_ROUND), mask=m_out)
 
 
 # ---- dQ ---------------------------------------------------------------------------------------
@@ -557,18 +578,20 @@ def _bwd_dq_kernel(
 
 class BackwardConfig(tuple):
     """(dkdv BLOCK_M, BLOCK_N, warps, stages, dq BLOCK_M, BLOCK_N, warps, stages, dv_fp8,
-    ds_int8, v_copy): one launch configuration. ``dv_fp8``: dV = P^T dO in e4m3 (else bf16 P
+    ds_int8, v_copy, kv_split): one launch configuration. ``dv_fp8``: dV = P^T dO in e4m3 (else bf16 P
     and the 16-bit dO); ``ds_int8``: dQ and dK with INT8 dS (else bf16 dS times the codes in
     bf16); ``v_copy``: dP reads a bf16 copy of the V codes made once a call (else the codes,
-    converted in registers). Every choice computes the same values but for the 8-bit
-    roundings."""
+    converted in registers); ``kv_split``: dV and dK by two launches of the key-block kernel
+    (each recomputes the scores and P; one accumulator a program) rather than one (both
+    accumulators: at D 128 more registers than a thread has). Every choice computes the same
+    values but for the 8-bit roundings."""
 
     __slots__ = ()
 
-    def __new__(cls, kv_m=64, kv_n=128, kv_warps=8, kv_stages=2, q_m=128, q_n=64, q_warps=8,
-                q_stages=2, dv_fp8=True, ds_int8=True, v_copy=True):  # fmt: skip
-        return super().__new__(cls, (kv_m, kv_n, kv_warps, kv_stages, q_m, q_n, q_warps,
-                                     q_stages, bool(dv_fp8), bool(ds_int8), bool(v_copy)))  # fmt: skip
+    def __new__(cls, kv_m=32, kv_n=128, kv_warps=8, kv_stages=2, q_m=64, q_n=64, q_warps=8,
+                q_stages=2, dv_fp8=True, ds_int8=False, v_copy=True, kv_split=True):  # fmt: skip
+        return super().__new__(cls, (kv_m, kv_n, kv_warps, kv_stages, q_m, q_n, q_warps, q_stages,
+                                     bool(dv_fp8), bool(ds_int8), bool(v_copy), bool(kv_split)))  # fmt: skip
 
     def __getnewargs__(self):
         return tuple(self)
@@ -584,19 +607,26 @@ class BackwardConfig(tuple):
     dv_fp8 = property(lambda self: self[8])
     ds_int8 = property(lambda self: self[9])
     v_copy = property(lambda self: self[10])
+    kv_split = property(lambda self: self[11])
 
     def replace(self, **kw) -> BackwardConfig:
         names = ("kv_m", "kv_n", "kv_warps", "kv_stages", "q_m", "q_n", "q_warps", "q_stages",
-                 "dv_fp8", "ds_int8", "v_copy")  # fmt: skip
+                 "dv_fp8", "ds_int8", "v_copy", "kv_split")  # fmt: skip
         return BackwardConfig(*(kw.get(n, getattr(self, n)) for n in names))
 
     def __repr__(self) -> str:
         bits = ("v8" if self[8] else "v16") + ("-s8" if self[9] else "-s16")
-        bits += "" if self[10] else "-vcodes"
+        bits += ("" if self[10] else "-vcodes") + ("" if self[11] else "-kvjoint")
         return (f"kv{self[0]}x{self[1]}w{self[2]}s{self[3]}-q{self[4]}x{self[5]}w{self[6]}"
                 f"s{self[7]}-{bits}")  # fmt: skip
 
 
+# On CUDA: tiles whose kernels compile for sm_90 (Triton 3.6) with next to no register spill
+# at D 128 (ptxas: at most 24 bytes a thread at full attention, 160 for the causal dV
+# kernel's masked blocks), FP8 dV, 16-bit dS (the INT8 dS kernels spill: 430-480 bytes a
+# thread in the dK kernel, 50-160 in the dQ kernel), dV and dK in two launches (one
+# accumulator a program: both at once spill 1.5-1.9 KB a thread). Not tuned on a GPU.
+# On CPU (the interpreter): small one-warp tiles, the same products.
 GPU_DEFAULT = BackwardConfig()
 _CPU_CONFIG = BackwardConfig(32, 32, 1, 1, 32, 32, 1, 1)
 _PAD = 128  # S_pad: S rounded up to this (a multiple of every block size)
@@ -727,13 +757,14 @@ def codes_attention_backward(
         DOCS=doc_ids is not None, DS_INT8=cfg.ds_int8, V_MODE=v_mode,
         HW_ROUND=gpu,
     )  # fmt: skip
-    launch(
-        _bwd_dkdv_kernel, (cdiv(S, cfg.kv_n), B * HKV), device, num_warps=cfg.kv_warps,
-        dout_ptr=dout, stride_db=dstr[0], stride_ds=dstr[1], stride_dh=dstr[2],
-        do8t_ptr=do8t.view(torch.float8_e4m3fn), qt_ptr=qt, amax_ptr=amax, dk_ptr=dk, dv_ptr=dv,
-        BLOCK_M=cfg.kv_m, BLOCK_N=cfg.kv_n, DV_FP8=cfg.dv_fp8, NUM_STAGES=cfg.kv_stages,
-        **common,
-    )  # fmt: skip
+    for part in (1, 2) if cfg.kv_split else (0,):  # dV and dK apart, or together
+        launch(
+            _bwd_dkdv_kernel, (cdiv(S, cfg.kv_n), B * HKV), device, num_warps=cfg.kv_warps,
+            dout_ptr=dout, stride_db=dstr[0], stride_ds=dstr[1], stride_dh=dstr[2],
+            do8t_ptr=do8t.view(torch.float8_e4m3fn), qt_ptr=qt, amax_ptr=amax, dk_ptr=dk,
+            dv_ptr=dv, BLOCK_M=cfg.kv_m, BLOCK_N=cfg.kv_n, DV_FP8=cfg.dv_fp8,
+            NUM_STAGES=cfg.kv_stages, PART=part, **common,
+        )  # fmt: skip
     launch(
         _bwd_dq_kernel, (cdiv(S, cfg.q_m), B * HQ), device, num_warps=cfg.q_warps,
         kt_ptr=kt, dq_ptr=dq, sm_scale=sm, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n,

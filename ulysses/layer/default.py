@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _ops
+from .._ops import assume_constant_result
+from .._plans import register_cache
 
 __all__ = ["CodesRule", "CODES_RULES", "device_class", "default_attention"]
 
@@ -49,23 +50,25 @@ CODES_RULES: tuple[CodesRule, ...] = (
 )
 
 
-_CLASSES: dict = {}  # CUDA device index -> its class
+_CLASSES: dict = register_cache(f"{__name__}._CLASSES", {})
 
 
-@_ops.assume_constant_result
-def _cuda_class(index: int | None) -> str:
-    found = _CLASSES.get(index)
+@assume_constant_result  # a compiled graph takes the class of its tracing
+def _class_of(device_type: str, index: int | None) -> str:
+    found = _CLASSES.get((device_type, index))
     if found is None:
-        major = torch.cuda.get_device_capability(index)[0]
-        found = _CLASSES[index] = {9: "hopper", 10: "blackwell"}.get(major, f"cuda-sm{major}x")
+        major = torch.cuda.get_device_capability(index)[0] if device_type == "cuda" else None
+        found = _CLASSES[(device_type, index)] = (
+            device_type if major is None
+            else {9: "hopper", 10: "blackwell"}.get(major, f"cuda-sm{major}x")
+        )  # fmt: skip
     return found
 
 
 def device_class(device: torch.device) -> str:
     """``"hopper"`` (CUDA compute capability 9.x), ``"blackwell"`` (10.x), ``"cuda-smNx"``
-    (other CUDA GPUs), or the device type (``"cpu"``); cached per device (a compiled graph
-    takes the value of its tracing)."""
-    return _cuda_class(device.index) if device.type == "cuda" else device.type
+    (other CUDA GPUs), or the device type (``"cpu"``); cached per device."""
+    return _class_of(device.type, device.index)
 
 
 def default_attention(
