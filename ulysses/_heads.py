@@ -25,6 +25,7 @@ import functools
 import torch
 
 from . import _hooks, _ops, comm, rowwire
+from ._plans import register_cache
 
 # ---- the collectives (ulysses.comm), each step told to the hooks --------------------------------
 
@@ -133,7 +134,9 @@ def _build_uneven_heads(Hq: int, Hkv: int, P: int) -> _UnevenHeads:
     return _UnevenHeads(P, Hq, Hkv, q_ranges, kv_ranges, segments)
 
 
-_cached_uneven_heads = functools.lru_cache(maxsize=64)(_build_uneven_heads)
+_cached_uneven_heads = register_cache(
+    f"{__name__}._cached_uneven_heads", functools.lru_cache(maxsize=64)(_build_uneven_heads)
+)
 
 
 def _split_heads(x: torch.Tensor, P: int) -> torch.Tensor:

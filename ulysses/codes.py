@@ -59,6 +59,7 @@ import math
 import torch
 
 from . import _hooks, _ops, lowp
+from ._plans import register_cache
 from .kernels._runtime import device_constant
 from .layer.default import default_attention, device_class
 
@@ -164,7 +165,7 @@ def use_codes(
 
 # ---- forward: the kernel as one op ------------------------------------------------------------
 
-_USED: dict[tuple, torch.Tensor] = {}
+_USED: dict[tuple, torch.Tensor] = register_cache(f"{__name__}._USED", {})
 
 
 def _used_tensor(used_rows: tuple, device: torch.device) -> torch.Tensor:

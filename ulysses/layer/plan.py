@@ -18,12 +18,13 @@ import torch
 from .. import _ops, codes, comm
 from .._chunk_policy import AUTO, resolve_head_chunks
 from .._heads import _heads
+from .._plans import register_cache
 from .attend import Attend, choose
 from .exchange import Exchange
 
 __all__ = ["resolve", "clear_cache"]
 
-_PLANS: dict = {}
+_PLANS: dict = register_cache(f"{__name__}._PLANS", {})
 _MAX_PLANS = 256
 
 
