@@ -11,6 +11,7 @@ import time
 import torch
 
 from . import _ops, comm, lowp
+from ._plans import register_cache
 
 AUTO = "auto"
 AUTO_MAX_CHUNKS = 4
@@ -134,7 +135,7 @@ def auto_head_chunks(
 
 
 # the link speed measured per (group, device, bytes) by the first "auto" call without a hint
-_PROBED: dict = {}
+_PROBED: dict = register_cache(f"{__name__}._PROBED", {})
 
 
 def _probe_gbps(pg, P: int, device: torch.device, nbytes: int) -> float:

@@ -1,15 +1,16 @@
-"""The layer's heads: how a call's heads split over the ranks, and the autograd nodes that move
-them between sequence shards and head shards (shape legend: ``ulysses.attention``).
+"""The layer's heads: how a call's heads split over the ranks, and the steps that move them
+between sequence shards and head shards (shape legend: ``ulysses.attention``).
 
 * the split: :func:`_heads` -> :class:`_Heads` (every rank the same head counts: Q heads
   sharded, K/V heads sharded or one repeated per rank) or :class:`_UnevenHeads` (DeepSpeed's
   contiguous ranges, ``comm="bf16"`` only);
 * the send and receive layouts: ``_pack_qkv``/``_unpack_heads`` (q|k|v in one buffer),
   ``_pack_grads``/``_unpack_grads`` (dq|dk|dv), ``_split_*``/``_merge_*`` (views by rank);
-* the autograd nodes, each ONE collective per direction: :class:`_QKVToHeads`,
-  :class:`_LowpToHeads` (``lowp.exchange_to_heads``), :class:`_Reshard`,
-  :class:`_LowpHeadsToSeq` (the INT8 wire, ``ulysses.rowwire``), :class:`_UnevenSeqToHeads`,
-  :class:`_UnevenHeadsToSeq` (all_to_all with split sizes).
+* the moves, each ONE collective: :func:`_reshard` (even heads), :func:`grads_to_seq`
+  (dq|dk|dv, in the input dtype or INT8), :func:`_uneven_to_heads` / :func:`_uneven_to_seq`
+  and their gradients (all_to_all with split sizes); the layer's exchange
+  (``ulysses.layer.exchange``) runs them, and ``seq_to_heads`` / ``heads_to_seq`` through
+  the autograd nodes :class:`_Reshard`, :class:`_UnevenSeqToHeads`, :class:`_UnevenHeadsToSeq`.
 
 Each collective step is told to ``ulysses._hooks`` (the harness's collective log); the
 backward all_to_all and the merges of received heads are points where the harness plants a
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import torch
 
-from . import _hooks, _ops, comm, lowp, rowwire
+from . import _hooks, _ops, comm, rowwire
+from ._plans import register_cache
 
 # ---- the collectives (ulysses.comm), each step told to the hooks --------------------------------
 
@@ -133,7 +134,9 @@ def _build_uneven_heads(Hq: int, Hkv: int, P: int) -> _UnevenHeads:
     return _UnevenHeads(P, Hq, Hkv, q_ranges, kv_ranges, segments)
 
 
-_cached_uneven_heads = functools.lru_cache(maxsize=64)(_build_uneven_heads)
+_cached_uneven_heads = register_cache(
+    f"{__name__}._cached_uneven_heads", functools.lru_cache(maxsize=64)(_build_uneven_heads)
+)
 
 
 def _split_heads(x: torch.Tensor, P: int) -> torch.Tensor:
@@ -216,55 +219,6 @@ def _unpack_grads(recv: torch.Tensor, hd: _Heads):
 # ---- autograd nodes: one collective per direction ---------------------------------------------
 
 
-def run_node(node, grad: bool, *args):
-    """``node.apply(*args)``; with ``grad`` False (grad mode off, or nothing the node reads
-    requires a gradient) the node's forward called directly, with a throwaway context: the
-    same computation, the same collectives, without building an autograd node (an
-    ``apply`` costs a few microseconds of host time, a share of an inference call). Under
-    torch.compile always ``apply``: the graph is traced once, and Dynamo traces the node."""
-    if grad or _ops.is_compiling():
-        return node.apply(*args)
-    return node.forward(types.SimpleNamespace(), *args)
-
-
-class _QKVToHeads(torch.autograd.Function):
-    """q, k, v sequence shards -> head shards of the whole sequence (one all_to_all each way)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, hd, pg):
-        ctx.hd, ctx.pg = hd, pg
-        return _unpack_heads(_all_to_all(_pack_qkv(q, k, v, hd), pg), hd)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        recv = _backward_all_to_all(_pack_grads(dq, dk, dv, ctx.hd), ctx.pg)
-        return (*_unpack_grads(recv, ctx.hd), None, None)
-
-
-class _LowpToHeads(torch.autograd.Function):
-    """The same exchange through ``lowp.exchange_qkv`` (INT8 Q/K, FP8 V, global scales); the
-    outputs are the dequantized values (K centred). Backward is straight-through: the head
-    shards' gradients go back exactly as in :class:`_QKVToHeads`, in the input dtype, or with
-    ``lowp_backward`` as INT8 codes and one fp32 scale per (row, head) in one buffer (also at
-    P = 1, with no collective, so that the gradients do not depend on P)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, hd, pg, used_sequence, q_group, k_group, lowp_backward, v_format):
-        ctx.hd, ctx.pg, ctx.lowp_backward = hd, pg, lowp_backward
-        # exchange_qkv(...).dequantize(); under torch.compile one op running that eager call
-        kwargs = dict(group=pg, used_sequence=used_sequence, q_group=q_group, k_group=k_group,
-                      v_format=v_format)  # fmt: skip
-        _hooks.step("exchange", q.shape, k.shape)
-        if _ops.is_compiling() or pg is None:  # (a compiled graph's op checks at run time)
-            return lowp.exchange_to_heads(q, k, v, **kwargs)
-        with comm.checked(pg):  # the layer checked this call's signature on every rank
-            return lowp.exchange_to_heads(q, k, v, **kwargs)
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        return (*grads_to_seq(dq, dk, dv, ctx.hd, ctx.pg, ctx.lowp_backward), *(None,) * 7)
-
-
 def grads_to_seq(dq, dk, dv, hd: _Heads, pg, lowp_backward: bool) -> tuple:
     """The straight-through backward of the ``comm="lowp"`` exchange (also the codes path's,
     ``ulysses.codes``): head-shard gradients dq [B, S, hq, D], dk, dv [B, S, hkv, D] ->
@@ -333,46 +287,6 @@ def _reshard(x, P: int, pg, to_heads: bool, a2a) -> torch.Tensor:
     return _merge_heads(a2a(_split_rows(x, P).contiguous(), pg))
 
 
-class _LowpHeadsToSeq(torch.autograd.Function):
-    """Head shards -> sequence shards of the attention output with the INT8 wire in one or
-    both directions (kernels/lowp_out.py: codes and one fp32 scale per (row, head)), also at
-    P = 1 (no collective), so that the result does not depend on P.
-
-    Forward: with ``int8_output`` the output travels as INT8, else in its dtype as in
-    :class:`_Reshard`. Backward: with ``lowp_backward`` the output's gradient travels to
-    head shards as INT8, else in its dtype (straight-through)."""
-
-    @staticmethod
-    def forward(ctx, x, P, pg, int8_output, lowp_backward):
-        ctx.P, ctx.pg, ctx.lowp_backward = P, pg, lowp_backward
-        B, S, h, D = x.shape
-        if not int8_output:
-            if P == 1:
-                return x.clone()
-            return _merge_heads(_all_to_all(_split_rows(x, P).contiguous(), pg))
-        send = rowwire.out_quant_op(x=x, world_size=P)
-        recv = send if P == 1 else _all_to_all(send, pg)
-        return rowwire.out_dequant_op(
-            recv=recv, B=B, L=S // P, h=h, D=D, world_size=P, dtype=x.dtype
-        )
-
-    @staticmethod
-    def backward(ctx, dy):
-        P, none = ctx.P, (None,) * 4
-        if ctx.lowp_backward:
-            B, L, Hq, D = dy.shape
-            send = rowwire.dout_quant_op(x=_unit_last(dy), world_size=P)
-            recv = send if P == 1 else _backward_all_to_all(send, ctx.pg)
-            dx = rowwire.dout_dequant_op(
-                recv=recv, B=B, L=L, h=Hq // P, D=D, world_size=P, dtype=dy.dtype
-            )
-            return dx, *none
-        if P == 1:
-            return dy, *none
-        recv = _backward_all_to_all(_split_heads(dy, P).contiguous(), ctx.pg)
-        return _merge_rows(recv), *none
-
-
 # ---- uneven head counts: all_to_all with split sizes ------------------------------------------
 
 
@@ -393,81 +307,85 @@ def _send_segments(x: torch.Tensor, segments) -> tuple[torch.Tensor, list[int]]:
     return torch.cat(parts), sizes
 
 
-class _UnevenSeqToHeads(torch.autograd.Function):
+def _uneven_to_heads(x, segments, rank: int, pg) -> torch.Tensor:
     """x [B, L, H, D] (sequence shards) -> [B, S, n_r, D]: rank r receives the head ranges
-    ``segments[r]`` of every rank's rows (one all_to_all with split sizes). Backward: the
-    inverse; a head sent to several ranks gets the sum of their gradients in fp32, in rank
-    order, rounded to x's dtype."""
+    ``segments[r]`` of every rank's rows (one all_to_all with split sizes)."""
+    B, L, _, D = x.shape
+    P = len(segments)
+    n_r = sum(n for _, n in segments[rank])
+    send, in_splits = _send_segments(x, segments)
+    recv = _all_to_all_uneven(send, in_splits, [B * L * n_r * D] * P, pg)
+    return _merge_rows(recv.view(P, B, L, n_r, D))
+
+
+def _uneven_to_heads_grad(dy, segments, pg) -> torch.Tensor:
+    """The gradient of :func:`_uneven_to_heads`: dy [B, S, n_r, D] -> dx [B, L, H, D]; a
+    head sent to several ranks gets the sum of their gradients in fp32, in rank order,
+    rounded to dy's dtype."""
+    P = len(segments)
+    B, S, _, D = dy.shape
+    L, H = S // P, max(s0 + n for segs in segments for s0, n in segs)
+    send = _split_rows(dy, P).contiguous().view(-1)
+    counts = [sum(n for _, n in segs) for segs in segments]
+    out_splits = [B * L * n * D for n in counts]
+    recv = _all_to_all_uneven(send, [send.numel() // P] * P, out_splits, pg)
+    # -0.0 + x == x for every x (+0.0 would turn a -0.0 gradient into +0.0)
+    dx = torch.full((B, L, H, D), -0.0, dtype=torch.float32, device=dy.device)
+    for chunk, segs, n in zip(recv.split(out_splits), segments, counts, strict=True):
+        chunk, off = chunk.view(B, L, n, D), 0
+        for s0, m in segs:
+            dx[:, :, s0 : s0 + m] += chunk[:, :, off : off + m].float()
+            off += m
+    return dx.to(dy.dtype)
+
+
+def _uneven_to_seq(x, ranges, rank: int, pg) -> torch.Tensor:
+    """x [B, S, n_r, D] (rank r's heads ``ranges[r]`` of every row) -> [B, L, H, D], the
+    inverse of :func:`_uneven_to_heads` for disjoint contiguous ranges in rank order."""
+    B, S, n_r, D = x.shape
+    P = len(ranges)
+    L = S // P
+    send = _split_rows(x, P).contiguous().view(-1)
+    out_splits = [B * L * n * D for _, n in ranges]
+    recv = _all_to_all_uneven(send, [send.numel() // P] * P, out_splits, pg)
+    parts = [c.view(B, L, n, D) for c, (_, n) in zip(recv.split(out_splits), ranges,
+                                                      strict=True)]  # fmt: skip
+    if (hook := _hooks.active.merge_uneven) is not None:
+        return hook(parts)
+    return torch.cat(parts, dim=2)
+
+
+def _uneven_to_seq_grad(dy, ranges, rank: int, pg) -> torch.Tensor:
+    """The gradient of :func:`_uneven_to_seq`: dy [B, L, H, D] -> [B, S, n_r, D]."""
+    B, L, _, D = dy.shape
+    P = len(ranges)
+    n_r = ranges[rank][1]
+    send, in_splits = _send_segments(dy, tuple((r,) for r in ranges))
+    recv = _all_to_all_uneven(send, in_splits, [B * L * n_r * D] * P, pg)
+    return _merge_rows(recv.view(P, B, L, n_r, D))
+
+
+class _UnevenSeqToHeads(torch.autograd.Function):
+    """:func:`_uneven_to_heads` with its gradient (``seq_to_heads`` of uneven heads)."""
 
     @staticmethod
     def forward(ctx, x, segments, rank, pg):
-        B, L, _, D = x.shape
-        P = len(segments)
-        ctx.segments, ctx.rank, ctx.pg, ctx.shape = segments, rank, pg, x.shape
-        n_r = sum(n for _, n in segments[rank])
-        send, in_splits = _send_segments(x, segments)
-        recv = _all_to_all_uneven(send, in_splits, [B * L * n_r * D] * P, pg)
-        return _merge_rows(recv.view(P, B, L, n_r, D))
+        ctx.segments, ctx.pg = segments, pg
+        return _uneven_to_heads(x, segments, rank, pg)
 
     @staticmethod
     def backward(ctx, dy):
-        B, L, H, D = ctx.shape
-        segments = ctx.segments
-        P = len(segments)
-        send = _split_rows(dy, P).contiguous().view(-1)
-        counts = [sum(n for _, n in segs) for segs in segments]
-        out_splits = [B * L * n * D for n in counts]
-        recv = _all_to_all_uneven(send, [send.numel() // P] * P, out_splits, ctx.pg)
-        # -0.0 + x == x for every x (+0.0 would turn a -0.0 gradient into +0.0)
-        dx = torch.full((B, L, H, D), -0.0, dtype=torch.float32, device=dy.device)
-        for chunk, segs, n in zip(recv.split(out_splits), segments, counts, strict=True):
-            chunk, off = chunk.view(B, L, n, D), 0
-            for s0, m in segs:
-                dx[:, :, s0 : s0 + m] += chunk[:, :, off : off + m].float()
-                off += m
-        return dx.to(dy.dtype), None, None, None
+        return _uneven_to_heads_grad(dy, ctx.segments, ctx.pg), None, None, None
 
 
 class _UnevenHeadsToSeq(torch.autograd.Function):
-    """x [B, S, n_r, D] (rank r's heads ``ranges[r]`` of every row) -> [B, L, H, D], the
-    inverse of :class:`_UnevenSeqToHeads` for disjoint contiguous ranges in rank order."""
+    """:func:`_uneven_to_seq` with its gradient (``heads_to_seq`` of uneven heads)."""
 
     @staticmethod
     def forward(ctx, x, ranges, rank, pg):
-        B, S, n_r, D = x.shape
-        P = len(ranges)
-        L = S // P
         ctx.ranges, ctx.rank, ctx.pg = ranges, rank, pg
-        send = _split_rows(x, P).contiguous().view(-1)
-        out_splits = [B * L * n * D for _, n in ranges]
-        recv = _all_to_all_uneven(send, [send.numel() // P] * P, out_splits, pg)
-        parts = [c.view(B, L, n, D) for c, (_, n) in zip(recv.split(out_splits), ranges,
-                                                          strict=True)]  # fmt: skip
-        if (hook := _hooks.active.merge_uneven) is not None:
-            return hook(parts)
-        return torch.cat(parts, dim=2)
+        return _uneven_to_seq(x, ranges, rank, pg)
 
     @staticmethod
     def backward(ctx, dy):
-        B, L, _, D = dy.shape
-        P = len(ctx.ranges)
-        n_r = ctx.ranges[ctx.rank][1]
-        send, in_splits = _send_segments(dy, tuple((r,) for r in ctx.ranges))
-        recv = _all_to_all_uneven(send, in_splits, [B * L * n_r * D] * P, ctx.pg)
-        return _merge_rows(recv.view(P, B, L, n_r, D)), None, None, None
-
-
-def _uneven_to_heads(q, k, v, hd: _UnevenHeads, rank: int, pg):
-    """q, k, v sequence shards -> rank r's head shards q_h [B, S, nq, D], k_h, v_h (one
-    all_to_all of q|k|v); K/V heads repeated per query head where they are not evenly grouped
-    (the attention then sees as many K/V heads as query heads)."""
-    nq, nk = hd.counts(rank)
-    x = torch.cat([q, k, v], dim=2)
-    y = _UnevenSeqToHeads.apply(x, hd.segments, rank, pg)
-    q_h, k_h, v_h = y[:, :, :nq], y[:, :, nq : nq + nk], y[:, :, nq + nk :]
-    reps = hd.kv_repeats(rank)
-    if reps is not None:
-        repeats = torch.tensor(reps, device=q.device)
-        k_h = k_h.repeat_interleave(repeats, dim=2, output_size=nq)
-        v_h = v_h.repeat_interleave(repeats, dim=2, output_size=nq)
-    return q_h, k_h, v_h
+        return _uneven_to_seq_grad(dy, ctx.ranges, ctx.rank, ctx.pg), None, None, None

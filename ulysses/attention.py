@@ -15,26 +15,22 @@ head, where they do not use them equally often); the all_to_alls carry split siz
     out                [B, L, Hq, D]   q.dtype
 
 Data flow of :func:`ulysses_attention` (each arrow that crosses ranks is ONE collective):
+the checks, the ranks' signature check (one all_gather of a digest), the plan of the call's
+signature (``layer.plan``: exchange, attention, head chunks), then ONE autograd node
+(``overlap.Layer``) running exchange -> attend -> exchange per head chunk:
     comm="bf16": q|k|v packed per destination -> one all_to_all -> q_h, k_h, v_h
     comm="lowp": ``lowp.exchange_qkv`` (one statistics all_gather, one uint8 all_to_all)
-                 -> dequantize -> q_h, k_h, v_h
-    (before the first collective of a new batch signature: one all_gather that checks the
-    ranks agree, then with ``document_ids`` one all_gather of the ids)
-    -> attn(q_h, k_h, v_h) -> out_h [B, S, hq, D] -> one all_to_all -> out [B, L, Hq, D]
-       (in the input dtype; with ``int8_output=True`` as INT8 codes and one fp32 scale per
-       (row, head), kernels/lowp_out.py)
+                 -> dequantized q_h, k_h, v_h, or the codes (an attention on the codes)
+    -> attention (``layer.attend``) -> out_h [B, S, hq, D] -> one all_to_all -> out
+       [B, L, Hq, D] (in the input dtype; ``int8_output=True``: INT8 codes and one fp32
+       scale per (row, head), kernels/lowp_out.py)
 Backward runs the mirror: one all_to_all of d(out) to heads, the attention's backward (local),
 one all_to_all of dq_h|dk_h|dv_h packed per destination back to rows (straight-through for
-"lowp": the gradients of the dequantized values, in the input dtype; with
-``backward_comm="lowp"`` both gradient all_to_alls carry INT8 codes and one fp32 scale per
-(row, head), kernels/lowp_out.py, dq|dk|dv sharing one buffer).
+"lowp"; ``backward_comm="lowp"``: INT8 codes and one fp32 scale per (row, head)).
 
-Why backward issues its collectives in the same order on every rank: each direction of each
-call is ONE autograd node issuing ONE collective (q, k and v share a buffer, so there are no
-sibling nodes whose relative order the autograd engine could choose per rank). The nodes of a
-call form a chain (input exchange -> attention -> output exchange), so backward visits them in
-the reverse of that chain on every rank; a node whose incoming gradient is missing gets zeros
-and still issues its collective.
+Why backward issues its collectives in the same order on every rank: the call is ONE
+autograd node whose backward issues them from one thread in a fixed order (q, k and v share
+a buffer, so there are no sibling nodes whose order the autograd engine could choose).
 """
 
 from __future__ import annotations
@@ -42,13 +38,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from . import _hooks, codes, comm, documents, lowp, overlap
+from . import _ops, codes, comm, lowp, overlap
 
-# The head split and the autograd nodes that move heads: ulysses/_heads.py; the
-# argument checks and the batch signature: ulysses/_batch.py. Names marked "tests" are not used
-# here: the unit tests reach them as ``attention.<name>``.
+# The argument checks and the batch signature: ulysses/_batch.py; the head split:
+# ulysses/_heads.py; the exchange, the attentions and the schedule: ulysses/layer/ and
+# ulysses/overlap.py. Names marked "tests" are not used here: the unit tests reach them as
+# ``attention.<name>``.
 from ._batch import (
     ATTN_OPTIONS,
     BACKWARD_ATTNS,
@@ -56,7 +52,6 @@ from ._batch import (
     COMM_MODES,
     _check_4d,
     _check_attn_kwargs,
-    _check_attn_output,
     _check_backward_attn,
     _check_backward_comm,
     _check_call,
@@ -69,19 +64,16 @@ from ._batch import (
     _verify_batch,
     _verify_reshard,
 )
-from ._heads import (
+from ._heads import (  # noqa: F401 (tests)
     _head_ranges,
     _heads,
-    _LowpHeadsToSeq,
-    _LowpToHeads,
-    _QKVToHeads,
     _Reshard,
-    _uneven_to_heads,
     _UnevenHeads,
     _UnevenHeadsToSeq,
     _UnevenSeqToHeads,
-    run_node,
 )
+from .layer.attend import Call, masked_attention, sdpa_attention
+from .layer.plan import resolve
 
 __all__ = [
     "ulysses_attention",
@@ -95,6 +87,8 @@ __all__ = [
 ]
 
 ATTN_MODES = codes.ATTN_MODES  # the strings ``attn=`` takes: "sdpa", "codes"
+# what makes the layer's node where only a custom attention's parameters need gradients
+_ANCHOR = torch.empty(0, requires_grad=True)
 
 
 _resolve = comm.resolve_group
@@ -172,134 +166,7 @@ def heads_to_seq(x: torch.Tensor, *, group=None, num_heads: int | None = None) -
     return _UnevenHeadsToSeq.apply(x, _head_ranges(H, P), rank, pg)
 
 
-# ---- the default attention --------------------------------------------------------------------
-
-
-def sdpa_attention(
-    q, k, v, *, causal=False, scale=None, used_sequence=None, dropout_p=0.0
-) -> torch.Tensor:
-    """The default ``attn``: torch's ``scaled_dot_product_attention`` on head shards.
-
-    ``q`` [B, S, hq, D], ``k``, ``v`` [B, S, hkv, D] (``hq % hkv == 0``: GQA) -> [B, S, hq, D].
-    With ``used_sequence < S`` it attends over the live rows only (queries and keys
-    ``[0, used)``, so no mask is needed and flash kernels stay eligible) and returns zeros in
-    rows ``[used, S)``. ``causal``: query i attends keys ``j <= i``. ``dropout_p``: SDPA's
-    dropout on the attention weights (each rank draws its own).
-    """
-    S = q.shape[1]
-    n = S if used_sequence is None else used_sequence  # the live rows: keys queries attend
-    if (hook := _hooks.active.live_keys) is not None:  # (a planted fault)
-        n = hook(S, used_sequence)
-    if n < S:
-        q, k, v = q[:, :n], k[:, :n], v[:, :n]
-    kwargs = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=causal,
-        scale=scale,
-        **kwargs,
-        **({"dropout_p": dropout_p} if dropout_p else {}),
-    ).transpose(1, 2)
-    if n < S:
-        out = F.pad(out, (0, 0, 0, 0, 0, S - n))
-    return out
-
-
-def masked_attention(
-    q,
-    k,
-    v,
-    *,
-    causal=False,
-    scale=None,
-    used_sequence=None,
-    document_ids=None,
-    window_size=None,
-    softcap=None,
-    dropout_p=0.0,
-) -> torch.Tensor:
-    """Attention with a sliding window, a soft cap on the scores, packed documents and
-    per-row live counts, written out in fp32 (the default attention's path for those
-    options): ``O(S**2)`` memory per head, for moderate S.
-
-    ``q`` [B, S, hq, D], ``k``, ``v`` [B, S, hkv, D] (``hq % hkv == 0``) -> [B, S, hq, D] in
-    q's dtype. Query i of batch row b attends key j iff ``j <= i`` (``causal``),
-    ``i - left <= j <= i + right`` (``window_size=(left, right)``, flash-attn's convention,
-    -1: unbounded), ``ids[b, i] == ids[b, j]`` (``document_ids`` [B, S]) and ``i, j < used_b``
-    (None, an int or B counts); scores ``s = scale * q.k`` become ``softcap * tanh(s /
-    softcap)``; dropout ``dropout_p`` on the weights. Rows with no key (padding) are 0.
-    """
-    B, S, hq, D = q.shape
-    if k.shape[2] != hq:
-        k, v = (x.repeat_interleave(hq // k.shape[2], dim=2) for x in (k, v))
-    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))  # [B, h, S, D]
-    scores = (qf @ kf.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    i = torch.arange(S, device=q.device)[:, None]
-    j = torch.arange(S, device=q.device)[None, :]
-    allowed = torch.ones(S, S, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed &= j <= i
-    if window_size is not None:
-        left, right = window_size if (h := _hooks.active.window) is None else h(window_size)
-        if left >= 0:
-            allowed &= j >= i - left
-        if right >= 0:
-            allowed &= j <= i + right
-    counts = documents._used_rows(used_sequence, B, S)
-    live = (
-        torch.arange(S, device=q.device)[None, :] < torch.tensor(counts, device=q.device)[:, None]
-    )
-    allowed = allowed[None] & live[:, :, None] & live[:, None, :]  # [B, S, S]
-    if document_ids is not None:
-        ids = document_ids.to(q.device)
-        allowed &= ids[:, :, None] == ids[:, None, :]
-    scores = scores.masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
-    weights = torch.softmax(scores, dim=-1) * allowed[:, None]
-    if dropout_p:
-        weights = F.dropout(weights, dropout_p)
-    return (weights @ vf).transpose(1, 2).to(q.dtype)
-
-
-def _flex_fits(q_h) -> bool:
-    """flex_attention's fused kernel: CUDA, S >= 128 rows, flex installed."""
-    return (
-        q_h.device.type == "cuda"
-        and q_h.shape[1] >= documents._BLOCK
-        and documents._flex_available()
-    )
-
-
-def _default_attention(q_h, k_h, v_h, *, causal, scale, used, plan, options):
-    """SDPA over the live rows; per-row counts or documents: ``documents.document_attention``
-    (SDPA per document slice on CPU, flex_attention with a block mask on CUDA); a window or a
-    soft cap: flex_attention on CUDA (S >= 128, no dropout), else :func:`masked_attention`, as
-    is dropout with documents or per-row counts."""
-    dropout_p = options.get("dropout_p", 0.0)
-    window, softcap = options.get("window_size"), options.get("softcap")
-    special = window is not None or softcap is not None
-    if special and not dropout_p and _flex_fits(q_h):
-        if plan is None:
-            plan = documents.single_document_plan(q_h.shape[0], q_h.shape[1], q_h.device)
-        used_rows = documents._used_rows(used, q_h.shape[0], q_h.shape[1])
-        return documents._flex(q_h, k_h, v_h, plan, used_rows, causal, scale, window=window,
-                               softcap=softcap)  # fmt: skip
-    if special or (dropout_p and (plan is not None or isinstance(used, tuple))):
-        return masked_attention(
-            q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used,
-            document_ids=None if plan is None else plan.ids, **options,
-        )  # fmt: skip
-    if plan is None and not isinstance(used, tuple):
-        return sdpa_attention(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used,
-                              dropout_p=dropout_p)  # fmt: skip
-    if plan is None:
-        plan = documents.single_document_plan(q_h.shape[0], q_h.shape[1], q_h.device)
-    return documents.document_attention(
-        q_h, k_h, v_h, document_ids=plan, causal=causal, scale=scale, used_sequence=used
-    )
+# ---- the attention of a call ------------------------------------------------------------------
 
 
 def _attn_mode(attn) -> tuple[str | None, Callable | None]:
@@ -314,19 +181,6 @@ def _attn_mode(attn) -> tuple[str | None, Callable | None]:
             f"attn must be None, a callable or one of {ATTN_MODES}, got {type(attn).__name__}"
         )
     return None, attn
-
-
-def _zero_padding(out_h: torch.Tensor, used) -> torch.Tensor:
-    """Rows ``[used_b, S)`` of each batch row b set to 0 (what a custom ``attn`` returned
-    there is discarded)."""
-    if used is None:
-        return out_h
-    B, S = out_h.shape[:2]
-    if isinstance(used, int):
-        return torch.cat([out_h[:, :used], out_h.new_zeros(B, S - used, *out_h.shape[2:])], dim=1)
-    rows = torch.arange(S, device=out_h.device)
-    live = rows[None, :] < torch.tensor(used, device=out_h.device)[:, None]  # [B, S]
-    return torch.where(live[:, :, None, None], out_h, out_h.new_zeros(()))
 
 
 # ---- public: the layer ------------------------------------------------------------------------
@@ -503,7 +357,6 @@ def ulysses_attention(
     _check_v_format(v_format, comm)
     _check_backward_attn(backward_attn, comm)
     overlap.check_head_chunks(head_chunks)
-    lowp_backward = backward_comm == "lowp"
     if layout == "bhsd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     B, L, Hq, D = q.shape
@@ -520,81 +373,28 @@ def ulysses_attention(
     }  # fmt: skip
     _verify_batch(pg, P, q, k, wire, used, document_ids, causal=causal, scale=scale,
                   options=options, groups=(q_group, k_group))  # fmt: skip
-    hd = _heads(Hq, k.shape[2], P, comm)
     S = L * P
     used = _check_used(used, B, S, comm)
-    plan = _document_plan(document_ids, B, L, P, pg, q.device)
-    chunks = overlap.resolve_head_chunks(
-        head_chunks, B=B, S=S, hd=hd, D=D, causal=causal, pg=pg, device=q.device,
-        lowp=comm == "lowp", int8_output=int8_output, lowp_backward=lowp_backward,
+    ex, entry = resolve(
+        q, k, pg=pg, rank=rank, P=P, comm_mode=comm, mode=mode, custom=attn is not None,
+        options=options, used=used, documents=document_ids is not None, causal=causal,
+        q_group=q_group, k_group=k_group, int8_output=int8_output, backward_comm=backward_comm,
+        head_chunks=head_chunks, v_format=v_format, backward_attn=backward_attn,
         training=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
     )  # fmt: skip
-    on_codes = codes.use_codes(
-        mode, comm=comm, q=q, custom=attn is not None, options=options, v_format=v_format,
-        documents=plan is not None, k_group=k_group, causal=causal, chunks=chunks, seq=S,
-    )  # fmt: skip
-    if backward_attn == "codes" and not on_codes:
-        raise ValueError(
-            f"backward_attn='codes' needs the forward on the codes (comm='lowp' with "
-            f"attn='codes'), got attn={attn if attn is not None else mode!r}; pass "
-            f"attn='codes', or backward_attn=None"
-        )
-
-    def attend(q_h, k_h, v_h):
-        """The attention on this rank's heads (or a chunk of them), every row."""
-        if attn is None:
-            return _default_attention(q_h, k_h, v_h, causal=causal, scale=scale, used=used,
-                                      plan=plan, options=options)  # fmt: skip
-        extra = dict(options) if plan is None else {**options, "document_ids": plan.ids}
-        out_h = attn(q_h, k_h, v_h, causal=causal, scale=scale, used_sequence=used, **extra)
-        _check_attn_output(out_h, (B, S, q_h.shape[2], D), q.dtype)
-        return _zero_padding(out_h, used)
-
-    if chunks > 1:  # the three steps below, pipelined over head chunks
-        pair = None  # attn="codes": each chunk's codes attended where they land
-        if on_codes:
-            pair = codes.chunk_pair(causal=causal, scale=scale, used=used, plan=plan,
-                                    device=q.device, backward_attn=backward_attn)  # fmt: skip
-        out = overlap.pipelined_attention(
-            q, k, v, hd=hd, pg=pg, chunks=chunks, attend=attend, lowp=comm == "lowp",
-            used_sequence=used, q_group=q_group, k_group=k_group, int8_output=int8_output,
-            lowp_backward=lowp_backward, v_format=v_format,
-            codes=pair,
-        )  # fmt: skip
-        return out.transpose(1, 2) if layout == "bhsd" else out
-
-    # 1. sequence shards -> head shards of the whole sequence (an autograd node only where a
-    # gradient can flow: inference calls skip the node's host cost, not its work)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if on_codes:  # with step 2: the exchange and the attention on its codes, one node
-        out_h = codes.exchange_attend(
-            q, k, v, grad=grad, hd=hd, pg=pg, used=used, q_group=q_group, k_group=k_group,
-            lowp_backward=lowp_backward, v_format=v_format, causal=causal, scale=scale,
-            plan=plan, backward_attn=backward_attn,
-        )  # fmt: skip
-    elif comm == "lowp":
-        q_h, k_h, v_h = run_node(_LowpToHeads, grad, q, k, v, hd, pg, used, q_group, k_group,
-                                 lowp_backward, v_format)  # fmt: skip
-    elif P == 1:
-        q_h, k_h, v_h = q, k, v
-    elif isinstance(hd, _UnevenHeads):
-        q_h, k_h, v_h = _uneven_to_heads(q, k, v, hd, rank, pg)
+    plan = _document_plan(document_ids, B, L, P, pg, q.device)
+    ids = None
+    if ex.codes and plan is not None:
+        ids = plan.ids.to(device=q.device, dtype=torch.int32)
+    call = Call(causal=causal, scale=scale, used=used, plan=plan, options=options, attn=attn,
+                ids=ids, backward_attn=backward_attn)  # fmt: skip
+    # one autograd node for the whole call (ulysses/overlap.py); where no gradient can flow,
+    # its forward alone: the same collectives, without the node's host cost
+    grad = torch.is_grad_enabled()
+    if _ops.is_compiling() or (grad and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        out = overlap.Layer.apply(q, k, v, ex, entry, call)
+    elif grad and attn is not None:  # a custom attention may hold parameters
+        out = overlap.Layer.apply(q, k, v, ex, entry, call, _ANCHOR)
     else:
-        q_h, k_h, v_h = run_node(_QKVToHeads, grad, q, k, v, hd, pg)
-
-    # 2. the attention on this rank's heads, every row
-    if not on_codes:
-        out_h = attend(q_h, k_h, v_h)
-
-    # 3. head shards -> sequence shards of the output (a custom ``attn`` may hold parameters:
-    # the output's own requires_grad decides)
-    grad = torch.is_grad_enabled() and out_h.requires_grad
-    if int8_output or lowp_backward:
-        out = run_node(_LowpHeadsToSeq, grad, out_h, P, pg, int8_output, lowp_backward)
-    elif P == 1:
-        out = out_h
-    elif isinstance(hd, _UnevenHeads):
-        out = _UnevenHeadsToSeq.apply(out_h, hd.q_ranges, rank, pg)
-    else:
-        out = run_node(_Reshard, grad, out_h, P, pg, False)
+        out = overlap.Layer.forward(None, q, k, v, ex, entry, call)
     return out.transpose(1, 2) if layout == "bhsd" else out

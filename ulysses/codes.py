@@ -13,8 +13,9 @@ key/value head ``j // (hq // hkv)``), Gq / Gk the Q / K group sizes.
     lse                [B, hq, S]      fp32, natural log of sum_j exp(s_ij); +inf on dead rows
     document_ids       [B, S]          int32, the global ids (non-decreasing along a row)
 
-Forward (one autograd node, :class:`_CodesToHeads`): ``lowp.exchange_qkv`` (one statistics
-all_gather, one uint8 all_to_all) -> the kernel ``ulysses.kernels.codes_attention`` on the
+Forward (the layer's exchange, ``ulysses.layer.exchange``, delivering the codes:
+``lowp.exchange_qkv``, one statistics all_gather, one uint8 all_to_all) -> the
+kernel ``ulysses.kernels.codes_attention`` on the
 codes and scales where they landed: scores ``(q_code . k_code) * q_scale * k_scale * scale``
 exactly in fp32, online softmax in fp32, P.V with P rounded to e4m3 (relative error at most
 2**-4), so that the output is within ``2**-4 * max_j |v_j|`` (per row and channel, over the
@@ -47,7 +48,7 @@ reason. ``attn=None`` (the default) attends on the codes where :func:`default_re
 codes path faster) and over the dequantized values elsewhere; ``attn="sdpa"`` always over the
 dequantized values. On Hopper at D 64 and 128 the kernel is ``ulysses.kernels.codes_wgmma``
 where the codes' rows are evenly spaced (``codes_attention`` picks it). With ``head_chunks``
-each chunk's codes are attended where they land (:func:`chunk_pair`, ``ulysses.overlap``).
+each chunk's codes are attended where they land (:func:`chunk_forward`, ``ulysses.overlap``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ import math
 
 import torch
 
-from . import _heads, _hooks, _ops, lowp
+from . import _hooks, _ops, lowp
+from ._plans import register_cache
 from .kernels._runtime import device_constant
 from .layer.default import default_attention, device_class
 
@@ -69,7 +71,6 @@ __all__ = [
     "blockwise_backward",
     "chunk_forward",
     "chunk_backward",
-    "exchange_attend",
 ]
 
 ATTN_MODES = ("sdpa", "codes")  # the strings ``attn=`` takes
@@ -164,7 +165,7 @@ def use_codes(
 
 # ---- forward: the kernel as one op ------------------------------------------------------------
 
-_USED: dict[tuple, torch.Tensor] = {}
+_USED: dict[tuple, torch.Tensor] = register_cache(f"{__name__}._USED", {})
 
 
 def _used_tensor(used_rows: tuple, device: torch.device) -> torch.Tensor:
@@ -496,61 +497,3 @@ def chunk_backward(dout_h: torch.Tensor, saved: tuple) -> tuple:
         used_rows=_used_rows(used, x.q.shape[0]), per_row=isinstance(used, tuple),
         on_codes=on_codes,
     )  # fmt: skip
-
-
-def chunk_pair(*, causal: bool, scale, used, plan, device: torch.device,
-               backward_attn=None) -> tuple:  # fmt: skip
-    """``(forward, backward)`` of one head chunk's codes with a call's options, for the
-    pipelined exchange (``ulysses.overlap``): :func:`chunk_forward` and :func:`chunk_backward`.
-    ``plan``: the call's DocumentPlan or None."""
-    ids = None if plan is None else plan.ids.to(device=device, dtype=torch.int32)
-
-    def forward(x: lowp.LowpQKV):
-        return chunk_forward(x, causal=causal, scale=scale, used=used, document_ids=ids,
-                             backward_attn=backward_attn)  # fmt: skip
-
-    return forward, chunk_backward
-
-
-# ---- the layer's node: exchange and attention on the codes ------------------------------------
-
-
-class _CodesToHeads(torch.autograd.Function):
-    """Sequence shards q, k, v -> this rank's attention output on head shards ``out_h``
-    [B, S, hq, D]: the low-precision exchange and the codes kernel (one statistics all_gather,
-    one uint8 all_to_all). Backward: the straight-through gradients from out_h and lse, then
-    ONE all_to_all of dq|dk|dv back to sequence shards (``_heads.grads_to_seq``)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, document_ids, hd, pg, used, q_group, k_group, lowp_backward,
-                v_format, causal, scale, backward_attn):  # fmt: skip
-        _hooks.step("exchange", q.shape, k.shape)
-        x = lowp.exchange_qkv(q, k, v, group=pg, used_sequence=used, q_group=q_group,
-                              k_group=k_group, v_format=v_format)  # fmt: skip
-        out_h, lse = attend(x, causal=causal, scale=scale, used=used, document_ids=document_ids)
-        if hasattr(ctx, "save_for_backward"):  # not for a call without gradients (run_node)
-            ctx.save_for_backward(x.q, x.k, x.v, x.q_scale, x.k_scale, x.v_scale, x.k_mean,
-                                  out_h, lse, document_ids)  # fmt: skip
-            ctx.hd, ctx.pg, ctx.used, ctx.lowp_backward = hd, pg, used, lowp_backward
-            ctx.groups, ctx.causal, ctx.scale = (q_group, k_group), causal, scale
-            ctx.backward_attn = backward_attn
-        return out_h
-
-    @staticmethod
-    def backward(ctx, dout_h):
-        qc, kc, vc, qs, ks, vs, km, out_h, lse, document_ids = ctx.saved_tensors
-        x = lowp.LowpQKV(qc, kc, vc, qs, ks, vs, km, ctx.used, *ctx.groups)
-        saved = (x, out_h, lse, ctx.causal, ctx.scale, ctx.used, document_ids, ctx.backward_attn)
-        dq, dk, dv = chunk_backward(dout_h, saved)
-        grads = _heads.grads_to_seq(dq, dk, dv, ctx.hd, ctx.pg, ctx.lowp_backward)
-        return (*grads, *(None,) * 11)
-
-
-def exchange_attend(q, k, v, *, grad: bool, hd, pg, used, q_group: int, k_group: int,
-                    lowp_backward: bool, v_format: str, causal: bool, scale, plan,
-                    backward_attn=None):  # fmt: skip
-    """The layer's ``comm="lowp"`` steps 1 and 2 on the codes: ``out_h`` [B, S, hq, D] (an
-    autograd node where ``grad``). ``plan``: the call's DocumentPlan or None."""
-    ids = None if plan is None else plan.ids.to(device=q.device, dtype=torch.int32)
-    return _heads.run_node(_CodesToHeads, grad, q, k, v, ids, hd, pg, used, q_group, k_group,
-                           lowp_backward, v_format, causal, scale, backward_attn)  # fmt: skip

@@ -39,6 +39,7 @@ from . import _hooks, _validate
 
 # the flex_attention path (impl "flex"; the layer reads _BLOCK, _flex, _flex_available here)
 from ._flex import _BLOCK, _flex, _flex_available, _make_block_mask
+from ._plans import register_cache
 
 __all__ = [
     "document_ids_from_cu_seqlens",
@@ -307,7 +308,8 @@ def plan_digest(plan: DocumentPlan) -> int:
     return found
 
 
-_SINGLE_PLANS: dict = {}  # (B, S, device) -> DocumentPlan, the last few shapes
+# (B, S, device) -> DocumentPlan, the last few shapes
+_SINGLE_PLANS: dict = register_cache(f"{__name__}._SINGLE_PLANS", {})
 
 
 def single_document_plan(B: int, S: int, device=None) -> DocumentPlan:

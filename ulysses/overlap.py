@@ -1,5 +1,8 @@
-"""Head-chunked Ulysses attention: the all-to-alls of one head chunk run while the attention
-of another runs (``ulysses_attention(..., head_chunks=n)``).
+"""The layer's schedule: exchange -> attend -> exchange over n head chunks, one autograd
+Function for every call of ``ulysses_attention`` (n = 1 is the ordinary call); with n > 1
+the all-to-alls of one head chunk run while the attention of another runs
+(``ulysses_attention(..., head_chunks=n)``). The exchange: ``ulysses.layer.exchange``; the
+attention: ``ulysses.layer.attend``; which of them and how many chunks: ``ulysses.layer.plan``.
 
 Shape legend: B batch, L local rows, P world size, S = L * P global rows, D head dim,
 Hq / Hkv query / key-value heads, hq = Hq / P query heads a rank attends, hkv key/value heads
@@ -37,11 +40,14 @@ all_to_all of the output, in the input dtype or as INT8 with one scale per (row,
 INT8 with one scale per (row, head); ``kv_once``: ``grads c`` is dq alone but for the last).
 Every chunk's dO send is made by one copy before ``dO 0``.
 
-Order. The whole call is ONE autograd node (:class:`_Pipeline`): its forward runs the
-attention of each chunk on detached head shards with autograd on, keeps each chunk's graph,
-and its backward walks the chunks in order, calling ``torch.autograd.grad`` on each chunk's
-graph. The collectives are therefore issued by one thread in the fixed order above, forward
-and backward, on every rank; the autograd engine never chooses between sibling nodes.
+Order. The whole call is ONE autograd node (:class:`Layer`): its forward runs the
+attention of each chunk on detached head shards with autograd on, keeps each chunk's graph
+(an attention on the codes keeps its codes, output and log-sum-exp instead), and its backward
+walks the chunks in order, running each chunk's backward (autograd on its graph; under
+torch.compile the attention's forward again, ``torch.func.vjp``, as a graph keeps no
+Python-held graph). Where no gradient can flow the forward runs without the node. The
+collectives are therefore issued by one thread in the fixed order above, forward and
+backward, on every rank; the autograd engine never chooses between sibling nodes.
 On CUDA each started step runs on ``ulysses.comm``'s communication stream and the attention
 stream waits for it only where it consumes its result (``comm.start_on_side``); in
 ``comm="lowp"`` the statistics, a chunk's pack and its dequantize are kernels of the attention
@@ -71,12 +77,11 @@ Under ``torch.compile`` the call runs as one chunk (the same bits).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from . import _heads, _hooks, comm, lowp, rowwire
+from . import _hooks, _ops
 from ._chunk_policy import (  # the number of chunks: checks, "auto"
     AUTO,
     _chunks_fit,
@@ -86,8 +91,11 @@ from ._chunk_policy import (  # the number of chunks: checks, "auto"
     resolve_head_chunks,
     wire_code,
 )
+from .layer.attend import Attend, Call
+from .layer.exchange import Exchange
 
 __all__ = [
+    "Layer",
     "pipelined_attention",
     "resolve_head_chunks",
     "check_head_chunks",
@@ -96,12 +104,6 @@ __all__ = [
     "wire_code",
     "AUTO",
 ]
-
-
-def _all_to_all_start(send, pg, world_size):
-    """``comm.all_to_all_start``, told to the hooks (the harness's collective log)."""
-    _hooks.step("all_to_all_start", send.shape)
-    return comm.all_to_all_start(send, pg, world_size)
 
 
 def _chunk_heads(x: torch.Tensor, P: int, h: int, c: int, hc: int) -> torch.Tensor:
@@ -124,337 +126,112 @@ def _join_chunks(parts: list) -> torch.Tensor:
     return torch.stack(parts, dim=3)
 
 
-def _rows_of(x: torch.Tensor, P: int) -> torch.Tensor:
-    """[B, P*L, h, D] -> [P, B, L, h, D] view (block p: rows of rank p)."""
-    B, S, h, D = x.shape
-    return x.view(B, P, S // P, h, D).transpose(0, 1)
+def _attend(saved: list | None, heads, ex: Exchange, entry: Attend, call: Call):
+    """One chunk's attention; ``saved`` (None: no backward) gets what its backward needs:
+    the codes' piece, the chunk's graph on detached head shards, or (compiled) the head
+    shards, whose attention the backward runs again."""
+    if entry.backward is not None:  # on the codes: the backward from out_h and lse
+        out_h, piece = entry.forward(heads, call)
+        if saved is not None:
+            saved.append(piece)
+        return out_h
+    if saved is None:
+        return entry.forward(*ex.expand(*heads), call)
+    if _ops.is_compiling():  # a graph holds no Python-held autograd graph: run it again
+        saved.append(tuple(heads))
+        return entry.forward(*ex.expand(*heads), call)
+    with torch.enable_grad():
+        leaves = tuple(x.detach().requires_grad_() for x in heads)
+        out_h = entry.forward(*ex.expand(*leaves), call)
+    saved.append((leaves, out_h))
+    return out_h.detach()
 
 
-def _to_send(x: torch.Tensor, P: int) -> torch.Tensor:
-    """[B, P*L, h, D] -> contiguous [P, B, L, h, D] (block p: rows of rank p): at B = 1 the
-    rows are already in rank order: no transpose."""
-    B, S, h, D = x.shape
-    if B == 1:
-        return x.view(P, 1, S // P, h, D).contiguous()
-    return _rows_of(x, P).contiguous()
+def _attend_backward(dout_h, piece, ex: Exchange, entry: Attend, call: Call) -> tuple:
+    """(dq_h, dk_h, dv_h) of one chunk from what :func:`_attend` saved."""
+    if entry.backward is not None:
+        return entry.backward(dout_h, piece)
+    if _ops.is_compiling():
+        _, vjp = torch.func.vjp(lambda *h: entry.forward(*ex.expand(*h), call), *piece)
+        return vjp(dout_h)
+    leaves, out_h = piece
+    # backward() rather than grad(): parameters of a custom ``attn`` get their gradients too
+    torch.autograd.backward(out_h, dout_h)
+    return tuple(torch.zeros_like(x) if x.grad is None else x.grad for x in leaves)
 
 
-def _from_recv(recv: torch.Tensor) -> torch.Tensor:
-    """[P, B, L, h, D] (block p: rows of rank p) -> [B, P*L, h, D], a view at B = 1."""
-    P, B, L, h, D = recv.shape
-    if B == 1:
-        return recv.view(1, P * L, h, D)
-    return recv.transpose(0, 1).reshape(B, P * L, h, D)
-
-
-def _kv_to_ranks(x: torch.Tensor, hd) -> torch.Tensor:
-    """k or v [B, L, Hkv, D] -> [P, B, L, hkv, D]: block p holds the K/V heads rank p
-    attends (``hd.rep`` ranks share one head when Hkv < P: a copy)."""
-    if hd.rep != 1:
-        x = x.repeat_interleave(hd.rep, dim=2)  # [B, L, P, D]: rank p's head p // rep
-    B, L, _, D = x.shape
-    return x.view(B, L, hd.P, hd.hkv, D).permute(2, 0, 1, 3, 4)
-
-
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-# ---- one call ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """One call's settings (shared by its forward and backward)."""
-
-    hd: object  # P, Hq, Hkv, hq, hkv, rep
-    pg: object
-    n: int
-    attend: Callable  # (q_h, k_h, v_h) -> out_h of one chunk
-    used_sequence: object  # for the lowp exchange
-    lowp: bool
-    q_group: int
-    k_group: int
-    int8_output: bool
-    lowp_backward: bool
-    v_format: str = "fp8"
-    # attn="codes": (forward, backward) of one chunk's codes (codes.chunk_forward and
-    # chunk_backward with the call's options): LowpQKV -> (out_h, piece); (dout_h, piece) ->
-    # (dq_h, dk_h, dv_h). None: ``attend`` on the dequantized (or bf16) head shards
-    codes: tuple | None = None
-
-    @property
-    def hqc(self) -> int:
-        return self.hd.hq // self.n
-
-    @property
-    def kv_once(self) -> bool:
-        return kv_once(self.n, self.hd)
-
-    @property
-    def hkc(self) -> int:
-        """K/V heads a rank receives with a chunk that carries K/V (every chunk, or the
-        first with ``kv_once``)."""
-        return self.hd.hkv if self.kv_once else self.hd.hkv // self.n
-
-    def kv_slice(self, k_h, v_h, c: int) -> tuple:
-        """``kv_once``: the one K/V head chunk c's query heads use (``n / hkv`` chunks a
-        K/V head), of the K/V heads the first chunk brought."""
-        if self.hd.hkv == 1:
-            return k_h, v_h
-        j = c // (self.n // self.hd.hkv)
-        return k_h[:, :, j : j + 1], v_h[:, :, j : j + 1]
-
-    def kv_codes(self, x: lowp.LowpQKV, first: lowp.LowpQKV, c: int) -> lowp.LowpQKV:
-        """``kv_once`` with attn="codes": chunk c's query codes with the one K/V head it uses,
-        of the K/V codes and scales the first chunk brought."""
-        j = 0 if self.hd.hkv == 1 else c // (self.n // self.hd.hkv)
-        return dataclasses.replace(
-            x, k=first.k[:, :, j : j + 1], v=first.v[:, :, j : j + 1],
-            k_scale=first.k_scale[:, j : j + 1], v_scale=first.v_scale[:, j : j + 1],
-            k_mean=first.k_mean[:, j : j + 1],
-        )  # fmt: skip
-
-    # -- forward steps --
-
-    def start_stats(self, q, k, v):
-        """``comm="lowp"``: the statistics of all heads (one all_gather), before ``in 0``."""
-        _hooks.step("exchange_stats", q.shape, k.shape)
-        return lowp.exchange_stats(q, k, v, group=self.pg, used_sequence=self.used_sequence,
-                                   q_group=self.q_group, k_group=self.k_group,
-                                   v_format=self.v_format)  # fmt: skip
-
-    def sends(self, q, k, v) -> tuple:
-        """``comm="bf16"``: every chunk's send buffer, made before ``in 0`` by one copy
-        (two with ``kv_once``): [n, P, B, L, hqc + 2*hkc, D] (block [c, p]: chunk c's heads
-        of rank p, q|k|v), or with ``kv_once`` (chunk 0's q|k|v [P, B, L, hqc + 2*hkv, D],
-        every chunk's q [n, P, B, L, hqc, D])."""
-        hd, P, n, hqc = self.hd, self.hd.P, self.n, self.hqc
-        B, L, _, D = q.shape
-        q_all = q.view(B, L, P, n, hqc, D).permute(3, 2, 0, 1, 4, 5)
-        if not self.kv_once:
-            hkc = self.hkc
-            k_all, v_all = (x.view(B, L, P, n, hkc, D).permute(3, 2, 0, 1, 4, 5) for x in (k, v))
-            return (torch.cat((q_all, k_all, v_all), dim=4),)
-        q_all = q_all.contiguous()
-        return torch.cat((q_all[0], _kv_to_ranks(k, hd), _kv_to_ranks(v, hd)), dim=3), q_all
-
-    def start_in(self, q, k, v, c: int, stats=None, sends=None):
-        """Chunk c's q, k, v to head shards; ``wait()`` -> (q_h, k_h, v_h), k_h and v_h None
-        for a chunk without K/V (``kv_once``, c > 0). ``comm="bf16"``: the chunk's buffer of
-        :meth:`sends`; ``comm="lowp"``: the pack of chunk c's heads now, its all_to_all
-        started (``stats``: of :meth:`start_stats`)."""
-        if self.lowp:
-            return lowp.exchange_heads(stats, q, k, v, c, self.n, start=_all_to_all_start,
-                                       **({"kv_once": True} if self.kv_once else {}))  # fmt: skip
-        send = sends[0][c] if len(sends) == 1 else sends[0] if c == 0 else sends[1][c]
-        return _all_to_all_start(send, self.pg, self.hd.P)
-
-    def finish_in(self, pending) -> tuple:
-        if self.codes is not None:  # the chunk's codes and scales (LowpQKV), no dequantize
-            return pending.wait_codes()
-        got = pending.wait()
-        if self.lowp:  # the dequantize: the chunk's head shards
-            return got
-        P, B, L, W, D = got.shape
-        merged = _from_recv(got)
-        if W == self.hqc:  # a chunk without K/V
-            return merged, None, None
-        return merged.split((self.hqc, self.hkc, self.hkc), dim=2)
-
-    def start_out(self, out_h: torch.Tensor) -> comm.Pending:
-        P = self.hd.P
-        if self.int8_output:
-            send = rowwire.out_quant_op(x=out_h, world_size=P)
-        else:
-            send = _to_send(out_h, P)
-        return _all_to_all_start(send, self.pg, P)
-
-    def finish_out(self, pending: comm.Pending, out: torch.Tensor, c: int) -> None:
-        """Chunk c's output [B, L, P*hqc, D] into ``out`` [B, L, Hq, D]."""
-        recv = pending.wait()
-        P, hqc = self.hd.P, self.hqc
-        B, L, _, D = out.shape
-        if self.int8_output:
-            got = rowwire.out_dequant_op(recv=recv, B=B, L=L, h=hqc, D=D, world_size=P,
-                                         dtype=out.dtype).view(B, L, P, hqc, D)  # fmt: skip
-        else:
-            got = recv.permute(1, 2, 0, 3, 4)  # [B, L, P, hqc, D]
-        _place_heads(out, got, P, self.hd.hq, c, hqc)
-
-    def forward(self, q, k, v, track: bool):
-        """(out, saved): ``saved`` holds each chunk's head shards and output with their
-        attention graph when ``track``."""
-        B, L, Hq, D = q.shape
-        out = q.new_empty(B, L, Hq, D)
-        saved, outs = [], []
-        stats = self.start_stats(q, k, v) if self.lowp else None
-        sends = None if self.lowp else self.sends(q, k, v)
-        pending_in = self.start_in(q, k, v, 0, stats, sends)
-        kv = None
-        for c in range(self.n):
-            heads = self.finish_in(pending_in)
-            if self.kv_once and self.codes is not None:
-                kv = kv or heads  # chunk 0's LowpQKV: every K/V head of the rank
-                heads = self.kv_codes(heads, kv, c)
-            elif self.kv_once:  # the first chunk brought every K/V head of the rank
-                kv = kv or heads[1:]
-                heads = (heads[0], *self.kv_slice(*kv, c))
-            if c + 1 < self.n:  # the next chunk's exchange runs beside this chunk's attention
-                pending_in = self.start_in(q, k, v, c + 1, stats, sends)
-            if self.codes is not None:  # attention on the codes; backward from out_h and lse
-                out_h, piece = self.codes[0](heads)
-                if track:
-                    saved.append((None, piece))
-            elif track:
-                with torch.enable_grad():
-                    leaves = tuple(x.detach().requires_grad_() for x in heads)
-                    out_h = self.attend(*leaves)
-                saved.append((leaves, out_h))
-            else:
-                out_h = self.attend(*heads)
-            outs.append(self.start_out(out_h.detach() if track else out_h))
-        for c, pending in enumerate(outs):
-            self.finish_out(pending, out, c)
-        return out, saved
-
-    # -- backward steps --
-
-    def douts(self, dout: torch.Tensor) -> torch.Tensor:
-        """Every chunk's dO send, one copy: [n, P, B, L, hqc, D] (block [c, p]: rank p's
-        heads of chunk c), or with ``lowp_backward`` [n, B, L, P*hqc, D] (the INT8 wire's
-        input)."""
-        P, n, hqc = self.hd.P, self.n, self.hqc
-        B, L, _, D = dout.shape
-        parts = dout.view(B, L, P, n, hqc, D)
-        if self.lowp_backward:
-            return parts.permute(3, 0, 1, 2, 4, 5).reshape(n, B, L, P * hqc, D)
-        return parts.permute(3, 2, 0, 1, 4, 5).contiguous()
-
-    def start_dout(self, douts: torch.Tensor, c: int) -> comm.Pending:
-        P = self.hd.P
-        if self.lowp_backward:
-            send = rowwire.dout_quant_op(x=douts[c], world_size=P)
-        else:
-            send = douts[c]
-        return _all_to_all_start(send, self.pg, P)
-
-    def finish_dout(self, pending: comm.Pending, dout: torch.Tensor) -> torch.Tensor:
-        recv = pending.wait()
-        B, L, _, D = dout.shape
-        if not self.lowp_backward:
-            return _from_recv(recv)
-        return rowwire.dout_dequant_op(recv=recv, B=B, L=L, h=self.hqc, D=D,
-                                       world_size=self.hd.P, dtype=dout.dtype)  # fmt: skip
-
-    def start_grads(self, dq, dk=None, dv=None) -> comm.Pending:
-        """A chunk's gradients to sequence shards: dq|dk|dv, or dq alone (``kv_once``: the
-        K/V gradients travel once, with the last chunk)."""
-        P = self.hd.P
-        if self.lowp_backward:
-            if dk is None:
-                send = rowwire.out_quant_op(x=_unit_last(dq), world_size=P)
-            else:
-                send = rowwire.grads_quant_op(dq=_unit_last(dq), dk=_unit_last(dk),
-                                              dv=_unit_last(dv), world_size=P)  # fmt: skip
-        elif dk is None:
-            send = _to_send(dq, P)
-        else:
-            send = _to_send(torch.cat((dq, dk, dv), dim=2), P)
-        return _all_to_all_start(send, self.pg, P)
-
-    def finish_grads(self, pending: comm.Pending, dq_like: torch.Tensor, c: int) -> tuple:
-        """Chunk c's gradients as [B, L, P, h, D] views (h = hqc, hkc; dq alone for a
-        ``kv_once`` chunk but the last)."""
-        recv = pending.wait()
-        P, hqc, hkc = self.hd.P, self.hqc, self.hkc
-        B, L, _, D = dq_like.shape
-        with_kv = not self.kv_once or c == self.n - 1
-        if self.lowp_backward:
-            if with_kv:
-                got = rowwire.grads_dequant_op(recv=recv, B=B, L=L, hq=hqc, hkv=hkc, D=D,
-                                               world_size=P, dtype=dq_like.dtype)  # fmt: skip
-            else:
-                got = (rowwire.out_dequant_op(recv=recv, B=B, L=L, h=hqc, D=D, world_size=P,
-                                              dtype=dq_like.dtype),)  # fmt: skip
-            return tuple(g.view(B, L, P, -1, D) for g in got)
-        both = recv.permute(1, 2, 0, 3, 4)  # [B, L, P, hqc (+ 2*hkc), D]
-        if not with_kv:
-            return (both[..., :hqc, :],)
-        return both[..., :hqc, :], both[..., hqc : hqc + hkc, :], both[..., hqc + hkc :, :]
-
-    def join_grads(self, parts: list, shapes: tuple) -> tuple:
-        """dq [B, L, Hq, D], dk, dv [B, L, Hkv, D] from every chunk's :meth:`finish_grads`
-        (one copy each: chunk c of rank p's heads lands at ``p*h + c*h/n``)."""
-        hd, P = self.hd, self.hd.P
-        dq = _join_chunks([g[0] for g in parts]).view(shapes[0])
-        if not self.kv_once:
-            dk, dv = (_join_chunks([g[i] for g in parts]).view(shapes[i]) for i in (1, 2))
-            return dq, dk, dv
-        B, L, _, D = dq.shape
-        last = parts[-1]
-        if hd.rep == 1:  # every K/V head of the rank, in one piece
-            return dq, last[1].reshape(shapes[1]), last[2].reshape(shapes[2])
-        # a K/V head sent to ``rep`` ranks: the sum of their partials, in fp32, in rank order
-        return (dq, *(_heads._sum_partials(g.reshape(B, L, P, D), hd) for g in last[1:]))
-
-    def backward(self, dout: torch.Tensor, saved: list, shapes: tuple) -> tuple:
-        outs = []
-        douts = self.douts(dout)
-        pending = self.start_dout(douts, 0)
-        acc: list = [None] * (2 * self.hd.hkv)  # kv_once: fp32 sums of dk, dv per K/V head
-        for c in range(self.n):
-            dout_h = self.finish_dout(pending, dout)
-            if c + 1 < self.n:
-                pending = self.start_dout(douts, c + 1)
-            leaves, out_h = saved[c]
-            saved[c] = None  # the chunk's graph goes as soon as its gradients exist
-            if leaves is None:  # attn="codes": ``out_h`` is the chunk's saved piece
-                dq, dk, dv = self.codes[1](dout_h, out_h)
-            else:
-                got = torch.autograd.grad(out_h, leaves, dout_h, allow_unused=True)
-                dq, dk, dv = (torch.zeros_like(x) if g is None else g
-                              for g, x in zip(got, leaves, strict=True))  # fmt: skip
-            if not self.kv_once:
-                outs.append(self.start_grads(dq, dk, dv))
-                continue
-            # the chunk's partial of its K/V head's gradients, summed in fp32 in chunk order
-            j = 0 if self.hd.hkv == 1 else c // (self.n // self.hd.hkv)
-            for i, g in ((j, dk), (self.hd.hkv + j, dv)):
-                acc[i] = g.float() if acc[i] is None else acc[i].add_(g)
-            if c + 1 < self.n:
-                outs.append(self.start_grads(dq))
-                continue
-            hkv = self.hd.hkv
-            dk, dv = (torch.cat(acc[i * hkv : (i + 1) * hkv], dim=2).to(dq.dtype)
-                      for i in range(2))  # fmt: skip
-            outs.append(self.start_grads(dq, dk, dv))
-        parts = [self.finish_grads(p, dout, c) for c, p in enumerate(outs)]
-        return self.join_grads(parts, shapes)
-
-
-class _Pipeline(torch.autograd.Function):
-    """The whole chunked call as one autograd node: backward issues its collectives in one
-    fixed order (see the module docstring)."""
+class Layer(torch.autograd.Function):
+    """The whole call as one autograd node (module docstring): ``ex`` the exchange,
+    ``entry`` the attention, ``call`` its arguments. ``Layer.forward(None, ...)`` runs the
+    call without the node (no gradient can flow: the same collectives, less host time).
+    ``anchor``: a tensor that requires a gradient where only a custom attention's parameters
+    do (q, k, v do not), so that the node is built and reaches them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, run: _Run):
-        out, saved = run.forward(q, k, v, track=True)
-        ctx.run, ctx.saved = run, saved
-        ctx.shapes = (q.shape, k.shape, v.shape)
+    def forward(ctx, q, k, v, ex: Exchange, entry: Attend, call: Call, anchor=None):
+        saved = None if ctx is None else []
+        prep = ex.prepare(q, k, v)
+        pending = ex.start_in(q, k, v, 0, prep)
+        outs, first = [], None
+        for c in range(ex.n):
+            heads = ex.finish_in(pending)
+            first = heads if c == 0 else first
+            heads = ex.chunk_heads(heads, c, first)
+            if c + 1 < ex.n:  # the next chunk's exchange runs beside this chunk's attention
+                pending = ex.start_in(q, k, v, c + 1, prep)
+            outs.append(ex.start_out(_attend(saved, heads, ex, entry, call), c))
+        if ctx is not None:
+            ctx.saved, ctx.ex, ctx.entry, ctx.call = saved, ex, entry, call
+            ctx.shapes = (q.shape, k.shape, v.shape)
+        if ex.n == 1:
+            return ex.finish_out(outs[0], q)
+        out = q.new_empty(q.shape)
+        P, hq, hqc = ex.hd.P, ex.hd.hq, ex.hqc
+        for c, pending in enumerate(outs):
+            _place_heads(out, ex.finish_out(pending, q), P, hq, c, hqc)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         if ctx.saved is None:
             raise RuntimeError(
-                "ulysses_attention(head_chunks > 1): backward through the call a second time "
-                "(its chunks' graphs are freed by the first backward)"
+                "ulysses_attention: backward through the call a second time (its attention's "
+                "saved state is freed by the first backward)"
             )
-        saved, ctx.saved = ctx.saved, None
-        grads = ctx.run.backward(dout.contiguous(), saved, ctx.shapes)
+        compiled = _ops.is_compiling()  # (a graph mutates nothing of its forward's)
+        saved = ctx.saved
+        if not compiled:
+            ctx.saved = None
+        ex, entry, call = ctx.ex, ctx.entry, ctx.call
+        if ex.n > 1:
+            dout = dout.contiguous()
+        douts = ex.prepare_dout(dout)
+        pending = ex.start_dout(douts, 0)
+        acc: list = [None] * (2 * ex.hd.hkv) if ex.kv_once else []
+        outs = []
+        for c in range(ex.n):
+            dout_h = ex.finish_dout(pending, dout)
+            if c + 1 < ex.n:
+                pending = ex.start_dout(douts, c + 1)
+            piece = saved[c]
+            if not compiled:  # the chunk's state goes once its gradients exist
+                saved[c] = None
+            dq, dk, dv = _attend_backward(dout_h, piece, ex, entry, call)
+            outs.append(ex.start_grads(dq, dk, dv, c, acc))
+        parts = [ex.finish_grads(p, c, dout) for c, p in enumerate(outs)]
+        if ex.n == 1:
+            grads = parts[0]
+        else:
+            shapes = ctx.shapes
+            dq = _join_chunks([g[0] for g in parts]).view(shapes[0])
+            if ex.kv_once:
+                grads = (dq, *ex.join_kv(parts[-1], shapes))
+            else:
+                grads = (dq, *(_join_chunks([g[i] for g in parts]).view(shapes[i])
+                               for i in (1, 2)))  # fmt: skip
         needs = ctx.needs_input_grad
-        return (*(g if need else None for g, need in zip(grads, needs[:3], strict=True)), None)
+        return (*(g if need else None for g, need in zip(grads, needs[:3], strict=True)),
+                None, None, None, None)  # fmt: skip
 
 
 def pipelined_attention(
@@ -475,23 +252,25 @@ def pipelined_attention(
     v_format: str = "fp8",
     codes: tuple | None = None,
 ) -> torch.Tensor:
-    """Ulysses attention over ``chunks`` head chunks, pipelined (module docstring): q [B, L,
-    Hq, D], k, v [B, L, Hkv, D] sequence shards (validated by ``ulysses_attention``; ``hd``
-    its head split, ``pg`` its group) -> out [B, L, Hq, D] in q's dtype, differentiable.
-
-    ``attend(q_h, k_h, v_h) -> out_h`` runs once per chunk on [B, S, hqc, D] and
-    [B, S, hkc, D] head shards and returns [B, S, hqc, D] (the layer's attention with its
-    options, output check and padding rows zeroed). ``lowp``: the inputs travel through
-    ``lowp.exchange_stats`` once and ``lowp.exchange_heads`` per chunk (``used_sequence``,
-    ``q_group``, ``k_group``, ``v_format``);
-    ``int8_output`` and ``lowp_backward`` as in ``ulysses_attention``. ``codes`` (with
-    ``lowp``): ``(forward, backward)`` of the attention on a chunk's codes (``_Run.codes``),
-    which then replace ``attend``.
-    Same values, bit for bit, as one chunk where ``attn`` treats heads independently."""
+    """The schedule with a given attention, for benchmarks and tests: q [B, L, Hq, D], k, v
+    [B, L, Hkv, D] sequence shards (``hd`` their head split as ``ulysses.attention`` makes
+    it, ``pg`` the group) over ``chunks`` head chunks -> out [B, L, Hq, D], differentiable.
+    ``attend(q_h, k_h, v_h) -> out_h`` runs once per chunk on its head shards. ``lowp``:
+    the inputs travel through the 8-bit exchange (``used_sequence``, ``q_group``,
+    ``k_group``, ``v_format``); ``int8_output`` and ``lowp_backward`` as in
+    ``ulysses_attention``. ``codes`` (with ``lowp``): ``(forward, backward)`` of the attention
+    on a chunk's codes (``codes.chunk_forward``, ``codes.chunk_backward`` with the call's
+    options), which then replace ``attend``."""
     assert chunks >= 1 and _chunks_fit(chunks, hd), (chunks, hd)
-    run = _Run(hd=hd, pg=pg, n=chunks, attend=attend, used_sequence=used_sequence, lowp=lowp,
-               q_group=q_group, k_group=k_group, int8_output=int8_output,
-               lowp_backward=lowp_backward, v_format=v_format, codes=codes)  # fmt: skip
+    ex = Exchange(hd=hd, pg=pg, rank=0, n=chunks, lowp=lowp, codes=codes is not None,
+                  used=used_sequence, q_group=q_group, k_group=k_group,
+                  int8_output=int8_output, lowp_backward=lowp_backward,
+                  v_format=v_format)  # fmt: skip
+    if codes is None:
+        entry = Attend("given", "values", "any", (), lambda q_h, k_h, v_h, _: attend(q_h, k_h, v_h))
+    else:
+        entry = Attend("given", "codes", "any", (), lambda x, _: codes[0](x), codes[1])
+    call = Call(causal=False, scale=None, used=used_sequence, plan=None, options={})
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Pipeline.apply(q, k, v, run)
-    return run.forward(q, k, v, track=False)[0]
+        return Layer.apply(q, k, v, ex, entry, call)
+    return Layer.forward(None, q, k, v, ex, entry, call)

@@ -12,6 +12,7 @@ import ulysses
 from ulysses import _batch as BM
 from ulysses import attention as A
 from ulysses import documents, reference
+from ulysses.layer import attend
 from ulysses.reference import bitwise_diff
 
 
@@ -242,11 +243,11 @@ def test_window_and_softcap_through_flex(monkeypatch, window, softcap, causal):
     score_mod), taken here on CPU where flex runs eagerly, forward only."""
     if not documents._flex_available():
         pytest.skip("torch.nn.attention.flex_attention is not installed")
-    monkeypatch.setattr(A, "_flex_fits", lambda q_h: True)
+    monkeypatch.setattr(attend, "_flex_fits", lambda device, S: True)
     taken = []
     flex = documents._flex
     monkeypatch.setattr(documents, "_flex", lambda *a, **kw: taken.append(kw) or flex(*a, **kw))
-    monkeypatch.setattr(A, "masked_attention", None)  # any fallback would raise
+    monkeypatch.setattr(attend, "masked_attention", None)  # any fallback would raise
     q, k, v = _qkv(2, 24, 4, 2, 16, torch.float32, seed=9, used=[24, 17])
     counts, ids = [24, 17], _ids(2, 24)
     opts = {"window_size": window, "softcap": softcap}

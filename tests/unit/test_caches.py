@@ -34,13 +34,9 @@ NOT_CACHES = {
 
 # Caches that do not register yet (their modules are to call _plans.register_cache).
 UNREGISTERED = {
-    "ulysses._chunk_policy._PROBED",
     "ulysses._flex._softcap_mod",
-    "ulysses._heads._cached_uneven_heads",
     "ulysses._validate._PDL_SUPPORTED",
-    "ulysses.codes._USED",
     "ulysses.comm._SIDE_STREAMS",
-    "ulysses.documents._SINGLE_PLANS",
     "ulysses.hf._CHECKED",
     "ulysses.dist_tests.validate._LIVE",
     "ulysses.dist_tests.checks_ring._MESHES",

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 import ulysses
-from ulysses import overlap, testing_link
+from ulysses import testing_link
+from ulysses.layer.exchange import Exchange
 
 DT = torch.bfloat16
 
@@ -116,7 +117,7 @@ def test_planted_fault_wrong_kv_head_is_caught(world, monkeypatch):
     link = world(P)
     inputs = _inputs(B, L, Hq, Hkv, D, seed=17)
 
-    def first_head_only(self, x, first, c):
+    def first_head_only(self, x, c, first):
         return dataclasses.replace(
             x, k=first.k[:, :, :1], v=first.v[:, :, :1], k_scale=first.k_scale[:, :1],
             v_scale=first.v_scale[:, :1], k_mean=first.k_mean[:, :1],
@@ -125,6 +126,6 @@ def test_planted_fault_wrong_kv_head_is_caught(world, monkeypatch):
     with link:
         want = _run(inputs, causal=True)
         assert _compare(_run(inputs, causal=True, head_chunks=n), want) is None
-        monkeypatch.setattr(overlap._Run, "kv_codes", first_head_only)
+        monkeypatch.setattr(Exchange, "chunk_heads", first_head_only)
         got = _run(inputs, causal=True, head_chunks=n)
     assert _compare(got, want) is not None

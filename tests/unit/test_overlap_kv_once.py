@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import ulysses
 from ulysses import _chunk_policy, _hooks, comm, overlap, testing_link
+from ulysses.layer.exchange import Exchange
 from ulysses.reference import bitwise_diff
 
 MODES = {
@@ -159,12 +160,12 @@ def test_planted_fault_wrong_kv_head_is_caught(fake_link):
     link = fake_link(2)
     inputs = make_inputs(1, 8, 16, 4, 16, dtype=torch.float32, integer=True, seed=4)
 
-    def first_head(self, k_h, v_h, c):
-        return k_h[:, :, :1], v_h[:, :, :1]
+    def first_head(self, heads, c, first):
+        return heads[0], first[1][:, :, :1], first[2][:, :, :1]
 
     with link:
         exp = run(inputs, n=1, attn=exact_attention)
-        with mock.patch.object(overlap._Run, "kv_slice", first_head):
+        with mock.patch.object(Exchange, "chunk_heads", first_head):
             got = run(inputs, n=4, attn=exact_attention)
     bad = differences(got, exp, ("out", "dq", "dk", "dv"))
     assert bad and bad[0].startswith("out"), bad
