@@ -150,11 +150,12 @@ class BackwardConfig(tuple):
                 f"s{self[7]}-{bits}")  # fmt: skip
 
 
-# On CUDA: tiles whose kernels compile for sm_90 (Triton 3.6) with next to no register spill
-# at D 128 (ptxas: at most 24 bytes a thread at full attention, 160 for the causal dV
-# kernel's masked blocks), FP8 dV, 16-bit dS (the INT8 dS kernels spill: 430-480 bytes a
-# thread in the dK kernel, 50-160 in the dQ kernel), dV and dK in two launches (one
-# accumulator a program: both at once spill 1.5-1.9 KB a thread). Not tuned on a GPU.
+# On CUDA: tiles whose kernels compile for sm_90 with Triton 3.6 with little register spill
+# at D 128 (ptxas through tools/compile_sm90.py: at most 40 bytes a thread at full
+# attention, 200 in the causal dV kernel, whose masked blocks hold more), FP8 dV, 16-bit dS
+# (with INT8 dS the dK kernel spills 340-380 bytes a thread, the dQ kernel 40-150), dV and
+# dK in two launches (one accumulator a program; both in one program spill 1.5-1.9 KB a
+# thread). Not yet timed on a GPU: scripts/bench_codes_backward.py --sweep compares them.
 # On CPU (the interpreter): small one-warp tiles, the same products.
 GPU_DEFAULT = BackwardConfig()
 _CPU_CONFIG = BackwardConfig(32, 32, 1, 1, 32, 32, 1, 1)

@@ -260,17 +260,17 @@ def _bwd_dkdv_kernel(
     used_ptr = ints_ptr
     doc_ptr = ints_ptr + B
     bounds_ptr = ints_ptr + B + B.to(tl.int64) * S
-    CAUSAL = (FLAGS & 1) != 0
-    HAS_USED = (FLAGS & 2) != 0
-    DOCS = (FLAGS & 4) != 0
-    DV_FP8 = (FLAGS & 8) != 0
-    DS_INT8 = (FLAGS & 16) != 0
-    HW_ROUND = (FLAGS & 32) != 0
-    V_MODE = (FLAGS >> 6) & 3
+    CAUSAL: tl.constexpr = (FLAGS & 1) != 0
+    HAS_USED: tl.constexpr = (FLAGS & 2) != 0
+    DOCS: tl.constexpr = (FLAGS & 4) != 0
+    DV_FP8: tl.constexpr = (FLAGS & 8) != 0
+    DS_INT8: tl.constexpr = (FLAGS & 16) != 0
+    HW_ROUND: tl.constexpr = (FLAGS & 32) != 0
+    V_MODE: tl.constexpr = (FLAGS >> 6) & 3
     stride_db = table_int(tab_ptr, 9, HINTS)
     stride_ds = table_int(tab_ptr, 10, HINTS)
     stride_dh = table_int(tab_ptr, 11, HINTS)
-    PART = (FLAGS >> 8) & 3
+    PART: tl.constexpr = (FLAGS >> 8) & 3
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)  # b * hkv + kv head
     i_b = i_bh // HKV
@@ -448,12 +448,12 @@ def _bwd_dq_kernel(
     used_ptr = ints_ptr
     doc_ptr = ints_ptr + B
     bounds_ptr = ints_ptr + B + B.to(tl.int64) * S
-    CAUSAL = (FLAGS & 1) != 0
-    HAS_USED = (FLAGS & 2) != 0
-    DOCS = (FLAGS & 4) != 0
-    DS_INT8 = (FLAGS & 16) != 0
-    HW_ROUND = (FLAGS & 32) != 0
-    V_MODE = (FLAGS >> 6) & 3
+    CAUSAL: tl.constexpr = (FLAGS & 1) != 0
+    HAS_USED: tl.constexpr = (FLAGS & 2) != 0
+    DOCS: tl.constexpr = (FLAGS & 4) != 0
+    DS_INT8: tl.constexpr = (FLAGS & 16) != 0
+    HW_ROUND: tl.constexpr = (FLAGS & 32) != 0
+    V_MODE: tl.constexpr = (FLAGS >> 6) & 3
     i_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first
         i_m = tl.num_programs(0) - 1 - i_m
