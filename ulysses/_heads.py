@@ -10,7 +10,7 @@ between sequence shards and head shards (shape legend: ``ulysses.attention``).
   (dq|dk|dv, in the input dtype or INT8), :func:`_uneven_to_heads` / :func:`_uneven_to_seq`
   and their gradients (all_to_all with split sizes); the layer's exchange
   (``ulysses.layer.exchange``) runs them, and ``seq_to_heads`` / ``heads_to_seq`` through
-  the autograd nodes :class:`_Reshard`, :class:`_UnevenSeqToHeads`, :class:`_UnevenHeadsToSeq`.
+  the autograd node :class:`_Move`.
 
 Each collective step is told to ``ulysses._hooks`` (the harness's collective log); the
 backward all_to_all and the merges of received heads are points where the harness plants a
@@ -267,20 +267,6 @@ def _sum_partials(x: torch.Tensor, hd: _Heads) -> torch.Tensor:
     return total.to(x.dtype)
 
 
-class _Reshard(torch.autograd.Function):
-    """One all_to_all between sequence shards and head shards (``to_heads``: [B, L, P*h, D] ->
-    [B, P*L, h, D]; else the inverse); backward is the other direction."""
-
-    @staticmethod
-    def forward(ctx, x, P, pg, to_heads):
-        ctx.P, ctx.pg, ctx.to_heads = P, pg, to_heads
-        return _reshard(x, P, pg, to_heads, _all_to_all)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _reshard(dy, ctx.P, ctx.pg, not ctx.to_heads, _backward_all_to_all), None, None, None
-
-
 def _reshard(x, P: int, pg, to_heads: bool, a2a) -> torch.Tensor:
     if to_heads:
         return _merge_rows(a2a(_split_heads(x, P).contiguous(), pg))
@@ -365,27 +351,27 @@ def _uneven_to_seq_grad(dy, ranges, rank: int, pg) -> torch.Tensor:
     return _merge_rows(recv.view(P, B, L, n_r, D))
 
 
-class _UnevenSeqToHeads(torch.autograd.Function):
-    """:func:`_uneven_to_heads` with its gradient (``seq_to_heads`` of uneven heads)."""
+class _Move(torch.autograd.Function):
+    """``seq_to_heads`` / ``heads_to_seq`` as one autograd node: ``to_heads`` the direction;
+    ``split`` None (even heads: :func:`_reshard`) or the uneven split (to heads: the
+    segments of :func:`_uneven_to_heads`; to rows: the ranges of :func:`_uneven_to_seq`).
+    Backward is the other direction."""
 
     @staticmethod
-    def forward(ctx, x, segments, rank, pg):
-        ctx.segments, ctx.pg = segments, pg
-        return _uneven_to_heads(x, segments, rank, pg)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _uneven_to_heads_grad(dy, ctx.segments, ctx.pg), None, None, None
-
-
-class _UnevenHeadsToSeq(torch.autograd.Function):
-    """:func:`_uneven_to_seq` with its gradient (``heads_to_seq`` of uneven heads)."""
-
-    @staticmethod
-    def forward(ctx, x, ranges, rank, pg):
-        ctx.ranges, ctx.rank, ctx.pg = ranges, rank, pg
-        return _uneven_to_seq(x, ranges, rank, pg)
+    def forward(ctx, x, P, pg, to_heads, split=None, rank=0):
+        ctx.P, ctx.pg, ctx.to_heads, ctx.split, ctx.rank = P, pg, to_heads, split, rank
+        if split is None:
+            return _reshard(x, P, pg, to_heads, _all_to_all)
+        if to_heads:
+            return _uneven_to_heads(x, split, rank, pg)
+        return _uneven_to_seq(x, split, rank, pg)
 
     @staticmethod
     def backward(ctx, dy):
-        return _uneven_to_seq_grad(dy, ctx.ranges, ctx.rank, ctx.pg), None, None, None
+        if ctx.split is None:
+            dx = _reshard(dy, ctx.P, ctx.pg, not ctx.to_heads, _backward_all_to_all)
+        elif ctx.to_heads:
+            dx = _uneven_to_heads_grad(dy, ctx.split, ctx.pg)
+        else:
+            dx = _uneven_to_seq_grad(dy, ctx.split, ctx.rank, ctx.pg)
+        return dx, None, None, None, None, None

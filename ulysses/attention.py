@@ -67,10 +67,8 @@ from ._batch import (
 from ._heads import (  # noqa: F401 (tests)
     _head_ranges,
     _heads,
-    _Reshard,
+    _Move,
     _UnevenHeads,
-    _UnevenHeadsToSeq,
-    _UnevenSeqToHeads,
 )
 from .layer.attend import Call, masked_attention, sdpa_attention
 from .layer.plan import resolve
@@ -121,12 +119,12 @@ def seq_to_heads(x: torch.Tensor, *, group=None) -> torch.Tensor:
         return x
     _verify_reshard("seq_to_heads", x, pg, rank, P)
     if H % P == 0:
-        return _Reshard.apply(x, P, pg, True)
+        return _Move.apply(x, P, pg, True)
     if H < P:
         raise ValueError(
             f"x must have at least one head per rank: H >= P={P}, got shape {tuple(x.shape)}"
         )
-    return _UnevenSeqToHeads.apply(x, tuple((r,) for r in _head_ranges(H, P)), rank, pg)
+    return _Move.apply(x, P, pg, True, tuple((r,) for r in _head_ranges(H, P)), rank)
 
 
 def heads_to_seq(x: torch.Tensor, *, group=None, num_heads: int | None = None) -> torch.Tensor:
@@ -162,8 +160,8 @@ def heads_to_seq(x: torch.Tensor, *, group=None, num_heads: int | None = None) -
     if P == 1:
         return x
     if H % P == 0:
-        return _Reshard.apply(x, P, pg, False)
-    return _UnevenHeadsToSeq.apply(x, _head_ranges(H, P), rank, pg)
+        return _Move.apply(x, P, pg, False)
+    return _Move.apply(x, P, pg, False, _head_ranges(H, P), rank)
 
 
 # ---- the attention of a call ------------------------------------------------------------------
