@@ -277,6 +277,14 @@ def kernel_split(names) -> str:
     return " ".join(f"{k} {v / 1000:.2f}" for k, v in sorted(parts.items()))
 
 
+def _warm_table(spec: str) -> None:
+    """Compile the codes backward for one (causal, D) of the table (``--warm-table c,D``)."""
+    causal, D = spec.split(",")
+    q, k, v, dout = inputs(1, 1024, 2, int(D), "cuda")
+    codes_case(q, k, v, dout, causal == "1")[0]()
+    torch.cuda.synchronize()
+
+
 def run_table(args):
     from torch.nn.attention import SDPBackend
 
@@ -287,6 +295,14 @@ def run_table(args):
         keep = set(args.shapes.split(","))
         shapes = [s for s in SHAPES if f"{s[1]}-{s[2]}-{s[3]}-{'c' if s[4] else 'f'}" in keep]
     cfg = parse_config(args.config) if isinstance(args.config, str) else args.config
+    if args.jobs > 1 and cfg is None:  # compile the kernels of each (causal, D) side by side
+        import subprocess
+
+        combos = sorted({(int(c), D) for _B, _S, _h, D, c in shapes})
+        procs = [subprocess.Popen([sys.executable, __file__, "--warm-table", f"{c},{D}"])
+                 for c, D in combos]  # fmt: skip
+        for proc in procs:
+            proc.wait()
     err_cache = {}
     for causal in (False, True):
         try:
@@ -472,7 +488,11 @@ def main(argv=None):
     p.add_argument("--then-table", action="store_true",
                    help="--sweep: then the table with the fastest halves")  # fmt: skip
     p.add_argument("--warm", default="", help=argparse.SUPPRESS)
+    p.add_argument("--warm-table", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.warm_table:
+        _warm_table(args.warm_table)
+        return
     if args.warm:
         job, jobs = map(int, args.warm.split("/"))
         _warm(job, jobs)
