@@ -382,8 +382,9 @@ def ulysses_attention(
     )  # fmt: skip
     plan = _document_plan(document_ids, B, L, P, pg, q.device)
     ids = None
-    if ex.codes and plan is not None:
-        ids = plan.ids.to(device=q.device, dtype=torch.int32)
+    if ex.codes and plan is not None:  # (a compiled graph converts them: it holds no plan)
+        ids = (plan.ids.to(device=q.device, dtype=torch.int32) if _ops.is_compiling()
+               else plan.int32_ids(q.device))  # fmt: skip
     call = Call(causal=causal, scale=scale, used=used, plan=plan, options=options, attn=attn,
                 ids=ids, backward_attn=backward_attn)  # fmt: skip
     # one autograd node for the whole call (ulysses/overlap.py); where no gradient can flow,

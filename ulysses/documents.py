@@ -288,6 +288,14 @@ class DocumentPlan:
     def shape(self) -> tuple[int, int]:
         return tuple(self.ids.shape)
 
+    def int32_ids(self, device: torch.device) -> torch.Tensor:
+        """The ids as int32 on ``device`` (what the codes kernels read), made once a device."""
+        key = ("int32", str(device))
+        found = self._masks.get(key)
+        if found is None:
+            found = self._masks[key] = self.ids.to(device=device, dtype=torch.int32)
+        return found
+
     def _block_mask(self, device: torch.device, causal: bool, used: tuple[int, ...], window=None):
         key = (str(device), causal, used, window)
         if key not in self._masks:
