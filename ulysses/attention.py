@@ -59,6 +59,7 @@ from ._batch import (
     _check_used,
     _check_v_format,
     _document_plan,
+    _invalid_op,
     _traceable,
     _used_values,
     _verify_batch,
@@ -85,6 +86,11 @@ __all__ = [
 ]
 
 ATTN_MODES = codes.ATTN_MODES  # the strings ``attn=`` takes: "sdpa", "codes"
+_COMPILED_DROPOUT = (
+    "attn_kwargs['dropout_p'] > 0 cannot be compiled: under torch.compile the layer's backward "
+    "runs the attention's forward again, which would draw another dropout mask; call the layer "
+    "eagerly (torch.compiler.disable) or pass dropout_p=0.0"
+)
 # what makes the layer's node where only a custom attention's parameters need gradients
 _ANCHOR = torch.empty(0, requires_grad=True)
 
@@ -328,7 +334,9 @@ def ulysses_attention(
             decreasing along a row's global sequence or negative; unknown ``comm``,
             ``backward_comm`` or ``layout``; ``int8_output=True`` or
             ``backward_comm="lowp"`` or ``v_format="int8"`` without ``comm="lowp"``;
-            ``backward_attn="codes"`` on a call whose forward is not on the codes; a
+            ``backward_attn="codes"`` on a call whose forward is not on the codes;
+            under torch.compile, ``attn_kwargs`` ``dropout_p`` > 0 (when the graph runs:
+            the compiled backward runs the attention again); a
             ``v_format`` other than "fp8" or "int8"; with "lowp" a head dim D that is not a
             multiple of 16 up to 256; what ``exchange_qkv`` rejects
             for "lowp"; bad values of ``dropout_p``, ``window_size``, ``softcap``;
@@ -381,6 +389,9 @@ def ulysses_attention(
         training=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
     )  # fmt: skip
     plan = _document_plan(document_ids, B, L, P, pg, q.device)
+    if _ops.is_compiling() and options.get("dropout_p") and not ex.codes and attn is None:
+        # a compiled backward runs the attention again (overlap.Layer): a new dropout mask
+        q = _invalid_op(x=q, message=_COMPILED_DROPOUT)
     ids = None
     if ex.codes and plan is not None:  # (a compiled graph converts them: it holds no plan)
         ids = (plan.ids.to(device=q.device, dtype=torch.int32) if _ops.is_compiling()

@@ -182,3 +182,12 @@ def test_every_combination_runs_and_agrees_or_names_the_option(case, link):
     for name, g, w in zip("qkv", grads, ref_grads, strict=True):
         err = _rel(g, _by_block(w))
         assert err < tol_grad, (f"d{name}", err)
+
+
+def test_compiled_dropout_raises_naming_the_option(link):
+    """Under torch.compile the backward runs the attention again: dropout would draw a new
+    mask, so the compiled call raises ValueError naming ``dropout_p`` when it runs."""
+    (q, k, v, _), _, _, _ = _inputs(Case())
+    fn = torch.compile(ulysses.ulysses_attention, fullgraph=True)
+    with link, pytest.raises(ValueError, match="dropout_p"):
+        fn(q, k, v, causal=True, attn_kwargs={"dropout_p": 0.1})
