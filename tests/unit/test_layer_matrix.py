@@ -92,6 +92,7 @@ def _grid() -> list[Case]:
         Case("bf16", None, 1, extra=(("backward_comm", "lowp"),), raises="backward_comm"),
         Case("bf16", None, 3, raises="head_chunks"),
         Case("lowp", None, 1, "documents", B=2, compiled=True),
+        Case("lowp", "codes", 1, compiled=True),
     ]
     return cases
 

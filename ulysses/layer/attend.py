@@ -10,8 +10,8 @@ what it supports, its forward and its backward (shape legend: ``ulysses.attentio
     codes      codes   32/64/128 (CUDA),   bf16/fp16  counts, documents (no window,    its own
                        pow2 32..256 (CPU)             soft cap, dropout)
 
-Every entry runs on any batch and in compiled code; CUDA-graph capture of training holds for
-all but ``codes`` with the dequantizing backward (``backward_attn="codes"`` captures).
+Every entry runs on any batch and in compiled code (a values entry's backward then runs its
+forward again, ``torch.func.vjp``: ``ulysses.overlap``).
 :func:`choose` picks the entry for a call's signature (once per signature, ``layer.plan``):
 the codes where the plan attends on them, the user's callable, else by the attention
 options: a window or soft cap -> flex on CUDA (no dropout), else masked; dropout with
