@@ -236,8 +236,12 @@ def _bwd_dkdv_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     FLAGS: tl.constexpr, HINTS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (key blocks, B * hkv). Grid values from the int32 table ``tab_ptr`` (module
-    ``_TABLE``), the switches from ``FLAGS`` (``_flags``): one parameter each, few in all."""
+    """Grid (key blocks, B * hkv). ``tab_ptr``: int32 [17], the strides (batch, row, head) of
+    q, k, v and dout, then S, S_pad, hq, hkv, B (``HINTS`` bit i: entry i is a multiple of
+    16). ``rows_ptr``: fp32 [qa | lse * log2(e) | delta] [B*hq, S_pad] each, then kr [B*hkv,
+    S_pad]; ``ints_ptr``: int32 [used (B) | document ids (B*S) | bounds (B*S*2)]. ``FLAGS``
+    bits: 1 causal, 2 used, 4 documents, 8 FP8 dV, 16 INT8 dS, 32 compiled (hardware
+    rounding), bits 6-7 V_MODE, bits 8-9 PART (0 dK and dV, 1 dV, 2 dK)."""
     S = table_int(tab_ptr, 12, 0)
     S_pad = table_int(tab_ptr, 13, 0)
     HQ = table_int(tab_ptr, 14, 0)
