@@ -134,33 +134,26 @@ def _check_v_format(v_format, comm) -> None:
 BACKWARD_ATTNS = (None, "dequant", "codes")  # backward_attn=: None is "dequant"
 
 
+def _check_choice(name: str, value, choices: tuple, lowp_only, comm) -> None:
+    """``value`` one of ``choices`` (TypeError: not a str or None where None is one; ValueError:
+    another value); ``lowp_only`` (a value) needs ``comm="lowp"``."""
+    if not isinstance(value, str) and not (value is None and None in choices):
+        named = [c for c in choices if c is not None]
+        raise TypeError(f"{name} must be a str, one of {named}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    if value == lowp_only and comm != "lowp":
+        raise ValueError(f"{name}={value!r} needs comm='lowp', got comm={comm!r}")
+
+
 def _check_backward_attn(backward_attn, comm) -> None:
     """``backward_attn``: None / "dequant" (the codes dequantized once, then the attention's
     backward over the values) or "codes" (the backward kernel on the codes, comm="lowp")."""
-    if backward_attn is not None and not isinstance(backward_attn, str):
-        raise TypeError(
-            f"backward_attn must be None or a str, one of {BACKWARD_ATTNS[1:]}, got "
-            f"{type(backward_attn).__name__}"
-        )
-    if backward_attn not in BACKWARD_ATTNS:
-        raise ValueError(f"backward_attn must be one of {BACKWARD_ATTNS}, got {backward_attn!r}")
-    if backward_attn == "codes" and comm != "lowp":
-        raise ValueError(
-            f"backward_attn='codes' runs the backward on the 8-bit codes of comm='lowp', got "
-            f"comm={comm!r}; pass comm='lowp' and attn='codes', or backward_attn=None"
-        )
+    _check_choice("backward_attn", backward_attn, BACKWARD_ATTNS, "codes", comm)
 
 
 def _check_backward_comm(backward_comm, comm) -> None:
-    if not isinstance(backward_comm, str):
-        raise TypeError(
-            f"backward_comm must be a str, one of {BACKWARD_COMMS}, got "
-            f"{type(backward_comm).__name__}"
-        )
-    if backward_comm not in BACKWARD_COMMS:
-        raise ValueError(f"backward_comm must be one of {BACKWARD_COMMS}, got {backward_comm!r}")
-    if backward_comm == "lowp" and comm != "lowp":
-        raise ValueError(f"backward_comm='lowp' needs comm='lowp', got comm={comm!r}")
+    _check_choice("backward_comm", backward_comm, BACKWARD_COMMS, "lowp", comm)
 
 
 def _check_attn_output(out, shape, dtype) -> None:
