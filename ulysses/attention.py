@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _ops, codes, comm, lowp, overlap
+from . import _ops, codes, comm, lowp, overlap, ring
 
 # The argument checks and the batch signature: ulysses/_batch.py; the head split:
 # ulysses/_heads.py; the exchange, the attentions and the schedule: ulysses/layer/ and
@@ -311,7 +311,9 @@ def ulysses_attention(
       at most ``amax/254`` a value before the rounding to the dtype).
     * ``group``: the Ulysses process group, a 1-D DeviceMesh or ``(mesh, dim)``
       (``ulysses.mesh``; default: the world group; with torch.distributed not initialized, a
-      world of one). P = 1 runs no collective.
+      world of one). P = 1 runs no collective. A 2-D DeviceMesh whose dimensions are named
+      ``("ring", "ulysses")`` runs Ulysses x Ring (``ulysses.ring``, docs/RING.md): heads
+      move in the Ulysses group, K/V blocks go round the ring group.
 
     Ranks must agree on every argument but ``group``, ``attn`` and ``layout`` (sizes, dtype,
     options, live counts, documents: docs/CONTRACT.md §12): every call checks it (one
@@ -354,6 +356,14 @@ def ulysses_attention(
         # one device, no group: an 8-bit attention (INT8 Q/K with smooth K, FP8 V)
         out = ulysses.ulysses_attention(q, k, v, causal=True, comm="lowp", attn="codes")
     """
+    if ring.is_ring_mesh(group):  # a ("ring", "ulysses") mesh: Ulysses x Ring (ulysses.ring)
+        return ring.dispatch(
+            q, k, v, group=group, attn=attn, comm=comm, used_sequence=used_sequence,
+            causal=causal, scale=scale, q_group=q_group, k_group=k_group, layout=layout,
+            int8_output=int8_output, backward_comm=backward_comm, document_ids=document_ids,
+            attn_kwargs=attn_kwargs, head_chunks=head_chunks, v_format=v_format,
+            backward_attn=backward_attn,
+        )  # fmt: skip
     mode, attn = _attn_mode(attn)
     _check_call(q, k, v, comm, layout, causal, scale, attn)
     q, used_sequence, document_ids = _traceable(q, used_sequence, document_ids)

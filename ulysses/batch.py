@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _samebatch, comm, documents
+from ._ring_layout import zigzag_index, zigzag_shard, zigzag_unshard
 
 __all__ = [
     "IGNORE_INDEX",
@@ -49,6 +50,9 @@ __all__ = [
     "document_position_ids",
     "document_ids_from_position_ids",
     "causal_lm_loss",
+    "zigzag_index",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]
 
 IGNORE_INDEX = -100  # torch's cross_entropy default and Hugging Face's label padding
