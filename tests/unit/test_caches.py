@@ -21,6 +21,7 @@ NOT_CACHES = {
     "ulysses.kernels._scratch._WORKSPACE",
     "ulysses.kernels._scratch._COUNTERS",
     "ulysses.kernels._scratch._KEEP",
+    "ulysses.kernels.codes_backward._TABLES",
     # the compiled kernels already launched: first_launch_stats counts each once a process
     "ulysses.kernels._launch._COMPILED_SEEN",
     # settings and tables of the product, not derived values

@@ -88,6 +88,7 @@ from __future__ import annotations
 import torch
 
 from ._runtime import cdiv, compiled_for_gpu, launch
+from ._scratch import device_constant
 from .codes_backward_bound import backward_error_bound
 from .codes_backward_jit import (
     LOG2E,
@@ -160,6 +161,10 @@ class BackwardConfig(tuple):
 GPU_DEFAULT = BackwardConfig()
 _CPU_CONFIG = BackwardConfig(32, 32, 1, 1, 32, 32, 1, 1)
 _PAD = 128  # S_pad: S rounded up to this (a multiple of every block size)
+# the grid tables on their devices, one a signature: made through pinned memory, so that a
+# first call inside a CUDA-graph capture may make one, and kept (never emptied by
+# clear_caches: a captured graph may read one)
+_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def _transposed_codes(x: torch.Tensor, S_pad: int) -> torch.Tensor:
@@ -263,7 +268,11 @@ def codes_attention_backward(
     dstr = (dout.stride(0), dout.stride(1), dout.stride(2))
     values = [*q.stride()[:3], *k.stride()[:3], *vb.stride()[:3], *dstr, S, S_pad, HQ, HKV, B]
     assert all(0 <= x < 2**31 for x in values), values
-    tab = torch.tensor(values, dtype=torch.int32).to(device)
+    tab = _TABLES.get((tuple(values), device))
+    if tab is None:
+        tab = _TABLES[(tuple(values), device)] = device_constant(
+            torch.tensor(values, dtype=torch.int32), device
+        )
     hints = sum(1 << i for i, x in enumerate(values[:12]) if x % 16 == 0)
     flags = (bool(causal) | (used is not None) << 1 | (doc_ids is not None) << 2
              | cfg.dv_fp8 << 3 | cfg.ds_int8 << 4 | gpu << 5 | v_mode << 6)  # fmt: skip

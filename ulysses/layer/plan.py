@@ -46,8 +46,28 @@ def resolve(q, k, *, pg, rank: int, P: int, comm_mode: str, mode, custom: bool, 
     the user's callable; ``used``: None, an int or B counts (checked); ``documents``: the
     call has document ids. Raises what the head split, the chunk count, the codes and
     ``backward_attn`` checks raise."""
+    args = dict(
+        pg=pg,
+        rank=rank,
+        P=P,
+        comm_mode=comm_mode,
+        mode=mode,
+        custom=custom,
+        options=options,
+        used=used,
+        documents=documents,
+        causal=causal,
+        q_group=q_group,
+        k_group=k_group,
+        int8_output=int8_output,
+        backward_comm=backward_comm,
+        head_chunks=head_chunks,
+        v_format=v_format,
+        backward_attn=backward_attn,
+        training=training,
+    )  # named, not locals(): torch 2.11's Dynamo does not trace locals()
     if _ops.is_compiling():
-        return _build(**locals())
+        return _build(q, k, **args)
     key = (
         tuple(q.shape), k.shape[2], q.dtype, q.device, pg, rank, P, comm_mode, mode, custom,
         _options_key(options) if options else (), used, documents, causal, q_group, k_group,
@@ -56,7 +76,7 @@ def resolve(q, k, *, pg, rank: int, P: int, comm_mode: str, mode, custom: bool, 
     )  # fmt: skip
     found = _PLANS.get(key)
     if found is None:
-        found = _build(**locals())
+        found = _build(q, k, **args)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = found
