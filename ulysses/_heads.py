@@ -167,16 +167,15 @@ def _pack_qkv(q, k, v, hd: _Heads) -> torch.Tensor:
     """Sequence shards -> one send buffer [P, B, L, hq + 2*hkv, D]: chunk p holds q's heads of
     rank p, then the K and V heads rank p needs (repeated over ``rep`` ranks when Hkv < P)."""
     B, L, _, D = q.shape
-    send = q.new_empty(hd.P, B, L, hd.hq + 2 * hd.hkv, D)
-    send[:, :, :, : hd.hq] = _split_heads(q, hd.P)
-    for i, x in enumerate((k, v)):
-        part = send[:, :, :, hd.hq + i * hd.hkv : hd.hq + (i + 1) * hd.hkv]
+    parts = [_split_heads(q, hd.P)]
+    for x in (k, v):
         if hd.rep == 1:
-            part.copy_(_split_heads(x, hd.P))
+            parts.append(_split_heads(x, hd.P))
         else:  # rank p receives K/V head p // rep
             src = x.permute(2, 0, 1, 3).unsqueeze(1).unsqueeze(4)  # [Hkv, 1, B, L, 1, D]
-            part.view(hd.Hkv, hd.rep, B, L, 1, D).copy_(src.expand(-1, hd.rep, -1, -1, -1, -1))
-    return send
+            parts.append(src.expand(-1, hd.rep, -1, -1, -1, -1).reshape(hd.P, B, L, 1, D))
+    # one cat, no writes into a new buffer (what torch 2.11's compiled graphs refuse)
+    return torch.cat(parts, dim=3)
 
 
 def _unpack_heads(recv: torch.Tensor, hd: _Heads):
@@ -189,12 +188,10 @@ def _unpack_heads(recv: torch.Tensor, hd: _Heads):
 
 def _pack_grads(dq, dk, dv, hd: _Heads) -> torch.Tensor:
     """Head-shard gradients -> send buffer [P, B, L, hq + 2*hkv, D]: chunk p holds rank p's rows."""
-    B, S, _, D = dq.shape
-    send = dq.new_empty(hd.P, B, S // hd.P, hd.hq + 2 * hd.hkv, D)
-    send[:, :, :, : hd.hq] = _split_rows(dq, hd.P)
-    send[:, :, :, hd.hq : hd.hq + hd.hkv] = _split_rows(dk, hd.P)
-    send[:, :, :, hd.hq + hd.hkv :] = _split_rows(dv, hd.P)
-    return send
+    # one cat, no writes into a new buffer: torch 2.11's AOT autograd refuses a compiled
+    # backward that copies into a tensor it allocated (documents, batch 2)
+    parts = [_split_rows(x.to(dq.dtype), hd.P) for x in (dq, dk, dv)]
+    return torch.cat(parts, dim=3)
 
 
 def _unpack_grads(recv: torch.Tensor, hd: _Heads):

@@ -238,7 +238,7 @@ def test_window_and_softcap(window, softcap, causal):
     "window, softcap, causal",
     [((3, 0), None, True), ((2, 4), 2.0, False), ((-1, -1), 5.0, True)],
 )
-def test_window_and_softcap_through_flex(monkeypatch, window, softcap, causal):
+def test_window_and_softcap_through_flex(monkeypatch, request, window, softcap, causal):
     """The CUDA route (flex_attention with the window in its block mask and the cap as its
     score_mod), taken here on CPU where flex runs eagerly, forward only."""
     if not documents._flex_available():
@@ -248,6 +248,8 @@ def test_window_and_softcap_through_flex(monkeypatch, window, softcap, causal):
     flex = documents._flex
     monkeypatch.setattr(documents, "_flex", lambda *a, **kw: taken.append(kw) or flex(*a, **kw))
     monkeypatch.setattr(attend, "masked_attention", None)  # any fallback would raise
+    ulysses.clear_caches()  # a plan cached by an earlier test chose without the patched rule
+    request.addfinalizer(ulysses.clear_caches)  # and this test's plans must not outlive it
     q, k, v = _qkv(2, 24, 4, 2, 16, torch.float32, seed=9, used=[24, 17])
     counts, ids = [24, 17], _ids(2, 24)
     opts = {"window_size": window, "softcap": softcap}

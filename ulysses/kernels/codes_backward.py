@@ -91,6 +91,7 @@ from ._runtime import cdiv, compiled_for_gpu, launch
 from ._scratch import device_constant
 from .codes_backward_bound import backward_error_bound
 from .codes_backward_jit import (
+    BWD,
     LOG2E,
     _bwd_amax_kernel,
     _bwd_dkdv_kernel,
@@ -266,7 +267,12 @@ def codes_attention_backward(
     else:
         vb, v_mode = v, int(v.dtype == torch.int8)
     dstr = (dout.stride(0), dout.stride(1), dout.stride(2))
-    values = [*q.stride()[:3], *k.stride()[:3], *vb.stride()[:3], *dstr, S, S_pad, HQ, HKV, B]
+    values = BWD.pack(dict(
+        stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2), stride_kb=k.stride(0),
+        stride_ks=k.stride(1), stride_kh=k.stride(2), stride_vb=vb.stride(0),
+        stride_vs=vb.stride(1), stride_vh=vb.stride(2), stride_db=dstr[0], stride_ds=dstr[1],
+        stride_dh=dstr[2], S=S, S_pad=S_pad, HQ=HQ, HKV=HKV, B=B,
+    ))  # fmt: skip
     assert all(0 <= x < 2**31 for x in values), values
     tab = _TABLES.get((tuple(values), device))
     if tab is None:

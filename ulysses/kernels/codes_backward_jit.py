@@ -9,11 +9,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._fields import GridFields
 from ._quant import e4m3_code
 from ._tl import table_int
 from .lowp_dequant import round_to
 
 LOG2E = 1.4426950408889634
+
+# the kernels' grid values, one int32 table (``codes_backward`` packs it by these names); the
+# strides carry their divisibility by 16 (``HINTS``)
+BWD = GridFields(
+    "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+    "stride_vs", "stride_vh", "stride_db", "stride_ds", "stride_dh", "S", "S_pad", "HQ", "HKV",
+    "B",
+    hinted=("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_db", "stride_ds", "stride_dh"),
+)  # fmt: skip
+(_BW_stride_qb, _BW_stride_qs, _BW_stride_qh, _BW_stride_kb, _BW_stride_ks, _BW_stride_kh,
+ _BW_stride_vb, _BW_stride_vs, _BW_stride_vh, _BW_stride_db, _BW_stride_ds, _BW_stride_dh, _BW_S,
+ _BW_S_pad, _BW_HQ, _BW_HKV, _BW_B) = BWD.offsets()  # fmt: skip
 MAGIC_F = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + MAGIC_F holds round(x) in its low bits
 MAGIC_I = tl.constexpr(0x4B400000)  # its bits
 
@@ -242,20 +255,20 @@ def _bwd_dkdv_kernel(
     S_pad]; ``ints_ptr``: int32 [used (B) | document ids (B*S) | bounds (B*S*2)]. ``FLAGS``
     bits: 1 causal, 2 used, 4 documents, 8 FP8 dV, 16 INT8 dS, 32 compiled (hardware
     rounding), bits 6-7 V_MODE, bits 8-9 PART (0 dK and dV, 1 dV, 2 dK)."""
-    S = table_int(tab_ptr, 12, 0)
-    S_pad = table_int(tab_ptr, 13, 0)
-    HQ = table_int(tab_ptr, 14, 0)
-    HKV = table_int(tab_ptr, 15, 0)
-    B = table_int(tab_ptr, 16, 0)
-    stride_qb = table_int(tab_ptr, 0, HINTS)
-    stride_qs = table_int(tab_ptr, 1, HINTS)
-    stride_qh = table_int(tab_ptr, 2, HINTS)
-    stride_kb = table_int(tab_ptr, 3, HINTS)
-    stride_ks = table_int(tab_ptr, 4, HINTS)
-    stride_kh = table_int(tab_ptr, 5, HINTS)
-    stride_vb = table_int(tab_ptr, 6, HINTS)
-    stride_vs = table_int(tab_ptr, 7, HINTS)
-    stride_vh = table_int(tab_ptr, 8, HINTS)
+    S = table_int(tab_ptr, _BW_S, 0)
+    S_pad = table_int(tab_ptr, _BW_S_pad, 0)
+    HQ = table_int(tab_ptr, _BW_HQ, 0)
+    HKV = table_int(tab_ptr, _BW_HKV, 0)
+    B = table_int(tab_ptr, _BW_B, 0)
+    stride_qb = table_int(tab_ptr, _BW_stride_qb, HINTS)
+    stride_qs = table_int(tab_ptr, _BW_stride_qs, HINTS)
+    stride_qh = table_int(tab_ptr, _BW_stride_qh, HINTS)
+    stride_kb = table_int(tab_ptr, _BW_stride_kb, HINTS)
+    stride_ks = table_int(tab_ptr, _BW_stride_ks, HINTS)
+    stride_kh = table_int(tab_ptr, _BW_stride_kh, HINTS)
+    stride_vb = table_int(tab_ptr, _BW_stride_vb, HINTS)
+    stride_vs = table_int(tab_ptr, _BW_stride_vs, HINTS)
+    stride_vh = table_int(tab_ptr, _BW_stride_vh, HINTS)
     n_rows = B.to(tl.int64) * HQ * S_pad
     qa_ptr = rows_ptr
     lse2_ptr = rows_ptr + n_rows
@@ -271,9 +284,9 @@ def _bwd_dkdv_kernel(
     DS_INT8: tl.constexpr = (FLAGS & 16) != 0
     HW_ROUND: tl.constexpr = (FLAGS & 32) != 0
     V_MODE: tl.constexpr = (FLAGS >> 6) & 3
-    stride_db = table_int(tab_ptr, 9, HINTS)
-    stride_ds = table_int(tab_ptr, 10, HINTS)
-    stride_dh = table_int(tab_ptr, 11, HINTS)
+    stride_db = table_int(tab_ptr, _BW_stride_db, HINTS)
+    stride_ds = table_int(tab_ptr, _BW_stride_ds, HINTS)
+    stride_dh = table_int(tab_ptr, _BW_stride_dh, HINTS)
     PART: tl.constexpr = (FLAGS >> 8) & 3
     i_n = tl.program_id(0)
     i_bh = tl.program_id(1)  # b * hkv + kv head
@@ -430,20 +443,20 @@ def _bwd_dq_kernel(
     FLAGS: tl.constexpr, HINTS: tl.constexpr,
 ):  # fmt: skip
     """Grid (query blocks, B * hq); the table and switches as ``_bwd_dkdv_kernel``'s."""
-    S = table_int(tab_ptr, 12, 0)
-    S_pad = table_int(tab_ptr, 13, 0)
-    HQ = table_int(tab_ptr, 14, 0)
-    HKV = table_int(tab_ptr, 15, 0)
-    B = table_int(tab_ptr, 16, 0)
-    stride_qb = table_int(tab_ptr, 0, HINTS)
-    stride_qs = table_int(tab_ptr, 1, HINTS)
-    stride_qh = table_int(tab_ptr, 2, HINTS)
-    stride_kb = table_int(tab_ptr, 3, HINTS)
-    stride_ks = table_int(tab_ptr, 4, HINTS)
-    stride_kh = table_int(tab_ptr, 5, HINTS)
-    stride_vb = table_int(tab_ptr, 6, HINTS)
-    stride_vs = table_int(tab_ptr, 7, HINTS)
-    stride_vh = table_int(tab_ptr, 8, HINTS)
+    S = table_int(tab_ptr, _BW_S, 0)
+    S_pad = table_int(tab_ptr, _BW_S_pad, 0)
+    HQ = table_int(tab_ptr, _BW_HQ, 0)
+    HKV = table_int(tab_ptr, _BW_HKV, 0)
+    B = table_int(tab_ptr, _BW_B, 0)
+    stride_qb = table_int(tab_ptr, _BW_stride_qb, HINTS)
+    stride_qs = table_int(tab_ptr, _BW_stride_qs, HINTS)
+    stride_qh = table_int(tab_ptr, _BW_stride_qh, HINTS)
+    stride_kb = table_int(tab_ptr, _BW_stride_kb, HINTS)
+    stride_ks = table_int(tab_ptr, _BW_stride_ks, HINTS)
+    stride_kh = table_int(tab_ptr, _BW_stride_kh, HINTS)
+    stride_vb = table_int(tab_ptr, _BW_stride_vb, HINTS)
+    stride_vs = table_int(tab_ptr, _BW_stride_vs, HINTS)
+    stride_vh = table_int(tab_ptr, _BW_stride_vh, HINTS)
     n_rows = B.to(tl.int64) * HQ * S_pad
     qa_ptr = rows_ptr
     lse2_ptr = rows_ptr + n_rows
