@@ -71,7 +71,7 @@ from ._heads import (  # noqa: F401 (tests)
     _Move,
     _UnevenHeads,
 )
-from .layer.attend import Call, masked_attention, sdpa_attention
+from .layer.attend import Call, PlanIds, masked_attention, sdpa_attention
 from .layer.plan import resolve
 
 __all__ = [
@@ -406,6 +406,10 @@ def ulysses_attention(
     if ex.codes and plan is not None:  # (a compiled graph converts them: it holds no plan)
         ids = (plan.ids.to(device=q.device, dtype=torch.int32) if _ops.is_compiling()
                else plan.int32_ids(q.device))  # fmt: skip
+    if _ops.is_compiling() and plan is not None and entry.name in ("callable", "masked"):
+        # these read the ids alone: the graph then holds for any document count (a plan's
+        # runs reached through the node's arguments are guarded on by torch 2.11's Dynamo)
+        plan = PlanIds(plan.ids)
     call = Call(causal=causal, scale=scale, used=used, plan=plan, options=options, attn=attn,
                 ids=ids, backward_attn=backward_attn)  # fmt: skip
     # one autograd node for the whole call (ulysses/overlap.py); where no gradient can flow,

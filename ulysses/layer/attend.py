@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .. import _hooks, codes, documents
 from .._batch import _check_attn_output
 
-__all__ = ["Call", "Attend", "ATTENDS", "choose", "sdpa_attention", "masked_attention"]
+__all__ = ["Call", "PlanIds", "Attend", "ATTENDS", "choose", "sdpa_attention", "masked_attention"]
 
 
 def sdpa_attention(
@@ -150,6 +150,13 @@ class Call:
     attn: Callable | None = None  # the user's attention
     ids: torch.Tensor | None = None  # codes: int32 [B, S] global document ids on the device
     backward_attn: str | None = None  # codes: which backward (codes.chunk_backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanIds:
+    """A DocumentPlan's global ids [B, S] alone, for the entries that read nothing else."""
+
+    ids: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
