@@ -223,9 +223,9 @@ def run_skip(ctx: _dist.Context, watchdog_s: float) -> int:
     _attn()
     ctx.skip_teardown_barrier = True
     start = time.monotonic()
-    if faulty:
-        time.sleep(watchdog_s + 5)
+    if faulty:  # said before the wait: torchrun ends this rank once the others have failed
         print(f"rank {ctx.rank}: planted: skipped the call", flush=True)
+        time.sleep(watchdog_s + 5)
         return 1
     try:
         _attn()
